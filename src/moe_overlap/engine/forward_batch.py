@@ -1,0 +1,109 @@
+"""One forward pass worth of sequences: what attention, the MoE and the overlap engine see."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly a later chunk of a prompt)
+    DECODE = "decode"  # one new token per sequence
+    MIXED = "mixed"  # prefill chunks and decode tokens together
+    IDLE = "idle"  # no tokens on this rank; it still joins every collective
+
+
+@dataclass
+class ForwardBatch:
+    """Sequences of one forward pass on one rank.
+
+    Sequence i contributes ``extend_lens[i]`` new tokens at positions
+    ``prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1``; attention writes their K/V into
+    cache row ``slots[i]`` and attends over ``[0, seq_len)``. A decode token is an extend of one.
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    # Per sequence: True if it needs logits for every new token, else only for its last one.
+    all_logits: list[bool] = field(default_factory=list)
+    # Per sequence: True if its last token is a decode step (for the mode and split policies).
+    is_decode: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.slots)
+        if not self.all_logits:
+            self.all_logits = [False] * n
+        if not self.is_decode:
+            self.is_decode = [False] * n
+        if not (len(self.prefix_lens) == len(self.extend_lens) == len(self.all_logits) == n):
+            raise ValueError("slots, prefix_lens, extend_lens and all_logits differ in length")
+        if sum(self.extend_lens) != self.input_ids.numel():
+            raise ValueError(
+                f"input_ids has {self.input_ids.numel()} tokens but extend_lens sum to "
+                f"{sum(self.extend_lens)}"
+            )
+
+    @classmethod
+    def idle(cls) -> ForwardBatch:
+        return cls(torch.zeros(0, dtype=torch.long), [], [], [])
+
+    @property
+    def mode(self) -> ForwardMode:
+        if not self.slots:
+            return ForwardMode.IDLE
+        if all(self.is_decode):
+            return ForwardMode.DECODE
+        return ForwardMode.MIXED if any(self.is_decode) else ForwardMode.EXTEND
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        spans = [
+            torch.arange(p, p + e) for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)
+        ]
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+
+    def logit_rows(self) -> torch.Tensor:
+        """Indices of the tokens whose logits this forward returns, in sequence order."""
+        rows, start = [], 0
+        for n, every in zip(self.extend_lens, self.all_logits, strict=True):
+            rows.extend(range(start, start + n) if every else [start + n - 1])
+            start += n
+        return torch.tensor(rows, dtype=torch.long)
+
+    def to_dict(self) -> dict:
+        """A picklable form for broadcasting to other ranks."""
+        return {
+            "input_ids": self.input_ids.tolist(),
+            "slots": self.slots,
+            "prefix_lens": self.prefix_lens,
+            "extend_lens": self.extend_lens,
+            "all_logits": self.all_logits,
+            "is_decode": self.is_decode,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ForwardBatch:
+        return cls(
+            torch.tensor(d["input_ids"], dtype=torch.long),
+            d["slots"],
+            d["prefix_lens"],
+            d["extend_lens"],
+            d["all_logits"],
+            d["is_decode"],
+        )

@@ -1,0 +1,60 @@
+"""A slot-based KV cache: each running sequence owns one row of every layer's buffers."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per layer, named buffers of shape ``[num_slots, max_len, *entry_shape]``.
+
+    GQA stores ``k`` and ``v``; MLA stores its compressed ``latent`` and rotated ``k_pe``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        entries: dict[str, tuple[int, ...]],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.layers = [
+            {
+                name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device)
+                for name, shape in entries.items()
+            }
+            for _ in range(num_layers)
+        ]
+
+    def write(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
+        end = start + values.shape[0]
+        if end > self.max_len:
+            raise ValueError(
+                f"sequence of {end} tokens exceeds the KV cache's max_len={self.max_len}"
+            )
+        self.layers[layer][name][slot, start:end] = values
+
+    def read(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
+        return self.layers[layer][name][slot, :length]
+
+
+class SlotAllocator:
+    """Hands out cache rows; the scheduler holds one per rank."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise RuntimeError("no free KV cache slot")
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)

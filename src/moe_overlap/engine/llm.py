@@ -1,0 +1,112 @@
+"""The public entry point: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from moe_overlap.config import ConfigError, ModelConfig
+from moe_overlap.engine.executor import EngineSpec, LocalExecutor
+from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
+from moe_overlap.engine.scheduler import Scheduler
+
+
+class LLM:
+    """An MoE inference engine over ``ep`` expert-parallel ranks (1 = this process only).
+
+    ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint; ``LLM(config=cfg, seed=0)``
+    builds seeded random weights.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        config: ModelConfig | None = None,
+        seed: int = 0,
+        ep: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+    ):
+        if (model is None) == (config is None):
+            raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
+        cfg = config or ModelConfig.from_hf(model)
+        max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if ep != 1:
+            raise ConfigError(f"ep={ep}: expert parallelism is not available in this build")
+        self.config, self.seed, self.max_len = cfg, seed, max_len
+        spec = EngineSpec(
+            cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len
+        )
+        self.executor = LocalExecutor(spec)
+        self.scheduler = Scheduler(
+            self.executor.num_ranks, max_num_seqs, max_len, max_num_batched_tokens, cfg.eos_token_id
+        )
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        return_logits: bool = False,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (lists of token ids); outputs come back in prompt order.
+
+        All prompts are checked before anything runs: a bad one raises InvalidRequestError
+        naming it, and the engine is left as it was.
+        """
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = [
+            self._make_request(i, p, sp, return_logits)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        for req in requests:
+            self.scheduler.add(req)
+        done: dict[int, Request] = {}
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("generating", total=len(requests))
+            while self.scheduler.has_work():
+                step = self.scheduler.schedule()
+                for req in self.scheduler.update(step, self.executor.run(step.batches)):
+                    done[req.request_id] = req
+                    bar.advance(task)
+        return [done[req.request_id].to_output() for req in requests]
+
+    def _make_request(
+        self, index: int, prompt: Sequence[int], params: SamplingParams, return_logits: bool
+    ) -> Request:
+        ids = [int(t) for t in prompt]
+        where = f"prompt {index}"
+        if not ids:
+            raise InvalidRequestError(f"{where} is empty; give at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{where} has token ids {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        if len(ids) > self.max_len:
+            raise InvalidRequestError(
+                f"{where} has {len(ids)} tokens, longer than the model's context of {self.max_len}"
+            )
+        seed = params.seed if params.seed is not None else self.seed + self._next_id
+        self._next_id += 1
+        return Request(
+            self._next_id, ids, params, return_logits, generator=torch.Generator().manual_seed(seed)
+        )
+
+    def close(self) -> None:
+        self.executor.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,85 @@
+"""Sampling parameters, requests and their outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request cannot be served as given; nothing was scheduled."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"
+            )
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "eos", "length" (max_new_tokens) or "context" (model's context full)
+    prompt_logits: torch.Tensor | None = None  # float32 [prompt_len, vocab]
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logits: bool = False
+    rank: int = -1  # the attention-DP rank whose KV cache holds it
+    slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    output_ids: list[int] = field(default_factory=list)
+    logit_chunks: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    def next_input(self, budget: int) -> list[int]:
+        """The tokens to feed next: a prompt chunk of at most ``budget``, or the last output."""
+        if self.in_prefill:
+            return self.prompt_ids[self.num_computed : self.num_computed + budget]
+        return [self.output_ids[-1]]
+
+    def to_output(self) -> RequestOutput:
+        logits = torch.cat(self.logit_chunks) if self.return_logits else None
+        return RequestOutput(
+            self.request_id,
+            self.prompt_ids,
+            list(self.output_ids),
+            self.finish_reason or "length",
+            logits,
+        )

@@ -1,0 +1,125 @@
+"""Continuous batching with chunked prefill, for every attention-DP rank at once.
+
+Each step, every rank gets a ForwardBatch: one token for each of its decoding requests, then
+prompt chunks up to a per-rank token budget. A request stays on the rank whose KV cache it fills.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.engine.kv_cache import SlotAllocator
+from moe_overlap.engine.request import Request
+from moe_overlap.engine.sampling import sample
+
+
+@dataclass
+class Step:
+    batches: list[ForwardBatch]  # one per rank; an idle rank gets an empty batch
+    scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_ranks: int,
+        slots_per_rank: int,
+        max_len: int,
+        max_num_batched_tokens: int,
+        eos_token_id: int | None = None,
+    ):
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
+        self.max_len = max_len
+        self.budget = max_num_batched_tokens
+        self.eos = eos_token_id
+        self.slots = [SlotAllocator(slots_per_rank) for _ in range(num_ranks)]
+        self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
+        self.waiting: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(self.running)
+
+    def schedule(self) -> Step:
+        self._admit()
+        batches, scheduled = [], []
+        for rank_requests in self.running:
+            budget, seqs = self.budget, []
+            # decode tokens first (they are cheap and keep latency low), then prompt chunks
+            for req in sorted(rank_requests, key=lambda r: r.in_prefill):
+                if budget == 0:
+                    break
+                tokens = req.next_input(budget)
+                seqs.append((req, tokens))
+                budget -= len(tokens)
+            scheduled.append([(req, len(tokens)) for req, tokens in seqs])
+            batches.append(_make_batch(seqs))
+        return Step(batches, scheduled)
+
+    def update(self, step: Step, logits: list[torch.Tensor]) -> list[Request]:
+        """Consume each rank's logits; return the requests that finished."""
+        finished = []
+        for rank, (entries, rank_logits) in enumerate(zip(step.scheduled, logits, strict=True)):
+            row = 0
+            for req, n in entries:
+                rows = n if _wants_all_logits(req) else 1
+                if _wants_all_logits(req):
+                    req.logit_chunks.append(rank_logits[row : row + rows].clone())
+                last = rank_logits[row + rows - 1]
+                row += rows
+                req.num_computed += n
+                if req.in_prefill:
+                    continue  # a middle prompt chunk: nothing to sample yet
+                req.output_ids.append(sample(last, req.params, req.generator))
+                if self._finish_reason(req):
+                    req.finish_reason = self._finish_reason(req)
+                    self.running[rank].remove(req)
+                    self.slots[rank].release(req.slot)
+                    finished.append(req)
+        return finished
+
+    def _finish_reason(self, req: Request) -> str | None:
+        if not req.params.ignore_eos and self.eos is not None and req.output_ids[-1] == self.eos:
+            return "eos"
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            return "length"
+        if req.total_len >= self.max_len:
+            return "context"
+        return None
+
+    def _admit(self) -> None:
+        while self.waiting:
+            free = [r for r in range(len(self.slots)) if len(self.slots[r])]
+            if not free:
+                return
+            rank = min(free, key=self._load)  # the minimum-tokens DP controller
+            req = self.waiting.popleft()
+            req.rank, req.slot = rank, self.slots[rank].alloc()
+            self.running[rank].append(req)
+
+    def _load(self, rank: int) -> int:
+        return sum(r.prompt_len - r.num_computed + 1 for r in self.running[rank])
+
+
+def _wants_all_logits(req: Request) -> bool:
+    return req.return_logits and req.in_prefill
+
+
+def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
+    if not seqs:
+        return ForwardBatch.idle()
+    return ForwardBatch(
+        input_ids=torch.tensor([t for _, tokens in seqs for t in tokens], dtype=torch.long),
+        slots=[req.slot for req, _ in seqs],
+        prefix_lens=[req.num_computed for req, _ in seqs],
+        extend_lens=[len(tokens) for _, tokens in seqs],
+        all_logits=[_wants_all_logits(req) for req, _ in seqs],
+        is_decode=[not req.in_prefill for req, _ in seqs],
+    )

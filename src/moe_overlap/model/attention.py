@@ -1,0 +1,59 @@
+"""Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_overlap.config import ModelConfig
+from moe_overlap.model.context import ForwardContext
+from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
+
+
+class GQAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads, self.kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(d, cfg.rope_theta)
+
+    @staticmethod
+    def kv_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {
+            "k": (cfg.num_key_value_heads, cfg.head_dim),
+            "v": (cfg.num_key_value_heads, cfg.head_dim),
+        }
+
+    def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        return self.rotary(q, ctx.positions), self.rotary(k, ctx.positions), v
+
+    def core(
+        self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        b, cache, outs, start = ctx.batch, ctx.kv_cache, [], 0
+        for slot, prefix, n in zip(b.slots, b.prefix_lens, b.extend_lens, strict=True):
+            cache.write(self.layer_id, "k", slot, prefix, k[start : start + n])
+            cache.write(self.layer_id, "v", slot, prefix, v[start : start + n])
+            keys = cache.read(self.layer_id, "k", slot, prefix + n)
+            values = cache.read(self.layer_id, "v", slot, prefix + n)
+            outs.append(
+                causal_attention(q[start : start + n], keys, values, prefix, self.head_dim**-0.5)
+            )
+            start += n
+        out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.head_dim)
+        return self.o_proj(out.reshape(out.shape[0], -1))

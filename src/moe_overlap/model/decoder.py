@@ -1,0 +1,108 @@
+"""A decoder layer whose forward is a list of named operations.
+
+The model knows nothing about micro-batches or overlap: it exposes its work as ``op_*`` methods
+that take a ``ForwardContext`` and the previous op's outputs, and the overlap engine decides how
+to interleave them. Values that cross ops travel in ``ctx.state`` (put once, popped once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moe_overlap.config import ModelConfig
+from moe_overlap.model.context import ForwardContext
+from moe_overlap.model.layers import GatedMLP, RMSNorm
+from moe_overlap.model.moe import SparseMoeBlock
+
+MOE_OPS = (
+    "prepare_attn",
+    "attn_prepare",
+    "attn_core",
+    "prepare_mlp",
+    "gate",
+    "select_experts",
+    "dispatch_a",
+    "dispatch_b",
+    "experts",
+    "combine_a",
+    "combine_b",
+    "shared_experts",
+    "output",
+)
+DENSE_OPS = ("prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "dense_mlp", "output")
+_MOE_BLOCK_OPS = {
+    "gate",
+    "select_experts",
+    "dispatch_a",
+    "dispatch_b",
+    "experts",
+    "combine_a",
+    "combine_b",
+    "shared_experts",
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        self_attn: nn.Module,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.self_attn = self_attn
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (
+            SparseMoeBlock(cfg, ep_rank, ep_size)
+            if self.is_moe
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        return MOE_OPS if self.is_moe else DENSE_OPS
+
+    def op(self, name: str) -> Callable:
+        """The bound operation called ``name`` (a strategy names ops; this resolves them)."""
+        if name not in self.op_names:
+            raise KeyError(
+                f"layer {self.layer_id} has no operation {name!r}; it has {self.op_names}"
+            )
+        owner = self.mlp if name in _MOE_BLOCK_OPS else self
+        return getattr(owner, f"op_{name}")
+
+    def op_prepare_attn(
+        self, ctx: ForwardContext, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
+        residual = hidden_states if residual is None else residual + hidden_states
+        ctx.state.put(residual=residual, attn_in=self.input_layernorm(residual))
+
+    def op_attn_prepare(self, ctx: ForwardContext) -> None:
+        ctx.state.put(qkv=self.self_attn.prepare(ctx, ctx.state.pop("attn_in")))
+
+    def op_attn_core(self, ctx: ForwardContext) -> None:
+        ctx.state.put(attn_out=self.self_attn.core(ctx, *ctx.state.pop("qkv")))
+
+    def op_prepare_mlp(self, ctx: ForwardContext) -> None:
+        residual = ctx.state.pop("residual") + ctx.state.pop("attn_out")
+        ctx.state.put(residual=residual, mlp_in=self.post_attention_layernorm(residual))
+
+    def op_dense_mlp(self, ctx: ForwardContext) -> None:
+        ctx.state.put(moe_out=self.mlp(ctx.state.pop("mlp_in")))
+
+    def op_output(self, ctx: ForwardContext) -> dict[str, torch.Tensor]:
+        s = ctx.state
+        hidden = s.pop("moe_out")
+        if "shared_out" in s:
+            hidden = hidden + s.pop("shared_out")
+        residual = s.pop("residual")
+        s.assert_empty(f"layer {self.layer_id}")
+        return {"hidden_states": hidden, "residual": residual}

@@ -1,0 +1,132 @@
+"""Routers, the bank of this rank's experts, and the MoE block's operations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_overlap.config import ModelConfig
+from moe_overlap.model.context import ForwardContext
+from moe_overlap.model.layers import GatedMLP
+
+
+class Router(nn.Module):
+    """Qwen3's softmax top-k, or DeepSeek-V3's sigmoid with bias and group-limited top-k."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(topk_ids [T, k], topk_weights [T, k])``."""
+        cfg = self.cfg
+        if cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if cfg.topk_method == "greedy":
+            weights, ids = torch.topk(scores, cfg.num_experts_per_tok, dim=-1)
+        else:
+            choice = scores
+            if cfg.topk_method == "noaux_tc":
+                choice = scores + self.e_score_correction_bias
+            ids = _group_limited_topk(choice, cfg)
+            weights = scores.gather(1, ids)
+        # transformers' DeepSeek-V2 router ignores norm_topk_prob (it only scales)
+        if cfg.norm_topk_prob and cfg.model_type != "deepseek_v2":
+            weights = weights / (
+                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.is_deepseek else 0)
+            )
+        return ids, weights * cfg.routed_scaling_factor
+
+
+def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    tokens = choice.shape[0]
+    grouped = choice.view(tokens, cfg.n_group, -1)
+    if cfg.topk_method == "noaux_tc":
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    else:  # DeepSeek-V2 group_limited_greedy
+        group_scores = grouped.max(dim=-1).values
+    group_idx = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
+    masked = choice.masked_fill(~expert_mask, float("-inf"))
+    return torch.topk(masked, cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+
+
+class ExpertBank(nn.Module):
+    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked."""
+
+    def __init__(self, hidden: int, intermediate: int, first: int, count: int):
+        super().__init__()
+        self.first, self.count = first, count
+        self.gate_proj = nn.Parameter(torch.zeros(count, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.zeros(count, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(count, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Run rows of ``x`` grouped by local expert (``tokens_per_expert[e]`` rows each)."""
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(tokens_per_expert):
+            if n:
+                rows = x[start : start + n]
+                h = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
+                out[start : start + n] = h @ self.down_proj[e].t()
+            start += n
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, this rank's experts and (DeepSeek) shared experts, exposed as operations."""
+
+    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+        super().__init__()
+        if cfg.num_experts % ep_size:
+            raise ValueError(f"--ep={ep_size} does not divide num_experts={cfg.num_experts}")
+        local = cfg.num_experts // ep_size
+        self.gate = Router(cfg)
+        self.experts = ExpertBank(
+            cfg.hidden_size, cfg.moe_intermediate_size, ep_rank * local, local
+        )
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            )
+
+    def op_gate(self, ctx: ForwardContext) -> None:
+        ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
+
+    def op_select_experts(self, ctx: ForwardContext) -> None:
+        ids, weights = self.gate.select(ctx.state.pop("router_logits"))
+        ctx.state.put(topk_ids=ids, topk_weights=weights)
+
+    def op_dispatch_a(self, ctx: ForwardContext) -> None:
+        s = ctx.state
+        x = s.get("mlp_in") if self.shared_experts is not None else s.pop("mlp_in")
+        s.put(dispatch=ctx.dispatcher.dispatch_a(x, s.pop("topk_ids"), s.pop("topk_weights")))
+
+    def op_dispatch_b(self, ctx: ForwardContext) -> None:
+        ctx.dispatcher.dispatch_b(ctx.state.get("dispatch"))
+
+    def op_experts(self, ctx: ForwardContext) -> None:
+        d = ctx.state.get("dispatch")
+        d.expert_outputs = self.experts(d.expert_inputs, d.tokens_per_expert)
+
+    def op_combine_a(self, ctx: ForwardContext) -> None:
+        ctx.dispatcher.combine_a(ctx.state.get("dispatch"))
+
+    def op_combine_b(self, ctx: ForwardContext) -> None:
+        ctx.state.put(moe_out=ctx.dispatcher.combine_b(ctx.state.pop("dispatch")))
+
+    def op_shared_experts(self, ctx: ForwardContext) -> None:
+        if self.shared_experts is not None:
+            ctx.state.put(shared_out=self.shared_experts(ctx.state.pop("mlp_in")))

@@ -1,0 +1,145 @@
+"""The one-process engine: chunked prefill, continuous batching, sampling and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
+
+TINY = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=80,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=80,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    ),
+}
+PROMPTS = [[1, 5, 9, 13, 2, 8, 30, 31, 40, 41, 7, 3, 60], [4, 4, 2], [9] * 21, [70, 12]]
+
+
+@pytest.fixture(params=sorted(TINY))
+def config(request):
+    return ModelConfig(**TINY[request.param])
+
+
+def run(config, prompts=PROMPTS, params=None, **kw):
+    with LLM(config=config, seed=0, **kw) as llm:
+        return llm.generate(
+            prompts, params or SamplingParams(max_new_tokens=5, ignore_eos=True), return_logits=True
+        )
+
+
+def test_chunked_prefill_equals_single_prefill(config):
+    whole = run(config)
+    for budget in (1, 3, 7):
+        chunked = run(config, max_num_batched_tokens=budget)
+        for a, b in zip(whole, chunked, strict=True):
+            assert torch.allclose(a.prompt_logits, b.prompt_logits, atol=1e-5, rtol=0)
+            assert a.token_ids == b.token_ids
+
+
+def test_batched_decode_equals_one_by_one(config):
+    batched = run(config)
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        alone = run(config, [prompt])[0]
+        assert alone.token_ids == out.token_ids
+        assert torch.allclose(alone.prompt_logits, out.prompt_logits, atol=1e-5, rtol=0)
+
+
+def test_continuous_batching_with_few_slots_gives_same_tokens(config):
+    # two slots for four requests: later ones join as earlier ones finish
+    assert [o.token_ids for o in run(config, max_num_seqs=2)] == [o.token_ids for o in run(config)]
+
+
+def test_sampling_is_seeded_and_respects_top_k(config):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=3, seed=7, ignore_eos=True)
+    a, b = run(config, params=params), run(config, params=params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    greedy = run(config, params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in a] != [o.token_ids for o in greedy]
+    top1 = SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=3, ignore_eos=True)
+    assert [o.token_ids for o in run(config, params=top1)] == [o.token_ids for o in greedy]
+    tiny_p = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
+    assert [o.token_ids for o in run(config, params=tiny_p)] == [o.token_ids for o in greedy]
+
+
+def test_stops_on_eos_and_context():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    first = run(cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    cfg.eos_token_id = first[1]
+    out = run(cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=4))[0]
+    assert out.token_ids == first[:2] and out.finish_reason == "eos"
+    out = run(
+        cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=50, ignore_eos=True), max_model_len=8
+    )[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "context"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([], "prompt 1 is empty"),
+        ([1, 80], r"token ids \[80\] outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        ([1] * 65, "longer than the model's context of 64"),
+    ],
+)
+def test_bad_prompt_is_refused_and_engine_stays_usable(prompt, match):
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with LLM(config=cfg, seed=0) as llm:
+        good = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+        with pytest.raises(InvalidRequestError, match=match):
+            llm.generate([[1, 2, 3], prompt], SamplingParams(max_new_tokens=3))
+        assert not llm.scheduler.has_work()
+        assert (
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids
+            == good[0].token_ids
+        )
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"temperature": -1}, "temperature=-1"),
+        ({"top_p": 0}, "top_p=0"),
+        ({"top_k": -2}, "top_k=-2"),
+    ],
+)
+def test_bad_sampling_params(kw, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kw)
