@@ -1,0 +1,146 @@
+"""Split a ForwardBatch into micro-batches, and merge their logits back.
+
+A plan is a list of children; a child is a list of ``Piece(seq, start, length)``: tokens
+``start .. start + length - 1`` of this forward's new tokens of sequence ``seq``. A sequence cut
+in two keeps its KV cache row, and its later piece carries the earlier one as prefix, so the
+result is exact as long as the earlier piece runs each layer's attention first (DESIGN.md s4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.engine.forward_batch import ForwardBatch, ForwardMode
+
+DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
+
+
+@dataclass(frozen=True)
+class Piece:
+    seq: int
+    start: int
+    length: int
+
+
+Plan = list[list[Piece]]
+
+
+def check_threshold(threshold: float) -> float:
+    if not 0 <= threshold <= 0.5:
+        raise ValueError(
+            f"--tbo-token-distribution-threshold={threshold} must be in [0, 0.5] "
+            "(0 disables two-chunk splitting; 0.48 is the default)"
+        )
+    return threshold
+
+
+def balanced_seq_split(lens: list[int]) -> int:
+    """The first index i minimising |sum(lens[:i]) - sum(lens[i:])| (0 < i < len when possible)."""
+    if len(lens) < 2:
+        return len(lens)
+    total, left, best, best_gap = sum(lens), 0, 1, None
+    for i in range(1, len(lens)):
+        left += lens[i - 1]
+        gap = abs(2 * left - total)
+        if best_gap is None or gap < best_gap:
+            best, best_gap = i, gap
+    return best
+
+
+def needs_two_chunk(lens: list[int], threshold: float) -> bool:
+    """True if the balanced sequence split leaves a share outside [threshold, 1 - threshold]."""
+    if threshold == 0 or sum(lens) < 2:
+        return False
+    share = sum(lens[: balanced_seq_split(lens)]) / sum(lens)
+    return not threshold <= share <= 1 - threshold
+
+
+def token_split(lens: list[int], cuts: list[int]) -> Plan:
+    """Cut the concatenated tokens at the given token offsets (ascending) into pieces."""
+    bounds = [0, *cuts, sum(lens)]
+    plan: Plan = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        child, offset = [], 0
+        for seq, n in enumerate(lens):
+            start, end = max(lo, offset), min(hi, offset + n)
+            if start < end:
+                child.append(Piece(seq, start - offset, end - start))
+            offset += n
+        plan.append(child)
+    return plan
+
+
+def seq_split(lens: list[int], index: int) -> Plan:
+    return [
+        [Piece(i, 0, lens[i]) for i in range(index)],
+        [Piece(i, 0, lens[i]) for i in range(index, len(lens))],
+    ]
+
+
+def plan_two_batch(batch: ForwardBatch, threshold: float) -> Plan:
+    """SGLang's two-batch split: decode halves the sequences; extend balances tokens by
+    sequence, and cuts a sequence in two (two-chunk overlap) when that split is lopsided."""
+    lens = batch.extend_lens
+    if batch.mode == ForwardMode.DECODE:
+        return seq_split(lens, (len(lens) + 1) // 2)
+    if needs_two_chunk(lens, threshold):
+        return token_split(lens, [sum(lens) // 2])
+    return seq_split(lens, balanced_seq_split(lens))
+
+
+def plan_even_tokens(batch: ForwardBatch, parts: int) -> Plan:
+    """N micro-batches of (nearly) equal token counts, cutting sequences where needed."""
+    total = batch.num_tokens
+    return token_split(batch.extend_lens, [total * k // parts for k in range(1, parts)])
+
+
+def split_batch(batch: ForwardBatch, plan: Plan) -> list[ForwardBatch]:
+    """The child ForwardBatch of each plan entry (an empty entry gives an idle batch)."""
+    starts = _seq_starts(batch)
+    children = []
+    for child in plan:
+        if not child:
+            children.append(ForwardBatch.idle())
+            continue
+        ids = [
+            batch.input_ids[starts[p.seq] + p.start : starts[p.seq] + p.start + p.length]
+            for p in child
+        ]
+        children.append(
+            ForwardBatch(
+                input_ids=torch.cat(ids),
+                slots=[batch.slots[p.seq] for p in child],
+                prefix_lens=[batch.prefix_lens[p.seq] + p.start for p in child],
+                extend_lens=[p.length for p in child],
+                all_logits=[batch.all_logits[p.seq] for p in child],
+                is_decode=[batch.is_decode[p.seq] for p in child],
+            )
+        )
+    return children
+
+
+def merge_logits(batch: ForwardBatch, plan: Plan, logits: list[torch.Tensor]) -> torch.Tensor:
+    """Reassemble the children's logits into the rows ``batch.logit_rows()`` promises."""
+    rows_of: dict[int, list[torch.Tensor]] = {}
+    for child, child_logits in zip(plan, logits, strict=True):
+        row = 0
+        for p in child:
+            every = batch.all_logits[p.seq]
+            n = p.length if every else 1
+            ends_seq = p.start + p.length == batch.extend_lens[p.seq]
+            if every or ends_seq:  # a cut piece's last-token row is not the sequence's
+                rows_of.setdefault(p.seq, []).append(child_logits[row : row + n])
+            row += n
+    if not rows_of:
+        return logits[0][:0] if logits else torch.zeros(0)
+    return torch.cat([torch.cat(rows_of[s]) for s in range(batch.num_seqs)])
+
+
+def _seq_starts(batch: ForwardBatch) -> list[int]:
+    starts, offset = [], 0
+    for n in batch.extend_lens:
+        starts.append(offset)
+        offset += n
+    return starts
