@@ -315,3 +315,43 @@ def _first_eos(eos: Any) -> int | None:
     if isinstance(eos, list):
         return eos[0] if eos else None
     return eos
+
+
+OVERLAP_MODES = ("none", "tbo", "sbo", "dbo")
+A2A_BACKENDS = ("none", "local", "torch")
+
+
+@dataclass
+class OverlapConfig:
+    """Which overlap scheme runs, and its knobs (the reference systems' flag names)."""
+
+    mode: str = "none"  # none | tbo | sbo | dbo
+    tbo_token_distribution_threshold: float = 0.48  # two-chunk split; 0 disables it
+    num_micro_batches: int = 2
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    moe_a2a_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.mode not in OVERLAP_MODES:
+            raise ConfigError(f"overlap={self.mode!r} must be one of {', '.join(OVERLAP_MODES)}")
+        if self.moe_a2a_backend not in A2A_BACKENDS:
+            raise ConfigError(
+                f"--moe-a2a-backend={self.moe_a2a_backend!r} must be one of "
+                f"{', '.join(A2A_BACKENDS)}"
+            )
+        if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise ConfigError(
+                f"--tbo-token-distribution-threshold={self.tbo_token_distribution_threshold} "
+                "must be in [0, 0.5] (0 disables two-chunk splitting; default 0.48)"
+            )
+        if self.num_micro_batches < 2:
+            raise ConfigError(f"num_micro_batches={self.num_micro_batches} must be >= 2")
+        if self.mode == "tbo" and self.moe_a2a_backend == "none":
+            raise ConfigError(
+                "--enable-two-batch-overlap needs an all-to-all backend; "
+                "set --moe-a2a-backend to torch (or local on one rank)"
+            )
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moe_overlap.config import ModelConfig
+from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch
 
 
@@ -20,7 +20,7 @@ class EngineSpec:
     seed: int = 0
     slots_per_rank: int = 16
     max_len: int = 4096
-    overlap: dict = field(default_factory=dict)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
 
 class LocalExecutor:
@@ -37,7 +37,11 @@ class LocalExecutor:
             spec.config, Path(spec.model_path) if spec.model_path else None, spec.seed
         )
         self.runner = ModelRunner(
-            model, TokenDispatcher(spec.config.num_experts), spec.slots_per_rank, spec.max_len
+            model,
+            TokenDispatcher(spec.config.num_experts),
+            spec.slots_per_rank,
+            spec.max_len,
+            spec.overlap,
         )
 
     def run(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from moe_overlap.config import ConfigError, ModelConfig
+from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig
 from moe_overlap.engine.executor import EngineSpec, LocalExecutor
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
@@ -31,6 +31,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
+        overlap: str | OverlapConfig = "none",
     ):
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
@@ -39,8 +40,10 @@ class LLM:
         if ep != 1:
             raise ConfigError(f"ep={ep}: expert parallelism is not available in this build")
         self.config, self.seed, self.max_len = cfg, seed, max_len
+        if isinstance(overlap, str):
+            overlap = OverlapConfig(mode=overlap, moe_a2a_backend="local" if ep == 1 else "torch")
         spec = EngineSpec(
-            cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len
+            cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
         self.executor = LocalExecutor(spec)
         self.scheduler = Scheduler(

@@ -56,4 +56,4 @@ class GQAttention(nn.Module):
             )
             start += n
         out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.head_dim)
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))

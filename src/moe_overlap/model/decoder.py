@@ -68,7 +68,11 @@ class DecoderLayer(nn.Module):
 
     @property
     def op_names(self) -> tuple[str, ...]:
-        return MOE_OPS if self.is_moe else DENSE_OPS
+        if not self.is_moe:
+            return DENSE_OPS
+        if self.mlp.shared_experts is None:
+            return tuple(n for n in MOE_OPS if n != "shared_experts")
+        return MOE_OPS
 
     def op(self, name: str) -> Callable:
         """The bound operation called ``name`` (a strategy names ops; this resolves them)."""

@@ -64,5 +64,5 @@ def weighted_sum(state: DispatchState, sorted_outputs: torch.Tensor) -> torch.Te
     t, k = weights.shape
     per_slot = torch.empty_like(sorted_outputs)
     per_slot[state.order] = sorted_outputs
-    per_slot = per_slot.view(t, k, -1)
+    per_slot = per_slot.view(t, k, sorted_outputs.shape[-1])
     return (per_slot * weights.to(per_slot.dtype).unsqueeze(-1)).sum(dim=1)

@@ -1,0 +1,258 @@
+"""A Group wrapper for collectives, and the process groups of a layout.
+
+``init_process_groups`` turns a layout into one ``Group`` per kind for the calling rank. A
+``Group`` of one rank has no process group at all, so the single-process code path never
+initialises ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap.config import ConfigError
+from moe_overlap.distributed.layout import (  # noqa: F401 (re-exported)
+    GROUP_KINDS,
+    ParallelLayout,
+    RankCoords,
+    compute_layout,
+)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective or point-to-point operation did not finish within its timeout."""
+
+
+class CommHandle:
+    """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again."""
+
+    def __init__(self, group: Group, work: dist.Work | None, output: torch.Tensor, op: str) -> None:
+        self._group, self._work, self._output, self._op = group, work, output, op
+
+    def is_completed(self) -> bool:
+        """True once ``wait`` would return without blocking."""
+        return self._work is None or self._work.is_completed()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until done, at most ``timeout`` seconds (default: the group's timeout).
+
+        Raises ``CollectiveTimeout`` when the limit passes; the group is unusable afterwards.
+        """
+        if self._work is not None:
+            self._group._wait(self._work, self._op, timeout)
+            self._work = None  # done: later waits return at once
+        return self._output
+
+
+class Group:
+    """A set of global ranks and the process group that connects them.
+
+    Ranks passed to ``send_dict``/``recv_dict`` are group-local. With ``pg=None`` the group
+    must hold one rank, and every operation is an identity (in place) or a copy.
+    """
+
+    def __init__(
+        self,
+        ranks: list[int],
+        global_rank: int,
+        pg: dist.ProcessGroup | None = None,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta = dist.default_pg_timeout,
+        name: str = "",
+    ) -> None:
+        if global_rank not in ranks:
+            raise ValueError(f"rank {global_rank} is not in group {name!r} {ranks}")
+        if pg is None and len(ranks) != 1:
+            raise ValueError(f"group {name!r} {ranks} has several ranks but no process group")
+        self.ranks, self.global_rank, self.pg = list(ranks), global_rank, pg
+        self.backend, self.timeout, self.name = str(backend), timeout, name
+        on_cuda = self.backend == "nccl"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+        )
+
+    @classmethod
+    def single(cls, global_rank: int = 0, name: str = "") -> Group:
+        """A one-rank group that needs no ``torch.distributed`` initialisation."""
+        return cls([global_rank], global_rank, None, name=name)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.global_rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, {self.backend})"
+
+    def _wait(self, work: dist.Work, op: str, timeout: float | None) -> None:
+        limit = self.timeout if timeout is None else timedelta(seconds=timeout)
+        try:
+            finished = work.wait(timeout=limit)
+        except RuntimeError as e:
+            text = str(e).lower()
+            if "timed out" not in text and "timeout" not in text:
+                raise
+            raise self._timeout_error(op, limit) from e
+        if finished is False:  # a backend may report an expired wait this way
+            raise self._timeout_error(op, limit)
+
+    def _timeout_error(self, op: str, limit: timedelta) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"{op} on group {self.name!r} (global ranks {self.ranks}) did not finish within "
+            f"{limit.total_seconds():g} s on rank {self.global_rank}: a peer never joined or is "
+            "stuck; the group is unusable now"
+        )
+
+    def _run(
+        self, work: dist.Work | None, output: torch.Tensor, op: str, async_op: bool
+    ) -> torch.Tensor | CommHandle:
+        handle = CommHandle(self, work, output, op)
+        return handle if async_op else handle.wait()
+
+    def all_reduce(
+        self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> torch.Tensor | CommHandle:
+        """Reduce contiguous ``t`` in place across the group; returns ``t`` (or a handle to it)."""
+        work = None if self.pg is None else dist.all_reduce(t, op, self.pg, async_op=True)
+        return self._run(work, t, "all_reduce", async_op)
+
+    def all_gather(self, t: torch.Tensor, async_op: bool = False) -> torch.Tensor | CommHandle:
+        """Every rank's ``t`` (same shape on all) concatenated along dim 0, in group-rank order."""
+        if self.pg is None:
+            return self._run(None, t.clone(), "all_gather", async_op)
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        work = dist.all_gather_single(out, t.contiguous(), self.pg, async_op=True)
+        return self._run(work, out, "all_gather", async_op)
+
+    def reduce_scatter(
+        self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> torch.Tensor | CommHandle:
+        """Reduce ``t`` across the group and return this rank's slice of dim 0 (a new tensor)."""
+        if t.shape[0] % self.size:
+            raise ValueError(
+                f"reduce_scatter: dim 0 of {tuple(t.shape)} is not divisible by {self.size}"
+            )
+        if self.pg is None:
+            return self._run(None, t.clone(), "reduce_scatter", async_op)
+        out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
+        work = dist.reduce_scatter_single(out, t.contiguous(), op, self.pg, async_op=True)
+        return self._run(work, out, "reduce_scatter", async_op)
+
+    def all_to_all(
+        self,
+        input: torch.Tensor,
+        input_splits: list[int],
+        output_splits: list[int],
+        async_op: bool = False,
+    ) -> torch.Tensor | CommHandle:
+        """Send ``input_splits[p]`` rows of ``input`` (in order) to group rank ``p``; receive
+        ``output_splits[p]`` rows from each. Splits may be uneven or zero."""
+        self._check_splits(input, list(input_splits), list(output_splits))
+        if self.pg is None:
+            return self._run(None, input.clone(), "all_to_all", async_op)
+        out = input.new_empty((sum(output_splits), *input.shape[1:]))
+        work = dist.all_to_all_single(
+            out, input.contiguous(), list(output_splits), list(input_splits), self.pg, async_op=True
+        )
+        return self._run(work, out, "all_to_all", async_op)
+
+    def _check_splits(self, input: torch.Tensor, ins: list[int], outs: list[int]) -> None:
+        if len(ins) != self.size or len(outs) != self.size:
+            raise ValueError(f"all_to_all: need {self.size} splits, got {ins} and {outs}")
+        if min(ins + outs) < 0 or sum(ins) != input.shape[0]:
+            raise ValueError(
+                f"all_to_all: input_splits {ins} must be >= 0 and sum to {input.shape[0]} rows"
+            )
+        if ins[self.rank] != outs[self.rank]:  # gloo would fail later with an opaque enforce
+            raise ValueError(
+                f"all_to_all: rank {self.rank} sends itself {ins[self.rank]} rows "
+                f"but expects {outs[self.rank]}"
+            )
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every rank of the group arrives."""
+        if self.pg is not None:
+            self._wait(dist.barrier(self.pg, async_op=True), "barrier", timeout)
+
+    def send_dict(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
+        """Send named tensors to group rank ``dst``: metadata (names, shapes, dtypes), then data."""
+        self._check_peer(dst)
+        meta = [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in tensors.items()]
+        blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+        frames = [torch.tensor([blob.numel()]), blob] + list(tensors.values())
+        frames = [f.to(self.device).contiguous() for f in frames]
+        works = [dist.isend(f, group=self.pg, group_dst=dst) for f in frames if f.numel()]
+        for work in works:  # `frames` keeps the buffers alive until here
+            self._wait(work, f"send_dict to group rank {dst}", None)
+
+    def recv_dict(self, src: int) -> dict[str, torch.Tensor]:
+        """Receive what ``send_dict`` on group rank ``src`` sent, on this group's device."""
+        self._check_peer(src)
+        length = self._recv(torch.empty(1, dtype=torch.int64, device=self.device), src)
+        blob = self._recv(torch.empty(int(length), dtype=torch.uint8, device=self.device), src)
+        meta = json.loads(bytes(blob.cpu().tolist()).decode())
+        out = {k: torch.empty(s, dtype=getattr(torch, d), device=self.device) for k, s, d in meta}
+        works = [dist.irecv(t, group=self.pg, group_src=src) for t in out.values() if t.numel()]
+        for work in works:
+            self._wait(work, f"recv_dict from group rank {src}", None)
+        return out
+
+    def _recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        self._wait(
+            dist.irecv(t, group=self.pg, group_src=src), f"recv_dict from group rank {src}", None
+        )
+        return t
+
+    def _check_peer(self, peer: int) -> None:
+        if self.pg is None or not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{self!r} has no peer group rank {peer}")
+
+
+def default_group_timeout() -> timedelta:
+    """The timeout given to ``dist.init_process_group``; torch does not pass it on to new groups."""
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return dist.default_pg_timeout
+
+
+def init_process_groups(
+    layout: ParallelLayout, rank: int, backend: str, timeout: timedelta | None = None
+) -> dict[str, Group]:
+    """Create every group of ``layout`` and return this rank's, keyed by kind plus ``"world"``.
+
+    Every rank must call this: ``dist.new_group`` runs for every distinct multi-rank group in
+    the same order everywhere. Kinds with identical ranks share one process group, one-rank
+    groups get none. ``timeout`` defaults to the one given to ``dist.init_process_group``.
+    """
+    if not dist.is_initialized() or dist.get_world_size() != layout.world_size:
+        raise ConfigError(
+            f"init_process_groups needs dist.init_process_group with world_size="
+            f"{layout.world_size} first"
+        )
+    timeout = timeout or default_group_timeout()
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for kind in GROUP_KINDS:
+        for ranks in layout.groups(kind):
+            if len(ranks) > 1 and tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout, backend=backend)
+    groups = {
+        kind: Group(
+            ranks, rank, made.get(tuple(ranks)), backend=backend, timeout=timeout, name=kind
+        )
+        for kind in GROUP_KINDS
+        for ranks in [layout.group_of(kind, rank)]
+    }
+    world = list(range(layout.world_size))
+    wpg = dist.group.WORLD if layout.world_size > 1 else None
+    groups["world"] = Group(world, rank, wpg, backend=backend, timeout=timeout, name="world")
+    return groups
