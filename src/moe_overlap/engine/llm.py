@@ -32,20 +32,30 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         overlap: str | OverlapConfig = "none",
+        link: str = "none",
+        timeout_s: float = 60.0,
     ):
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
         cfg = config or ModelConfig.from_hf(model)
         max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if ep != 1:
-            raise ConfigError(f"ep={ep}: expert parallelism is not available in this build")
-        self.config, self.seed, self.max_len = cfg, seed, max_len
+        if not isinstance(ep, int) or ep < 1 or cfg.num_experts % ep:
+            raise ConfigError(
+                f"--ep={ep} must be a positive divisor of num_experts={cfg.num_experts}"
+            )
         if isinstance(overlap, str):
             overlap = OverlapConfig(mode=overlap, moe_a2a_backend="local" if ep == 1 else "torch")
+        _check_layout(ep, overlap, link)
+        self.config, self.seed, self.max_len = cfg, seed, max_len
         spec = EngineSpec(
             cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
-        self.executor = LocalExecutor(spec)
+        if ep == 1:
+            self.executor = LocalExecutor(spec)
+        else:
+            from moe_overlap.distributed.launch import SpawnedExecutor
+
+            self.executor = SpawnedExecutor(spec, ep, link, timeout_s)
         self.scheduler = Scheduler(
             self.executor.num_ranks, max_num_seqs, max_len, max_num_batched_tokens, cfg.eos_token_id
         )
@@ -113,3 +123,17 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_layout(ep: int, overlap: OverlapConfig, link: str) -> None:
+    """The reference systems' refusals, each with the fix."""
+    if ep == 1 and overlap.moe_a2a_backend == "torch":
+        raise ConfigError("--moe-a2a-backend=torch needs --ep > 1; use local on one process")
+    if ep > 1 and overlap.moe_a2a_backend != "torch":
+        raise ConfigError(
+            f"--ep={ep} needs --moe-a2a-backend=torch, not {overlap.moe_a2a_backend!r}"
+        )
+    if overlap.mode == "dbo" and ep == 1:
+        raise ConfigError("--enable-dbo needs data/expert parallelism > 1; set --ep 2 or more")
+    if ep == 1 and link != "none":
+        raise ConfigError(f"--link {link} needs --ep > 1: one process has no link to emulate")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe_overlap.config import OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch, ForwardMode
@@ -39,7 +40,7 @@ def agree(batch: ForwardBatch, group) -> TboDecision:
     can, decode = local_vote(batch)
     votes = torch.tensor([int(can), int(decode)], dtype=torch.int64)
     if group is not None and group.size > 1:
-        votes = group.all_reduce(votes, op="min")
+        votes = group.all_reduce(votes, op=dist.ReduceOp.MIN)
     all_idle = batch.mode == ForwardMode.IDLE and group is None
     return TboDecision(bool(votes[0]) and not all_idle, bool(votes[1]))
 

@@ -1,0 +1,174 @@
+"""Start expert-parallel ranks on this machine and drive them, step by step, from the caller.
+
+The caller's process owns the scheduler; each rank is a child process holding its expert shard
+and attention-DP share of the sequences. Every step the driver sends each rank its ForwardBatch
+through a pipe and collects its logits. A rank that raises or dies stops the whole engine within
+the collective timeout, with an error naming it, and no child is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+import torch
+
+from moe_overlap.distributed.link import LinkSpec, NetnsLink, parse_link
+from moe_overlap.distributed.worker import RankSpec
+from moe_overlap.engine.executor import EngineSpec
+from moe_overlap.engine.forward_batch import ForwardBatch
+
+_GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died; the engine has been stopped."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SpawnedExecutor:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        ep: int,
+        link: str | LinkSpec = "none",
+        timeout_s: float = 60.0,
+        threads_per_rank: int = 1,
+    ):
+        self.num_ranks, self.timeout_s = ep, timeout_s
+        self.link_spec = parse_link(link) if isinstance(link, str) else link
+        self.netns: NetnsLink | None = None
+        self.procs, self.conns = [], []
+        self.closed = False
+        try:
+            self._start(spec, threads_per_rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec: EngineSpec, threads: int) -> None:
+        if self.link_spec.kind == "netns":
+            self.netns = NetnsLink(self.num_ranks, self.link_spec.spec.split(":", 1)[1])
+            self.netns.__enter__()
+            init = f"tcp://{self.netns.rank_addr(0)}:29500"
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+        for r in range(self.num_ranks):
+            rank = RankSpec(
+                r,
+                self.num_ranks,
+                init,
+                self.timeout_s,
+                self.link_spec,
+                self.netns.netns_name(r) if self.netns else None,
+                self.netns.ifname if self.netns else None,
+                threads,
+            )
+            self.procs.append(_RankProcess(r, spec, rank))
+        self.conns = [p.conn for p in self.procs]
+        self._collect("ready", startup=True)
+
+    def run(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+        if self.closed:
+            raise RankFailure("the engine was stopped (closed, or a rank failed earlier)")
+        for conn, batch in zip(self.conns, batches, strict=True):
+            conn.send(("step", batch.to_dict()))
+        return [torch.from_numpy(np.asarray(r)) for r in self._collect("ok")]
+
+    def _collect(self, kind: str, startup: bool = False) -> list:
+        """Each rank's reply, or a RankFailure naming the rank that failed first."""
+        replies: dict[int, object] = {}
+        limit = self.timeout_s + _GRACE_S + (120.0 if startup else 0.0)
+        deadline = time.monotonic() + limit
+        while len(replies) < self.num_ranks:
+            pending = [r for r in range(self.num_ranks) if r not in replies]
+            ready = wait(
+                [self.conns[r] for r in pending] + [self.procs[r].pidfd for r in pending],
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
+            if not ready:
+                self._fail(
+                    f"ranks {pending} sent nothing for {limit:.0f} s "
+                    f"(collective timeout {self.timeout_s:.0f} s)"
+                )
+            for r in pending:
+                if self.conns[r] in ready or self.conns[r].poll():
+                    try:
+                        msg = self.conns[r].recv()
+                    except (EOFError, OSError):
+                        self._fail(self._death(r))
+                    if msg[0] == "error":
+                        self._fail(f"rank {msg[1]} raised {msg[2]}\n{msg[3]}")
+                    replies[r] = msg[1]
+                elif self.procs[r].pidfd in ready:
+                    self._fail(self._death(r))
+        return [replies[r] for r in range(self.num_ranks)]
+
+    def _death(self, r: int) -> str:
+        return f"rank {r} died (exit code {self.procs[r].exitcode(1.0)})"
+
+    def _fail(self, why: str) -> None:
+        # a rank that died is the cause; the others' collective errors are its echo
+        dead = [r for r, p in enumerate(self.procs) if p.exitcode() not in (None, 0)]
+        if dead and not why.startswith(f"rank {dead[0]} "):
+            why = f"{self._death(dead[0])}; then {why}"
+        self.close()
+        raise RankFailure(why)
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force) and remove the link."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.stop(max(0.0, deadline - time.monotonic()))
+        if self.netns is not None:
+            self.netns.close()
+
+
+class _RankProcess:
+    """A rank in a fresh interpreter (``python -m moe_overlap.distributed.worker``).
+
+    A subprocess rather than multiprocessing's spawn: that would re-run the caller's
+    ``__main__``, which breaks any script without an ``if __name__ == "__main__"`` guard.
+    """
+
+    def __init__(self, rank: int, spec: EngineSpec, rank_spec: RankSpec):
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_overlap.distributed.worker", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.conn.send_bytes(pickle.dumps((spec, rank_spec)))
+
+    def exitcode(self, timeout: float = 0.0) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace: float) -> None:
+        if self.exitcode(grace) is None:
+            self.proc.kill()
+            self.proc.wait(5.0)
+        self.conn.close()
+        os.close(self.pidfd)
