@@ -152,6 +152,9 @@ class ModelConfig:
                 f"model_type={model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        for flag in ("attention_bias", "mlp_bias"):
+            if raw.get(flag):
+                raise ConfigError(f"{flag}=true is not supported: our linears have no bias")
         reader = _Reader(raw)
         common = dict(
             model_type=model_type,

@@ -49,14 +49,15 @@ class Router(nn.Module):
 
 def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     tokens = choice.shape[0]
-    grouped = choice.view(tokens, cfg.n_group, -1)
+    # explicit sizes: an idle micro-batch has zero tokens, and view(0, g, -1) is ambiguous
+    grouped = choice.view(tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
     if cfg.topk_method == "noaux_tc":
         group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
     else:  # DeepSeek-V2 group_limited_greedy
         group_scores = grouped.max(dim=-1).values
     group_idx = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, cfg.num_experts)
     masked = choice.masked_fill(~expert_mask, float("-inf"))
     return torch.topk(masked, cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
 

@@ -1,0 +1,92 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one compressed latent per token.
+
+Per token the cache keeps ``latent`` (``kv_lora_rank``, after ``kv_a_layernorm``) and ``k_pe``
+(``qk_rope_head_dim``, already rotated). Each forward expands the cached latents of a sequence
+through ``kv_b_proj`` into per-head ``k_nope`` and ``v``, so a later chunk of a prompt sees exactly
+the prefix that an earlier chunk wrote.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_overlap.config import ModelConfig
+from moe_overlap.model.context import ForwardContext
+from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
+
+# DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
+_LORA_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints (``q_a_proj``, ``kv_b_proj``, ...)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim, self.kv_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.qk_dim = self.nope_dim + self.rope_dim
+        h = cfg.hidden_size
+        self.q_lora = cfg.q_lora_rank is not None
+        if not self.q_lora:  # DeepSeek-V2-Lite: a plain query projection
+            self.q_proj = nn.Linear(h, self.heads * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, _LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            self.kv_rank, self.heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=False)
+        self.rotary = RotaryEmbedding(
+            self.rope_dim, cfg.rope_theta, interleaved=cfg.rope_interleave
+        )
+        # Default RoPE only (config rejects yarn), so no mscale correction of the scale.
+        self.scale = self.qk_dim**-0.5
+
+    @staticmethod
+    def kv_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {"latent": (cfg.kv_lora_rank,), "k_pe": (cfg.qk_rope_head_dim,)}
+
+    def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Return ``(q [T, heads, nope+rope], latent [T, kv_rank], k_pe [T, rope])``."""
+        t = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_pe = q.view(t, self.heads, self.qk_dim).split([self.nope_dim, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        q = torch.cat((q_nope, self.rotary(q_pe, ctx.positions)), dim=-1)
+        k_pe = self.rotary(k_pe[:, None, :], ctx.positions)[:, 0]
+        return q, self.kv_a_layernorm(latent), k_pe
+
+    def core(
+        self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor:
+        b, cache, outs, start = ctx.batch, ctx.kv_cache, [], 0
+        for slot, prefix, n in zip(b.slots, b.prefix_lens, b.extend_lens, strict=True):
+            cache.write(self.layer_id, "latent", slot, prefix, latent[start : start + n])
+            cache.write(self.layer_id, "k_pe", slot, prefix, k_pe[start : start + n])
+            keys, values = self._expand(
+                cache.read(self.layer_id, "latent", slot, prefix + n),
+                cache.read(self.layer_id, "k_pe", slot, prefix + n),
+            )
+            outs.append(causal_attention(q[start : start + n], keys, values, prefix, self.scale))
+            start += n
+        out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.v_dim)
+        # explicit width: an idle micro-batch has zero tokens, and reshape(0, -1) is ambiguous
+        return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
+
+    def _expand(
+        self, latent: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents ``[L, kv_rank]`` and ``k_pe [L, rope]`` -> per-head keys and values."""
+        length = latent.shape[0]
+        kv = self.kv_b_proj(latent).view(length, self.heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        # k_pe is shared by all heads (the "mqa" in kv_a_proj_with_mqa)
+        k = torch.cat((k_nope, k_pe[:, None, :].expand(length, self.heads, self.rope_dim)), dim=-1)
+        return k, v

@@ -1,0 +1,144 @@
+"""Expert parallelism on real gloo ranks: same logits and tokens as one process, faults, links."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.config import ConfigError, OverlapConfig
+from moe_overlap.distributed.launch import RankFailure
+from tests.test_engine import TINY
+
+CASES = {
+    "single-long": [[(7 * i) % 80 for i in range(45)]],
+    "short+long": [[3, 4, 5], [(5 * i + 1) % 80 for i in range(40)]],
+    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 60)), [70, 71, 72], [5]],
+    "one-decode-token": [[11]],
+}
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+KW = dict(seed=0, max_num_batched_tokens=24)  # small budget: chunked prefill and MIXED steps
+
+
+def reference(cfg):
+    with LLM(config=cfg, **KW) as llm:
+        return {case: llm.generate(p, PARAMS, return_logits=True) for case, p in CASES.items()}
+
+
+def assert_same(base, got):
+    for a, b in zip(base, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def family(request):
+    cfg = ModelConfig(**TINY[request.param])
+    return cfg, reference(cfg)
+
+
+@pytest.mark.parametrize(
+    "overlap",
+    ["none", "tbo", OverlapConfig("tbo", tbo_token_distribution_threshold=0)],
+    ids=["none", "tbo+two-chunk", "tbo"],
+)
+def test_ep2_matches_one_process(family, overlap):
+    cfg, base = family
+    with LLM(config=cfg, ep=2, overlap=overlap, **KW) as llm:
+        for case, prompts in CASES.items():
+            assert_same(base[case], llm.generate(prompts, PARAMS, return_logits=True))
+
+
+def test_ep4_matches_one_process():
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    base = reference(cfg)
+    with LLM(config=cfg, ep=4, overlap="tbo", **KW) as llm:
+        for case in ("mixed-batch", "single-long"):
+            assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
+
+
+def test_layout_refusals():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with pytest.raises(ConfigError, match="--ep=3 must be a positive divisor of num_experts=4"):
+        LLM(config=cfg, ep=3)
+    with pytest.raises(ConfigError, match="--enable-dbo needs data/expert parallelism > 1"):
+        LLM(config=cfg, overlap="dbo")
+    with pytest.raises(ConfigError, match="needs --moe-a2a-backend=torch"):
+        LLM(config=cfg, ep=2, overlap=OverlapConfig("tbo", moe_a2a_backend="local"))
+    with pytest.raises(ConfigError, match="needs --ep > 1"):
+        LLM(config=cfg, link="model:1gbit,10us")
+
+
+def _alive(llm):
+    return [p.proc.poll() is None for p in llm.executor.procs]
+
+
+def test_killed_rank_stops_everything_with_its_name():
+    cfg = ModelConfig(**{**TINY["qwen3_moe"], "max_position_embeddings": 4096})
+    llm = LLM(config=cfg, ep=2, timeout_s=10, **KW)
+    victim = llm.executor.procs[1].proc
+    killer = threading.Timer(1.0, victim.kill)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)"):
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    assert time.monotonic() - start < 30
+    assert not any(_alive(llm))
+    with pytest.raises(RankFailure, match="stopped"):
+        llm.generate([[1, 2]], PARAMS)
+    llm.close()
+
+
+def test_raising_rank_is_named_and_others_stop():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with LLM(config=cfg, ep=2, timeout_s=10, **KW) as llm:
+        good = llm.scheduler  # a batch whose KV slot does not exist on rank 1 makes it raise
+        from moe_overlap.engine.forward_batch import ForwardBatch
+
+        ok = ForwardBatch(torch.tensor([1, 2]), [0], [0], [2])
+        bad = ForwardBatch(torch.tensor([1, 2]), [10_000], [0], [2])
+        with pytest.raises(RankFailure, match="rank 1 raised IndexError"):
+            llm.executor.run([ok, bad])
+        assert not any(_alive(llm))
+        assert good is llm.scheduler
+
+
+def _netns_permitted() -> str | None:
+    from moe_overlap.distributed.link import LinkUnavailable, NetnsLink
+
+    try:
+        with NetnsLink(2, "1gbit"):
+            return None
+    except (LinkUnavailable, OSError) as exc:
+        return str(exc)
+
+
+def test_ep2_over_shaped_netns_link_and_cleanup():
+    why = _netns_permitted()
+    if why:
+        pytest.skip(f"network namespaces are not permitted here: {why}")
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    base = reference(cfg)
+    with LLM(config=cfg, ep=2, overlap="tbo", link="netns:500mbit", **KW) as llm:
+        names = [llm.executor.netns.netns_name(r) for r in range(2)]
+        assert_same(
+            base["mixed-batch"], llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+        )
+        llm.executor.procs[0].proc.kill()  # and a crash still cleans the namespaces up
+        with pytest.raises(RankFailure, match="rank 0 died"):
+            llm.generate([[1, 2, 3]], PARAMS)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names)
+
+
+def test_ep2_over_modelled_link():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    base = reference(cfg)
+    with LLM(config=cfg, ep=2, link="model:1gbit,50us", **KW) as llm:
+        assert_same(
+            base["short+long"], llm.generate(CASES["short+long"], PARAMS, return_logits=True)
+        )
