@@ -32,6 +32,13 @@ class CommHandle:
     def __init__(self, group: Group, work: dist.Work | None, output: torch.Tensor, op: str) -> None:
         self._group, self._work, self._output, self._op = group, work, output, op
 
+    def on_complete(self, callback) -> None:
+        """Call ``callback()`` when the operation completes (from the communication thread)."""
+        if self._work is None:
+            callback()
+        else:
+            self._work.get_future().then(lambda _: callback())
+
     def is_completed(self) -> bool:
         """True once ``wait`` would return without blocking."""
         return self._work is None or self._work.is_completed()

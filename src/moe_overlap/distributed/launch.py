@@ -80,12 +80,16 @@ class SpawnedExecutor:
         self.conns = [p.conn for p in self.procs]
         self._collect("ready", startup=True)
 
-    def run(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+    def run(self, batches: list[ForwardBatch], overlap=None, record: bool = False):
+        """Each rank's logits for its batch; ``overlap`` overrides the engine's scheme for this
+        step, and with ``record`` each rank's timeline spans land in ``self.last_spans``."""
         if self.closed:
             raise RankFailure("the engine was stopped (closed, or a rank failed earlier)")
         for conn, batch in zip(self.conns, batches, strict=True):
-            conn.send(("step", batch.to_dict()))
-        return [torch.from_numpy(np.asarray(r)) for r in self._collect("ok")]
+            conn.send(("step", batch.to_dict(), overlap, record))
+        replies = self._collect("ok")
+        self.last_spans = [spans for _, spans in replies]
+        return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
 
     def _collect(self, kind: str, startup: bool = False) -> list:
         """Each rank's reply, or a RankFailure naming the rank that failed first."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from moe_overlap.engine.executor import EngineSpec
 from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.timeline import Timeline
 
 
 @dataclass
@@ -51,8 +52,18 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec):
     ep_group = groups["ep"]
     model = build_model(spec.config, spec.model_path, spec.seed, ep_group.rank, n)
     link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
-    dispatcher = AllToAllDispatcher(ep_group, spec.config.num_experts, link)
-    return ModelRunner(model, dispatcher, spec.slots_per_rank, spec.max_len, spec.overlap, ep_group)
+    timeline = Timeline()
+    dispatcher = AllToAllDispatcher(ep_group, spec.config.num_experts, link, timeline)
+    return ModelRunner(
+        model, dispatcher, spec.slots_per_rank, spec.max_len, spec.overlap, ep_group, timeline
+    )
+
+
+def serve_step(runner, batch: dict, overlap, record: bool):
+    """One forward; returns (logits as numpy, the timeline's spans or None)."""
+    runner.timeline.enabled = record
+    logits = runner.forward(ForwardBatch.from_dict(batch), overlap)
+    return logits.numpy(), (runner.timeline.take() if record else None)
 
 
 def rank_main(spec: EngineSpec, rank: RankSpec, conn) -> None:
@@ -70,8 +81,7 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            logits = runner.forward(ForwardBatch.from_dict(msg[1]))
-            conn.send(("ok", logits.numpy()))
+            conn.send(("ok", serve_step(runner, *msg[1:])))
     except (EOFError, KeyboardInterrupt):
         pass  # the driver went away; just exit
     except BaseException as exc:  # report anything, then die: the driver stops every rank

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from moe_overlap.config import ModelConfig, OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch
 
@@ -44,8 +42,11 @@ class LocalExecutor:
             spec.overlap,
         )
 
-    def run(self, batches: list[ForwardBatch]) -> list[torch.Tensor]:
-        return [self.runner.forward(batches[0])]
+    def run(self, batches: list[ForwardBatch], overlap=None, record: bool = False):
+        self.runner.timeline.enabled = record
+        logits = self.runner.forward(batches[0], overlap)
+        self.last_spans = [self.runner.timeline.take() if record else None]
+        return [logits]
 
     def close(self) -> None:
         pass

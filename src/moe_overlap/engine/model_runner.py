@@ -1,6 +1,12 @@
-"""Runs one rank's forward pass: the model's operations over a ForwardBatch."""
+"""Runs one rank's forward pass: the model's operations over a ForwardBatch.
+
+The overlap scheme is chosen per forward (the benchmark alternates schemes on the same ranks);
+each scheme is built once, on first use.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -10,6 +16,7 @@ from moe_overlap.engine.kv_cache import KVCache
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.context import ForwardContext
 from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.timeline import Timeline
 
 
 class ModelRunner:
@@ -21,24 +28,47 @@ class ModelRunner:
         max_len: int,
         overlap: OverlapConfig | None = None,
         group=None,
+        timeline: Timeline | None = None,
     ):
         self.model = model
         self.dispatcher = dispatcher
+        self.group = group  # the EP group, for collective decisions
         self.kv_cache = KVCache(model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries())
         self.ops = model.operations()
-        self.overlap = None
-        overlap = overlap or OverlapConfig(mode="none")
-        if overlap.mode == "tbo":
-            from moe_overlap.overlap.two_batch import TwoBatchOverlap
+        self.overlap = overlap or OverlapConfig(mode="none")
+        self.timeline = timeline or Timeline()
+        self._schemes: dict[tuple, object] = {}
 
-            self.overlap = TwoBatchOverlap(model, overlap, group)
+    def _scheme(self, cfg: OverlapConfig):
+        key = dataclasses.astuple(cfg)
+        if key not in self._schemes:
+            self._schemes[key] = _build_scheme(self, cfg)
+        return self._schemes[key]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None = None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for the rows ``batch.logit_rows()`` names."""
-        if self.overlap is not None:
-            logits = self.overlap.forward(batch, self.kv_cache, self.dispatcher)
+        cfg = overlap or self.overlap
+        if cfg.mode != "none":
+            logits = self._scheme(cfg).forward(batch, self)
             if logits is not None:
                 return logits
-        ctx = ForwardContext(batch, self.kv_cache, self.dispatcher)
+        return self.forward_plain(batch)
+
+    def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:
+        """One batch through every op in order: no overlap."""
+        ctx = self.context(batch)
         return execute_operations(ctx, self.ops)["logits"]
+
+    def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
+        return ForwardContext(
+            batch, self.kv_cache, self.dispatcher, name=name, timeline=self.timeline
+        )
+
+
+def _build_scheme(runner: ModelRunner, cfg: OverlapConfig):
+    if cfg.mode == "tbo":
+        from moe_overlap.overlap.two_batch import TwoBatchOverlap
+
+        return TwoBatchOverlap(runner.model, cfg, runner.group)
+    raise NotImplementedError(f"overlap mode {cfg.mode!r} is not implemented yet")

@@ -48,7 +48,8 @@ class ForwardContext:
     kv_cache: KVCache
     dispatcher: Any  # moe.dispatch.TokenDispatcher
     positions: Any = None  # torch.Tensor, computed once per forward
-    name: str = "main"
+    name: str = "mb0"
+    timeline: Any = None  # moe_overlap.timeline.Timeline, when recording
     state: StrictState = field(default_factory=StrictState)
 
     def __post_init__(self) -> None:

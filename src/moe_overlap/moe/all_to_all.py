@@ -23,6 +23,7 @@ class _Linked:
     def __init__(self, handle, link, num_bytes: int):
         self.handle, self.link, self.num_bytes = handle, link, num_bytes
         self.start = time.perf_counter()
+        self.earliest_end = self.start + (link.delay_for(num_bytes) if link is not None else 0.0)
 
     def wait(self) -> torch.Tensor:
         out = self.handle.wait()
@@ -34,19 +35,28 @@ class _Linked:
 class AllToAllDispatcher:
     name = "torch"
 
-    def __init__(self, group, num_experts: int, link=None, on_comm=None):
+    def __init__(self, group, num_experts: int, link=None, timeline=None):
         if num_experts % group.size:
             raise ValueError(f"--ep={group.size} does not divide num_experts={num_experts}")
         self.group, self.ep, self.link = group, group.size, link
         self.local = num_experts // group.size
-        self.on_comm = on_comm  # optional tracer: on_comm(kind, start, end, num_bytes)
+        self.timeline = timeline  # records each all-to-all from launch to completion
 
-    def _start(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> _Linked:
+    def _start(self, kind: str, rows: torch.Tensor, send: list[int], recv: list[int]) -> _Linked:
         me = self.group.rank
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         off_rank = max(sum(send) - send[me], sum(recv) - recv[me]) * row_bytes
         handle = self.group.all_to_all(rows, send, recv, async_op=True)
-        return _Linked(handle, self.link, off_rank)
+        linked = _Linked(handle, self.link, off_rank)
+        timeline = self.timeline
+        if timeline is not None and timeline.enabled:
+
+            def done() -> None:
+                end = max(time.perf_counter(), linked.earliest_end)
+                timeline.add("comm", f"{kind} {off_rank / 1e6:.2f} MB", linked.start, end)
+
+            handle.on_complete(done)
+        return linked
 
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -60,7 +70,7 @@ class AllToAllDispatcher:
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         state = DispatchState(hidden.shape[0], topk_weights, order)
         state.extra.update(send=send, recv=recv, recv_counts=recv_counts)
-        state.pending = self._start(hidden[order // k], send, recv)
+        state.pending = self._start("dispatch", hidden[order // k], send, recv)
         return state
 
     def dispatch_b(self, state: DispatchState) -> None:
@@ -78,7 +88,7 @@ class AllToAllDispatcher:
     def combine_a(self, state: DispatchState) -> None:
         outputs = torch.empty_like(state.expert_outputs)
         outputs[state.extra["perm"]] = state.expert_outputs  # back to the order they came in
-        state.pending = self._start(outputs, state.extra["recv"], state.extra["send"])
+        state.pending = self._start("combine", outputs, state.extra["recv"], state.extra["send"])
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         return weighted_sum(state, state.pending.wait())

@@ -48,9 +48,17 @@ class StageExecutor:
         return len(self.stages)
 
     def next(self) -> None:
+        timeline = getattr(self.ctx, "timeline", None)
+        if timeline is not None and timeline.enabled:
+            with timeline.span(self.ctx.name, f"stage {self.done}"):
+                self._run_stage()
+        else:
+            self._run_stage()
+        self.done += 1
+
+    def _run_stage(self) -> None:
         for op in self.stages[self.done]:
             self.output = op(self.ctx, **self.output) or {}
-        self.done += 1
 
 
 def execute_operations(ctx: Any, ops: Sequence[Op | Yield], inputs: dict | None = None) -> dict:

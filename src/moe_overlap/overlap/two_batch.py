@@ -14,7 +14,6 @@ import torch.distributed as dist
 from moe_overlap.config import OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch, ForwardMode
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.context import ForwardContext
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.split import merge_logits, plan_even_tokens, plan_two_batch, split_batch
 from moe_overlap.overlap.strategy import build_operations, strategy_for
@@ -58,16 +57,13 @@ class TwoBatchOverlap:
             return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold)
         return plan_even_tokens(batch, n)
 
-    def forward(self, batch: ForwardBatch, kv_cache, dispatcher) -> torch.Tensor | None:
+    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
         decision = agree(batch, self.group)
         if not decision.run:
             return None
         plan = self.plan(batch)
-        ctxs = [
-            ForwardContext(child, kv_cache, dispatcher, name=f"mb{i}")
-            for i, child in enumerate(split_batch(batch, plan))
-        ]
+        ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]
         strategy = strategy_for(self.model, decision.decode)
         outs = execute_overlapped(
             ctxs, [self.ops[decision.decode]] * len(ctxs), strategy.delta_stages
