@@ -334,6 +334,8 @@ class OverlapConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     moe_a2a_backend: str = "torch"
+    sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
+    sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
 
     def __post_init__(self) -> None:
         if self.mode not in OVERLAP_MODES:
@@ -355,6 +357,10 @@ class OverlapConfig:
                 "--enable-two-batch-overlap needs an all-to-all backend; "
                 "set --moe-a2a-backend to torch (or local on one rank)"
             )
+        for name in ("sbo_combine_blocks", "sbo_comm_sms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 1")
         for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")

@@ -158,6 +158,8 @@ class _RankProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_overlap.distributed.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
+            # c10d warns about every unresolvable hostname inside a network namespace
+            env={"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ},
         )
         theirs.close()
         self.conn = Connection(ours.detach())

@@ -50,12 +50,7 @@ class LLM:
         spec = EngineSpec(
             cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
-        if ep == 1:
-            self.executor = LocalExecutor(spec)
-        else:
-            from moe_overlap.distributed.launch import SpawnedExecutor
-
-            self.executor = SpawnedExecutor(spec, ep, link, timeout_s)
+        self.executor = _make_executor(spec, ep, link, timeout_s)
         self.scheduler = Scheduler(
             self.executor.num_ranks, max_num_seqs, max_len, max_num_batched_tokens, cfg.eos_token_id
         )
@@ -77,10 +72,20 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = [
-            self._make_request(i, p, sp, return_logits)
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-        ]
+        if not getattr(self.executor, "is_driver", True):  # a torchrun rank > 0
+            self.executor.serve()
+            return []
+        try:
+            requests = [
+                self._make_request(i, p, sp, return_logits)
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+            return self._run(requests, progress)
+        finally:
+            if hasattr(self.executor, "end_generate"):  # release torchrun ranks > 0
+                self.executor.end_generate()
+
+    def _run(self, requests: list[Request], progress: bool) -> list[RequestOutput]:
         for req in requests:
             self.scheduler.add(req)
         done: dict[int, Request] = {}
@@ -137,3 +142,15 @@ def _check_layout(ep: int, overlap: OverlapConfig, link: str) -> None:
         raise ConfigError("--enable-dbo needs data/expert parallelism > 1; set --ep 2 or more")
     if ep == 1 and link != "none":
         raise ConfigError(f"--link {link} needs --ep > 1: one process has no link to emulate")
+
+
+def _make_executor(spec: EngineSpec, ep: int, link: str, timeout_s: float):
+    if ep == 1:
+        return LocalExecutor(spec)
+    from moe_overlap.distributed.torchrun import TorchrunExecutor, launched_by_torchrun
+
+    if launched_by_torchrun():
+        return TorchrunExecutor(spec, ep, link, timeout_s)
+    from moe_overlap.distributed.launch import SpawnedExecutor
+
+    return SpawnedExecutor(spec, ep, link, timeout_s)

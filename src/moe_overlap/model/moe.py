@@ -75,14 +75,25 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """Run rows of ``x`` grouped by local expert (``tokens_per_expert[e]`` rows each)."""
         out = torch.empty_like(x)
-        start = 0
-        for e, n in enumerate(tokens_per_expert):
+        self.run_experts(x, tokens_per_expert, out, range(len(tokens_per_expert)))
+        return out
+
+    def run_experts(
+        self, x: torch.Tensor, tokens_per_expert: list[int], out: torch.Tensor, experts: range
+    ) -> None:
+        """Write the rows of local experts ``experts`` (a contiguous range) into ``out``.
+
+        Same rows and arithmetic as ``forward``, so running the experts block by block (SBO)
+        gives bit-identical outputs.
+        """
+        start = sum(tokens_per_expert[: experts.start])
+        for e in experts:
+            n = tokens_per_expert[e]
             if n:
                 rows = x[start : start + n]
                 h = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
                 out[start : start + n] = h @ self.down_proj[e].t()
             start += n
-        return out
 
 
 class SparseMoeBlock(nn.Module):

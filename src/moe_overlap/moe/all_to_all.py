@@ -4,7 +4,9 @@
 exchanges the per-expert counts (a tiny synchronous all-to-all) and starts the async all-to-all
 of hidden states; ``dispatch_b`` waits and regroups the received rows by local expert.
 ``combine_a`` starts sending the expert outputs back in the order they came; ``combine_b`` waits
-and sums them per token exactly as the local backend does.
+and sums them per token exactly as the local backend does. SBO instead calls
+``combine_a_block`` once per block of local experts, each block's piece sent as soon as its
+experts finish.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class AllToAllDispatcher:
         recv_counts = self.group.all_to_all(counts.contiguous(), [1] * self.ep, [1] * self.ep)
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         state = DispatchState(hidden.shape[0], topk_weights, order)
-        state.extra.update(send=send, recv=recv, recv_counts=recv_counts)
+        state.extra.update(send=send, recv=recv, recv_counts=recv_counts, counts=counts)
         state.pending = self._start("dispatch", hidden[order // k], send, recv)
         return state
 
@@ -90,5 +92,53 @@ class AllToAllDispatcher:
         outputs[state.extra["perm"]] = state.expert_outputs  # back to the order they came in
         state.pending = self._start("combine", outputs, state.extra["recv"], state.extra["send"])
 
+    def combine_a_block(self, state: DispatchState, experts: range) -> None:
+        """Start returning the outputs of local experts ``experts`` only (one SBO piece).
+
+        Every rank must call this for the same ranges in the same order; ``combine_b`` then
+        waits for all pieces and sees exactly the rows the unsplit ``combine_a`` would send.
+        No counts are exchanged: both sides derive the piece's splits from dispatch's counts.
+        """
+        if state.pending is None:
+            state.pending = CombinePieces(sum(state.extra["send"]), state.expert_outputs)
+            perm = state.extra["perm"]
+            # where each received row (source-major order) sits in expert_outputs
+            state.extra["row_of"] = torch.empty_like(perm)
+            state.extra["row_of"][perm] = torch.arange(perm.numel(), device=perm.device)
+        outgoing, send = piece_layout(state.extra["recv_counts"], experts)
+        incoming, recv = piece_layout(state.extra["counts"], experts)
+        rows = state.expert_outputs[state.extra["row_of"][outgoing]]
+        kind = f"combine piece {len(state.pending.pieces)}"
+        state.pending.pieces.append((self._start(kind, rows, send, recv), incoming))
+
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         return weighted_sum(state, state.pending.wait())
+
+
+def piece_layout(counts: torch.Tensor, experts: range) -> tuple[torch.Tensor, list[int]]:
+    """The rows of local experts ``experts`` in a buffer grouped by (rank, local expert).
+
+    ``counts[p, e]`` is the size of group (p, e). Returns their positions in buffer order and
+    the rows per rank. A source rank applies it to the counts it sent, an expert owner to the
+    counts it received, so both agree on every piece's splits and row order.
+    """
+    ranks, local = counts.shape
+    experts_of = torch.arange(local, device=counts.device).repeat(ranks)
+    expert_of_row = experts_of.repeat_interleave(counts.reshape(-1))
+    inside = (expert_of_row >= experts.start) & (expert_of_row < experts.stop)
+    per_rank = counts[:, experts.start : experts.stop].sum(1)
+    return inside.nonzero().reshape(-1), per_rank.tolist()
+
+
+class CombinePieces:
+    """A combine sent as several all-to-alls; ``wait`` reassembles the unsplit combine's rows."""
+
+    def __init__(self, rows: int, like: torch.Tensor):
+        self.out = like.new_empty((rows, *like.shape[1:]))
+        self.pieces: list[tuple[_Linked, torch.Tensor]] = []  # (handle, positions in out)
+
+    def wait(self) -> torch.Tensor:
+        for handle, positions in self.pieces:
+            self.out[positions] = handle.wait()
+        self.pieces = []
+        return self.out

@@ -51,6 +51,10 @@ class TokenDispatcher:
     def combine_a(self, state: DispatchState) -> None:
         state.pending = state.expert_outputs
 
+    def combine_a_block(self, state: DispatchState, experts: range) -> None:
+        """One piece of a split combine (SBO); on one rank the outputs are already in place."""
+        state.pending = state.expert_outputs
+
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         return weighted_sum(state, state.pending)
 

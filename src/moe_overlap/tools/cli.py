@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from moe_overlap.config import ConfigError, ModelConfig
+from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 from moe_overlap.model.loader import CheckpointError
 
@@ -39,6 +39,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="expert-parallel ranks started on this machine (default 1: one process)",
     )
     p.add_argument(
+        "--link",
+        default="none",
+        metavar="SPEC",
+        help="how ranks talk: none (loopback), netns:RATE (each rank in a network "
+        "namespace, links shaped by tc tbf, e.g. netns:2gbit; needs root), or "
+        "model:BANDWIDTH,LATENCY (a modelled delay, e.g. model:2gbit,50us)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds any collective may wait before the engine stops (default 60)",
+    )
+    p.add_argument(
+        "--moe-a2a-backend",
+        choices=("torch", "local", "none"),
+        default=None,
+        help="token dispatcher: torch (all-to-all over torch.distributed, the default "
+        "with --ep > 1) or local (one process)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -56,6 +78,75 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="tokens per rank per forward; longer prompts are prefilled in chunks",
     )
+    o = p.add_argument_group("overlap (at most one scheme)")
+    o.add_argument(
+        "--enable-two-batch-overlap",
+        action="store_true",
+        help="SGLang TBO: split each batch into micro-batches whose computation and "
+        "all-to-all interleave layer by layer",
+    )
+    o.add_argument(
+        "--tbo-token-distribution-threshold",
+        type=float,
+        default=0.48,
+        help="two-chunk overlap: cut a sequence in two when the balanced split puts "
+        "less than this share of tokens in one micro-batch (0 disables; <= 0.5)",
+    )
+    o.add_argument(
+        "--num-micro-batches",
+        type=int,
+        default=2,
+        help="micro-batches for TBO (default 2; more cut tokens evenly)",
+    )
+    o.add_argument(
+        "--enable-single-batch-overlap",
+        action="store_true",
+        help="SGLang SBO: inside each MoE layer, send finished experts' outputs while "
+        "the rest compute, and run shared experts during the dispatch",
+    )
+    o.add_argument(
+        "--enable-dbo",
+        action="store_true",
+        help="vLLM DBO: two micro-batches on two threads handing a baton at each "
+        "dispatch and combine",
+    )
+    o.add_argument(
+        "--dbo-decode-token-threshold",
+        type=int,
+        default=32,
+        help="DBO runs on decode batches of at least this many tokens (default 32)",
+    )
+    o.add_argument(
+        "--dbo-prefill-token-threshold",
+        type=int,
+        default=512,
+        help="DBO runs on prefill batches of at least this many tokens (default 512)",
+    )
+
+
+def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
+    chosen = [
+        name
+        for name, on in (
+            ("tbo", args.enable_two_batch_overlap),
+            ("sbo", args.enable_single_batch_overlap),
+            ("dbo", args.enable_dbo),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"overlap schemes {' and '.join(chosen)} are mutually exclusive; enable at most one"
+        )
+    backend = args.moe_a2a_backend or ("local" if args.ep == 1 else "torch")
+    return OverlapConfig(
+        mode=chosen[0] if chosen else "none",
+        tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
+        num_micro_batches=args.num_micro_batches,
+        dbo_decode_token_threshold=args.dbo_decode_token_threshold,
+        dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
+        moe_a2a_backend=backend,
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -65,6 +156,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        overlap=overlap_from_args(args),
+        link=args.link,
+        timeout_s=args.timeout,
     )
 
 
@@ -156,9 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, InvalidRequestError) as exc:
+    except (ConfigError, CheckpointError, InvalidRequestError, ValueError) as exc:
         print(f"moe-overlap: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a rank failed, or the link could not be built
+        print(f"moe-overlap: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

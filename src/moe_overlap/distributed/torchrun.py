@@ -1,0 +1,80 @@
+"""Join a ``torchrun`` launch (one or several machines) instead of spawning ranks.
+
+Every process runs the same script. Rank 0 owns the scheduler: each step it broadcasts all
+ranks' batches, runs its own, and gathers the logits. The other ranks serve those steps inside
+``generate`` and return an empty list; ``close`` on rank 0 releases them.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moe_overlap.distributed.link import parse_link
+from moe_overlap.distributed.worker import RankSpec, build_rank_runner, serve_step
+from moe_overlap.engine.executor import EngineSpec
+from moe_overlap.engine.forward_batch import ForwardBatch
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class TorchrunExecutor:
+    def __init__(self, spec: EngineSpec, ep: int, link: str, timeout_s: float):
+        world = int(os.environ["WORLD_SIZE"])
+        if world != ep:
+            raise ValueError(f"torchrun started {world} processes but --ep={ep}; they must match")
+        self.rank, self.num_ranks = int(os.environ["RANK"]), world
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        rank = RankSpec(self.rank, world, "env://", timeout_s, parse_link(link))
+        self.runner = build_rank_runner(spec, rank)
+        self.is_driver = self.rank == 0
+        self.closed = False
+        self.last_spans = []
+
+    def _broadcast(self, msg=None):
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _step(self, batch: dict, overlap, record: bool) -> list | None:
+        reply = serve_step(self.runner, batch, overlap, record)
+        replies = [None] * self.num_ranks if self.is_driver else None
+        dist.gather_object(reply, replies, dst=0)
+        return replies
+
+    def run(self, batches: list[ForwardBatch], overlap=None, record: bool = False):
+        dicts = [b.to_dict() for b in batches]
+        self._broadcast(("step", dicts, overlap, record))
+        replies = self._step(dicts[0], overlap, record)
+        self.last_spans = [spans for _, spans in replies]
+        return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
+
+    def end_generate(self) -> None:
+        self._broadcast(("end",))
+
+    def serve(self) -> None:
+        """On ranks > 0: run rank 0's steps until it ends this generate call (or closes)."""
+        while True:
+            msg = self._broadcast()
+            if msg[0] != "step":
+                self.closed = msg[0] == "stop"
+                return
+            self._step(msg[1][self.rank], msg[2], msg[3])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.is_driver:
+            self._broadcast(("stop",))
+            self.closed = True
+        while not self.closed:  # ranks > 0 serve on until rank 0 says stop
+            self.serve()
+        self.closed = True
+        dist.destroy_process_group()
