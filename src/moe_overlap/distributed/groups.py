@@ -54,6 +54,22 @@ class CommHandle:
         return self._output
 
 
+class _Works:
+    """Several point-to-point operations that together make one collective."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self, timeout: timedelta) -> bool:
+        return all(w.wait(timeout=timeout) is not False for w in self.works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
 class Group:
     """A set of global ranks and the process group that connects them.
 
@@ -158,6 +174,7 @@ class Group:
         input_splits: list[int],
         output_splits: list[int],
         async_op: bool = False,
+        p2p: bool | None = None,
     ) -> torch.Tensor | CommHandle:
         """Send ``input_splits[p]`` rows of ``input`` (in order) to group rank ``p``; receive
         ``output_splits[p]`` rows from each. Splits may be uneven or zero."""
@@ -165,10 +182,32 @@ class Group:
         if self.pg is None:
             return self._run(None, input.clone(), "all_to_all", async_op)
         out = input.new_empty((sum(output_splits), *input.shape[1:]))
+        if p2p if p2p is not None else self.backend == "gloo":
+            return self._run(
+                self._all_to_all_p2p(out, input, input_splits, output_splits),
+                out,
+                "all_to_all",
+                async_op,
+            )
         work = dist.all_to_all_single(
             out, input.contiguous(), list(output_splits), list(input_splits), self.pg, async_op=True
         )
         return self._run(work, out, "all_to_all", async_op)
+
+    def _all_to_all_p2p(self, out, input, ins: list[int], outs: list[int]) -> _Works:
+        # Every receive is posted before any send: gloo's own all-to-all posts sends first and
+        # then, over a shaped link, sometimes takes twice size/rate.
+        src, dst = _offsets(ins), _offsets(outs)
+        me, works = self.rank, []
+        for p in range(self.size):
+            if p != me and outs[p]:
+                works.append(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
+        input = input.contiguous()
+        for p in range(self.size):
+            if p != me and ins[p]:
+                works.append(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
+        out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
+        return _Works(works)
 
     def _check_splits(self, input: torch.Tensor, ins: list[int], outs: list[int]) -> None:
         if len(ins) != self.size or len(outs) != self.size:
@@ -263,3 +302,11 @@ def init_process_groups(
     wpg = dist.group.WORLD if layout.world_size > 1 else None
     groups["world"] = Group(world, rank, wpg, backend=backend, timeout=timeout, name="world")
     return groups
+
+
+def _offsets(splits: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in splits:
+        out.append(total)
+        total += n
+    return out

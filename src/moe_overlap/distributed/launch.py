@@ -91,6 +91,12 @@ class SpawnedExecutor:
         self.last_spans = [spans for _, spans in replies]
         return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
 
+    def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
+        """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""
+        for conn in self.conns:
+            conn.send(("probe", num_bytes, repeats, p2p))
+        return self._collect("ok")
+
     def _collect(self, kind: str, startup: bool = False) -> list:
         """Each rank's reply, or a RankFailure naming the rank that failed first."""
         replies: dict[int, object] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +67,25 @@ def serve_step(runner, batch: dict, overlap, record: bool):
     return logits.numpy(), (runner.timeline.take() if record else None)
 
 
+def probe_all_to_all(
+    group, num_bytes: int, repeats: int, p2p: bool | None, link=None
+) -> list[float]:
+    """Seconds of each of ``repeats`` all-to-alls sending ``num_bytes`` from this rank, spread
+    evenly over the ranks (the share to itself never crosses the link)."""
+    rows = max(group.size, num_bytes // 4 // 1024 // group.size * group.size)
+    x = torch.zeros(rows, 1024)
+    splits = [rows // group.size] * group.size
+    times = []
+    for _ in range(repeats):
+        group.barrier()
+        start = time.perf_counter()
+        group.all_to_all(x, splits, splits, p2p=p2p)
+        if link is not None:  # a modelled link: no sooner than latency + crossing bytes / rate
+            link.wait_until(start, x.numel() * 4 * (group.size - 1) // group.size)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def rank_main(spec: EngineSpec, rank: RankSpec, conn) -> None:
     """Entry point of a spawned rank: serve ``("step", batch)`` until ``("stop",)``."""
     torch.set_num_threads(rank.threads)
@@ -81,7 +101,11 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            conn.send(("ok", serve_step(runner, *msg[1:])))
+            if msg[0] == "probe":
+                link = runner.dispatcher.link
+                conn.send(("ok", probe_all_to_all(runner.group, *msg[1:], link=link)))
+            else:
+                conn.send(("ok", serve_step(runner, *msg[1:])))
     except (EOFError, KeyboardInterrupt):
         pass  # the driver went away; just exit
     except BaseException as exc:  # report anything, then die: the driver stops every rank

@@ -203,6 +203,39 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe_link(args: argparse.Namespace) -> int:
+    from statistics import median
+
+    from moe_overlap.distributed.link import parse_link
+
+    spec = parse_link(args.link)
+    cfg = (
+        ModelConfig.from_hf("configs/qwen3-moe-tiny.json")
+        if args.config is None
+        else (ModelConfig.from_hf(args.config))
+    )
+    from moe_overlap.engine.llm import LLM
+
+    with LLM(config=cfg, ep=args.ep, link=args.link, timeout_s=args.timeout) as llm:
+        per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
+    slowest = [
+        max(ts) for ts in zip(*per_rank, strict=True)
+    ]  # a collective ends with its last rank
+    crossing = args.mib * 2**20 * (args.ep - 1) / args.ep
+    print(f"all-to-all of {args.mib:g} MiB per rank over {args.ep} ranks, link {spec.spec}:")
+    print(
+        f"  median {median(slowest) * 1e3:.1f} ms, min {min(slowest) * 1e3:.1f} ms, "
+        f"max {max(slowest) * 1e3:.1f} ms over {args.repeat} runs"
+    )
+    if spec.bytes_per_s:
+        ideal = crossing / spec.bytes_per_s + (spec.latency_s or 0.0)
+        print(
+            f"  size/rate of the {crossing / 2**20:g} MiB that leave each rank: "
+            f"{ideal * 1e3:.1f} ms (measured / ideal = {median(slowest) / ideal:.2f})"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-overlap",
@@ -233,6 +266,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k best; 0 disables")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
     gen.set_defaults(func=cmd_generate)
+
+    probe = sub.add_parser(
+        "probe-link",
+        help="time one all-to-all over a (shaped) link",
+        description="Start --ep ranks over --link and time all-to-alls of --mib MiB per rank, "
+        "next to size/rate.",
+    )
+    probe.add_argument("--ep", type=int, default=2, help="ranks (default 2)")
+    probe.add_argument(
+        "--link",
+        default="none",
+        metavar="SPEC",
+        help="none, netns:RATE or model:BANDWIDTH,LATENCY (see generate --help)",
+    )
+    probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
+    probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
+    probe.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    probe.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help="model config for the ranks (default configs/qwen3-moe-tiny.json)",
+    )
+    probe.set_defaults(func=cmd_probe_link)
 
     make = sub.add_parser(
         "make-model",
