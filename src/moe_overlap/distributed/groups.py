@@ -8,6 +8,7 @@ initialises ``torch.distributed``.
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 
 import torch
@@ -55,19 +56,47 @@ class CommHandle:
 
 
 class _Works:
-    """Several point-to-point operations that together make one collective."""
+    """Several point-to-point operations that together make one collective.
+
+    gloo's send/recv works have no future, and two threads must never wait on the same one,
+    so once a completion callback is wanted a single waiter thread owns the waiting.
+    """
 
     def __init__(self, works: list[dist.Work]):
         self.works = works
+        self._waiter: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: timedelta) -> bool:
-        return all(w.wait(timeout=timeout) is not False for w in self.works)
+        if self._waiter is None:
+            return all(w.wait(timeout=timeout) is not False for w in self.works)
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError("timed out waiting for the send/recv operations")
+        if self._error is not None:
+            raise self._error
+        return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return self._done.is_set() if self._waiter else all(w.is_completed() for w in self.works)
 
     def get_future(self) -> torch.futures.Future:
-        return torch.futures.collect_all([w.get_future() for w in self.works])
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
+            self._waiter.start()
+        return self._future
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as exc:  # handed to the caller's wait
+            self._error = exc
+        self._done.set()
+        if self._error is None:
+            self._future.set_result(None)
 
 
 class Group:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 
 class RMSNorm(nn.Module):
@@ -64,16 +65,16 @@ def causal_attention(
 ) -> torch.Tensor:
     """Attention of ``q [new, heads, d]`` over a sequence's cached ``k/v [len, kv_heads, d]``.
 
-    New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``.
+    New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
+    causal mask aligned to the lower right, which (with 4-D inputs) takes SDPA's fused CPU path.
     """
     new, length = q.shape[0], k.shape[0]
-    mask = torch.arange(length)[None, :] <= (prefix_len + torch.arange(new))[:, None]
+    assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
+    if q.shape[1] != k.shape[1]:  # GQA: the fused path wants one key head per query head
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(new, length), scale=scale,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

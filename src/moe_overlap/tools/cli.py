@@ -236,6 +236,75 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from moe_overlap.engine.llm import LLM
+    from moe_overlap.tools.bench import MODES, run_bench
+    from moe_overlap.tools.report import bench_table
+    from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
+    from moe_overlap.tools.workloads import parse_workload
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "none" not in modes:
+        raise ConfigError(
+            f"--modes {args.modes!r}: must include none and only "
+            f"{', '.join(MODES)}; unknown: {unknown}"
+        )
+    if args.ep < 2 and "dbo" in modes:
+        raise ConfigError("--modes with dbo needs --ep 2 or more")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat={args.repeat} must be >= 1")
+    cfg = ModelConfig.from_hf(args.model or args.config)
+    workload = parse_workload(args.workload, args.ep, args.seed)
+    longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
+    slots = max(len(lengths) for lengths in workload.lengths)
+    source = {"model": args.model} if args.model else {"config": cfg}
+    console = Console()
+    with LLM(
+        **source,
+        seed=args.seed,
+        ep=args.ep,
+        link=args.link,
+        timeout_s=args.timeout,
+        max_num_seqs=slots,
+        max_model_len=longest,
+    ) as llm:
+        report = run_bench(llm.executor, workload, modes, args.repeat, cfg.vocab_size, args.seed)
+    title = (
+        f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
+        f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
+    )
+    console.print(bench_table(report, title))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": args.model or args.config,
+                    "ep": args.ep,
+                    "link": args.link,
+                    **report.to_json(),
+                },
+                indent=2,
+            )
+        )
+    if args.trace:
+        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(report.recording, args.trace)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_timelines(report.recording, args.plot)
+    for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
+        if path:
+            console.print(f"{what}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-overlap",
@@ -290,6 +359,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="model config for the ranks (default configs/qwen3-moe-tiny.json)",
     )
     probe.set_defaults(func=cmd_probe_link)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time one workload through every overlap mode on the same ranks",
+        description="Run a workload through each overlap mode, alternating modes across "
+        "repetitions, and print tokens/s, time per forward, speed-up over none and overlap "
+        "efficiency against max(T_comp, T_comm), all measured in the same run.",
+    )
+    add_model_args(bench)
+    bench.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
+    bench.add_argument(
+        "--link",
+        default="none",
+        metavar="SPEC",
+        help="none, netns:RATE or model:BANDWIDTH,LATENCY (see generate --help)",
+    )
+    bench.add_argument(
+        "--workload",
+        default="uniform:30-3072",
+        metavar="SPEC",
+        help="single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH "
+        "(default uniform:30-3072)",
+    )
+    bench.add_argument(
+        "--modes",
+        default="none,sbo,tbo,tbo+two-chunk,dbo",
+        help="comma-separated overlap modes; none is the baseline (default: all)",
+    )
+    bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
+    bench.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    bench.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+    bench.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write a Chrome/Perfetto trace: a track per rank and micro-batch, "
+        "and one per rank for communication",
+    )
+    bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
+    bench.set_defaults(func=cmd_bench)
 
     make = sub.add_parser(
         "make-model",

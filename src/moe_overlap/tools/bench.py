@@ -1,0 +1,169 @@
+"""``moe-overlap bench``: one workload through every overlap mode, on the same ranks and link.
+
+Modes alternate within each repetition (in a rotating order) so machine noise hits all alike.
+``T_comm`` is measured in the same run: in the no-overlap mode every all-to-all is waited for as
+soon as it starts, so the sum of its communication spans (the slowest rank's) is the time spent
+communicating, and ``T_comp = T_none - T_comm``. The physical limit of a forward is
+``max(T_comp, T_comm)``; overlap efficiency is ``(T_none - T_mode) / (T_none - limit)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from rich.progress import Progress
+
+from moe_overlap.config import OverlapConfig
+from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.tools.workloads import Workload
+
+MODES: dict[str, OverlapConfig] = {
+    "none": OverlapConfig("none"),
+    "sbo": OverlapConfig("sbo"),
+    "tbo": OverlapConfig("tbo", tbo_token_distribution_threshold=0.0),
+    "tbo+two-chunk": OverlapConfig("tbo", tbo_token_distribution_threshold=0.48),
+    "dbo": OverlapConfig("dbo"),
+}
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    times: list[float] = field(default_factory=list)  # seconds per forward
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+@dataclass
+class BenchReport:
+    workload: Workload
+    results: dict[str, ModeResult]
+    t_comm: float
+    recording: dict  # mode -> rank -> spans of one recorded forward
+
+    @property
+    def t_none(self) -> float:
+        return self.results["none"].median
+
+    @property
+    def t_comp(self) -> float:
+        return max(self.t_none - self.t_comm, 0.0)
+
+    @property
+    def limit(self) -> float:
+        return max(self.t_comp, self.t_comm)
+
+    def speedup(self, mode: str) -> float:
+        return self.t_none / self.results[mode].median
+
+    def efficiency(self, mode: str) -> float | None:
+        room = self.t_none - self.limit
+        if room <= 0:
+            return None
+        return (self.t_none - self.results[mode].median) / room
+
+    def to_json(self) -> dict:
+        modes = {}
+        for name, r in self.results.items():
+            modes[name] = {
+                "times_s": r.times,
+                "median_s": r.median,
+                "tokens_per_s": self.workload.tokens / r.median,
+                "speedup": self.speedup(name),
+                "efficiency": self.efficiency(name),
+            }
+        return {
+            "workload": self.workload.spec,
+            "tokens_per_forward": self.workload.tokens,
+            "t_none_s": self.t_none,
+            "t_comp_s": self.t_comp,
+            "t_comm_s": self.t_comm,
+            "limit_s": self.limit,
+            "modes": modes,
+        }
+
+
+def make_batches(workload: Workload, vocab: int, seed: int) -> list[ForwardBatch]:
+    """The timed forward of each rank (prefill from scratch, or one decode step)."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for lengths in workload.lengths:
+        n = len(lengths)
+        batches.append(
+            ForwardBatch(
+                torch.randint(vocab, (sum(lengths),), generator=gen),
+                list(range(n)),
+                [workload.context] * n,
+                list(lengths),
+                is_decode=[workload.decode] * n,
+            )
+        )
+    return batches
+
+
+def fill_context(executor, workload: Workload, vocab: int, seed: int, chunk: int = 4096) -> None:
+    """Decode workloads: prefill every sequence's context once (the timed step rewrites the
+    token after it, so the cache stays valid across repetitions)."""
+    if not workload.decode:
+        return
+    gen = torch.Generator().manual_seed(seed + 1)
+    per_forward = max(1, chunk // workload.context)
+    size = max(len(lengths) for lengths in workload.lengths)
+    for first in range(0, size, per_forward):
+        batches = []
+        for lengths in workload.lengths:
+            slots = list(range(first, min(first + per_forward, len(lengths))))
+            ids = torch.randint(vocab, (workload.context * len(slots),), generator=gen)
+            batches.append(
+                ForwardBatch(ids, slots, [0] * len(slots), [workload.context] * len(slots))
+                if slots
+                else ForwardBatch.idle()
+            )
+        executor.run(batches, MODES["none"])
+
+
+def run_bench(
+    executor,
+    workload: Workload,
+    modes: list[str],
+    repeat: int,
+    vocab: int,
+    seed: int = 0,
+    progress: bool = True,
+    overrides: dict | None = None,
+) -> BenchReport:
+    configs = {m: (overrides or {}).get(m, MODES[m]) for m in modes}
+    batches = make_batches(workload, vocab, seed)
+    fill_context(executor, workload, vocab, seed)
+    results = {m: ModeResult(m) for m in modes}
+    recording, comm = {}, []
+    total = len(modes) * (repeat + 2)
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"bench {workload.spec}", total=total)
+        for m in modes:  # warm-up, then one recorded forward per mode for the timeline
+            executor.run(batches, configs[m])
+            executor.run(batches, configs[m], record=True)
+            recording[m] = executor.last_spans
+            bar.advance(task, 2)
+        for rep in range(repeat):
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+            for m in order:
+                start = time.perf_counter()
+                executor.run(batches, configs[m])
+                results[m].times.append(time.perf_counter() - start)
+                bar.advance(task)
+            if "none" in modes:  # the same-run measurement of T_comm
+                executor.run(batches, configs["none"], record=True)
+                comm.append(
+                    max(
+                        sum(s.end - s.start for s in spans if s.track == "comm")
+                        for spans in executor.last_spans
+                    )
+                )
+    t_comm = statistics.median(comm) if comm else 0.0
+    return BenchReport(workload, results, t_comm, recording)

@@ -1,0 +1,37 @@
+"""The bench's table: what a user reads first."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from moe_overlap.tools.bench import BenchReport
+
+
+def bench_table(report: BenchReport, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name, justify in (
+        ("mode", "left"),
+        ("tokens/s", "right"),
+        ("ms/forward", "right"),
+        ("spread (min-max)", "right"),
+        ("speed-up", "right"),
+        ("overlap eff.", "right"),
+    ):
+        table.add_column(name, justify=justify)
+    for mode, r in report.results.items():
+        eff = report.efficiency(mode)
+        table.add_row(
+            mode,
+            f"{report.workload.tokens / r.median:,.0f}",
+            f"{r.median * 1e3:.1f}",
+            f"{min(r.times) * 1e3:.0f}-{max(r.times) * 1e3:.0f}",
+            f"{report.speedup(mode):.2f}x",
+            "-" if mode == "none" or eff is None else f"{eff:.0%}",
+        )
+    table.caption = (
+        f"T_comp {report.t_comp * 1e3:.1f} ms, T_comm {report.t_comm * 1e3:.1f} ms "
+        f"(from the no-overlap forwards), physical limit max(T_comp, T_comm) = "
+        f"{report.limit * 1e3:.1f} ms"
+    )
+    table.caption_justify = "left"
+    return table

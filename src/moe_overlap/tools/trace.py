@@ -1,0 +1,105 @@
+"""Write recorded timelines as a Chrome/Perfetto trace and as a picture.
+
+Input: for each mode, for each rank, the spans of one recorded forward (``timeline.Span``).
+Tracks: one per micro-batch (computation) and one for communication (each all-to-all from its
+launch to its completion). Span times are ``perf_counter`` seconds, one clock for all local ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moe_overlap.timeline import Span
+
+Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
+
+
+def _tracks(spans: list[Span]) -> list[str]:
+    names = sorted({s.track for s in spans if s.track != "comm"})
+    return names + ["comm"]
+
+
+def write_chrome_trace(recording: Recording, path: str | Path) -> None:
+    """One process per (mode, rank), one thread per track; open in chrome://tracing or Perfetto."""
+    events: list[dict] = []
+    pid = 0
+    for mode, ranks in recording.items():
+        origin = min((s.start for spans in ranks for s in spans), default=0.0)
+        for rank, spans in enumerate(ranks):
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"name": f"{mode} / rank {rank}"},
+                }
+            )
+            for tid, track in enumerate(_tracks(spans)):
+                label = "communication" if track == "comm" else f"compute {track}"
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": tid,
+                        "args": {"name": label},
+                    }
+                )
+                for s in spans:
+                    if s.track == track:
+                        events.append(
+                            {
+                                "ph": "X",
+                                "name": s.name,
+                                "pid": pid,
+                                "tid": tid,
+                                "ts": (s.start - origin) * 1e6,
+                                "dur": (s.end - s.start) * 1e6,
+                            }
+                        )
+            pid += 1
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> None:
+    """One panel per mode (same time axis): a lane per micro-batch and one for communication."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(recording)
+    fig, axes = plt.subplots(
+        len(modes), 1, figsize=(11, 1.3 + 1.1 * len(modes) * 1.6), sharex=True, squeeze=False
+    )
+    longest = 0.0
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        spans = recording[mode][rank]
+        origin = min((s.start for s in spans), default=0.0)
+        tracks = _tracks(spans)
+        for lane, track in enumerate(tracks):
+            bars = [
+                ((s.start - origin) * 1e3, (s.end - s.start) * 1e3)
+                for s in spans
+                if s.track == track
+            ]
+            color = "tab:orange" if track == "comm" else f"C{lane % 10}"
+            ax.broken_barh(
+                bars, (lane - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3
+            )
+        end = max(((s.end - origin) * 1e3 for s in spans), default=0.0)
+        longest = max(longest, end)
+        ax.set_yticks(range(len(tracks)), ["comm" if t == "comm" else t for t in tracks])
+        ax.set_ylim(-0.6, len(tracks) - 0.4)
+        ax.set_title(f"{mode}: one forward on rank {rank}, {end:.0f} ms", loc="left", fontsize=10)
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlim(0, longest * 1.02)
+    axes[-1, 0].set_xlabel(
+        "ms since the forward began (compute lanes per micro-batch; "
+        "comm: each all-to-all from launch to completion)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
