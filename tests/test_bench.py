@@ -1,0 +1,107 @@
+"""The benchmark: workloads, and one end-to-end run writing JSON, a Chrome trace and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_overlap.tools.cli import main
+from moe_overlap.tools.workloads import WorkloadError, parse_workload
+
+
+def test_workloads_parse_and_seeds_reproduce():
+    assert parse_workload("single-long", 2).lengths == [[3072], [3072]]
+    assert parse_workload("single-long:100", 1).lengths == [[100]]
+    a, b = (
+        parse_workload("uniform:30-300:1000", 2, seed=4),
+        parse_workload("uniform:30-300:1000", 2, seed=4),
+    )
+    assert (
+        a.lengths == b.lengths and a.lengths != parse_workload("uniform:30-300:1000", 2, 5).lengths
+    )
+    assert all(sum(r) == 1000 and all(1 <= n <= 300 for n in r) for r in a.lengths)
+    d = parse_workload("decode:64:128", 2)
+    assert d.decode and d.context == 128 and d.lengths == [[1] * 64] * 2
+
+
+def test_file_workloads(tmp_path):
+    flat = tmp_path / "flat.json"
+    flat.write_text("[500, 100, 300, 300]")
+    assert parse_workload(f"file:{flat}", 2).lengths == [[500], [100, 300, 300]]
+    per_rank = tmp_path / "ranks.json"
+    per_rank.write_text("[[5, 6], [7]]")
+    assert parse_workload(f"file:{per_rank}", 2).lengths == [[5, 6], [7]]
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("uniform:5-2", "A=5 is larger than B=2"),
+        ("file:/no/such.json", "no file at"),
+        ("uniform:x-9", "A='x' is not an integer"),
+        ("decode:0", "BS=0 must be >= 1"),
+        ("zipf:3", "unknown workload 'zipf:3'"),
+    ],
+)
+def test_bad_workloads(spec, match):
+    with pytest.raises(WorkloadError, match=match):
+        parse_workload(spec, 2)
+
+
+def test_bad_file_contents(tmp_path):
+    path = tmp_path / "w.json"
+    for text, match in (
+        ('{"a": 1}', "must hold a non-empty JSON list"),
+        ("[1, -3]", "positive"),
+        ("[[1], [2], [3]]", "3 per-rank lists for 2 ranks"),
+        ("[1,", "not valid JSON"),
+    ):
+        path.write_text(text)
+        with pytest.raises(WorkloadError, match=match):
+            parse_workload(f"file:{path}", 2)
+
+
+def test_bench_end_to_end(tmp_path, capsys):
+    out = {k: tmp_path / f"bench.{k}" for k in ("json", "trace", "png")}
+    code = main(
+        [
+            "bench",
+            "--config",
+            "configs/qwen3-moe-tiny.json",
+            "--ep",
+            "2",
+            "--workload",
+            "uniform:20-120:200",
+            "--repeat",
+            "2",
+            "--modes",
+            "none,tbo,tbo+two-chunk",
+            "--json",
+            str(out["json"]),
+            "--trace",
+            str(out["trace"]),
+            "--plot",
+            str(out["png"]),
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "tbo+two-chunk" in printed and "speed-up" in printed
+    report = json.loads(out["json"].read_text())
+    assert set(report["modes"]) == {"none", "tbo", "tbo+two-chunk"}
+    for mode in report["modes"].values():
+        assert len(mode["times_s"]) == 2 and mode["median_s"] > 0 and mode["tokens_per_s"] > 0
+    assert report["tokens_per_forward"] == 400 and report["t_comm_s"] > 0
+    trace = json.loads(out["trace"].read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"tbo / rank 0", "tbo / rank 1", "compute mb0", "compute mb1", "communication"} <= names
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 for e in spans)
+    assert any(e["name"].startswith("dispatch") for e in spans)
+    assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_bad_modes(capsys):
+    assert main(["bench", "--config", "configs/qwen3-moe-tiny.json", "--modes", "tbo"]) == 2
+    assert "must include none" in capsys.readouterr().err
