@@ -13,6 +13,7 @@ from pathlib import Path
 from moe_overlap.timeline import Span
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
+_COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange
 
 
 def _tracks(spans: list[Span]) -> list[str]:
@@ -85,7 +86,7 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
                 for s in spans
                 if s.track == track
             ]
-            color = "tab:orange" if track == "comm" else f"C{lane % 10}"
+            color = "tab:orange" if track == "comm" else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
             ax.broken_barh(
                 bars, (lane - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3
             )
