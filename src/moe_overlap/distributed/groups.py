@@ -94,9 +94,9 @@ class _Works:
                 w.wait()
         except BaseException as exc:  # handed to the caller's wait
             self._error = exc
-        self._done.set()
-        if self._error is None:
+        if self._error is None:  # callbacks (timeline spans) run before any wait returns
             self._future.set_result(None)
+        self._done.set()
 
 
 class Group:

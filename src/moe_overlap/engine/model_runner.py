@@ -71,4 +71,12 @@ def _build_scheme(runner: ModelRunner, cfg: OverlapConfig):
         from moe_overlap.overlap.two_batch import TwoBatchOverlap
 
         return TwoBatchOverlap(runner.model, cfg, runner.group)
+    if cfg.mode == "dbo":
+        from moe_overlap.overlap.dbo import DualBatchOverlap
+
+        return DualBatchOverlap(runner.model, cfg, runner.group)
+    if cfg.mode == "sbo":
+        from moe_overlap.overlap.sbo import SingleBatchOverlap
+
+        return SingleBatchOverlap(runner.model, cfg, runner.group)
     raise NotImplementedError(f"overlap mode {cfg.mode!r} is not implemented yet")

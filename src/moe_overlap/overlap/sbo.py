@@ -1,0 +1,165 @@
+"""Single-batch overlap (SGLang SBO): hide the MoE all-to-all inside one batch's own MoE layer.
+
+Two overlaps, no micro-batches:
+- dispatch's receive overlaps the shared experts: they run between ``dispatch_a`` (which starts
+  the all-to-all) and ``dispatch_b`` (which waits for it);
+- combine overlaps the down projection: this rank's local experts run in blocks, and as soon as
+  a block is done its outputs start back to their source ranks while the next block computes.
+
+Every rank runs its own batch, so nothing is agreed per forward; the number of combine pieces
+depends only on the settings and the local expert count, which are the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.config import ConfigError, OverlapConfig
+from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.context import ForwardContext
+from moe_overlap.model.decoder import DENSE_OPS, DecoderLayer
+from moe_overlap.model.moe import ExpertBank
+from moe_overlap.overlap.operations import Op, execute_operations
+
+# One MoE layer under SBO, in order. Layers without shared experts (Qwen3) skip that op.
+SBO_MOE_OPS: tuple[str, ...] = (
+    "prepare_attn",
+    "attn_prepare",
+    "attn_core",
+    "prepare_mlp",
+    "gate",
+    "select_experts",
+    "dispatch_a",
+    "shared_experts",
+    "dispatch_b",
+    "experts_combine_a",
+    "combine_b",
+    "output",
+)
+# SBO's own ops, and the layer ops each one stands for.
+SBO_OWN_OPS: dict[str, tuple[str, ...]] = {"experts_combine_a": ("experts", "combine_a")}
+OPTIONAL_OPS = frozenset({"shared_experts"})
+
+
+def expert_blocks(num_local: int, num_blocks: int) -> list[range]:
+    """Local experts ``0 .. num_local - 1`` in ``min(num_blocks, num_local)`` contiguous blocks
+    whose sizes differ by at most one.
+
+    More blocks than experts would only add all-to-alls with no rows, so the count is capped;
+    it depends only on its arguments, so every rank makes the same pieces in the same order.
+    """
+    if num_local < 1 or num_blocks < 1:
+        raise ValueError(f"need >= 1 expert and >= 1 block, got {num_local} and {num_blocks}")
+    n = min(num_blocks, num_local)
+    bounds = [num_local * b // n for b in range(n + 1)]
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+class CommLane:
+    """Where SBO launches a combine piece: right after the block of experts that produced it.
+
+    CPU (gloo): ops run in program order on the caller's thread and an async all-to-all
+    progresses on gloo's own thread, so launching is a plain call and the next block computes
+    while the piece is in flight.
+
+    CUDA (not exercised here: no GPU): torch's NCCL backend already issues an async collective
+    on its own stream after making it wait for the current one (the alternate-stream-plus-event
+    pattern of SGLang's SBO), so the same call orders piece b after block b's down projection.
+    What is *not* done is reserving ``comm_sms`` SMs for communication (SGLang: 3 on Hopper, 32
+    on Blackwell) and giving the down GEMM the rest: that needs a communication kernel and a
+    GEMM that take an SM budget (DeepEP, DeepGEMM). ``comm_sms`` is validated and recorded
+    only; it changes nothing on CPU.
+    """
+
+    def __init__(self, comm_sms: int, device: torch.device):
+        self.comm_sms, self.device = comm_sms, device
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).multi_processor_count
+            if comm_sms >= total:
+                raise ConfigError(
+                    f"--sbo-comm-sms={comm_sms} leaves no SMs for computation ({total} in all)"
+                )
+
+    def launch(self, start: Callable[..., None], *args) -> None:
+        start(*args)
+
+
+@dataclass
+class ExpertsThenCombine:
+    """One MoE layer's ``experts`` and ``combine_a``, interleaved block by block."""
+
+    layer_id: int
+    bank: ExpertBank
+    blocks: list[range]
+    lane: CommLane
+
+    def __call__(self, ctx: ForwardContext) -> None:
+        d = ctx.state.get("dispatch")
+        d.expert_outputs = torch.empty_like(d.expert_inputs)
+        for i, experts in enumerate(self.blocks):
+            with _span(ctx, f"layer {self.layer_id} experts {i}/{len(self.blocks)}"):
+                self.bank.run_experts(
+                    d.expert_inputs, d.tokens_per_expert, d.expert_outputs, experts
+                )
+            self.lane.launch(ctx.dispatcher.combine_a_block, d, experts)
+
+
+def _span(ctx: ForwardContext, name: str):
+    # a track of its own: the stage spans on ctx.name already cover this time
+    timeline = ctx.timeline
+    return timeline.span(f"{ctx.name} sbo", name) if timeline is not None else nullcontext()
+
+
+def _timed(layer_id: int, name: str, op: Op) -> Op:
+    def run(ctx: ForwardContext, **kw) -> dict | None:
+        with _span(ctx, f"layer {layer_id} {name}"):
+            return op(ctx, **kw)
+
+    return run
+
+
+def layer_sbo_ops(layer: DecoderLayer, blocks: int, lane: CommLane) -> list[Op]:
+    """``layer``'s operations in SBO order, checked to cover exactly the layer's own ops."""
+    if not layer.is_moe:
+        return [layer.op(name) for name in DENSE_OPS]
+    names = [n for n in SBO_MOE_OPS if n in layer.op_names or n in SBO_OWN_OPS]
+    missing = set(SBO_MOE_OPS) - set(names)
+    covered = sorted(op for n in names for op in SBO_OWN_OPS.get(n, (n,)))
+    if missing - OPTIONAL_OPS or covered != sorted(layer.op_names):
+        raise ValueError(
+            f"SBO order {SBO_MOE_OPS} covers {covered}, but layer {layer.layer_id} has "
+            f"{sorted(layer.op_names)}"
+        )
+    bank = layer.mlp.experts
+    own = ExpertsThenCombine(layer.layer_id, bank, expert_blocks(bank.count, blocks), lane)
+    ops: list[Op] = []
+    for name in names:
+        if name == "experts_combine_a":
+            ops.append(own)
+        elif name == "shared_experts":
+            ops.append(_timed(layer.layer_id, "shared experts", layer.op(name)))
+        else:
+            ops.append(layer.op(name))
+    return ops
+
+
+class SingleBatchOverlap:
+    """The SBO scheme: ``forward(batch, runner)`` returns the batch's logits."""
+
+    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group=None):
+        self.model, self.cfg, self.group = model, cfg, group
+        device = group.device if group is not None else torch.device("cpu")
+        self.lane = CommLane(cfg.sbo_comm_sms, device)
+        self.ops: list[Op] = [model.op_embed]
+        for layer in model.layers:
+            self.ops += layer_sbo_ops(layer, cfg.sbo_combine_blocks, self.lane)
+        self.ops.append(model.op_logits)
+
+    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor:
+        """Logits ``[rows, vocab]``; an idle rank runs the same all-to-alls with no rows."""
+        return execute_operations(runner.context(batch), self.ops)["logits"]
