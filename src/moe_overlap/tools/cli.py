@@ -105,6 +105,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the rest compute, and run shared experts during the dispatch",
     )
     o.add_argument(
+        "--sbo-combine-blocks",
+        type=int,
+        default=2,
+        help="SBO: local experts are run in this many blocks, each block's outputs "
+        "sent back while the next computes (default 2)",
+    )
+    o.add_argument(
+        "--sbo-comm-sms",
+        type=int,
+        default=3,
+        help="SBO on CUDA: SMs reserved for communication (recorded; CPU ignores it)",
+    )
+    o.add_argument(
         "--enable-dbo",
         action="store_true",
         help="vLLM DBO: two micro-batches on two threads handing a baton at each "
@@ -145,6 +158,8 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         num_micro_batches=args.num_micro_batches,
         dbo_decode_token_threshold=args.dbo_decode_token_threshold,
         dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
+        sbo_combine_blocks=args.sbo_combine_blocks,
+        sbo_comm_sms=args.sbo_comm_sms,
         moe_a2a_backend=backend,
     )
 
