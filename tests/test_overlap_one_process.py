@@ -22,6 +22,7 @@ MODES = [
     OverlapConfig("tbo", moe_a2a_backend="local"),
     OverlapConfig("tbo", tbo_token_distribution_threshold=0, moe_a2a_backend="local"),
     OverlapConfig("tbo", num_micro_batches=3, moe_a2a_backend="local"),
+    OverlapConfig("tbo", tbo_split_policy="time", moe_a2a_backend="local"),
 ]
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from moe_overlap.engine.forward_batch import ForwardBatch
 from moe_overlap.overlap.split import (
+    CostModel,
     balanced_seq_split,
     check_threshold,
     merge_logits,
@@ -141,3 +142,27 @@ def test_merge_logits_restores_the_parent_rows(lens, flags, threshold):
         )
 
     assert torch.equal(merge_logits(batch, plan, [fake(c) for c in children]), fake(batch))
+
+
+COST = CostModel(per_token=1000.0, per_pair=1.0)
+
+
+@settings(max_examples=600, deadline=None)
+@given(lens=lens_st, prefixes=st.lists(st.integers(0, 300), min_size=12, max_size=12))
+def test_time_balanced_two_chunk_properties(lens, prefixes):
+    batch = extend_batch(lens, prefixes[: len(lens)])
+    if not needs_two_chunk(lens, 0.48):
+        return
+    plan = plan_two_batch(batch, 0.48, COST)
+    children = check_children(batch, plan)
+    assert all(c.num_tokens > 0 for c in children)
+    a, b = (COST.cost(batch, child) for child in plan)
+    # moving the cut by one token changes each side by at most one token's cost
+    one_token = COST.per_token + COST.per_pair * (max(prefixes) + sum(lens))
+    assert abs(a - b) <= one_token
+
+
+def test_time_balanced_cut_gives_the_first_chunk_more_tokens():
+    plan = plan_two_batch(extend_batch([3072]), 0.48, COST)
+    first, second = (sum(p.length for p in child) for child in plan)
+    assert first > second and first + second == 3072

@@ -331,6 +331,8 @@ class OverlapConfig:
     mode: str = "none"  # none | tbo | sbo | dbo
     tbo_token_distribution_threshold: float = 0.48  # two-chunk split; 0 disables it
     num_micro_batches: int = 2
+    # where two-chunk cuts: "tokens" halves the tokens (SGLang), "time" balances estimated cost
+    tbo_split_policy: str = "tokens"
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     moe_a2a_backend: str = "torch"
@@ -338,6 +340,10 @@ class OverlapConfig:
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
 
     def __post_init__(self) -> None:
+        if self.tbo_split_policy not in ("tokens", "time"):
+            raise ConfigError(
+                f"--tbo-split-policy={self.tbo_split_policy!r} must be tokens or time"
+            )
         if self.mode not in OVERLAP_MODES:
             raise ConfigError(f"overlap={self.mode!r} must be one of {', '.join(OVERLAP_MODES)}")
         if self.moe_a2a_backend not in A2A_BACKENDS:

@@ -79,14 +79,70 @@ def seq_split(lens: list[int], index: int) -> Plan:
     ]
 
 
-def plan_two_batch(batch: ForwardBatch, threshold: float) -> Plan:
+@dataclass(frozen=True)
+class CostModel:
+    """Estimated time of a micro-batch: ``per_token`` for every token (the linear layers and
+    experts) plus ``per_pair`` for every query-key pair attention scores (a later chunk of a
+    cut sequence attends over the earlier one, so equal tokens are not equal time)."""
+
+    per_token: float
+    per_pair: float
+
+    @classmethod
+    def for_model(cls, cfg) -> CostModel:
+        h = cfg.hidden_size
+        if cfg.is_deepseek:
+            heads_dim = cfg.num_attention_heads * (
+                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+            )
+            attn = h * (cfg.q_lora_rank or 0) + h * cfg.kv_lora_rank + 2 * heads_dim * h
+        else:
+            heads_dim = 2 * cfg.num_attention_heads * cfg.head_dim
+            attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+            attn += cfg.num_attention_heads * cfg.head_dim * h
+        experts = (
+            3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+        )
+        return cls(per_token=2.0 * (attn + experts), per_pair=2.0 * heads_dim)
+
+    def cost(self, batch: ForwardBatch, child: list[Piece]) -> float:
+        total = 0.0
+        for p in child:
+            prefix = batch.prefix_lens[p.seq] + p.start
+            total += self.per_token * p.length + self.per_pair * p.length * (
+                prefix + (p.length + 1) / 2
+            )
+        return total
+
+
+def time_balanced_cut(batch: ForwardBatch, cost: CostModel) -> int:
+    """The token offset that best balances the two children's estimated cost."""
+    lens = batch.extend_lens
+
+    def gap(cut: int) -> float:
+        a, b = token_split(lens, [cut])
+        return cost.cost(batch, a) - cost.cost(batch, b)
+
+    lo, hi = 1, sum(lens) - 1  # gap grows with cut: bisect for its sign change
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if gap(mid) < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    return min((lo - 1, lo), key=lambda c: abs(gap(c)) if c >= 1 else float("inf"))
+
+
+def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None = None) -> Plan:
     """SGLang's two-batch split: decode halves the sequences; extend balances tokens by
-    sequence, and cuts a sequence in two (two-chunk overlap) when that split is lopsided."""
+    sequence, and cuts a sequence in two (two-chunk overlap) when that split is lopsided.
+    With a ``cost`` model the cut balances estimated time instead of tokens (ours)."""
     lens = batch.extend_lens
     if batch.mode == ForwardMode.DECODE:
         return seq_split(lens, (len(lens) + 1) // 2)
     if needs_two_chunk(lens, threshold):
-        return token_split(lens, [sum(lens) // 2])
+        cut = time_balanced_cut(batch, cost) if cost is not None else sum(lens) // 2
+        return token_split(lens, [cut])
     return seq_split(lens, balanced_seq_split(lens))
 
 

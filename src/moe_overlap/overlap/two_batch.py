@@ -15,7 +15,13 @@ from moe_overlap.config import OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch, ForwardMode
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.operations import execute_overlapped
-from moe_overlap.overlap.split import merge_logits, plan_even_tokens, plan_two_batch, split_batch
+from moe_overlap.overlap.split import (
+    CostModel,
+    merge_logits,
+    plan_even_tokens,
+    plan_two_batch,
+    split_batch,
+)
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
@@ -47,6 +53,7 @@ def agree(batch: ForwardBatch, group) -> TboDecision:
 class TwoBatchOverlap:
     def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group=None):
         self.model, self.cfg, self.group = model, cfg, group
+        self.cost = CostModel.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
         self.ops = {d: build_operations(model, strategy_for(model, d)) for d in (False, True)}
 
     def plan(self, batch: ForwardBatch):
@@ -54,7 +61,7 @@ class TwoBatchOverlap:
         if batch.mode == ForwardMode.IDLE:
             return [[] for _ in range(n)]
         if n == 2:
-            return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold)
+            return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
         return plan_even_tokens(batch, n)
 
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:

@@ -25,6 +25,9 @@ MODES: dict[str, OverlapConfig] = {
     "sbo": OverlapConfig("sbo"),
     "tbo": OverlapConfig("tbo", tbo_token_distribution_threshold=0.0),
     "tbo+two-chunk": OverlapConfig("tbo", tbo_token_distribution_threshold=0.48),
+    "tbo+time-split": OverlapConfig(
+        "tbo", tbo_token_distribution_threshold=0.48, tbo_split_policy="time"
+    ),
     "dbo": OverlapConfig("dbo"),
 }
 

@@ -156,6 +156,7 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         mode=chosen[0] if chosen else "none",
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
         num_micro_batches=args.num_micro_batches,
+        tbo_split_policy=args.tbo_split_policy,
         dbo_decode_token_threshold=args.dbo_decode_token_threshold,
         dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
         sbo_combine_blocks=args.sbo_combine_blocks,
