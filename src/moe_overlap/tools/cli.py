@@ -105,6 +105,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the rest compute, and run shared experts during the dispatch",
     )
     o.add_argument(
+        "--tbo-split-policy",
+        choices=("tokens", "time"),
+        default="tokens",
+        help="where two-chunk cuts: tokens halves the tokens (SGLang); time balances estimated "
+        "time (a later chunk also attends over the earlier one)",
+    )
+    o.add_argument(
         "--sbo-combine-blocks",
         type=int,
         default=2,
