@@ -77,4 +77,5 @@ class TorchrunExecutor:
         while not self.closed:  # ranks > 0 serve on until rank 0 says stop
             self.serve()
         self.closed = True
+        dist.barrier()  # nobody tears the group down while a peer still uses it
         dist.destroy_process_group()
