@@ -31,8 +31,10 @@ def pick_link(console: Console) -> str:
         with NetnsLink(2, RATE):
             pass
     except (LinkUnavailable, OSError) as exc:
-        console.print(f"[yellow]network namespaces are not permitted here ({exc}); "
-                      f"using the modelled link instead[/]")
+        console.print(
+            f"[yellow]network namespaces are not permitted here ({exc}); "
+            f"using the modelled link instead[/]"
+        )
         return f"model:{RATE},50us"
     console.print(f"link: each rank in its own network namespace, shaped to {RATE} by tc tbf")
     return f"netns:{RATE}"
@@ -55,9 +57,27 @@ def main() -> None:
     verdict = "identical" if alone == spread else "DIFFERENT (a bug: please report it)"
     console.print(f"greedy tokens, 1 process vs 2 ranks with two-batch overlap: {verdict}")
 
-    cli(["bench", "--model", str(model_dir), "--ep", "2", "--link", link, "--workload", WORKLOAD,
-         "--repeat", "4", "--json", str(OUT / "bench.json"), "--trace", str(OUT / "trace.json"),
-         "--plot", str(OUT / "timeline.png")])
+    cli(
+        [
+            "bench",
+            "--model",
+            str(model_dir),
+            "--ep",
+            "2",
+            "--link",
+            link,
+            "--workload",
+            WORKLOAD,
+            "--repeat",
+            "4",
+            "--json",
+            str(OUT / "bench.json"),
+            "--trace",
+            str(OUT / "trace.json"),
+            "--plot",
+            str(OUT / "timeline.png"),
+        ]
+    )
 
 
 if __name__ == "__main__":

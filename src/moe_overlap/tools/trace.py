@@ -86,7 +86,9 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
                 for s in spans
                 if s.track == track
             ]
-            color = "tab:orange" if track == "comm" else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
+            color = (
+                "tab:orange" if track == "comm" else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
+            )
             ax.broken_barh(
                 bars, (lane - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3
             )
