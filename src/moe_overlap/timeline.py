@@ -6,6 +6,7 @@ Disabled by default and then costs one attribute check per stage. Spans use
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Span:
-    track: str  # "mb0", "mb1", ... for computation; "comm" for communication
+    track: str  # "mb0", "mb1", ... computing; "mb0 wait" blocked on an all-to-all; "comm"
     name: str
     start: float
     end: float
@@ -23,6 +24,16 @@ class Timeline:
     def __init__(self) -> None:
         self.enabled = False
         self.spans: list[Span] = []
+        self._local = threading.local()  # DBO runs micro-batches on threads
+
+    @property
+    def current(self) -> str:
+        """The micro-batch this thread is computing, for spans recorded below the op level."""
+        return getattr(self._local, "track", "mb0")
+
+    @current.setter
+    def current(self, track: str) -> None:
+        self._local.track = track
 
     def add(self, track: str, name: str, start: float, end: float) -> None:
         if self.enabled:

@@ -85,7 +85,7 @@ def parse_link(spec: str) -> LinkSpec:
     raise ValueError(f"bad --link {spec!r}; accepted: {_FORMS}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class ModelledLink:
     """A link that exists only as arithmetic: delay = latency + bytes / bandwidth."""
 
@@ -101,6 +101,26 @@ class ModelledLink:
     def delay_for(self, num_bytes: int) -> float:
         """Seconds a transfer of `num_bytes` (the busiest direction of one rank) takes."""
         return self.latency_s + num_bytes / self.bytes_per_s
+
+    def __post_init__(self) -> None:
+        self._free_at = 0.0  # when this rank's link finishes what is already queued on it
+        self._lock = threading.Lock()
+
+    def reserve(self, start_time: float, num_bytes: int) -> float:
+        """Queue a transfer issued at `start_time`; return when it completes.
+
+        Transfers in flight at once share the link: each waits for those queued before it, as
+        on one NIC, so two micro-batches' all-to-alls cannot both get the full bandwidth.
+        """
+        with self._lock:
+            begin = max(start_time, self._free_at)
+            self._free_at = begin + num_bytes / self.bytes_per_s
+            return self._free_at + self.latency_s
+
+    def sleep_until(self, end_time: float) -> None:
+        remaining = end_time - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def wait_until(self, start_time: float, num_bytes: int) -> float:
         """Sleep until `start_time + delay_for(num_bytes)`; return the seconds slept.

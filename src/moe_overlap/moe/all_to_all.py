@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -25,12 +26,13 @@ class _Linked:
     def __init__(self, handle, link, num_bytes: int):
         self.handle, self.link, self.num_bytes = handle, link, num_bytes
         self.start = time.perf_counter()
-        self.earliest_end = self.start + (link.delay_for(num_bytes) if link is not None else 0.0)
+        self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
 
-    def wait(self) -> torch.Tensor:
-        out = self.handle.wait()
-        if self.link is not None:
-            self.link.wait_until(self.start, self.num_bytes)
+    def wait(self, timeline=None) -> torch.Tensor:
+        with timeline.span(f"{timeline.current} wait", "wait") if timeline else nullcontext():
+            out = self.handle.wait()
+            if self.link is not None:
+                self.link.sleep_until(self.earliest_end)
         return out
 
 
@@ -60,6 +62,10 @@ class AllToAllDispatcher:
             handle.on_complete(done)
         return linked
 
+    def _recording(self):
+        """The timeline, when it records the time micro-batches spend blocked on a receive."""
+        return self.timeline if self.timeline is not None and self.timeline.enabled else None
+
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchState:
@@ -76,7 +82,7 @@ class AllToAllDispatcher:
         return state
 
     def dispatch_b(self, state: DispatchState) -> None:
-        received = state.pending.wait()
+        received = state.pending.wait(self._recording())
         state.pending = None
         recv_counts = state.extra["recv_counts"]
         # rows arrive grouped by source rank, then expert; regroup by expert, then source
@@ -112,7 +118,7 @@ class AllToAllDispatcher:
         state.pending.pieces.append((self._start(kind, rows, send, recv), incoming))
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
-        return weighted_sum(state, state.pending.wait())
+        return weighted_sum(state, state.pending.wait(self._recording()))
 
 
 def piece_layout(counts: torch.Tensor, experts: range) -> tuple[torch.Tensor, list[int]]:
@@ -137,8 +143,8 @@ class CombinePieces:
         self.out = like.new_empty((rows, *like.shape[1:]))
         self.pieces: list[tuple[_Linked, torch.Tensor]] = []  # (handle, positions in out)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeline=None) -> torch.Tensor:
         for handle, positions in self.pieces:
-            self.out[positions] = handle.wait()
+            self.out[positions] = handle.wait(timeline)
         self.pieces = []
         return self.out

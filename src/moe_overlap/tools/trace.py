@@ -17,8 +17,12 @@ _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never 
 
 
 def _tracks(spans: list[Span]) -> list[str]:
-    names = sorted({s.track for s in spans if s.track != "comm"})
+    names = sorted({s.track for s in spans if s.track != "comm" and not s.track.endswith(" wait")})
     return names + ["comm"]
+
+
+def _bars(spans: list[Span], track: str, origin: float) -> list[tuple[float, float]]:
+    return [((s.start - origin) * 1e3, (s.end - s.start) * 1e3) for s in spans if s.track == track]
 
 
 def write_chrome_trace(recording: Recording, path: str | Path) -> None:
@@ -37,8 +41,14 @@ def write_chrome_trace(recording: Recording, path: str | Path) -> None:
                     "args": {"name": f"{mode} / rank {rank}"},
                 }
             )
-            for tid, track in enumerate(_tracks(spans)):
+            tracks = _tracks(spans) + sorted({s.track for s in spans if s.track.endswith("wait")})
+            for tid, track in enumerate(tracks):
                 label = "communication" if track == "comm" else f"compute {track}"
+                label = (
+                    f"{track.removesuffix(' wait')} blocked on a receive"
+                    if track.endswith("wait")
+                    else label
+                )
                 events.append(
                     {
                         "ph": "M",
@@ -81,16 +91,19 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
         origin = min((s.start for s in spans), default=0.0)
         tracks = _tracks(spans)
         for lane, track in enumerate(tracks):
-            bars = [
-                ((s.start - origin) * 1e3, (s.end - s.start) * 1e3)
-                for s in spans
-                if s.track == track
-            ]
             color = (
                 "tab:orange" if track == "comm" else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
             )
             ax.broken_barh(
-                bars, (lane - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3
+                _bars(spans, track, origin),
+                (lane - 0.4, 0.8),
+                facecolors=color,
+                edgecolors="white",
+                linewidth=0.3,
+            )
+            # where the micro-batch sat blocked on a receive, over its compute bar
+            ax.broken_barh(
+                _bars(spans, f"{track} wait", origin), (lane - 0.4, 0.8), facecolors="0.85"
             )
         end = max(((s.end - origin) * 1e3 for s in spans), default=0.0)
         longest = max(longest, end)
@@ -100,8 +113,8 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
         ax.invert_yaxis()
     axes[-1, 0].set_xlim(0, longest * 1.02)
     axes[-1, 0].set_xlabel(
-        "ms since the forward began (compute lanes per micro-batch; "
-        "comm: each all-to-all from launch to completion)"
+        "ms since the forward began: a lane per micro-batch (grey where it waits for a receive), "
+        "comm: each all-to-all from launch to completion"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
