@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
-from moe_overlap.moe.dispatch import DispatchState, weighted_sum
+from moe_overlap.moe.dispatch import DispatchState, sort_by_expert, weighted_sum
 
 
 class _Linked:
@@ -69,16 +69,14 @@ class AllToAllDispatcher:
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchState:
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.ep * self.local).view(self.ep, self.local)
+        order, rows, counts = sort_by_expert(hidden, topk_ids, self.ep * self.local)
+        counts = counts.view(self.ep, self.local)  # rows for each rank's local experts
         # recv_counts[p, e]: rows rank p sends to my local expert e
         recv_counts = self.group.all_to_all(counts.contiguous(), [1] * self.ep, [1] * self.ep)
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         state = DispatchState(hidden.shape[0], topk_weights, order)
         state.extra.update(send=send, recv=recv, recv_counts=recv_counts, counts=counts)
-        state.pending = self._start("dispatch", hidden[order // k], send, recv)
+        state.pending = self._start("dispatch", rows, send, recv)
         return state
 
     def dispatch_b(self, state: DispatchState) -> None:

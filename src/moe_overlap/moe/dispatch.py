@@ -37,12 +37,9 @@ class TokenDispatcher:
     def dispatch_a(
         self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> DispatchState:
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         state = DispatchState(hidden.shape[0], topk_weights, order)
-        state.expert_inputs = hidden[order // k]
-        state.tokens_per_expert = torch.bincount(flat, minlength=self.num_experts).tolist()
+        state.expert_inputs, state.tokens_per_expert = rows, counts.tolist()
         return state
 
     def dispatch_b(self, state: DispatchState) -> None:
@@ -57,6 +54,16 @@ class TokenDispatcher:
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         return weighted_sum(state, state.pending)
+
+
+def sort_by_expert(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every backend's first step: the (token, slot) pairs sorted by expert (stable, so the
+    order is the same on every backend), the hidden row of each, and rows per expert."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, hidden[order // topk_ids.shape[1]], torch.bincount(flat, minlength=num_experts)
 
 
 def weighted_sum(state: DispatchState, sorted_outputs: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_link_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--link",
+        default="none",
+        metavar="SPEC",
+        help="how ranks talk: none (loopback), netns:RATE (each rank in a network namespace, "
+        "links shaped by tc tbf, e.g. netns:2gbit; needs root), or model:BANDWIDTH,LATENCY "
+        "(a modelled delay, e.g. model:2gbit,50us)",
+    )
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ep",
@@ -38,14 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel ranks started on this machine (default 1: one process)",
     )
-    p.add_argument(
-        "--link",
-        default="none",
-        metavar="SPEC",
-        help="how ranks talk: none (loopback), netns:RATE (each rank in a network "
-        "namespace, links shaped by tc tbf, e.g. netns:2gbit; needs root), or "
-        "model:BANDWIDTH,LATENCY (a modelled delay, e.g. model:2gbit,50us)",
-    )
+    add_link_arg(p)
     p.add_argument(
         "--timeout",
         type=float,
@@ -366,12 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         "next to size/rate.",
     )
     probe.add_argument("--ep", type=int, default=2, help="ranks (default 2)")
-    probe.add_argument(
-        "--link",
-        default="none",
-        metavar="SPEC",
-        help="none, netns:RATE or model:BANDWIDTH,LATENCY (see generate --help)",
-    )
+    add_link_arg(probe)
     probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
     probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
     probe.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
@@ -392,12 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_args(bench)
     bench.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
-    bench.add_argument(
-        "--link",
-        default="none",
-        metavar="SPEC",
-        help="none, netns:RATE or model:BANDWIDTH,LATENCY (see generate --help)",
-    )
+    add_link_arg(bench)
     bench.add_argument(
         "--workload",
         default="uniform:30-3072",
