@@ -10,7 +10,7 @@ from moe_overlap.tools.bench import BenchReport
 def bench_table(report: BenchReport, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("mode", no_wrap=True)
-    for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "overlap eff."):
+    for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "efficiency"):
         table.add_column(name, justify="right", no_wrap=True)
     for mode, r in report.results.items():
         eff = report.efficiency(mode)
