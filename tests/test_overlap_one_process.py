@@ -51,3 +51,40 @@ def test_overlap_flags_are_validated():
         OverlapConfig("tbo", tbo_token_distribution_threshold=0.6)
     with pytest.raises(ConfigError, match="overlap='fast' must be one of"):
         OverlapConfig("fast")
+
+
+def test_a_custom_strategy_plugs_in_without_engine_changes():
+    from moe_overlap.engine.forward_batch import ForwardBatch
+    from moe_overlap.engine.model_runner import ModelRunner
+    from moe_overlap.model.loader import build_model
+    from moe_overlap.moe.dispatch import TokenDispatcher
+    from moe_overlap.overlap.strategy import Strategy
+    from moe_overlap.overlap.two_batch import TwoBatchOverlap
+
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    # a yield after every op of a MoE layer, three stages of lag
+    names = [
+        "prepare_attn",
+        "attn_prepare",
+        "attn_core",
+        "prepare_mlp",
+        "gate",
+        "select_experts",
+        "dispatch_a",
+        "dispatch_b",
+        "experts",
+        "combine_a",
+        "combine_b",
+        "output",
+    ]
+    every_op = Strategy("every-op", tuple(x for n in names for x in (n, "|"))[:-1], 3)
+    runner = ModelRunner(build_model(cfg, seed=1), TokenDispatcher(cfg.num_experts), 4, 64)
+    scheme = TwoBatchOverlap(
+        runner.model,
+        OverlapConfig("tbo", moe_a2a_backend="local"),
+        strategies={("qwen3_moe", "prefill"): every_op},
+    )
+    batch = ForwardBatch(torch.arange(30) % 80, [0, 1], [0, 0], [12, 18], [True, True])
+    expected = runner.forward_plain(batch)
+    assert scheme.strategies[False] is every_op
+    assert torch.allclose(scheme.forward(batch, runner), expected, atol=1e-5, rtol=0)

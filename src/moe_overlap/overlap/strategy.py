@@ -65,9 +65,18 @@ STRATEGIES: dict[tuple[str, str], Strategy] = {
 }
 
 
-def strategy_for(model: MoeForCausalLM, decode: bool) -> Strategy:
+def strategy_for(
+    model: MoeForCausalLM, decode: bool, strategies: dict[tuple[str, str], Strategy] | None = None
+) -> Strategy:
+    """The strategy for this model and phase; ``strategies`` (same keys as STRATEGIES, the
+    model_type also accepted as family) overrides the built-in ones."""
+    phase = "decode" if decode else "prefill"
     family = "deepseek" if model.cfg.is_deepseek else "qwen3"
-    return STRATEGIES[(family, "decode" if decode else "prefill")]
+    for table in (strategies or {}, STRATEGIES):
+        for key in ((model.cfg.model_type, phase), (family, phase)):
+            if key in table:
+                return table[key]
+    raise KeyError(f"no overlap strategy for {model.cfg.model_type} {phase}")
 
 
 def build_operations(model: MoeForCausalLM, strategy: Strategy) -> list[Op | Yield]:

@@ -51,10 +51,13 @@ def agree(batch: ForwardBatch, group) -> TboDecision:
 
 
 class TwoBatchOverlap:
-    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group=None):
+    def __init__(
+        self, model: MoeForCausalLM, cfg: OverlapConfig, group=None, strategies: dict | None = None
+    ):
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = CostModel.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
-        self.ops = {d: build_operations(model, strategy_for(model, d)) for d in (False, True)}
+        self.strategies = {d: strategy_for(model, d, strategies) for d in (False, True)}
+        self.ops = {d: build_operations(model, self.strategies[d]) for d in (False, True)}
 
     def plan(self, batch: ForwardBatch):
         n = self.cfg.num_micro_batches
@@ -71,7 +74,7 @@ class TwoBatchOverlap:
             return None
         plan = self.plan(batch)
         ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]
-        strategy = strategy_for(self.model, decision.decode)
+        strategy = self.strategies[decision.decode]
         outs = execute_overlapped(
             ctxs, [self.ops[decision.decode]] * len(ctxs), strategy.delta_stages
         )
