@@ -56,6 +56,7 @@ def test_overlap_flags_are_validated():
 def test_a_custom_strategy_plugs_in_without_engine_changes():
     from moe_overlap.engine.forward_batch import ForwardBatch
     from moe_overlap.engine.model_runner import ModelRunner
+    from moe_overlap.model.decoder import MOE_OPS
     from moe_overlap.model.loader import build_model
     from moe_overlap.moe.dispatch import TokenDispatcher
     from moe_overlap.overlap.strategy import Strategy
@@ -63,20 +64,7 @@ def test_a_custom_strategy_plugs_in_without_engine_changes():
 
     cfg = ModelConfig(**TINY["qwen3_moe"])
     # a yield after every op of a MoE layer, three stages of lag
-    names = [
-        "prepare_attn",
-        "attn_prepare",
-        "attn_core",
-        "prepare_mlp",
-        "gate",
-        "select_experts",
-        "dispatch_a",
-        "dispatch_b",
-        "experts",
-        "combine_a",
-        "combine_b",
-        "output",
-    ]
+    names = [n for n in MOE_OPS if n != "shared_experts"]
     every_op = Strategy("every-op", tuple(x for n in names for x in (n, "|"))[:-1], 3)
     runner = ModelRunner(build_model(cfg, seed=1), TokenDispatcher(cfg.num_experts), 4, 64)
     scheme = TwoBatchOverlap(

@@ -78,6 +78,13 @@ class ForwardBatch:
         ]
         return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
+    def per_sequence(self):
+        """``(slot, prefix_len, rows)`` of each sequence; ``rows`` slices its new tokens."""
+        start = 0
+        for slot, prefix, n in zip(self.slots, self.prefix_lens, self.extend_lens, strict=True):
+            yield slot, prefix, slice(start, start + n)
+            start += n
+
     def logit_rows(self) -> torch.Tensor:
         """Indices of the tokens whose logits this forward returns, in sequence order."""
         rows, start = [], 0

@@ -41,6 +41,17 @@ class KVCache:
     def read(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
         return self.layers[layer][name][slot, :length]
 
+    def extend(
+        self, layer: int, slot: int, prefix: int, **new: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Write a sequence's new entries after its ``prefix``; return each entry's whole
+        ``[0, prefix + new)`` history, which attention then reads."""
+        out = {}
+        for name, values in new.items():
+            self.write(layer, name, slot, prefix, values)
+            out[name] = self.read(layer, name, slot, prefix + values.shape[0])
+        return out
+
 
 class SlotAllocator:
     """Hands out cache rows; the scheduler holds one per rank."""

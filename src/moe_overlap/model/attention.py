@@ -45,15 +45,9 @@ class GQAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        b, cache, outs, start = ctx.batch, ctx.kv_cache, [], 0
-        for slot, prefix, n in zip(b.slots, b.prefix_lens, b.extend_lens, strict=True):
-            cache.write(self.layer_id, "k", slot, prefix, k[start : start + n])
-            cache.write(self.layer_id, "v", slot, prefix, v[start : start + n])
-            keys = cache.read(self.layer_id, "k", slot, prefix + n)
-            values = cache.read(self.layer_id, "v", slot, prefix + n)
-            outs.append(
-                causal_attention(q[start : start + n], keys, values, prefix, self.head_dim**-0.5)
-            )
-            start += n
+        outs = []
+        for slot, prefix, rows in ctx.batch.per_sequence():
+            kv = ctx.kv_cache.extend(self.layer_id, slot, prefix, k=k[rows], v=v[rows])
+            outs.append(causal_attention(q[rows], kv["k"], kv["v"], prefix, self.head_dim**-0.5))
         out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.head_dim)
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))

@@ -66,16 +66,13 @@ class MLAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        b, cache, outs, start = ctx.batch, ctx.kv_cache, [], 0
-        for slot, prefix, n in zip(b.slots, b.prefix_lens, b.extend_lens, strict=True):
-            cache.write(self.layer_id, "latent", slot, prefix, latent[start : start + n])
-            cache.write(self.layer_id, "k_pe", slot, prefix, k_pe[start : start + n])
-            keys, values = self._expand(
-                cache.read(self.layer_id, "latent", slot, prefix + n),
-                cache.read(self.layer_id, "k_pe", slot, prefix + n),
+        outs = []
+        for slot, prefix, rows in ctx.batch.per_sequence():
+            kv = ctx.kv_cache.extend(
+                self.layer_id, slot, prefix, latent=latent[rows], k_pe=k_pe[rows]
             )
-            outs.append(causal_attention(q[start : start + n], keys, values, prefix, self.scale))
-            start += n
+            keys, values = self._expand(kv["latent"], kv["k_pe"])
+            outs.append(causal_attention(q[rows], keys, values, prefix, self.scale))
         out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.v_dim)
         # explicit width: an idle micro-batch has zero tokens, and reshape(0, -1) is ambiguous
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
