@@ -23,6 +23,7 @@ MODES = [
     OverlapConfig("tbo", tbo_token_distribution_threshold=0, moe_a2a_backend="local"),
     OverlapConfig("tbo", num_micro_batches=3, moe_a2a_backend="local"),
     OverlapConfig("tbo", tbo_split_policy="time", moe_a2a_backend="local"),
+    OverlapConfig("tbo", num_micro_batches=4, tbo_split_policy="time", moe_a2a_backend="local"),
 ]
 
 

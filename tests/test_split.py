@@ -166,3 +166,28 @@ def test_time_balanced_cut_gives_the_first_chunk_more_tokens():
     plan = plan_two_batch(extend_batch([3072]), 0.48, COST)
     first, second = (sum(p.length for p in child) for child in plan)
     assert first > second and first + second == 3072
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    lens=lens_st,
+    prefixes=st.lists(st.integers(0, 300), min_size=12, max_size=12),
+    parts=st.integers(2, 5),
+)
+def test_time_balanced_n_way_split_properties(lens, prefixes, parts):
+    batch = extend_batch(lens, prefixes[: len(lens)])
+    if batch.num_tokens < parts:
+        return
+    plan = plan_even_tokens(batch, parts, COST)
+    children = check_children(batch, plan)
+    assert len(children) == parts and all(c.num_tokens > 0 for c in children)
+    costs = [COST.cost(batch, child) for child in plan]
+    one_token = COST.per_token + COST.per_pair * (max(prefixes) + sum(lens))
+    if batch.num_tokens >= 4 * parts:  # enough tokens that the quantile cuts are unconstrained
+        assert max(costs) - min(costs) <= 2 * one_token
+
+
+def test_later_chunks_of_one_request_get_fewer_tokens():
+    plan = plan_even_tokens(extend_batch([3072]), 4, COST)
+    sizes = [sum(p.length for p in child) for child in plan]
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) == 3072

@@ -114,23 +114,25 @@ class CostModel:
             )
         return total
 
+    def token_costs(self, batch: ForwardBatch) -> torch.Tensor:
+        """The estimated cost of each new token: a token at position p attends to p + 1 keys."""
+        return self.per_token + self.per_pair * (batch.positions.double() + 1)
 
-def time_balanced_cut(batch: ForwardBatch, cost: CostModel) -> int:
-    """The token offset that best balances the two children's estimated cost."""
-    lens = batch.extend_lens
 
-    def gap(cut: int) -> float:
-        a, b = token_split(lens, [cut])
-        return cost.cost(batch, a) - cost.cost(batch, b)
-
-    lo, hi = 1, sum(lens) - 1  # gap grows with cut: bisect for its sign change
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if gap(mid) < 0:
-            lo = mid + 1
-        else:
-            hi = mid
-    return min((lo - 1, lo), key=lambda c: abs(gap(c)) if c >= 1 else float("inf"))
+def time_balanced_cuts(batch: ForwardBatch, cost: CostModel, parts: int) -> list[int]:
+    """Token offsets cutting the batch into ``parts`` children of (nearly) equal estimated
+    cost: quantiles of the running cost, each child keeping at least one token."""
+    running = torch.cumsum(cost.token_costs(batch), 0)
+    targets = running[-1] * torch.arange(1, parts, dtype=torch.float64) / parts
+    total, fixed = batch.num_tokens, []
+    crossings = torch.searchsorted(running, targets)
+    for k, (target, i) in enumerate(zip(targets, crossings, strict=True), start=1):
+        i = int(i)  # token i's running cost first reaches the target: cut before it, or after
+        below = running[i - 1] if i > 0 else 0.0
+        cut = i if abs(target - below) <= abs(running[i] - target) else i + 1
+        low = fixed[-1] + 1 if fixed else 1  # strictly increasing, room for the later children
+        fixed.append(min(max(cut, low), total - (parts - k)))
+    return fixed
 
 
 def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None = None) -> Plan:
@@ -141,14 +143,17 @@ def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None
     if batch.mode == ForwardMode.DECODE:
         return seq_split(lens, (len(lens) + 1) // 2)
     if needs_two_chunk(lens, threshold):
-        cut = time_balanced_cut(batch, cost) if cost is not None else sum(lens) // 2
+        cut = time_balanced_cuts(batch, cost, 2)[0] if cost is not None else sum(lens) // 2
         return token_split(lens, [cut])
     return seq_split(lens, balanced_seq_split(lens))
 
 
-def plan_even_tokens(batch: ForwardBatch, parts: int) -> Plan:
-    """N micro-batches of (nearly) equal token counts, cutting sequences where needed."""
+def plan_even_tokens(batch: ForwardBatch, parts: int, cost: CostModel | None = None) -> Plan:
+    """N micro-batches of (nearly) equal token counts, cutting sequences where needed; with a
+    ``cost`` model, of (nearly) equal estimated time instead."""
     total = batch.num_tokens
+    if cost is not None and total >= parts:
+        return token_split(batch.extend_lens, time_balanced_cuts(batch, cost, parts))
     return token_split(batch.extend_lens, [total * k // parts for k in range(1, parts)])
 
 

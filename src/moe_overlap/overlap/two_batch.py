@@ -65,7 +65,7 @@ class TwoBatchOverlap:
             return [[] for _ in range(n)]
         if n == 2:
             return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
-        return plan_even_tokens(batch, n)
+        return plan_even_tokens(batch, n, self.cost)
 
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""

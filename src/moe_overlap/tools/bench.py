@@ -28,6 +28,10 @@ MODES: dict[str, OverlapConfig] = {
     "tbo+time-split": OverlapConfig(
         "tbo", tbo_token_distribution_threshold=0.48, tbo_split_policy="time"
     ),
+    # ours: three micro-batches, cut where estimated time balances
+    "tbo3+time-split": OverlapConfig(
+        "tbo", tbo_token_distribution_threshold=0.48, num_micro_batches=3, tbo_split_policy="time"
+    ),
     "dbo": OverlapConfig("dbo"),
 }
 
@@ -140,7 +144,7 @@ def run_bench(
     progress: bool = True,
     overrides: dict | None = None,
 ) -> BenchReport:
-    configs = {m: (overrides or {}).get(m, MODES[m]) for m in modes}
+    configs = {**{m: MODES[m] for m in modes if m in MODES}, **(overrides or {})}
     batches = make_batches(workload, vocab, seed)
     fill_context(executor, workload, vocab, seed)
     results = {m: ModeResult(m) for m in modes}

@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--modes",
-        default="none,sbo,tbo,tbo+two-chunk,tbo+time-split,dbo",
+        default="none,sbo,tbo,tbo+two-chunk,tbo+time-split,tbo3+time-split,dbo",
         help="comma-separated overlap modes; none is the baseline (default: all)",
     )
     bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
