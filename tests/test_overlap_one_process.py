@@ -77,3 +77,26 @@ def test_a_custom_strategy_plugs_in_without_engine_changes():
     expected = runner.forward_plain(batch)
     assert scheme.strategies[False] is every_op
     assert torch.allclose(scheme.forward(batch, runner), expected, atol=1e-5, rtol=0)
+
+
+def test_tbo_min_tokens_threshold_edges():
+    from moe_overlap.engine.forward_batch import ForwardBatch
+    from moe_overlap.overlap.two_batch import agree, local_vote
+
+    def batch(n, decode):
+        return ForwardBatch(
+            torch.zeros(n, dtype=torch.long),
+            list(range(n if decode else 1)),
+            [5] * (n if decode else 1),
+            [1] * n if decode else [n],
+            is_decode=[decode] * (n if decode else 1),
+        )
+
+    assert local_vote(batch(31, True), 32) == (False, True)
+    assert local_vote(batch(32, True), 32) == (True, True)
+    assert local_vote(batch(63, False), 64) == (False, False)
+    assert local_vote(batch(64, False), 64) == (True, False)
+    assert local_vote(ForwardBatch.idle(), 10**6) == (True, True)  # idle never vetoes
+    assert not agree(batch(1, True), None).run  # one decode token never splits
+    with pytest.raises(ConfigError, match="--tbo-min-tokens=0 must be >= 1"):
+        OverlapConfig("tbo", tbo_min_tokens=0)

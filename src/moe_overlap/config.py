@@ -331,6 +331,7 @@ class OverlapConfig:
     mode: str = "none"  # none | tbo | sbo | dbo
     tbo_token_distribution_threshold: float = 0.48  # two-chunk split; 0 disables it
     num_micro_batches: int = 2
+    tbo_min_tokens: int = 2  # a rank with fewer tokens votes against micro-batching this step
     # where two-chunk cuts: "tokens" halves the tokens (SGLang), "time" balances estimated cost
     tbo_split_policy: str = "tokens"
     dbo_decode_token_threshold: int = 32
@@ -356,6 +357,8 @@ class OverlapConfig:
                 f"--tbo-token-distribution-threshold={self.tbo_token_distribution_threshold} "
                 "must be in [0, 0.5] (0 disables two-chunk splitting; default 0.48)"
             )
+        if self.tbo_min_tokens < 1:
+            raise ConfigError(f"--tbo-min-tokens={self.tbo_min_tokens} must be >= 1")
         if self.num_micro_batches < 2:
             raise ConfigError(f"num_micro_batches={self.num_micro_batches} must be >= 2")
         if self.mode == "tbo" and self.moe_a2a_backend == "none":

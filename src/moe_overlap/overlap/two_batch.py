@@ -31,18 +31,20 @@ class TboDecision:
     decode: bool  # every busy rank is decoding: use the decode strategy
 
 
-def local_vote(batch: ForwardBatch) -> tuple[bool, bool]:
-    """(can this rank micro-batch?, is it decoding?) An idle rank says yes to both."""
+def local_vote(batch: ForwardBatch, min_tokens: int = 2) -> tuple[bool, bool]:
+    """(can this rank micro-batch?, is it decoding?) An idle rank says yes to both; a batch
+    below ``min_tokens``, or a decode batch of one sequence, says no."""
     if batch.mode == ForwardMode.IDLE:
         return True, True
+    big_enough = batch.num_tokens >= min_tokens
     if batch.mode == ForwardMode.DECODE:
-        return batch.num_seqs >= 2, True
-    return batch.num_tokens >= 2, False
+        return big_enough and batch.num_seqs >= 2, True
+    return big_enough and batch.num_tokens >= 2, False
 
 
-def agree(batch: ForwardBatch, group) -> TboDecision:
+def agree(batch: ForwardBatch, group, min_tokens: int = 2) -> TboDecision:
     """One all-reduce (MIN over both votes) so every rank takes the same path."""
-    can, decode = local_vote(batch)
+    can, decode = local_vote(batch, min_tokens)
     votes = torch.tensor([int(can), int(decode)], dtype=torch.int64)
     if group is not None and group.size > 1:
         votes = group.all_reduce(votes, op=dist.ReduceOp.MIN)
@@ -69,7 +71,7 @@ class TwoBatchOverlap:
 
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
-        decision = agree(batch, self.group)
+        decision = agree(batch, self.group, self.cfg.tbo_min_tokens)
         if not decision.run:
             return None
         plan = self.plan(batch)

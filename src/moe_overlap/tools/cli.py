@@ -109,6 +109,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the rest compute, and run shared experts during the dispatch",
     )
     o.add_argument(
+        "--tbo-min-tokens",
+        type=int,
+        default=2,
+        help="TBO runs only when every busy rank has at least this many tokens this step "
+        "(default 2); raise it where small batches lose to the split's overhead",
+    )
+    o.add_argument(
         "--tbo-split-policy",
         choices=("tokens", "time"),
         default="tokens",
@@ -167,6 +174,7 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         mode=chosen[0] if chosen else "none",
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
         num_micro_batches=args.num_micro_batches,
+        tbo_min_tokens=args.tbo_min_tokens,
         tbo_split_policy=args.tbo_split_policy,
         dbo_decode_token_threshold=args.dbo_decode_token_threshold,
         dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
