@@ -105,3 +105,23 @@ def test_bench_end_to_end(tmp_path, capsys):
 def test_bench_refuses_bad_modes(capsys):
     assert main(["bench", "--config", "configs/qwen3-moe-tiny.json", "--modes", "tbo"]) == 2
     assert "must include none" in capsys.readouterr().err
+    assert main(["bench", "--config", "configs/qwen3-moe-tiny.json", "--modes", "none,tbo9x"]) == 2
+    assert "tbo[N][+two-chunk|+time-split]" in capsys.readouterr().err
+
+
+def test_mode_names():
+    from moe_overlap.config import ConfigError
+    from moe_overlap.tools.bench import mode_config
+
+    assert mode_config("tbo").tbo_token_distribution_threshold == 0.0
+    two_chunk = mode_config("tbo+two-chunk")
+    assert (two_chunk.tbo_token_distribution_threshold, two_chunk.tbo_split_policy) == (
+        0.48,
+        "tokens",
+    )
+    four = mode_config("tbo4+time-split")
+    assert (four.num_micro_batches, four.tbo_split_policy) == (4, "time")
+    assert mode_config("dbo").mode == "dbo"
+    for bad in ("tbo1", "tbo+fast", "xbo"):
+        with pytest.raises(ConfigError, match="mode"):
+            mode_config(bad)

@@ -9,6 +9,7 @@ communicating, and ``T_comp = T_none - T_comm``. The physical limit of a forward
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -16,24 +17,37 @@ from dataclasses import dataclass, field
 import torch
 from rich.progress import Progress
 
-from moe_overlap.config import OverlapConfig
+from moe_overlap.config import ConfigError, OverlapConfig
 from moe_overlap.engine.forward_batch import ForwardBatch
 from moe_overlap.tools.workloads import Workload
 
-MODES: dict[str, OverlapConfig] = {
-    "none": OverlapConfig("none"),
-    "sbo": OverlapConfig("sbo"),
-    "tbo": OverlapConfig("tbo", tbo_token_distribution_threshold=0.0),
-    "tbo+two-chunk": OverlapConfig("tbo", tbo_token_distribution_threshold=0.48),
-    "tbo+time-split": OverlapConfig(
-        "tbo", tbo_token_distribution_threshold=0.48, tbo_split_policy="time"
-    ),
-    # ours: three micro-batches, cut where estimated time balances
-    "tbo3+time-split": OverlapConfig(
-        "tbo", tbo_token_distribution_threshold=0.48, num_micro_batches=3, tbo_split_policy="time"
-    ),
-    "dbo": OverlapConfig("dbo"),
-}
+DEFAULT_MODES = ("none", "sbo", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "dbo")
+_MODE = re.compile(r"(none|sbo|dbo)|tbo(\d*)(\+two-chunk|\+time-split)?")
+
+
+def mode_config(name: str) -> OverlapConfig:
+    """A bench mode: none, sbo, dbo, or tbo[N][+two-chunk|+time-split].
+
+    ``tbo`` splits by whole sequences, ``+two-chunk`` may cut one (SGLang), ``+time-split`` cuts
+    where estimated time balances (ours); N > 2 micro-batches always cut at token level.
+    """
+    match = _MODE.fullmatch(name)
+    if match is None:
+        raise ConfigError(
+            f"mode {name!r}: use none, sbo, dbo or tbo[N][+two-chunk|+time-split], "
+            "e.g. tbo3+time-split"
+        )
+    if match[1]:
+        return OverlapConfig(match[1])
+    parts, cut = int(match[2] or 2), match[3] or ""
+    if parts < 2:
+        raise ConfigError(f"mode {name!r}: a tbo mode needs 2 or more micro-batches")
+    return OverlapConfig(
+        "tbo",
+        tbo_token_distribution_threshold=0.48 if cut else 0.0,
+        num_micro_batches=parts,
+        tbo_split_policy="time" if cut == "+time-split" else "tokens",
+    )
 
 
 @dataclass
@@ -131,7 +145,7 @@ def fill_context(executor, workload: Workload, vocab: int, seed: int, chunk: int
                 if slots
                 else ForwardBatch.idle()
             )
-        executor.run(batches, MODES["none"])
+        executor.run(batches, mode_config("none"))
 
 
 def run_bench(
@@ -144,7 +158,7 @@ def run_bench(
     progress: bool = True,
     overrides: dict | None = None,
 ) -> BenchReport:
-    configs = {**{m: MODES[m] for m in modes if m in MODES}, **(overrides or {})}
+    configs = {m: (overrides or {}).get(m) or mode_config(m) for m in modes}
     batches = make_batches(workload, vocab, seed)
     fill_context(executor, workload, vocab, seed)
     results = {m: ModeResult(m) for m in modes}

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 from moe_overlap.model.loader import CheckpointError
+from moe_overlap.tools.bench import DEFAULT_MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -278,18 +279,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from moe_overlap.engine.llm import LLM
-    from moe_overlap.tools.bench import MODES, run_bench
+    from moe_overlap.tools.bench import mode_config, run_bench
     from moe_overlap.tools.report import bench_table
     from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
     from moe_overlap.tools.workloads import parse_workload
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or "none" not in modes:
-        raise ConfigError(
-            f"--modes {args.modes!r}: must include none and only "
-            f"{', '.join(MODES)}; unknown: {unknown}"
-        )
+    for mode in modes:
+        mode_config(mode)  # a clear error for a malformed name
+    if "none" not in modes:
+        raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     if args.ep < 2 and "dbo" in modes:
         raise ConfigError("--modes with dbo needs --ep 2 or more")
     if args.repeat < 1:
@@ -409,8 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--modes",
-        default="none,sbo,tbo,tbo+two-chunk,tbo+time-split,tbo3+time-split,dbo",
-        help="comma-separated overlap modes; none is the baseline (default: all)",
+        default=",".join(DEFAULT_MODES),
+        help="comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|"
+        "+time-split], e.g. tbo4+time-split (default: %(default)s)",
     )
     bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
     bench.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
