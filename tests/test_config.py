@@ -27,8 +27,11 @@ def test_round_trips_through_to_hf(tmp_path):
 
 
 def test_reads_shipped_configs():
-    for name in ("qwen3-moe-tiny", "deepseek-v3-tiny", "qwen3-moe-bench"):
-        ModelConfig.from_hf(f"configs/{name}.json")
+    types = [
+        ModelConfig.from_hf(f"configs/{name}.json").model_type
+        for name in ("qwen3-moe-tiny", "deepseek-v3-tiny", "qwen3-moe-bench")
+    ]
+    assert types == ["qwen3_moe", "deepseek_v3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize(

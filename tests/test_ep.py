@@ -96,7 +96,7 @@ def test_killed_rank_stops_everything_with_its_name():
 def test_raising_rank_is_named_and_others_stop():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with LLM(config=cfg, ep=2, timeout_s=10, **KW) as llm:
-        good = llm.scheduler  # a batch whose KV slot does not exist on rank 1 makes it raise
+        # a batch whose KV slot does not exist on rank 1 makes it raise
         from moe_overlap.engine.forward_batch import ForwardBatch
 
         ok = ForwardBatch(torch.tensor([1, 2]), [0], [0], [2])
@@ -104,7 +104,6 @@ def test_raising_rank_is_named_and_others_stop():
         with pytest.raises(RankFailure, match="rank 1 raised IndexError"):
             llm.executor.run([ok, bad])
         assert not any(_alive(llm))
-        assert good is llm.scheduler
 
 
 def _netns_permitted() -> str | None:
