@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 from moe_overlap.model.loader import CheckpointError
-from moe_overlap.tools.bench import DEFAULT_MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -239,107 +238,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_probe_link(args: argparse.Namespace) -> int:
-    from statistics import median
-
-    from moe_overlap.distributed.link import parse_link
-
-    spec = parse_link(args.link)
-    cfg = (
-        ModelConfig.from_hf("configs/qwen3-moe-tiny.json")
-        if args.config is None
-        else (ModelConfig.from_hf(args.config))
-    )
-    from moe_overlap.engine.llm import LLM
-
-    with LLM(config=cfg, ep=args.ep, link=args.link, timeout_s=args.timeout) as llm:
-        per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
-    slowest = [
-        max(ts) for ts in zip(*per_rank, strict=True)
-    ]  # a collective ends with its last rank
-    crossing = args.mib * 2**20 * (args.ep - 1) / args.ep
-    print(f"all-to-all of {args.mib:g} MiB per rank over {args.ep} ranks, link {spec.spec}:")
-    print(
-        f"  median {median(slowest) * 1e3:.1f} ms, min {min(slowest) * 1e3:.1f} ms, "
-        f"max {max(slowest) * 1e3:.1f} ms over {args.repeat} runs"
-    )
-    if spec.bytes_per_s:
-        ideal = crossing / spec.bytes_per_s + (spec.latency_s or 0.0)
-        print(
-            f"  size/rate of the {crossing / 2**20:g} MiB that leave each rank: "
-            f"{ideal * 1e3:.1f} ms (measured / ideal = {median(slowest) / ideal:.2f})"
-        )
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from moe_overlap.engine.llm import LLM
-    from moe_overlap.tools.bench import mode_config, run_bench
-    from moe_overlap.tools.report import bench_table
-    from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
-    from moe_overlap.tools.workloads import parse_workload
-
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for mode in modes:
-        mode_config(mode)  # a clear error for a malformed name
-    if "none" not in modes:
-        raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    if args.ep < 2 and "dbo" in modes:
-        raise ConfigError("--modes with dbo needs --ep 2 or more")
-    if args.repeat < 1:
-        raise ConfigError(f"--repeat={args.repeat} must be >= 1")
-    cfg = ModelConfig.from_hf(args.model or args.config)
-    workload = parse_workload(args.workload, args.ep, args.seed)
-    longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    slots = max(len(lengths) for lengths in workload.lengths)
-    source = {"model": args.model} if args.model else {"config": cfg}
-    console = Console()
-    with LLM(
-        **source,
-        seed=args.seed,
-        ep=args.ep,
-        link=args.link,
-        timeout_s=args.timeout,
-        max_num_seqs=slots,
-        max_model_len=longest,
-    ) as llm:
-        report = run_bench(llm.executor, workload, modes, args.repeat, cfg.vocab_size, args.seed)
-    title = (
-        f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
-        f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
-    )
-    console.print(bench_table(report, title))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "model": args.model or args.config,
-                    "ep": args.ep,
-                    "link": args.link,
-                    **report.to_json(),
-                },
-                indent=2,
-            )
-        )
-    if args.trace:
-        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(report.recording, args.trace)
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot_timelines(report.recording, args.plot)
-    for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
-        if path:
-            console.print(f"{what}: {path}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from moe_overlap.tools.bench_cli import add_bench_commands
+
     parser = argparse.ArgumentParser(
         prog="moe-overlap",
         description="Mixture-of-Experts inference across expert-parallel ranks.",
@@ -370,59 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
     gen.set_defaults(func=cmd_generate)
 
-    probe = sub.add_parser(
-        "probe-link",
-        help="time one all-to-all over a (shaped) link",
-        description="Start --ep ranks over --link and time all-to-alls of --mib MiB per rank, "
-        "next to size/rate.",
-    )
-    probe.add_argument("--ep", type=int, default=2, help="ranks (default 2)")
-    add_link_arg(probe)
-    probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
-    probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
-    probe.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    probe.add_argument(
-        "--config",
-        default=None,
-        metavar="JSON",
-        help="model config for the ranks (default configs/qwen3-moe-tiny.json)",
-    )
-    probe.set_defaults(func=cmd_probe_link)
-
-    bench = sub.add_parser(
-        "bench",
-        help="time one workload through every overlap mode on the same ranks",
-        description="Run a workload through each overlap mode, alternating modes across "
-        "repetitions, and print tokens/s, time per forward, speed-up over none and overlap "
-        "efficiency against max(T_comp, T_comm), all measured in the same run.",
-    )
-    add_model_args(bench)
-    bench.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
-    add_link_arg(bench)
-    bench.add_argument(
-        "--workload",
-        default="uniform:30-3072",
-        metavar="SPEC",
-        help="single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH "
-        "(default uniform:30-3072)",
-    )
-    bench.add_argument(
-        "--modes",
-        default=",".join(DEFAULT_MODES),
-        help="comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|"
-        "+time-split], e.g. tbo4+time-split (default: %(default)s)",
-    )
-    bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
-    bench.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    bench.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
-    bench.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write a Chrome/Perfetto trace: a track per rank and micro-batch, "
-        "and one per rank for communication",
-    )
-    bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
-    bench.set_defaults(func=cmd_bench)
+    add_bench_commands(sub)
 
     make = sub.add_parser(
         "make-model",
