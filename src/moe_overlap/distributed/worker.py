@@ -80,8 +80,8 @@ def probe_all_to_all(
         group.barrier()
         start = time.perf_counter()
         group.all_to_all(x, splits, splits, p2p=p2p)
-        if link is not None:  # a modelled link: no sooner than latency + crossing bytes / rate
-            link.wait_until(start, x.numel() * 4 * (group.size - 1) // group.size)
+        if link is not None:  # the dispatcher's link model: queued, latency + bytes / rate
+            link.sleep_until(link.reserve(start, x.numel() * 4 * (group.size - 1) // group.size))
         times.append(time.perf_counter() - start)
     return times
 

@@ -24,7 +24,7 @@ class _Linked:
     """An all-to-all handle that, over a modelled link, completes no sooner than the link would."""
 
     def __init__(self, handle, link, num_bytes: int):
-        self.handle, self.link, self.num_bytes = handle, link, num_bytes
+        self.handle, self.link = handle, link
         self.start = time.perf_counter()
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
 

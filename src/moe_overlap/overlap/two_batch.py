@@ -48,8 +48,7 @@ def agree(batch: ForwardBatch, group, min_tokens: int = 2) -> TboDecision:
     votes = torch.tensor([int(can), int(decode)], dtype=torch.int64)
     if group is not None and group.size > 1:
         votes = group.all_reduce(votes, op=dist.ReduceOp.MIN)
-    all_idle = batch.mode == ForwardMode.IDLE and group is None
-    return TboDecision(bool(votes[0]) and not all_idle, bool(votes[1]))
+    return TboDecision(bool(votes[0]), bool(votes[1]))
 
 
 class TwoBatchOverlap:
