@@ -110,7 +110,7 @@ def test_bench_refuses_bad_modes(capsys):
 
 
 def test_mode_names():
-    from moe_overlap.config import ConfigError
+    from moe_overlap.core.errors import ConfigError
     from moe_overlap.tools.bench import mode_config
 
     assert mode_config("tbo").tbo_token_distribution_threshold == 0.0

@@ -13,15 +13,20 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig
-from moe_overlap.config import OverlapConfig
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, InFlight
 from moe_overlap.distributed.groups import CommHandle, Group
-from moe_overlap.distributed.link import ModelledLink
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.engine.model_runner import ModelRunner
+from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model
-from moe_overlap.moe.all_to_all import AllToAllDispatcher, _Linked
-from moe_overlap.overlap.dbo import Baton, DboStall, DboYield, DualBatchThreads
-from moe_overlap.overlap.dbo_agreement import dbo_vote, decide, gather_table, local_column
+from moe_overlap.overlap.agreement import (
+    dbo_decide,
+    dbo_gather_table,
+    dbo_local_column,
+    dbo_vote,
+)
+from moe_overlap.overlap.baton import Baton, DboStall, DboYield, DualBatchThreads
+from moe_overlap.runtime.model_runner import ModelRunner
 from tests.test_engine import TINY
 from tests.test_ep import CASES, KW, PARAMS, assert_same
 
@@ -62,7 +67,8 @@ def toy_hooks(log: list, runs: dict):
         key = (ctx.index, point.launched, point.layer)
         runs[key] = 0
 
-        def hook():
+        def hook(waiter: str):
+            assert waiter == f"mb{1 - ctx.index}"  # the other micro-batch runs it
             runs[key] += 1
             log.append(("recv", ctx.index, point.launched, threading.current_thread().name))
 
@@ -72,7 +78,9 @@ def toy_hooks(log: list, runs: dict):
 
 
 def toy_ctx(index: int, tokens=(1, 2), fail_at=None, sleep=None):
-    return SimpleNamespace(index=index, tokens=tokens, fail_at=fail_at, sleep=sleep or {})
+    return SimpleNamespace(
+        index=index, name=f"mb{index}", tokens=tokens, fail_at=fail_at, sleep=sleep or {}
+    )
 
 
 def test_baton_alternates_and_other_thread_runs_each_receive_once():
@@ -150,7 +158,7 @@ def test_error_in_one_micro_batch_stops_both_and_reraises(mb, where):
     threads.close()
     assert not any(t.is_alive() for t in threads._threads)
     with pytest.raises(RuntimeError, match="closed"):
-        threads.run(ctxs, toy_ops(guard, log))
+        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
 
 
 def test_stalled_micro_batch_is_named_and_nothing_hangs():
@@ -172,10 +180,10 @@ def test_stalled_micro_batch_is_named_and_nothing_hangs():
 def test_interpreter_exits_without_close():
     code = (
         "from types import SimpleNamespace as N\n"
-        "from moe_overlap.overlap.dbo import DualBatchThreads, DboYield\n"
+        "from moe_overlap.overlap.baton import DualBatchThreads, DboYield\n"
         "t = DualBatchThreads(5)\n"
         "ops = [lambda c, **kw: kw, DboYield('dispatch', 0), lambda c, **kw: {'ok': 1}]\n"
-        "print(t.run([N(), N()], ops, lambda c, p: (lambda: None)))\n"
+        "print(t.run([N(name='mb0'), N(name='mb1')], ops, lambda c, p: (lambda w: None)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -185,8 +193,8 @@ def test_interpreter_exits_without_close():
 def test_second_wait_on_a_handle_is_free():
     # the receive hook waits on the other thread; the owner's dispatch_b / combine_b waits again
     work, out = Mock(**{"wait.return_value": True}), torch.ones(4, 2)
-    handle = CommHandle(Group.single(), work, out, "all_to_all")
-    linked = _Linked(handle, ModelledLink(bytes_per_s=1e6), num_bytes=50_000)  # a 50 ms link
+    handle = CommHandle(Group.single()._wait, work, out, "all_to_all")
+    linked = InFlight(handle, ModelledLink(bytes_per_s=1e6), 50_000, "mb0", None)  # a 50 ms link
     assert linked.wait() is out and time.perf_counter() - linked.start >= 0.05
     start = time.perf_counter()
     assert linked.wait() is out and time.perf_counter() - start < 0.01
@@ -207,31 +215,34 @@ def test_thresholds_at_their_edges():
     assert not dbo_vote(511, False, cfg) and dbo_vote(512, False, cfg)
     decode = ForwardBatch(torch.zeros(32, dtype=torch.long), list(range(32)), [5] * 32, [1] * 32)
     decode.is_decode = [True] * 32
-    assert local_column(decode, cfg) == [32, 32, 1, 0]
+    assert dbo_local_column(decode, cfg) == [32, 32, 1, 0]
     decode.is_decode[0] = False  # one prefill token makes it MIXED: the prefill threshold
-    assert local_column(decode, cfg) == [32, 32, 0, 0]
-    assert local_column(ForwardBatch.idle(), cfg) == [0, 0, 0, 0]  # an idle rank votes no
+    assert dbo_local_column(decode, cfg) == [32, 32, 0, 0]
+    assert dbo_local_column(ForwardBatch.idle(), cfg) == [0, 0, 0, 0]  # an idle rank votes no
 
 
 def test_decide():
-    assert decide(table((10, 1), (10, 1))).run and decide(table((10, 1), (10, 1))).split_point == 5
-    no = decide(table((600, 1), (600, 0), (600, 1)))
+    assert (
+        dbo_decide(table((10, 1), (10, 1))).run
+        and dbo_decide(table((10, 1), (10, 1))).split_point == 5
+    )
+    no = dbo_decide(table((600, 1), (600, 0), (600, 1)))
     assert not no.run and "ranks [1] voted no" in no.reason
-    idle = decide(table((40, 1), (0, 0)))  # an idle rank disables DBO for every rank
+    idle = dbo_decide(table((40, 1), (0, 0)))  # an idle rank disables DBO for every rank
     assert not idle.run and "voted no" in idle.reason
-    assert not decide(table((40, 1), (0, 1))).run  # even if it voted yes: empty last half
-    padded = decide(table((40, 1), (21, 1)))  # pad to the max: both cut at 40 // 2
+    assert not dbo_decide(table((40, 1), (0, 1))).run  # even if it voted yes: empty last half
+    padded = dbo_decide(table((40, 1), (21, 1)))  # pad to the max: both cut at 40 // 2
     assert padded.run and padded.split_point == 20
-    abort = decide(table((40, 1), (20, 1)))  # rank 1 would have nothing past token 20
+    abort = dbo_decide(table((40, 1), (20, 1)))  # rank 1 would have nothing past token 20
     assert not abort.run and "rank 1's last micro-batch would be empty" in abort.reason
-    assert decide(table((3, 1))).split_point == 1
+    assert dbo_decide(table((3, 1))).split_point == 1
     with pytest.raises(ValueError, match="4 x ep"):
-        decide(torch.zeros(3, 2, dtype=torch.int64))
+        dbo_decide(torch.zeros(3, 2, dtype=torch.int64))
 
 
 def test_gather_table_on_one_rank():
     batch = ForwardBatch(torch.arange(6), [0], [0], [6])
-    assert gather_table(batch, DBO, None).tolist() == [[6], [6], [1], [0]]
+    assert dbo_gather_table(batch, DBO, Group.single()).tolist() == [[6], [6], [1], [0]]
 
 
 # ---- exactness: one process over a one-rank group, then ep=2 over gloo ----

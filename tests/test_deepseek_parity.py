@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.engine.model_runner import ModelRunner
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
-from moe_overlap.moe.dispatch import TokenDispatcher
+from moe_overlap.runtime.model_runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +78,7 @@ class Pair:
 
     def runner(self) -> ModelRunner:
         return ModelRunner(
-            self.ours, TokenDispatcher(self.cfg.num_experts), num_slots=4, max_len=64
+            self.ours, LocalDispatcher(self.cfg.num_experts), num_slots=4, max_len=64
         )
 
     @torch.no_grad()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.distributed.groups import init_process_groups
 from moe_overlap.distributed.layout import compute_layout
-from moe_overlap.moe.all_to_all import AllToAllDispatcher
 from tests.dist_utils import init_gloo, run_workers
 
 EXPERTS, HIDDEN, TOP_K = 12, 6, 2

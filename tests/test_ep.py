@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.config import ConfigError, OverlapConfig
-from moe_overlap.distributed.launch import RankFailure
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.runtime.spawn import RankFailure
 from tests.test_engine import TINY
 
 CASES = {
@@ -63,11 +64,13 @@ def test_ep4_matches_one_process():
 
 def test_layout_refusals():
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    with pytest.raises(ConfigError, match="--ep=3 must be a positive divisor of num_experts=4"):
+    with pytest.raises(ConfigError, match="--ep=3 must divide num_experts=4"):
         LLM(config=cfg, ep=3)
     with pytest.raises(ConfigError, match="--enable-dbo needs data/expert parallelism > 1"):
         LLM(config=cfg, overlap="dbo")
-    with pytest.raises(ConfigError, match="needs --moe-a2a-backend=torch"):
+    with pytest.raises(
+        ConfigError, match="--moe-a2a-backend=local holds every expert on one rank; with --ep=2"
+    ):
         LLM(config=cfg, ep=2, overlap=OverlapConfig("tbo", moe_a2a_backend="local"))
     with pytest.raises(ConfigError, match="needs --ep > 1"):
         LLM(config=cfg, link="model:1gbit,10us")
@@ -97,7 +100,7 @@ def test_raising_rank_is_named_and_others_stop():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with LLM(config=cfg, ep=2, timeout_s=10, **KW) as llm:
         # a batch whose KV slot does not exist on rank 1 makes it raise
-        from moe_overlap.engine.forward_batch import ForwardBatch
+        from moe_overlap.core.batch import ForwardBatch
 
         ok = ForwardBatch(torch.tensor([1, 2]), [0], [0], [2])
         bad = ForwardBatch(torch.tensor([1, 2]), [10_000], [0], [2])
@@ -107,7 +110,7 @@ def test_raising_rank_is_named_and_others_stop():
 
 
 def _netns_permitted() -> str | None:
-    from moe_overlap.distributed.link import LinkUnavailable, NetnsLink
+    from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 
     try:
         with NetnsLink(2, "1gbit"):

@@ -13,14 +13,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_overlap.config import ConfigError
-from moe_overlap.distributed.groups import (
-    GROUP_KINDS,
-    CollectiveTimeout,
-    Group,
-    compute_layout,
-    init_process_groups,
-)
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.distributed.comm import CollectiveTimeout
+from moe_overlap.distributed.groups import Group, init_process_groups
+from moe_overlap.distributed.layout import GROUP_KINDS, compute_layout
 from tests.dist_utils import WorkerError, init_gloo, run_workers
 
 # ---------------------------------------------------------------- layouts

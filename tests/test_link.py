@@ -12,16 +12,10 @@ import time
 
 import pytest
 
-from moe_overlap.distributed import link as link_mod
-from moe_overlap.distributed.link import (
-    LinkSpec,
-    LinkUnavailable,
-    ModelledLink,
-    NetnsLink,
-    cleanup_stale,
-    enter_netns,
-    parse_link,
-)
+from moe_overlap.distributed import netns as netns_mod
+from moe_overlap.distributed.link import LinkSpec, parse_link
+from moe_overlap.distributed.modelled_link import ModelledLink
+from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink, cleanup_stale, enter_netns
 
 # One side of a timed TCP transfer; run inside a namespace through `ip netns exec`.
 XFER = """
@@ -48,8 +42,10 @@ else:
 
 # Holds a link until killed, to leave leftovers like a crashed launcher would.
 HOLDER = """
-import sys, time
-from moe_overlap.distributed.link import NetnsLink
+import signal, sys, time
+from moe_overlap.distributed.netns import NetnsLink
+if len(sys.argv) > 2:  # what an entry point does (the CLI does): SIGTERM unwinds and exits
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 link = NetnsLink(2, "100mbit", prefix=sys.argv[1]).__enter__()
 print(" ".join([link.switch_netns, link.netns_name(0), link.netns_name(1)]), flush=True)
 time.sleep(60)
@@ -164,14 +160,18 @@ def test_netns_link_hands_tc_exact_bits_and_checks_arguments() -> None:
         NetnsLink(2, "1gbit").rank_addr(2)
 
 
-def test_modelled_link_delay() -> None:
+def test_modelled_link_delay_and_queueing() -> None:
     model = ModelledLink.from_spec(parse_link("model:8mbit,2ms"))  # 1 MB/s
-    assert model.delay_for(0) == pytest.approx(2e-3)
-    assert model.delay_for(500_000) == pytest.approx(0.502)
     start = time.perf_counter()
-    slept = model.wait_until(start, 20_000)  # 22 ms in all
-    assert time.perf_counter() - start >= 0.022 and 0 < slept <= 0.022
-    assert model.wait_until(start - 1.0, 20_000) == 0.0  # already late: no sleep
+    first = model.reserve(start, 20_000)  # 20 ms on the wire, 2 ms latency
+    assert first == pytest.approx(start + 0.022)
+    second = model.reserve(start, 10_000)  # queued behind the first, as on one NIC
+    assert second == pytest.approx(start + 0.032)
+    model.sleep_until(first)
+    assert time.perf_counter() >= first
+    late = time.perf_counter()
+    model.sleep_until(late - 1.0)  # already late: no sleep
+    assert time.perf_counter() - late < 0.01
     with pytest.raises(ValueError, match="not a model link"):
         ModelledLink.from_spec(parse_link("netns:1gbit"))
 
@@ -181,7 +181,7 @@ def test_unavailable_errors_suggest_model_link(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(LinkUnavailable, match="root.*model:BANDWIDTH,LATENCY"):
         NetnsLink(2, "1gbit").__enter__()
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(link_mod.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(netns_mod.shutil, "which", lambda tool: None)
     with pytest.raises(LinkUnavailable, match="no `ip` binary.*model:BANDWIDTH"):
         NetnsLink(2, "1gbit").__enter__()
 
@@ -189,7 +189,7 @@ def test_unavailable_errors_suggest_model_link(monkeypatch: pytest.MonkeyPatch) 
 def test_failed_shaping_cleans_up_and_says_tbf(netns_ok: None) -> None:
     class BrokenTc(NetnsLink):
         def _shape(self, netns: str, dev: str) -> None:
-            link_mod._run(f"tc -n {netns} qdisc add dev {dev} root nosuchqdisc")
+            netns_mod._run(f"tc -n {netns} qdisc add dev {dev} root nosuchqdisc")
 
     link = BrokenTc(2, "1gbit")
     with pytest.raises(LinkUnavailable, match="tbf qdisc unavailable.*model:BANDWIDTH"):
@@ -254,12 +254,14 @@ def test_cleanup_stale_removes_only_dead_owners(netns_ok: None) -> None:
 
 def test_sigterm_of_owner_removes_its_namespaces(netns_ok: None) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "moeoterm"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, "moeoterm", "exit-on-sigterm"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert holder.stdout is not None
     made = set(holder.stdout.readline().split())
     holder.terminate()
-    assert holder.wait(timeout=20) == -signal.SIGTERM
+    assert holder.wait(timeout=20) == 143
     assert len(made) == 3 and not made & netns_names()
 
 

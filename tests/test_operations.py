@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_overlap.model.context import StrictState
+from moe_overlap.core.context import StrictState
 from moe_overlap.overlap.operations import (
     YIELD,
     execute_operations,

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.config import ConfigError, OverlapConfig
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.groups import Group
 from tests.test_engine import TINY
 
 CASES = {
@@ -19,11 +21,11 @@ CASES = {
     "one-decode-token": [[11]],
 }
 MODES = [
-    OverlapConfig("tbo", moe_a2a_backend="local"),
-    OverlapConfig("tbo", tbo_token_distribution_threshold=0, moe_a2a_backend="local"),
-    OverlapConfig("tbo", num_micro_batches=3, moe_a2a_backend="local"),
-    OverlapConfig("tbo", tbo_split_policy="time", moe_a2a_backend="local"),
-    OverlapConfig("tbo", num_micro_batches=4, tbo_split_policy="time", moe_a2a_backend="local"),
+    OverlapConfig("tbo"),
+    OverlapConfig("tbo", tbo_token_distribution_threshold=0),
+    OverlapConfig("tbo", num_micro_batches=3),
+    OverlapConfig("tbo", tbo_split_policy="time"),
+    OverlapConfig("tbo", num_micro_batches=4, tbo_split_policy="time"),
 ]
 
 
@@ -46,7 +48,7 @@ def test_tbo_matches_no_overlap(family, case):
 
 
 def test_overlap_flags_are_validated():
-    with pytest.raises(ConfigError, match="needs an all-to-all backend"):
+    with pytest.raises(ConfigError, match="--moe-a2a-backend='none' must be one of auto"):
         OverlapConfig("tbo", moe_a2a_backend="none")
     with pytest.raises(ConfigError, match="must be in \\[0, 0.5\\]"):
         OverlapConfig("tbo", tbo_token_distribution_threshold=0.6)
@@ -55,22 +57,23 @@ def test_overlap_flags_are_validated():
 
 
 def test_a_custom_strategy_plugs_in_without_engine_changes():
-    from moe_overlap.engine.forward_batch import ForwardBatch
-    from moe_overlap.engine.model_runner import ModelRunner
+    from moe_overlap.core.batch import ForwardBatch
+    from moe_overlap.dispatch.local import LocalDispatcher
     from moe_overlap.model.decoder import MOE_OPS
     from moe_overlap.model.loader import build_model
-    from moe_overlap.moe.dispatch import TokenDispatcher
     from moe_overlap.overlap.strategy import Strategy
-    from moe_overlap.overlap.two_batch import TwoBatchOverlap
+    from moe_overlap.overlap.tbo import TwoBatchOverlap
+    from moe_overlap.runtime.model_runner import ModelRunner
 
     cfg = ModelConfig(**TINY["qwen3_moe"])
     # a yield after every op of a MoE layer, three stages of lag
     names = [n for n in MOE_OPS if n != "shared_experts"]
     every_op = Strategy("every-op", tuple(x for n in names for x in (n, "|"))[:-1], 3)
-    runner = ModelRunner(build_model(cfg, seed=1), TokenDispatcher(cfg.num_experts), 4, 64)
+    runner = ModelRunner(build_model(cfg, seed=1), LocalDispatcher(cfg.num_experts), 4, 64)
     scheme = TwoBatchOverlap(
         runner.model,
-        OverlapConfig("tbo", moe_a2a_backend="local"),
+        OverlapConfig("tbo"),
+        Group.single(),
         strategies={("qwen3_moe", "prefill"): every_op},
     )
     batch = ForwardBatch(torch.arange(30) % 80, [0, 1], [0, 0], [12, 18], [True, True])
@@ -80,8 +83,8 @@ def test_a_custom_strategy_plugs_in_without_engine_changes():
 
 
 def test_tbo_min_tokens_threshold_edges():
-    from moe_overlap.engine.forward_batch import ForwardBatch
-    from moe_overlap.overlap.two_batch import agree, local_vote
+    from moe_overlap.core.batch import ForwardBatch
+    from moe_overlap.overlap.agreement import tbo_agree, tbo_local_vote
 
     def batch(n, decode):
         return ForwardBatch(
@@ -92,11 +95,13 @@ def test_tbo_min_tokens_threshold_edges():
             is_decode=[decode] * (n if decode else 1),
         )
 
-    assert local_vote(batch(31, True), 32) == (False, True)
-    assert local_vote(batch(32, True), 32) == (True, True)
-    assert local_vote(batch(63, False), 64) == (False, False)
-    assert local_vote(batch(64, False), 64) == (True, False)
-    assert local_vote(ForwardBatch.idle(), 10**6) == (True, True)  # idle never vetoes
-    assert not agree(batch(1, True), None).run  # one decode token never splits
-    with pytest.raises(ConfigError, match="--tbo-min-tokens=0 must be >= 1"):
+    # [can split, not EXTEND, not DECODE, not MIXED]
+    assert tbo_local_vote(batch(31, True), 32) == [0, 1, 0, 1]
+    assert tbo_local_vote(batch(32, True), 32) == [1, 1, 0, 1]
+    assert tbo_local_vote(batch(63, False), 64) == [0, 0, 1, 1]
+    assert tbo_local_vote(batch(64, False), 64) == [1, 0, 1, 1]
+    assert tbo_local_vote(ForwardBatch.idle(), 10**6) == [1, 1, 1, 1]  # idle never vetoes
+    one_token = tbo_agree(batch(1, True), OverlapConfig("tbo"), Group.single())
+    assert not one_token.run  # one decode token never splits
+    with pytest.raises(ConfigError, match="--tbo-min-tokens=0 must be an integer >= 1"):
         OverlapConfig("tbo", tbo_min_tokens=0)

@@ -10,19 +10,20 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig
-from moe_overlap.config import ConfigError, OverlapConfig
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layout
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.distributed.worker import RankSpec, build_rank_runner
-from moe_overlap.engine.executor import EngineSpec
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.moe.all_to_all import AllToAllDispatcher, piece_layout
 from moe_overlap.overlap.sbo import SBO_MOE_OPS, expert_blocks
+from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
 from tests.test_engine import TINY
 from tests.test_ep import CASES, KW, PARAMS, assert_same, reference
 
 
-def sbo(blocks: int = 2, backend: str = "torch") -> OverlapConfig:
+def sbo(blocks: int = 2, backend: str = "auto") -> OverlapConfig:
     return OverlapConfig("sbo", moe_a2a_backend=backend, sbo_combine_blocks=blocks)
 
 

@@ -1,6 +1,7 @@
 """moe_overlap: MoE inference across expert-parallel ranks, with communication hidden behind compute."""
 
-from moe_overlap.config import ConfigError, ModelConfig, ParallelConfig
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 
@@ -9,7 +10,6 @@ __all__ = [
     "ConfigError",
     "InvalidRequestError",
     "ModelConfig",
-    "ParallelConfig",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -8,95 +8,14 @@ initialises ``torch.distributed``.
 from __future__ import annotations
 
 import json
-import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from moe_overlap.config import ConfigError
-from moe_overlap.distributed.layout import (  # noqa: F401 (re-exported)
-    GROUP_KINDS,
-    ParallelLayout,
-    RankCoords,
-    compute_layout,
-)
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective or point-to-point operation did not finish within its timeout."""
-
-
-class CommHandle:
-    """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again."""
-
-    def __init__(self, group: Group, work: dist.Work | None, output: torch.Tensor, op: str) -> None:
-        self._group, self._work, self._output, self._op = group, work, output, op
-
-    def on_complete(self, callback) -> None:
-        """Call ``callback()`` when the operation completes (from the communication thread)."""
-        if self._work is None:
-            callback()
-        else:
-            self._work.get_future().then(lambda _: callback())
-
-    def is_completed(self) -> bool:
-        """True once ``wait`` would return without blocking."""
-        return self._work is None or self._work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Block until done, at most ``timeout`` seconds (default: the group's timeout).
-
-        Raises ``CollectiveTimeout`` when the limit passes; the group is unusable afterwards.
-        """
-        if self._work is not None:
-            self._group._wait(self._work, self._op, timeout)
-            self._work = None  # done: later waits return at once
-        return self._output
-
-
-class _Works:
-    """Several point-to-point operations that together make one collective.
-
-    gloo's send/recv works have no future, and two threads must never wait on the same one,
-    so once a completion callback is wanted a single waiter thread owns the waiting.
-    """
-
-    def __init__(self, works: list[dist.Work]):
-        self.works = works
-        self._waiter: threading.Thread | None = None
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
-
-    def wait(self, timeout: timedelta) -> bool:
-        if self._waiter is None:
-            return all(w.wait(timeout=timeout) is not False for w in self.works)
-        if not self._done.wait(timeout.total_seconds()):
-            raise RuntimeError("timed out waiting for the send/recv operations")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set() if self._waiter else all(w.is_completed() for w in self.works)
-
-    def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = torch.futures.Future()
-            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
-            self._waiter.start()
-        return self._future
-
-    def _wait_all(self) -> None:
-        try:
-            for w in self.works:
-                w.wait()
-        except BaseException as exc:  # handed to the caller's wait
-            self._error = exc
-        if self._error is None:  # callbacks (timeline spans) run before any wait returns
-            self._future.set_result(None)
-        self._done.set()
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Works
+from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
 
 
 class Group:
@@ -165,7 +84,7 @@ class Group:
     def _run(
         self, work: dist.Work | None, output: torch.Tensor, op: str, async_op: bool
     ) -> torch.Tensor | CommHandle:
-        handle = CommHandle(self, work, output, op)
+        handle = CommHandle(self._wait, work, output, op)
         return handle if async_op else handle.wait()
 
     def all_reduce(
@@ -223,7 +142,7 @@ class Group:
         )
         return self._run(work, out, "all_to_all", async_op)
 
-    def _all_to_all_p2p(self, out, input, ins: list[int], outs: list[int]) -> _Works:
+    def _all_to_all_p2p(self, out, input, ins: list[int], outs: list[int]) -> Works:
         # Every receive is posted before any send: gloo's own all-to-all posts sends first and
         # then, over a shaped link, sometimes takes twice size/rate.
         src, dst = _offsets(ins), _offsets(outs)
@@ -236,7 +155,7 @@ class Group:
             if p != me and ins[p]:
                 works.append(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
         out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
-        return _Works(works)
+        return Works(works)
 
     def _check_splits(self, input: torch.Tensor, ins: list[int], outs: list[int]) -> None:
         if len(ins) != self.size or len(outs) != self.size:

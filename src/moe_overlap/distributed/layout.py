@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_overlap.config import ConfigError
+from moe_overlap.core.errors import ConfigError
 
 GROUP_KINDS = ("tp", "pp", "ep", "moe_tp", "attn_tp", "attn_dp")
 

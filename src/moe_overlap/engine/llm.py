@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 
-from moe_overlap.config import ConfigError, ModelConfig, OverlapConfig
-from moe_overlap.engine.executor import EngineSpec, LocalExecutor
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.factory import resolve_backend
+from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.runtime.launch import start_executor
 
 
 class LLM:
@@ -38,19 +45,27 @@ class LLM:
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
         cfg = config or ModelConfig.from_hf(model)
-        max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if not isinstance(ep, int) or ep < 1 or cfg.num_experts % ep:
-            raise ConfigError(
-                f"--ep={ep} must be a positive divisor of num_experts={cfg.num_experts}"
-            )
+        for name, value in (("ep", ep), ("max_num_seqs", max_num_seqs), ("seed", seed)):
+            _check_int(name, value, minimum=0 if name == "seed" else 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        if max_model_len is not None:
+            _check_int("max_model_len", max_model_len, minimum=1)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise ConfigError(f"--timeout={timeout_s!r} must be a number of seconds")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
+        if cfg.num_experts % ep:
+            raise ConfigError(f"--ep={ep} must divide num_experts={cfg.num_experts}")
         if isinstance(overlap, str):
-            overlap = OverlapConfig(mode=overlap, moe_a2a_backend="local" if ep == 1 else "torch")
-        _check_layout(ep, overlap, link)
+            overlap = OverlapConfig(mode=overlap)
+        link_spec = _parse_link(link)
+        _check_layout(ep, overlap, link_spec)
+        max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config, self.seed, self.max_len = cfg, seed, max_len
         spec = EngineSpec(
             cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
-        self.executor = _make_executor(spec, ep, link, timeout_s)
+        self.executor = start_executor(spec, ep, link_spec, float(timeout_s))
         self.scheduler = Scheduler(
             self.executor.num_ranks, max_num_seqs, max_len, max_num_batched_tokens, cfg.eos_token_id
         )
@@ -66,13 +81,16 @@ class LLM:
         """Generate for every prompt (lists of token ids); outputs come back in prompt order.
 
         All prompts are checked before anything runs: a bad one raises InvalidRequestError
-        naming it, and the engine is left as it was.
+        naming it. A call that fails or is interrupted (Ctrl-C) drops its requests, so the
+        engine is left as it was before the call.
         """
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise InvalidRequestError("prompts must be a list of prompts (lists of token ids)")
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        if not getattr(self.executor, "is_driver", True):  # a torchrun rank > 0
+        if not self.executor.is_driver:  # a torchrun rank > 0
             self.executor.serve()
             return []
         try:
@@ -82,27 +100,32 @@ class LLM:
             ]
             return self._run(requests, progress)
         finally:
-            if hasattr(self.executor, "end_generate"):  # release torchrun ranks > 0
-                self.executor.end_generate()
+            self.executor.end_generate()  # releases torchrun ranks > 0
 
     def _run(self, requests: list[Request], progress: bool) -> list[RequestOutput]:
-        for req in requests:
-            self.scheduler.add(req)
         done: dict[int, Request] = {}
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("generating", total=len(requests))
-            while self.scheduler.has_work():
-                step = self.scheduler.schedule()
-                for req in self.scheduler.update(step, self.executor.run(step.batches)):
-                    done[req.request_id] = req
-                    bar.advance(task)
+        try:
+            for req in requests:
+                self.scheduler.add(req)
+            with Progress(disable=not progress, transient=True) as bar:
+                task = bar.add_task("generating", total=len(requests))
+                while self.scheduler.has_work():
+                    step = self.scheduler.schedule()
+                    for req in self.scheduler.update(step, self.executor.run(step.batches)):
+                        done[req.request_id] = req
+                        bar.advance(task)
+        except BaseException:
+            self.scheduler.abort(requests)
+            raise
         return [done[req.request_id].to_output() for req in requests]
 
     def _make_request(
         self, index: int, prompt: Sequence[int], params: SamplingParams, return_logits: bool
     ) -> Request:
-        ids = [int(t) for t in prompt]
         where = f"prompt {index}"
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"{where}: params must be SamplingParams, not {params!r}")
+        ids = _token_ids(where, prompt)
         if not ids:
             raise InvalidRequestError(f"{where} is empty; give at least one token id")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -130,27 +153,40 @@ class LLM:
         self.close()
 
 
-def _check_layout(ep: int, overlap: OverlapConfig, link: str) -> None:
-    """The reference systems' refusals, each with the fix."""
-    if ep == 1 and overlap.moe_a2a_backend == "torch":
-        raise ConfigError("--moe-a2a-backend=torch needs --ep > 1; use local on one process")
-    if ep > 1 and overlap.moe_a2a_backend != "torch":
-        raise ConfigError(
-            f"--ep={ep} needs --moe-a2a-backend=torch, not {overlap.moe_a2a_backend!r}"
+def _token_ids(where: str, prompt: object) -> list[int]:
+    """The prompt's ids as ints; anything but a sequence of integers is refused, not converted."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise InvalidRequestError(f"{where} must be a 1-D integer tensor, got {prompt.dtype}")
+        return prompt.tolist()
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+        raise InvalidRequestError(
+            f"{where} must be a list of token ids, not {type(prompt).__name__} {prompt!r:.40}"
         )
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise InvalidRequestError(
+            f"{where} holds {bad[0]!r} ({type(bad[0]).__name__}); token ids must be integers"
+        )
+    return [int(t) for t in prompt]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
+
+
+def _parse_link(link: object) -> LinkSpec:
+    try:
+        return parse_link(link)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_layout(ep: int, overlap: OverlapConfig, link: LinkSpec) -> None:
+    """The reference systems' refusals, each with the fix."""
+    resolve_backend(overlap.moe_a2a_backend, ep)
     if overlap.mode == "dbo" and ep == 1:
         raise ConfigError("--enable-dbo needs data/expert parallelism > 1; set --ep 2 or more")
-    if ep == 1 and link != "none":
-        raise ConfigError(f"--link {link} needs --ep > 1: one process has no link to emulate")
-
-
-def _make_executor(spec: EngineSpec, ep: int, link: str, timeout_s: float):
-    if ep == 1:
-        return LocalExecutor(spec)
-    from moe_overlap.distributed.torchrun import TorchrunExecutor, launched_by_torchrun
-
-    if launched_by_torchrun():
-        return TorchrunExecutor(spec, ep, link, timeout_s)
-    from moe_overlap.distributed.launch import SpawnedExecutor
-
-    return SpawnedExecutor(spec, ep, link, timeout_s)
+    if ep == 1 and link.kind != "none":
+        raise ConfigError(f"--link {link.spec} needs --ep > 1: one process has no link to emulate")

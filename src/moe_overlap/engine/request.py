@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,16 +22,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequestError(
-                f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"
-            )
+        _integer("max_new_tokens", self.max_new_tokens, minimum=1)
+        _integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
+        if self.seed is not None:
+            _integer("seed", self.seed, minimum=0)
+        _number("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+
+
+def _integer(name: str, value: object, minimum: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRequestError(f"{name}={value!r} must be an integer >= {minimum}{note}")
+
+
+def _number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name}={value!r} must be a finite number")
 
 
 @dataclass

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.engine.kv_cache import SlotAllocator
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.sampling import sample
 
@@ -43,6 +42,15 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def abort(self, requests: list[Request]) -> None:
+        """Forget ``requests`` wherever they are (waiting or running) and free their slots."""
+        ids = {req.request_id for req in requests}
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for rank, running in enumerate(self.running):
+            for req in [r for r in running if r.request_id in ids]:
+                running.remove(req)
+                self.slots[rank].release(req.slot)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -123,3 +131,21 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         all_logits=[_wants_all_logits(req) for req, _ in seqs],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )
+
+
+class SlotAllocator:
+    """Hands out cache rows; the scheduler holds one per rank."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.free)
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise RuntimeError("no free KV cache slot")
+        return self.free.pop()
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)

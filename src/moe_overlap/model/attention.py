@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
 
 

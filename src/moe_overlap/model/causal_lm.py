@@ -7,22 +7,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model.attention import GQAttention
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
+from moe_overlap.model.mla import MLAttention
 
 Op = Callable[..., dict | None]
 
 
 def attention_class(cfg: ModelConfig) -> type[nn.Module]:
-    if cfg.is_deepseek:
-        from moe_overlap.model.mla import MLAttention
-
-        return MLAttention
-    from moe_overlap.model.attention import GQAttention
-
-    return GQAttention
+    return MLAttention if cfg.is_deepseek else GQAttention
 
 
 class _Backbone(nn.Module):

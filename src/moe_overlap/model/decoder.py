@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP, RMSNorm
 from moe_overlap.model.moe import SparseMoeBlock
 

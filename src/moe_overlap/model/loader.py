@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_overlap.config import ModelConfig
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)")

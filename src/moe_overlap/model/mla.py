@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.

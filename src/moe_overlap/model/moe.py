@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_overlap.config import ModelConfig
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP
 
 
@@ -101,8 +101,6 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
-        if cfg.num_experts % ep_size:
-            raise ValueError(f"--ep={ep_size} does not divide num_experts={cfg.num_experts}")
         local = cfg.num_experts // ep_size
         self.gate = Router(cfg)
         self.experts = ExpertBank(
@@ -124,7 +122,8 @@ class SparseMoeBlock(nn.Module):
     def op_dispatch_a(self, ctx: ForwardContext) -> None:
         s = ctx.state
         x = s.get("mlp_in") if self.shared_experts is not None else s.pop("mlp_in")
-        s.put(dispatch=ctx.dispatcher.dispatch_a(x, s.pop("topk_ids"), s.pop("topk_weights")))
+        ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
+        s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name))
 
     def op_dispatch_b(self, ctx: ForwardContext) -> None:
         ctx.dispatcher.dispatch_b(ctx.state.get("dispatch"))

@@ -17,42 +17,17 @@ the second piece of a cut sequence attends over KV the first piece already wrote
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from moe_overlap.config import OverlapConfig
-from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.overlap.dbo_agreement import DboDecision, agree
+from moe_overlap.overlap.agreement import dbo_agree
+from moe_overlap.overlap.baton import GRACE_S, DboYield, DualBatchThreads, Hook
 from moe_overlap.overlap.operations import Op
 from moe_overlap.overlap.split import merge_logits, split_batch, token_split
-
-_GRACE_S = 5.0  # past a collective's own timeout, so its clearer error surfaces first
-_POLL_S = 0.05  # how often the caller looks for a micro-batch that stopped making progress
-Hook = Callable[[], object]
-
-
-@dataclass(frozen=True)
-class DboYield:
-    """A yield point: the all-to-all (``dispatch`` or ``combine``) just launched in ``layer``."""
-
-    launched: str
-    layer: int
-
-
-class DboStall(RuntimeError):
-    """A micro-batch held the baton too long: it neither reached a yield point nor finished."""
-
-
-class _Aborted(Exception):
-    """The other micro-batch failed; this one stops where it is."""
 
 
 def build_dbo_operations(model: MoeForCausalLM) -> list[Op | DboYield]:
@@ -67,245 +42,41 @@ def build_dbo_operations(model: MoeForCausalLM) -> list[Op | DboYield]:
     return ops + [model.op_logits]
 
 
-def receive_hook(ctx: Any, point: DboYield) -> Hook:
-    """The wait for the all-to-all this micro-batch just launched (dispatcher backends without
-    an async handle, such as ``local``, have nothing to wait for)."""
-    wait = getattr(ctx.state.get("dispatch").pending, "wait", None)
-    return wait if wait is not None else (lambda: None)
+def receive_hook(ctx: ForwardContext, point: DboYield) -> Hook:
+    """The wait for the all-to-all this micro-batch just launched; the other micro-batch runs
+    it, and the timeline records the wait under the runner's name."""
+    return ctx.state.get("dispatch").pending.wait
 
 
-class Baton:
-    """Which micro-batch may run model code, and the receive hooks each owes the other."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.owner: int | None = 0  # micro-batch 0 starts; None once both finished
-        self.done = [False, False]
-        self.error: BaseException | None = None
-        self.hooks: list[Hook | None] = [None, None]  # hooks[i]: micro-batch i runs it
-        self.hooks_registered = self.hooks_run = 0
-        self.last_progress = time.monotonic()
-        self._cv = threading.Condition()
-
-    def check(self, me: int) -> None:
-        """On every op entry: stop if the other failed; only the holder runs model code."""
-        if self.error is not None:
-            raise _Aborted
-        if self.owner != me:  # not `assert`: python -O must not remove it
-            raise AssertionError(
-                f"DBO micro-batch {me} entered model code while micro-batch {self.owner} "
-                "holds the baton"
-            )
-        self.last_progress = time.monotonic()
-
-    def wait_turn(self, me: int) -> None:
-        with self._cv:
-            mine = self._cv.wait_for(
-                lambda: self.owner == me or self.error is not None, self.timeout_s
-            )
-            if self.error is not None:
-                raise _Aborted
-            if not mine:
-                raise DboStall(
-                    f"DBO micro-batch {me} waited {self.timeout_s:g} s for the baton: "
-                    f"micro-batch {self.owner} stalled (neither reached a yield point nor finished)"
-                )
-            self.last_progress = time.monotonic()
-
-    def pass_on(self, me: int, finished: bool = False) -> None:
-        """Hand the baton to the other micro-batch (to nobody once both finished)."""
-        with self._cv:
-            self.check(me)
-            self.done[me] = finished
-            self.owner = None if self.done[1 - me] else 1 - me
-            self._cv.notify_all()
-
-    def register_hook(self, me: int, hook: Hook) -> None:
-        """Leave ``hook`` for the other micro-batch's next ``maybe_run_hook``."""
-        other = 1 - me
-        # same op lists: the other is at its previous yield and has run the previous hook
-        if self.done[other] or self.hooks[other] is not None:
-            raise AssertionError(f"micro-batch {other} could never run this receive hook")
-        self.hooks[other] = hook
-        self.hooks_registered += 1
-
-    def maybe_run_hook(self, me: int) -> None:
-        hook, self.hooks[me] = self.hooks[me], None
-        if hook is not None:
-            self.hooks_run += 1
-            hook()
-
-    def fail(self, error: BaseException) -> None:
-        with self._cv:
-            if self.error is None:
-                self.error = error
-            self._cv.notify_all()
-
-
-class _DualRun:
-    """One forward's two micro-batches: contexts, outputs, outcomes and the baton."""
-
-    def __init__(self, ctxs: Sequence[Any], ops: Sequence, make_hook, timeout_s: float):
-        if len(ctxs) != 2:
-            raise ValueError(f"DBO runs exactly two micro-batches, got {len(ctxs)}")
-        self.ctxs, self.ops, self.make_hook = list(ctxs), list(ops), make_hook
-        self.baton = Baton(timeout_s)
-        self.outputs: list[dict] = [{}, {}]
-        self.outcomes: dict[int, BaseException | None] = {}
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
-
-    def play(self, me: int) -> None:
-        """Run micro-batch ``me`` on the calling thread; report ``(me, error or None)``."""
-        error = None
-        try:
-            with torch.inference_mode():  # thread-local: the caller's mode does not reach here
-                self._play(me)
-        except BaseException as exc:  # the caller re-raises it
-            error = exc
-            self.baton.fail(exc)
-        self.results.put((me, error))
-
-    def _play(self, me: int) -> None:
-        baton, ctx = self.baton, self.ctxs[me]
-        baton.wait_turn(me)
-        segment, start = 0, time.perf_counter()
-        for item in self.ops:
-            if not isinstance(item, DboYield):
-                baton.check(me)
-                self.outputs[me] = item(ctx, **self.outputs[me]) or {}
-                continue
-            _record(ctx, segment, start)
-            baton.maybe_run_hook(me)  # the other's receive, now that our compute is done
-            baton.register_hook(me, self.make_hook(ctx, item))
-            baton.pass_on(me)
-            baton.wait_turn(me)
-            segment, start = segment + 1, time.perf_counter()
-        _record(ctx, segment, start)
-        baton.maybe_run_hook(me)
-        baton.pass_on(me, finished=True)
-
-    def gather(self, timeout_s: float) -> bool:
-        """Take reported outcomes for up to ``timeout_s``; True once both are in."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.outcomes) < 2:
-            try:
-                me, error = self.results.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return False
-            self.outcomes[me] = error
-        return True
-
-    def collect(self, patience_s: float, after_error_s: float) -> bool:
-        """Gather both outcomes unless the baton holder makes no progress for ``patience_s``,
-        or the other has not stopped ``after_error_s`` after a failure; True if both are in."""
-        failed_at = None
-        while not self.gather(_POLL_S):
-            now = time.monotonic()
-            if failed_at is None and self.error() is not None:
-                failed_at = now
-            if failed_at is not None and now - failed_at > after_error_s:
-                return False
-            if failed_at is None and now - self.baton.last_progress > patience_s:
-                return False
-        return True
-
-    def error(self) -> BaseException | None:
-        """The cause to re-raise: a reported error before a stall (an abort is an echo)."""
-        errors = [e for e in self.outcomes.values() if e and not isinstance(e, _Aborted)]
-        errors.sort(key=lambda e: isinstance(e, DboStall))
-        return errors[0] if errors else self.baton.error
-
-
-def _record(ctx: Any, segment: int, start: float) -> None:
-    timeline = getattr(ctx, "timeline", None)
-    if timeline is not None and timeline.enabled:
-        timeline.add(ctx.name, f"dbo segment {segment}", start, time.perf_counter())
-
-
-def _serve(jobs: queue.SimpleQueue) -> None:
-    """A worker thread's life: play ``(micro-batch, run)`` jobs until it gets None."""
-    while (job := jobs.get()) is not None:
-        me, run = job
-        run.play(me)
-
-
-def _stop(jobs: list[queue.SimpleQueue], threads: list[threading.Thread]) -> None:
-    for q in jobs:
-        q.put(None)
-    for t in threads:
-        if t is not threading.current_thread():
-            t.join(timeout=1.0)  # a thread stuck in a collective is a daemon: never wait on it
-
-
-class DualBatchThreads:
-    """A persistent pair of daemon threads, one per micro-batch, reused by every forward."""
-
-    def __init__(self, timeout_s: float = 60.0, name: str = "dbo"):
-        self.timeout_s = timeout_s
-        self.last_run: _DualRun | None = None
-        self._stuck: _DualRun | None = None  # a run with a thread that has not reported yet
-        self._jobs = [queue.SimpleQueue() for _ in range(2)]
-        self._threads = [
-            threading.Thread(target=_serve, args=(q,), name=f"{name}-mb{i}", daemon=True)
-            for i, q in enumerate(self._jobs)
-        ]
-        for t in self._threads:
-            t.start()
-        # the threads hold no reference to self, so this also runs when self is collected
-        self._close = weakref.finalize(self, _stop, self._jobs, self._threads)
-
-    def run(self, ctxs: Sequence[Any], ops: Sequence, make_hook=receive_hook) -> list[dict]:
-        """Run two micro-batches (``ctxs``) through ``ops`` (ops and ``DboYield`` markers);
-        return each one's final outputs, or re-raise the first error in the caller."""
-        if not self._close.alive:
-            raise RuntimeError("DualBatchThreads is closed")
-        if self._stuck is not None and not self._stuck.gather(self.timeout_s):
-            raise DboStall("DBO threads are still stuck in an earlier forward")
-        run = self.last_run = self._stuck = _DualRun(ctxs, ops, make_hook, self.timeout_s)
-        for me, jobs in enumerate(self._jobs):
-            jobs.put((me, run))
-        if run.collect(self.timeout_s + _GRACE_S, min(_GRACE_S, self.timeout_s)):
-            self._stuck = None
-        else:  # nobody waits on a thread stuck in an op: stop it at its next op, if any
-            idle = time.monotonic() - run.baton.last_progress
-            run.baton.fail(
-                DboStall(f"DBO micro-batch {run.baton.owner} made no progress for {idle:.1f} s")
-            )
-        error = run.error()
-        if error is not None:
-            raise error
-        return run.outputs
-
-    def close(self) -> None:
-        """Stop both threads (idempotent; also done when collected or at interpreter exit)."""
-        self._close()
-
-
-def _baton_timeout(group) -> float:
-    pg_timeout = getattr(group, "timeout", None) if getattr(group, "pg", None) else None
-    return pg_timeout.total_seconds() + _GRACE_S if pg_timeout is not None else 60.0
+def _baton_timeout(group: Group) -> float:
+    return group.timeout.total_seconds() + GRACE_S if group.pg is not None else 60.0
 
 
 class DualBatchOverlap:
     """The DBO scheme: agree across ranks, cut the batch in two by tokens, run both halves
     on the scheme's threads, merge the logits."""
 
-    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group=None, timeout_s=None):
+    def __init__(
+        self,
+        model: MoeForCausalLM,
+        cfg: OverlapConfig,
+        group: Group,
+        timeout_s: float | None = None,
+    ):
         self.model, self.cfg, self.group = model, cfg, group
         self.ops = build_dbo_operations(model)
         self.threads = DualBatchThreads(timeout_s or _baton_timeout(group))
         self.num_overlapped = 0  # forwards that ran as two micro-batches
-        self.last_decision: DboDecision | None = None
 
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
-        decision = self.last_decision = agree(batch, self.cfg, self.group)
+        decision = dbo_agree(batch, self.cfg, self.group)
         if not decision.run:
             return None
         # cut at the agreed (padded) split point; the agreement left tokens on both sides
         plan = token_split(batch.extend_lens, [decision.split_point])
         ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(split_batch(batch, plan))]
-        outputs = self.threads.run(ctxs, self.ops)
+        outputs = self.threads.run(ctxs, self.ops, receive_hook)
         self.num_overlapped += 1
         return merge_logits(batch, plan, [o["logits"] for o in outputs])
 

@@ -50,7 +50,6 @@ class StageExecutor:
     def next(self) -> None:
         timeline = getattr(self.ctx, "timeline", None)
         if timeline is not None and timeline.enabled:
-            timeline.current = self.ctx.name
             with timeline.span(self.ctx.name, f"stage {self.done}"):
                 self._run_stage()
         else:

@@ -12,16 +12,17 @@ depends only on the settings and the local expert count, which are the same on e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.config import ConfigError, OverlapConfig
-from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.context import ForwardContext
 from moe_overlap.model.decoder import DENSE_OPS, DecoderLayer
 from moe_overlap.model.moe import ExpertBank
 from moe_overlap.overlap.operations import Op, execute_operations
@@ -85,9 +86,6 @@ class CommLane:
                     f"--sbo-comm-sms={comm_sms} leaves no SMs for computation ({total} in all)"
                 )
 
-    def launch(self, start: Callable[..., None], *args) -> None:
-        start(*args)
-
 
 @dataclass
 class ExpertsThenCombine:
@@ -106,7 +104,7 @@ class ExpertsThenCombine:
                 self.bank.run_experts(
                     d.expert_inputs, d.tokens_per_expert, d.expert_outputs, experts
                 )
-            self.lane.launch(ctx.dispatcher.combine_a_block, d, experts)
+            ctx.dispatcher.combine_a_block(d, experts)  # in flight while the next block computes
 
 
 def _span(ctx: ForwardContext, name: str):
@@ -151,10 +149,9 @@ def layer_sbo_ops(layer: DecoderLayer, blocks: int, lane: CommLane) -> list[Op]:
 class SingleBatchOverlap:
     """The SBO scheme: ``forward(batch, runner)`` returns the batch's logits."""
 
-    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group=None):
+    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
         self.model, self.cfg, self.group = model, cfg, group
-        device = group.device if group is not None else torch.device("cpu")
-        self.lane = CommLane(cfg.sbo_comm_sms, device)
+        self.lane = CommLane(cfg.sbo_comm_sms, group.device)
         self.ops: list[Op] = [model.op_embed]
         for layer in model.layers:
             self.ops += layer_sbo_ops(layer, cfg.sbo_combine_blocks, self.lane)

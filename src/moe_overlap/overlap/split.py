@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.engine.forward_batch import ForwardBatch, ForwardMode
+from moe_overlap.core.batch import ForwardBatch, ForwardMode
 
 DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
 

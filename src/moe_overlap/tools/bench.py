@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from rich.progress import Progress
 
-from moe_overlap.config import ConfigError, OverlapConfig
-from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.tools.workloads import Workload
 
 DEFAULT_MODES = ("none", "sbo", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "dbo")

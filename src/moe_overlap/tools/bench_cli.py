@@ -3,25 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from statistics import median
 
-from moe_overlap.config import ConfigError, ModelConfig
-from moe_overlap.tools.bench import DEFAULT_MODES
-from moe_overlap.tools.cli import add_link_arg, add_model_args
+from rich.console import Console
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.distributed.link import parse_link
+from moe_overlap.engine.llm import LLM
+from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
+from moe_overlap.tools.cli_args import add_link_arg, add_model_args
+from moe_overlap.tools.report import bench_table
+from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
+from moe_overlap.tools.workloads import parse_workload
+
+PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
 
 
 def cmd_probe_link(args: argparse.Namespace) -> int:
-    from statistics import median
-
-    from moe_overlap.distributed.link import parse_link
-
+    if args.ep < 2:
+        raise ConfigError(f"--ep={args.ep}: probing a link needs 2 or more ranks")
+    if not args.mib > 0:
+        raise ConfigError(f"--mib={args.mib:g} must be positive")
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     spec = parse_link(args.link)
-    cfg = (
-        ModelConfig.from_hf("configs/qwen3-moe-tiny.json")
-        if args.config is None
-        else (ModelConfig.from_hf(args.config))
-    )
-    from moe_overlap.engine.llm import LLM
-
+    cfg = ModelConfig.from_hf(args.config or PROBE_CONFIG)
     with LLM(config=cfg, ep=args.ep, link=args.link, timeout_s=args.timeout) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
@@ -43,17 +52,6 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from moe_overlap.engine.llm import LLM
-    from moe_overlap.tools.bench import mode_config, run_bench
-    from moe_overlap.tools.report import bench_table
-    from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
-    from moe_overlap.tools.workloads import parse_workload
-
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         mode_config(mode)  # a clear error for a malformed name
@@ -66,6 +64,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.model or args.config)
     workload = parse_workload(args.workload, args.ep, args.seed)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
+    if longest > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"--workload {args.workload}: a sequence of {longest} tokens exceeds the model's "
+            f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
+        )
     slots = max(len(lengths) for lengths in workload.lengths)
     source = {"model": args.model} if args.model else {"config": cfg}
     console = Console()
@@ -125,7 +128,7 @@ def add_bench_commands(sub) -> None:
         "--config",
         default=None,
         metavar="JSON",
-        help="model config for the ranks (default configs/qwen3-moe-tiny.json)",
+        help=f"model config for the ranks (default {PROBE_CONFIG})",
     )
     probe.set_defaults(func=cmd_probe_link)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_overlap.timeline import Span
+from moe_overlap.core.timeline import Span
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
 _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange

@@ -6,7 +6,6 @@ Disabled by default and then costs one attribute check per stage. Spans use
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,21 +22,11 @@ class Span:
 class Timeline:
     def __init__(self) -> None:
         self.enabled = False
-        self.spans: list[Span] = []
-        self._local = threading.local()  # DBO runs micro-batches on threads
-
-    @property
-    def current(self) -> str:
-        """The micro-batch this thread is computing, for spans recorded below the op level."""
-        return getattr(self._local, "track", "mb0")
-
-    @current.setter
-    def current(self, track: str) -> None:
-        self._local.track = track
+        self.spans: list[Span] = []  # list.append is thread-safe: DBO records from two threads
 
     def add(self, track: str, name: str, start: float, end: float) -> None:
         if self.enabled:
-            self.spans.append(Span(track, name, start, end))  # list.append is thread-safe
+            self.spans.append(Span(track, name, start, end))
 
     @contextmanager
     def span(self, track: str, name: str):

@@ -10,29 +10,36 @@ import dataclasses
 
 import torch
 
-from moe_overlap.config import OverlapConfig
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.engine.kv_cache import KVCache
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import Timeline
+from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.context import ForwardContext
+from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
-from moe_overlap.timeline import Timeline
+from moe_overlap.overlap.sbo import SingleBatchOverlap
+from moe_overlap.overlap.tbo import TwoBatchOverlap
+
+SCHEMES = {"tbo": TwoBatchOverlap, "sbo": SingleBatchOverlap, "dbo": DualBatchOverlap}
 
 
 class ModelRunner:
     def __init__(
         self,
         model: MoeForCausalLM,
-        dispatcher,
+        dispatcher: Dispatcher,
         num_slots: int,
         max_len: int,
         overlap: OverlapConfig | None = None,
-        group=None,
+        group: Group | None = None,
         timeline: Timeline | None = None,
     ):
         self.model = model
         self.dispatcher = dispatcher
-        self.group = group  # the EP group, for collective decisions
+        self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         self.kv_cache = KVCache(model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries())
         self.ops = model.operations()
         self.overlap = overlap or OverlapConfig(mode="none")
@@ -42,7 +49,7 @@ class ModelRunner:
     def _scheme(self, cfg: OverlapConfig):
         key = dataclasses.astuple(cfg)
         if key not in self._schemes:
-            self._schemes[key] = _build_scheme(self, cfg)
+            self._schemes[key] = SCHEMES[cfg.mode](self.model, cfg, self.group)
         return self._schemes[key]
 
     @torch.inference_mode()
@@ -64,19 +71,3 @@ class ModelRunner:
         return ForwardContext(
             batch, self.kv_cache, self.dispatcher, name=name, timeline=self.timeline
         )
-
-
-def _build_scheme(runner: ModelRunner, cfg: OverlapConfig):
-    if cfg.mode == "tbo":
-        from moe_overlap.overlap.two_batch import TwoBatchOverlap
-
-        return TwoBatchOverlap(runner.model, cfg, runner.group)
-    if cfg.mode == "dbo":
-        from moe_overlap.overlap.dbo import DualBatchOverlap
-
-        return DualBatchOverlap(runner.model, cfg, runner.group)
-    if cfg.mode == "sbo":
-        from moe_overlap.overlap.sbo import SingleBatchOverlap
-
-        return SingleBatchOverlap(runner.model, cfg, runner.group)
-    raise NotImplementedError(f"overlap mode {cfg.mode!r} is not implemented yet")

@@ -14,42 +14,56 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moe_overlap.distributed.link import parse_link
-from moe_overlap.distributed.worker import RankSpec, build_rank_runner, serve_step
-from moe_overlap.engine.executor import EngineSpec
-from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.link import LinkSpec
+from moe_overlap.runtime.executor import Executor
+from moe_overlap.runtime.rank import RankSpec, build_rank_runner, serve_step
 
 
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-class TorchrunExecutor:
-    def __init__(self, spec: EngineSpec, ep: int, link: str, timeout_s: float):
+class TorchrunExecutor(Executor):
+    def __init__(self, spec: EngineSpec, ep: int, link: LinkSpec, timeout_s: float):
         world = int(os.environ["WORLD_SIZE"])
         if world != ep:
-            raise ValueError(f"torchrun started {world} processes but --ep={ep}; they must match")
+            raise ConfigError(f"torchrun started {world} processes but --ep={ep}; they must match")
+        if link.kind == "netns":
+            raise ConfigError(
+                f"--link {link.spec} cannot be used under torchrun: the launcher, not us, starts "
+                "the ranks, so they cannot be put in network namespaces; use --link model:... "
+                "(or shape the real network yourself)"
+            )
         self.rank, self.num_ranks = int(os.environ["RANK"]), world
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-        rank = RankSpec(self.rank, world, "env://", timeout_s, parse_link(link))
+        rank = RankSpec(self.rank, world, "env://", timeout_s, link)
         self.runner = build_rank_runner(spec, rank)
         self.is_driver = self.rank == 0
         self.closed = False
-        self.last_spans = []
+        self.last_spans = [None] * world
 
     def _broadcast(self, msg=None):
         box = [msg]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _step(self, batch: dict, overlap, record: bool) -> list | None:
-        reply = serve_step(self.runner, batch, overlap, record)
+    def _step(self, batch: dict, overlap: OverlapConfig | None, record: bool) -> list | None:
+        logits, spans = serve_step(self.runner, ForwardBatch.from_dict(batch), overlap, record)
         replies = [None] * self.num_ranks if self.is_driver else None
-        dist.gather_object(reply, replies, dst=0)
+        dist.gather_object((logits.numpy(), spans), replies, dst=0)
         return replies
 
-    def run(self, batches: list[ForwardBatch], overlap=None, record: bool = False):
+    def run(
+        self,
+        batches: list[ForwardBatch],
+        overlap: OverlapConfig | None = None,
+        record: bool = False,
+    ) -> list[torch.Tensor]:
         dicts = [b.to_dict() for b in batches]
         self._broadcast(("step", dicts, overlap, record))
         replies = self._step(dicts[0], overlap, record)

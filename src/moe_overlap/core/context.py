@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moe_overlap.engine.forward_batch import ForwardBatch
-from moe_overlap.engine.kv_cache import KVCache
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.timeline import Timeline
+
+if TYPE_CHECKING:  # the contract lives with its backends; core only names it
+    from moe_overlap.dispatch.base import Dispatcher
 
 
 class StrictState:
@@ -32,9 +38,6 @@ class StrictState:
     def __contains__(self, key: str) -> bool:
         return key in self._items
 
-    def keys(self) -> list[str]:
-        return list(self._items)
-
     def assert_empty(self, where: str) -> None:
         if self._items:
             raise AssertionError(f"state leaks {sorted(self._items)} past {where}")
@@ -46,10 +49,10 @@ class ForwardContext:
 
     batch: ForwardBatch
     kv_cache: KVCache
-    dispatcher: Any  # moe.dispatch.TokenDispatcher
-    positions: Any = None  # torch.Tensor, computed once per forward
-    name: str = "mb0"
-    timeline: Any = None  # moe_overlap.timeline.Timeline, when recording
+    dispatcher: Dispatcher
+    positions: torch.Tensor | None = None  # computed once per forward
+    name: str = "mb0"  # the micro-batch: names its spans and its all-to-alls in the timeline
+    timeline: Timeline | None = None
     state: StrictState = field(default_factory=StrictState)
 
     def __post_init__(self) -> None:

@@ -51,21 +51,3 @@ class KVCache:
             self.write(layer, name, slot, prefix, values)
             out[name] = self.read(layer, name, slot, prefix + values.shape[0])
         return out
-
-
-class SlotAllocator:
-    """Hands out cache rows; the scheduler holds one per rank."""
-
-    def __init__(self, num_slots: int):
-        self.free = list(range(num_slots - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self.free)
-
-    def alloc(self) -> int:
-        if not self.free:
-            raise RuntimeError("no free KV cache slot")
-        return self.free.pop()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)

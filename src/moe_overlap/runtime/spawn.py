@@ -20,10 +20,13 @@ from multiprocessing.connection import Connection, wait
 import numpy as np
 import torch
 
-from moe_overlap.distributed.link import LinkSpec, NetnsLink, parse_link
-from moe_overlap.distributed.worker import RankSpec
-from moe_overlap.engine.executor import EngineSpec
-from moe_overlap.engine.forward_batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.link import LinkSpec
+from moe_overlap.distributed.netns import NetnsLink
+from moe_overlap.runtime.executor import Executor
+from moe_overlap.runtime.rank import RankSpec
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 
@@ -38,20 +41,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class SpawnedExecutor:
+class SpawnedExecutor(Executor):
     def __init__(
         self,
         spec: EngineSpec,
         ep: int,
-        link: str | LinkSpec = "none",
+        link: LinkSpec,
         timeout_s: float = 60.0,
         threads_per_rank: int = 1,
     ):
         self.num_ranks, self.timeout_s = ep, timeout_s
-        self.link_spec = parse_link(link) if isinstance(link, str) else link
+        self.link_spec = link
         self.netns: NetnsLink | None = None
         self.procs, self.conns = [], []
         self.closed = False
+        self.last_spans = [None] * ep
+        self._unread: set[int] = set()  # ranks whose reply to the last step is not read yet
         try:
             self._start(spec, threads_per_rank)
         except BaseException:
@@ -80,21 +85,38 @@ class SpawnedExecutor:
         self.conns = [p.conn for p in self.procs]
         self._collect("ready", startup=True)
 
-    def run(self, batches: list[ForwardBatch], overlap=None, record: bool = False):
-        """Each rank's logits for its batch; ``overlap`` overrides the engine's scheme for this
-        step, and with ``record`` each rank's timeline spans land in ``self.last_spans``."""
-        if self.closed:
-            raise RankFailure("the engine was stopped (closed, or a rank failed earlier)")
-        for conn, batch in zip(self.conns, batches, strict=True):
-            conn.send(("step", batch.to_dict(), overlap, record))
-        replies = self._collect("ok")
+    def run(
+        self,
+        batches: list[ForwardBatch],
+        overlap: OverlapConfig | None = None,
+        record: bool = False,
+    ) -> list[torch.Tensor]:
+        replies = self._request([("step", b.to_dict(), overlap, record) for b in batches])
         self.last_spans = [spans for _, spans in replies]
         return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
-        """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""
-        for conn in self.conns:
-            conn.send(("probe", num_bytes, repeats, p2p))
+        return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)
+
+    def _request(self, messages: list[tuple]) -> list:
+        """Send each rank its message and collect every reply. A call interrupted while
+        waiting (Ctrl-C) leaves replies unread: the next call reads and drops them first, so
+        no reply is ever taken for another step's. One interrupted while sending stops the
+        engine, since the ranks that got the step would wait for the others forever."""
+        if self.closed:
+            raise RankFailure("the engine was stopped (closed, or a rank failed earlier)")
+        if self._unread:
+            self._collect("ok")  # the interrupted step's replies
+        sent = 0
+        try:
+            for conn, msg in zip(self.conns, messages, strict=True):
+                conn.send(msg)
+                sent += 1
+        except BaseException:
+            if sent:
+                self.close()
+            raise
+        self._unread = set(range(self.num_ranks))
         return self._collect("ok")
 
     def _collect(self, kind: str, startup: bool = False) -> list:
@@ -119,6 +141,7 @@ class SpawnedExecutor:
                         msg = self.conns[r].recv()
                     except (EOFError, OSError):
                         self._fail(self._death(r))
+                    self._unread.discard(r)
                     if msg[0] == "error":
                         self._fail(f"rank {msg[1]} raised {msg[2]}\n{msg[3]}")
                     replies[r] = msg[1]
@@ -153,7 +176,7 @@ class SpawnedExecutor:
 
 
 class _RankProcess:
-    """A rank in a fresh interpreter (``python -m moe_overlap.distributed.worker``).
+    """A rank in a fresh interpreter (``python -m moe_overlap.runtime.worker``).
 
     A subprocess rather than multiprocessing's spawn: that would re-run the caller's
     ``__main__``, which breaks any script without an ``if __name__ == "__main__"`` guard.
@@ -162,7 +185,7 @@ class _RankProcess:
     def __init__(self, rank: int, spec: EngineSpec, rank_spec: RankSpec):
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_overlap.distributed.worker", str(theirs.fileno())],
+            [sys.executable, "-m", "moe_overlap.runtime.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             # c10d warns about every unresolvable hostname inside a network namespace
             env={"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ},

@@ -1,0 +1,179 @@
+"""Reading and writing Hugging Face ``config.json`` files as ``ModelConfig`` fields.
+
+Pure dict work: ``fields_from_hf`` turns a config dict into ``ModelConfig`` keyword arguments,
+``hf_from_fields`` does the reverse; ``model_config.py`` builds and validates the dataclass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moe_overlap.core.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "deepseek_v2")
+_ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+}
+_COMMON = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "eos_token_id",
+)
+_QWEN3 = ("head_dim", "mlp_only_layers", "decoder_sparse_step")
+_DEEPSEEK = (
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+)
+
+
+def check_model_type(model_type: Any) -> str:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model_type
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """The dict in ``path`` (a ``config.json`` or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json at {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
+    """``ModelConfig`` keyword arguments from a Hugging Face config dict (types unchecked:
+    ``ModelConfig`` validates every field and names the bad one)."""
+    model_type = check_model_type(raw.get("model_type"))
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ConfigError(f"{flag}=true is not supported: our linears have no bias")
+    reader = _Reader(raw)
+    common = dict(
+        model_type=model_type,
+        vocab_size=reader.get("vocab_size"),
+        hidden_size=reader.get("hidden_size"),
+        num_hidden_layers=reader.get("num_hidden_layers"),
+        num_attention_heads=reader.get("num_attention_heads"),
+        num_key_value_heads=reader.get("num_key_value_heads", raw.get("num_attention_heads")),
+        intermediate_size=reader.get("intermediate_size"),
+        moe_intermediate_size=reader.get("moe_intermediate_size"),
+        num_experts_per_tok=reader.get("num_experts_per_tok"),
+        rms_norm_eps=reader.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(raw),
+        max_position_embeddings=reader.get("max_position_embeddings", 4096),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        eos_token_id=_first_eos(raw.get("eos_token_id")),
+        norm_topk_prob=raw.get("norm_topk_prob", model_type != "deepseek_v2"),
+    )
+    if model_type == "qwen3_moe":
+        return common | dict(
+            num_experts=reader.get_any("num_experts", "num_local_experts"),
+            head_dim=raw.get("head_dim"),
+            mlp_only_layers=raw.get("mlp_only_layers") or [],
+            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+        )
+    v3 = model_type == "deepseek_v3"
+    return common | dict(
+        num_experts=reader.get("n_routed_experts"),
+        first_k_dense_replace=reader.get("first_k_dense_replace", 0),
+        n_shared_experts=raw.get("n_shared_experts") or 0,
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
+        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+        scoring_func=raw.get("scoring_func", "sigmoid" if v3 else "softmax"),
+        topk_method=raw.get("topk_method", "noaux_tc" if v3 else "greedy"),
+        q_lora_rank=raw.get("q_lora_rank"),
+        kv_lora_rank=reader.get("kv_lora_rank"),
+        qk_nope_head_dim=reader.get("qk_nope_head_dim"),
+        qk_rope_head_dim=reader.get("qk_rope_head_dim"),
+        v_head_dim=reader.get("v_head_dim"),
+        rope_interleave=raw.get("rope_interleave", True),
+    )
+
+
+def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict that ``fields_from_hf`` (and ``transformers``)
+    reads back."""
+    out = {key: fields[key] for key in _COMMON}
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+    out["architectures"] = [_ARCHITECTURES[fields["model_type"]]]
+    if fields["model_type"] == "qwen3_moe":
+        return out | {"num_experts": fields["num_experts"]} | {k: fields[k] for k in _QWEN3}
+    return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _DEEPSEEK}
+
+
+class _Reader:
+    """Reads required fields and names the missing one."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key in self.raw and self.raw[key] is not None:
+            return self.raw[key]
+        if default is ...:
+            raise ConfigError(f"config.json is missing the required field {key!r}")
+        return default
+
+    def get_any(self, *keys: str) -> Any:
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.raw[key]
+        raise ConfigError(
+            f"config.json is missing the required field {' or '.join(map(repr, keys))}"
+        )
+
+
+def _rope_theta(raw: dict[str, Any]) -> Any:
+    # transformers 5 nests it under rope_parameters; older configs keep it at the top.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling={scaling!r} must be an object")
+    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
+        raise ConfigError(f"rope scaling {scaling!r} is not supported; only default RoPE")
+    return params.get("rope_theta", raw.get("rope_theta", 10000.0))
+
+
+def _first_eos(eos: Any) -> Any:
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos

@@ -1,0 +1,193 @@
+"""The model's configuration: one dataclass for both families, validated field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.hf_config import check_model_type, fields_from_hf, hf_from_fields, read_json
+
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+    "decoder_sparse_step",
+    "n_group",
+    "topk_group",
+)
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")
+_DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_CHOICES = {
+    "scoring_func": ("softmax", "sigmoid"),
+    "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Everything the model code needs. Every field is checked on construction, and a bad one
+    raises ``ConfigError`` naming it."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int  # dense MLP width (DeepSeek's first layers)
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool = True
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    eos_token_id: int | None = None
+    # Qwen3-MoE: layers listed here use a dense MLP instead of experts.
+    mlp_only_layers: list[int] = field(default_factory=list)
+    decoder_sparse_step: int = 1
+    # DeepSeek-V2/V3.
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"  # "sigmoid" for DeepSeek-V3
+    topk_method: str = "greedy"  # "noaux_tc" for DeepSeek-V3, "group_limited_greedy" for V2
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def is_deepseek(self) -> bool:
+        return self.model_type.startswith("deepseek")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        if self.is_deepseek:
+            return layer_id >= self.first_k_dense_replace
+        return (
+            layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config (a dict, a ``config.json`` or a directory holding one)."""
+        raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(path_or_dict)
+        return cls(**fields_from_hf(raw))
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face ``config.json`` dict that ``from_hf`` (and ``transformers``) reads back."""
+        return hf_from_fields(dataclasses.asdict(self))
+
+    def validate(self) -> None:
+        check_model_type(self.model_type)
+        for name in _POSITIVE_INTS:
+            _require_int(name, getattr(self, name), minimum=1)
+        for name in _POSITIVE_FLOATS:
+            setattr(self, name, _require_positive_float(name, getattr(self, name)))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} must be one of {', '.join(choices)}"
+                )
+        if self.eos_token_id is not None:
+            _require_int("eos_token_id", self.eos_token_id, minimum=0)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} is larger than "
+                f"num_experts={self.num_experts}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.is_deepseek:
+            self._validate_deepseek()
+        else:
+            self._validate_qwen3()
+
+    def _validate_qwen3(self) -> None:
+        if not isinstance(self.mlp_only_layers, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.num_hidden_layers
+            for i in self.mlp_only_layers
+        ):
+            raise ConfigError(
+                f"mlp_only_layers={self.mlp_only_layers!r} must list layer indices in "
+                f"[0, num_hidden_layers={self.num_hidden_layers})"
+            )
+        if self.head_dim is not None:
+            _require_int("head_dim", self.head_dim, minimum=1)
+            return
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} does not divide "
+                f"hidden_size={self.hidden_size} (and no head_dim is given)"
+            )
+        self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def _validate_deepseek(self) -> None:
+        for name in _DEEPSEEK_DIMS:
+            _require_int(name, getattr(self, name), minimum=1)
+        if self.q_lora_rank is not None:
+            _require_int("q_lora_rank", self.q_lora_rank, minimum=1)
+        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
+        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        if self.num_experts % self.n_group:
+            raise ConfigError(
+                f"n_group={self.n_group} must be positive and divide n_routed_experts={self.num_experts}"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(
+                f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"
+            )
+        per_group = self.num_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in "
+                f"topk_group={self.topk_group} groups of {per_group}"
+            )
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ConfigError(
+                f"first_k_dense_replace={self.first_k_dense_replace} must be in "
+                f"[0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{name}={value!r} must be {kind}")
+
+
+def _require_positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} must be a finite number")
+    if value <= 0:
+        raise ConfigError(f"{name}={value!r} must be positive")
+    return float(value)

@@ -1,0 +1,68 @@
+"""Which overlap scheme runs and its knobs, under the reference systems' flag names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_overlap.core.errors import ConfigError
+
+OVERLAP_MODES = ("none", "tbo", "sbo", "dbo")
+A2A_BACKENDS = ("auto", "local", "torch")  # auto: local on one rank, torch on several
+SPLIT_POLICIES = ("tokens", "time")
+MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
+DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
+
+
+@dataclass
+class OverlapConfig:
+    mode: str = "none"  # none | tbo | sbo | dbo
+    tbo_token_distribution_threshold: float = DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD
+    num_micro_batches: int = 2
+    tbo_min_tokens: int = 2  # a rank with fewer tokens votes against micro-batching this step
+    # where two-chunk cuts: "tokens" halves the tokens (SGLang), "time" balances estimated cost
+    tbo_split_policy: str = "tokens"
+    # busy ranks in different forward modes: "off" skips TBO this step (SGLang), "prefill" runs
+    # the prefill strategy on every rank (ours)
+    tbo_mode_mismatch: str = "off"
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    moe_a2a_backend: str = "auto"
+    sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
+    sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
+
+    def __post_init__(self) -> None:
+        for name, choices in (
+            ("mode", OVERLAP_MODES),
+            ("tbo_split_policy", SPLIT_POLICIES),
+            ("tbo_mode_mismatch", MODE_MISMATCH),
+            ("moe_a2a_backend", A2A_BACKENDS),
+        ):
+            if getattr(self, name) not in choices:
+                raise ConfigError(
+                    f"{_flag(name)}={getattr(self, name)!r} must be one of {', '.join(choices)}"
+                )
+        threshold = self.tbo_token_distribution_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+            raise ConfigError(
+                f"{_flag('tbo_token_distribution_threshold')}={threshold!r} must be a number"
+            )
+        if not 0 <= threshold <= 0.5:
+            raise ConfigError(
+                f"{_flag('tbo_token_distribution_threshold')}={threshold} must be in [0, 0.5] "
+                f"(0 disables two-chunk splitting; default {DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD})"
+            )
+        for name, minimum in (
+            ("num_micro_batches", 2),
+            ("tbo_min_tokens", 1),
+            ("dbo_decode_token_threshold", 1),
+            ("dbo_prefill_token_threshold", 1),
+            ("sbo_combine_blocks", 1),
+            ("sbo_comm_sms", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{_flag(name)}={value!r} must be an integer >= {minimum}")
+
+
+def _flag(name: str) -> str:
+    return "overlap" if name == "mode" else "--" + name.replace("_", "-")

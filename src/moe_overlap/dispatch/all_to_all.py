@@ -1,0 +1,174 @@
+"""The ``torch`` dispatcher backend: all-to-all over torch.distributed between EP ranks.
+
+``dispatch_a`` sorts the (token, slot) pairs by expert, which groups them by owning rank,
+exchanges the per-expert counts (a tiny synchronous all-to-all) and starts the async all-to-all
+of hidden states; ``dispatch_b`` waits and regroups the received rows by local expert.
+``combine_a`` starts sending the expert outputs back in the order they came; ``combine_b`` waits
+and sums them per token exactly as the local backend does. SBO instead calls
+``combine_a_block`` once per block of local experts, each block's piece sent as soon as its
+experts finish.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.timeline import Timeline
+from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, sort_by_expert
+from moe_overlap.distributed.comm import CommHandle
+from moe_overlap.distributed.groups import Group
+from moe_overlap.distributed.modelled_link import ModelledLink
+
+
+class InFlight(Pending):
+    """One all-to-all; over a modelled link it completes no sooner than the link would."""
+
+    def __init__(
+        self,
+        handle: CommHandle,
+        link: ModelledLink | None,
+        num_bytes: int,
+        owner: str,
+        timeline: Timeline | None,
+    ):
+        self.handle, self.link, self.owner, self.timeline = handle, link, owner, timeline
+        self.start = time.perf_counter()
+        self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
+
+    def wait(self, waiter: str | None = None) -> torch.Tensor:
+        recording = self.timeline is not None and self.timeline.enabled
+        who = waiter or self.owner
+        label = "wait" if who == self.owner else f"receive hook for {self.owner}"
+        with self.timeline.span(f"{who} wait", label) if recording else nullcontext():
+            out = self.handle.wait()
+            if self.link is not None:
+                self.link.sleep_until(self.earliest_end)
+        return out
+
+
+class CombinePieces(Pending):
+    """A combine sent as several all-to-alls; ``wait`` reassembles the unsplit combine's rows."""
+
+    def __init__(self, rows: int, like: torch.Tensor):
+        self.out = like.new_empty((rows, *like.shape[1:]))
+        self.pieces: list[tuple[InFlight, torch.Tensor]] = []  # (handle, positions in out)
+
+    def wait(self, waiter: str | None = None) -> torch.Tensor:
+        for handle, positions in self.pieces:
+            self.out[positions] = handle.wait(waiter)
+        self.pieces = []
+        return self.out
+
+
+@dataclass
+class AllToAllState(DispatchState):
+    """The routing layout both directions of this layer's all-to-alls share."""
+
+    counts: torch.Tensor | None = None  # [ep, local]: rows I send to each rank's local experts
+    recv_counts: torch.Tensor | None = None  # [ep, local]: rows each rank sends my experts
+    send: list[int] | None = None  # rows I send to each rank
+    recv: list[int] | None = None  # rows I receive from each rank
+    perm: torch.Tensor | None = None  # received (source-major) rows -> grouped by expert
+    row_of: torch.Tensor | None = None  # where each received row sits in expert_outputs
+
+
+class AllToAllDispatcher(Dispatcher):
+    name = "torch"
+
+    def __init__(
+        self,
+        group: Group,
+        num_experts: int,
+        link: ModelledLink | None = None,
+        timeline: Timeline | None = None,
+    ):
+        if num_experts % group.size:
+            raise ConfigError(f"--ep={group.size} does not divide num_experts={num_experts}")
+        self.group, self.ep, self.link = group, group.size, link
+        self.num_experts, self.local = num_experts, num_experts // group.size
+        self.timeline = timeline  # records each all-to-all from launch to completion
+
+    def _start(
+        self, kind: str, rows: torch.Tensor, send: list[int], recv: list[int], owner: str
+    ) -> InFlight:
+        me = self.group.rank
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+        off_rank = max(sum(send) - send[me], sum(recv) - recv[me]) * row_bytes
+        handle = self.group.all_to_all(rows, send, recv, async_op=True)
+        flight = InFlight(handle, self.link, off_rank, owner, self.timeline)
+        timeline = self.timeline
+        if timeline is not None and timeline.enabled:
+
+            def done() -> None:
+                end = max(time.perf_counter(), flight.earliest_end)
+                timeline.add("comm", f"{kind} {off_rank / 1e6:.2f} MB ({owner})", flight.start, end)
+
+            handle.on_complete(done)
+        return flight
+
+    def dispatch_a(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        owner: str = "mb0",
+    ) -> AllToAllState:
+        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
+        counts = counts.view(self.ep, self.local)  # rows for each rank's local experts
+        # recv_counts[p, e]: rows rank p sends to my local expert e
+        recv_counts = self.group.all_to_all(counts.contiguous(), [1] * self.ep, [1] * self.ep)
+        send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
+        state.counts, state.recv_counts, state.send, state.recv = counts, recv_counts, send, recv
+        state.pending = self._start("dispatch", rows, send, recv, owner)
+        return state
+
+    def dispatch_b(self, state: AllToAllState) -> None:
+        received = state.pending.wait()
+        state.pending = None
+        recv_counts = state.recv_counts
+        # rows arrive grouped by source rank, then expert; regroup by expert, then source
+        source = torch.repeat_interleave(torch.arange(recv_counts.numel()), recv_counts.reshape(-1))
+        by_expert = source % self.local * self.ep + source // self.local
+        state.perm = torch.argsort(by_expert, stable=True)
+        state.expert_inputs = received[state.perm]
+        state.tokens_per_expert = recv_counts.sum(0).tolist()
+
+    def combine_a(self, state: AllToAllState) -> None:
+        outputs = torch.empty_like(state.expert_outputs)
+        outputs[state.perm] = state.expert_outputs  # back to the order they came in
+        state.pending = self._start("combine", outputs, state.recv, state.send, state.owner)
+
+    def combine_a_block(self, state: AllToAllState, experts: range) -> None:
+        """No counts are exchanged: both sides derive the piece's splits from dispatch's
+        counts, so ``combine_b`` sees exactly the rows the unsplit ``combine_a`` would send."""
+        if not isinstance(state.pending, CombinePieces):
+            state.pending = CombinePieces(sum(state.send), state.expert_outputs)
+            state.row_of = torch.empty_like(state.perm)
+            state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
+        outgoing, send = piece_layout(state.recv_counts, experts)
+        incoming, recv = piece_layout(state.counts, experts)
+        rows = state.expert_outputs[state.row_of[outgoing]]
+        kind = f"combine piece {len(state.pending.pieces)}"
+        state.pending.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
+
+
+def piece_layout(counts: torch.Tensor, experts: range) -> tuple[torch.Tensor, list[int]]:
+    """The rows of local experts ``experts`` in a buffer grouped by (rank, local expert).
+
+    ``counts[p, e]`` is the size of group (p, e). Returns their positions in buffer order and
+    the rows per rank. A source rank applies it to the counts it sent, an expert owner to the
+    counts it received, so both agree on every piece's splits and row order.
+    """
+    ranks, local = counts.shape
+    experts_of = torch.arange(local, device=counts.device).repeat(ranks)
+    expert_of_row = experts_of.repeat_interleave(counts.reshape(-1))
+    inside = (expert_of_row >= experts.start) & (expert_of_row < experts.stop)
+    per_rank = counts[:, experts.start : experts.stop].sum(1)
+    return inside.nonzero().reshape(-1), per_rank.tolist()

@@ -1,0 +1,36 @@
+"""The ``local`` dispatcher backend: one rank holds every expert, nothing is sent."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.dispatch.base import Dispatcher, DispatchState, Ready, sort_by_expert
+
+
+class LocalDispatcher(Dispatcher):
+    name = "local"
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def dispatch_a(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        owner: str = "mb0",
+    ) -> DispatchState:
+        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
+        state = DispatchState(hidden.shape[0], topk_weights, order, owner)
+        state.expert_inputs, state.tokens_per_expert = rows, counts.tolist()
+        state.pending = Ready(rows)
+        return state
+
+    def dispatch_b(self, state: DispatchState) -> None:
+        pass  # nothing in flight
+
+    def combine_a(self, state: DispatchState) -> None:
+        state.pending = Ready(state.expert_outputs)
+
+    def combine_a_block(self, state: DispatchState, experts: range) -> None:
+        state.pending = Ready(state.expert_outputs)  # the outputs are already in place

@@ -1,0 +1,90 @@
+"""Operations in flight: the handle ``Group`` returns for an async collective, and the
+completion of several point-to-point operations that together make one collective."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# waits for one work within a timeout (seconds, None: the group's), naming the operation
+WaitFn = Callable[[dist.Work, str, float | None], None]
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective or point-to-point operation did not finish within its timeout."""
+
+
+class CommHandle:
+    """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again."""
+
+    def __init__(self, wait: WaitFn, work: dist.Work | None, output: torch.Tensor, op: str) -> None:
+        self._wait_fn, self._work, self._output, self._op = wait, work, output, op
+
+    def on_complete(self, callback) -> None:
+        """Call ``callback()`` when the operation completes (from the communication thread)."""
+        if self._work is None:
+            callback()
+        else:
+            self._work.get_future().then(lambda _: callback())
+
+    def is_completed(self) -> bool:
+        """True once ``wait`` would return without blocking."""
+        return self._work is None or self._work.is_completed()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until done, at most ``timeout`` seconds (default: the group's timeout).
+
+        Raises ``CollectiveTimeout`` when the limit passes; the group is unusable afterwards.
+        """
+        if self._work is not None:
+            self._wait_fn(self._work, self._op, timeout)
+            self._work = None  # done: later waits return at once
+        return self._output
+
+
+class Works:
+    """Several point-to-point operations that together make one collective.
+
+    gloo's send/recv works have no future, and two threads must never wait on the same one,
+    so once a completion callback is wanted a single waiter thread owns the waiting.
+    """
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+        self._waiter: threading.Thread | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta) -> bool:
+        if self._waiter is None:
+            return all(w.wait(timeout=timeout) is not False for w in self.works)
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError("timed out waiting for the send/recv operations")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set() if self._waiter else all(w.is_completed() for w in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._waiter = threading.Thread(target=self._wait_all, daemon=True)
+            self._waiter.start()
+        return self._future
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as exc:  # handed to the caller's wait
+            self._error = exc
+        if self._error is None:  # callbacks (timeline spans) run before any wait returns
+            self._future.set_result(None)
+        self._done.set()

@@ -1,0 +1,50 @@
+"""The executor contract: run one step's per-rank batches on however many ranks there are.
+
+``LocalExecutor`` (one process), ``SpawnedExecutor`` (rank processes started here) and
+``TorchrunExecutor`` (a torchrun launch, one or several machines) implement it; ``LLM`` and the
+bench talk to every one of them the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import Span
+
+
+class Executor(ABC):
+    num_ranks: int
+    is_driver: bool = True  # False on torchrun ranks > 0, which only serve rank 0's steps
+    last_spans: list[list[Span] | None]  # per rank, the spans of the last recorded step
+
+    @abstractmethod
+    def run(
+        self,
+        batches: list[ForwardBatch],
+        overlap: OverlapConfig | None = None,
+        record: bool = False,
+    ) -> list[torch.Tensor]:
+        """Each rank's logits for its batch (``batches[r]`` runs on rank r). ``overlap``
+        overrides the engine's scheme for this step; with ``record`` each rank's timeline
+        spans land in ``last_spans``."""
+
+    def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
+        """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""
+        raise ConfigError(f"probing the link needs --ep 2 or more, not {self.num_ranks}")
+
+    def serve(self) -> None:
+        """Ranks that do not drive: serve the driver's steps until it ends the call."""
+        return None  # every rank drives here
+
+    def end_generate(self) -> None:
+        """The driver finished a ``generate`` call (releases serving ranks)."""
+        return None  # nobody waits here
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop every rank; idempotent."""

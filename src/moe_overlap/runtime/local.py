@@ -1,0 +1,32 @@
+"""The one-process executor: this process holds every expert; nothing is communicated."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.runtime.executor import Executor
+from moe_overlap.runtime.rank import build_rank_runner, serve_step
+
+
+class LocalExecutor(Executor):
+    num_ranks = 1
+
+    def __init__(self, spec: EngineSpec):
+        self.runner = build_rank_runner(spec)
+        self.last_spans = [None]
+
+    def run(
+        self,
+        batches: list[ForwardBatch],
+        overlap: OverlapConfig | None = None,
+        record: bool = False,
+    ) -> list[torch.Tensor]:
+        logits, spans = serve_step(self.runner, batches[0], overlap, record)
+        self.last_spans = [spans]
+        return [logits]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,93 @@
+"""One rank's shard of the engine: join the groups, build the model, dispatcher and runner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import Span, Timeline
+from moe_overlap.dispatch.factory import make_dispatcher
+from moe_overlap.distributed.groups import Group, init_process_groups
+from moe_overlap.distributed.layout import compute_layout
+from moe_overlap.distributed.link import LinkSpec
+from moe_overlap.distributed.modelled_link import ModelledLink
+from moe_overlap.model.loader import build_model
+from moe_overlap.runtime.model_runner import ModelRunner
+
+
+@dataclass
+class RankSpec:
+    """How a rank reaches the others (picklable, sent to each spawned process)."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    timeout_s: float
+    link: LinkSpec
+    netns: str | None = None  # namespace to enter before any socket exists
+    ifname: str | None = None
+    threads: int = 1
+
+
+def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRunner:
+    """This rank's ModelRunner over its expert shard; ``rank=None`` is the one-process engine
+    (no torch.distributed at all)."""
+    if rank is None:
+        group, link = Group.single(name="ep"), None
+    else:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo",
+                init_method=rank.init_method,
+                rank=rank.rank,
+                world_size=rank.world_size,
+                timeout=timedelta(seconds=rank.timeout_s),
+            )
+        n = rank.world_size
+        group = init_process_groups(compute_layout(n, 1, 1, n, 1, False), rank.rank, "gloo")["ep"]
+        link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
+    path = Path(spec.model_path) if spec.model_path else None
+    model = build_model(spec.config, path, spec.seed, group.rank, group.size)
+    timeline = Timeline()
+    dispatcher = make_dispatcher(
+        spec.overlap.moe_a2a_backend, spec.config.num_experts, group, link, timeline
+    )
+    return ModelRunner(
+        model, dispatcher, spec.slots_per_rank, spec.max_len, spec.overlap, group, timeline
+    )
+
+
+def serve_step(
+    runner: ModelRunner, batch: ForwardBatch, overlap: OverlapConfig | None, record: bool
+) -> tuple[torch.Tensor, list[Span] | None]:
+    """One forward; returns (logits, the timeline's spans or None)."""
+    runner.timeline.enabled = record
+    logits = runner.forward(batch, overlap)
+    return logits, (runner.timeline.take() if record else None)
+
+
+def probe_all_to_all(
+    group: Group, num_bytes: int, repeats: int, p2p: bool | None, link: ModelledLink | None
+) -> list[float]:
+    """Seconds of each of ``repeats`` all-to-alls sending ``num_bytes`` from this rank, spread
+    evenly over the ranks (the share to itself never crosses the link)."""
+    rows = max(group.size, num_bytes // 4 // 1024 // group.size * group.size)
+    x = torch.zeros(rows, 1024)
+    splits = [rows // group.size] * group.size
+    times = []
+    for _ in range(repeats):
+        group.barrier()
+        start = time.perf_counter()
+        group.all_to_all(x, splits, splits, p2p=p2p)
+        if link is not None:  # the dispatcher's link model: queued, latency + bytes / rate
+            link.sleep_until(link.reserve(start, x.numel() * 4 * (group.size - 1) // group.size))
+        times.append(time.perf_counter() - start)
+    return times

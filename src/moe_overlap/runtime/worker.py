@@ -1,0 +1,65 @@
+"""The body of one spawned rank process: ``python -m moe_overlap.runtime.worker FD``.
+
+It joins the group, builds its shard, and serves the driver's messages over the socket FD:
+``("step", batch, overlap, record)``, ``("probe", ...)`` and ``("stop",)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.distributed.netns import enter_netns
+from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_all, serve_step
+
+
+def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
+    """Serve ``("step", ...)`` and ``("probe", ...)`` until ``("stop",)`` or the driver leaves."""
+    # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(rank.threads)
+    try:
+        if rank.netns:
+            enter_netns(rank.netns)
+            os.environ["GLOO_SOCKET_IFNAME"] = rank.ifname
+        runner = build_rank_runner(spec, rank)
+        conn.send(("ready", rank.rank))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "probe":
+                link = runner.dispatcher.link
+                conn.send(("ok", probe_all_to_all(runner.group, *msg[1:], link=link)))
+            else:
+                _, batch, overlap, record = msg
+                logits, spans = serve_step(runner, ForwardBatch.from_dict(batch), overlap, record)
+                conn.send(("ok", (logits.numpy(), spans)))
+    except EOFError:
+        pass  # the driver went away; just exit
+    except BaseException as exc:  # report anything, then die: the driver stops every rank
+        with contextlib.suppress(OSError):
+            conn.send(("error", rank.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    spec, rank = pickle.loads(conn.recv_bytes())
+    rank_main(spec, rank, conn)
+
+
+if __name__ == "__main__":
+    main()

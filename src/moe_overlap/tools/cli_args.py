@@ -1,0 +1,216 @@
+"""The flags every command shares: where the model comes from, the layout, the link and the
+overlap scheme (the reference systems' names), and how they become an ``LLM``."""
+
+from __future__ import annotations
+
+import argparse
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import (
+    A2A_BACKENDS,
+    DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD,
+    MODE_MISMATCH,
+    OverlapConfig,
+)
+from moe_overlap.engine.llm import LLM
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--model",
+        metavar="DIR",
+        help="checkpoint directory: config.json and *.safetensors in the Hub layout",
+    )
+    src.add_argument(
+        "--config",
+        metavar="JSON",
+        help="a Hugging Face config.json; the weights are seeded random (see --seed)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for random weights (with --config) and for sampling (default 0)",
+    )
+
+
+def add_link_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--link",
+        default="none",
+        metavar="SPEC",
+        help="how ranks talk: none (loopback), netns:RATE (each rank in a network namespace, "
+        "links shaped by tc tbf, e.g. netns:2gbit; needs root), or model:BANDWIDTH,LATENCY "
+        "(a modelled delay, e.g. model:2gbit,50us)",
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks started on this machine (default 1: one process)",
+    )
+    add_link_arg(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds any collective may wait before the engine stops (default 60)",
+    )
+    p.add_argument(
+        "--moe-a2a-backend",
+        choices=A2A_BACKENDS,
+        default="auto",
+        help="token dispatcher: torch (all-to-all over torch.distributed), local (one process "
+        "holds every expert), or auto (the default: local at --ep 1, torch above)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest sequence served (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=16,
+        help="KV cache slots per rank, i.e. sequences running at once (default 16)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per rank per forward; longer prompts are prefilled in chunks",
+    )
+    o = p.add_argument_group("overlap (at most one scheme)")
+    o.add_argument(
+        "--enable-two-batch-overlap",
+        action="store_true",
+        help="SGLang TBO: split each batch into micro-batches whose computation and "
+        "all-to-all interleave layer by layer",
+    )
+    o.add_argument(
+        "--tbo-token-distribution-threshold",
+        type=float,
+        default=DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD,
+        help="two-chunk overlap: cut a sequence in two when the balanced split puts "
+        "less than this share of tokens in one micro-batch (0 disables; <= 0.5)",
+    )
+    o.add_argument(
+        "--num-micro-batches",
+        type=int,
+        default=2,
+        help="micro-batches for TBO (default 2; more cut tokens evenly)",
+    )
+    o.add_argument(
+        "--enable-single-batch-overlap",
+        action="store_true",
+        help="SGLang SBO: inside each MoE layer, send finished experts' outputs while "
+        "the rest compute, and run shared experts during the dispatch",
+    )
+    o.add_argument(
+        "--tbo-min-tokens",
+        type=int,
+        default=2,
+        help="TBO runs only when every busy rank has at least this many tokens this step "
+        "(default 2); raise it where small batches lose to the split's overhead",
+    )
+    o.add_argument(
+        "--tbo-split-policy",
+        choices=("tokens", "time"),
+        default="tokens",
+        help="where two-chunk cuts: tokens halves the tokens (SGLang); time balances estimated "
+        "time (a later chunk also attends over the earlier one)",
+    )
+    o.add_argument(
+        "--tbo-mode-mismatch",
+        choices=MODE_MISMATCH,
+        default="off",
+        help="when busy ranks run different forward modes (one prefills, one decodes): off "
+        "runs that step without TBO (SGLang, default); prefill runs the prefill strategy on "
+        "every rank (ours)",
+    )
+    o.add_argument(
+        "--sbo-combine-blocks",
+        type=int,
+        default=2,
+        help="SBO: local experts are run in this many blocks, each block's outputs "
+        "sent back while the next computes (default 2)",
+    )
+    o.add_argument(
+        "--sbo-comm-sms",
+        type=int,
+        default=3,
+        help="SBO on CUDA: SMs reserved for communication (recorded; CPU ignores it)",
+    )
+    o.add_argument(
+        "--enable-dbo",
+        action="store_true",
+        help="vLLM DBO: two micro-batches on two threads handing a baton at each "
+        "dispatch and combine",
+    )
+    o.add_argument(
+        "--dbo-decode-token-threshold",
+        type=int,
+        default=32,
+        help="DBO runs on decode batches of at least this many tokens (default 32)",
+    )
+    o.add_argument(
+        "--dbo-prefill-token-threshold",
+        type=int,
+        default=512,
+        help="DBO runs on prefill batches of at least this many tokens (default 512)",
+    )
+
+
+def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
+    chosen = [
+        name
+        for name, on in (
+            ("tbo", args.enable_two_batch_overlap),
+            ("sbo", args.enable_single_batch_overlap),
+            ("dbo", args.enable_dbo),
+        )
+        if on
+    ]
+    if len(chosen) > 1:
+        raise ConfigError(
+            f"overlap schemes {' and '.join(chosen)} are mutually exclusive; enable at most one"
+        )
+    return OverlapConfig(
+        mode=chosen[0] if chosen else "none",
+        tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
+        num_micro_batches=args.num_micro_batches,
+        tbo_min_tokens=args.tbo_min_tokens,
+        tbo_split_policy=args.tbo_split_policy,
+        tbo_mode_mismatch=args.tbo_mode_mismatch,
+        dbo_decode_token_threshold=args.dbo_decode_token_threshold,
+        dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
+        sbo_combine_blocks=args.sbo_combine_blocks,
+        sbo_comm_sms=args.sbo_comm_sms,
+        moe_a2a_backend=args.moe_a2a_backend,
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        seed=args.seed,
+        ep=args.ep,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        overlap=overlap_from_args(args),
+        link=args.link,
+        timeout_s=args.timeout,
+    )
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    if args.model:
+        return LLM(args.model, **engine_kwargs(args))
+    return LLM(config=ModelConfig.from_hf(args.config), **engine_kwargs(args))
