@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_overlap import ConfigError, ModelConfig
-from tests.conftest import deepseek_hf_config, qwen3_hf_config
+from tests.helpers import deepseek_hf_config, qwen3_hf_config
 
 
 def test_reads_transformers_configs():

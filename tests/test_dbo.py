@@ -27,8 +27,7 @@ from moe_overlap.overlap.agreement import (
 )
 from moe_overlap.overlap.baton import Baton, DboStall, DboYield, DualBatchThreads
 from moe_overlap.runtime.model_runner import ModelRunner
-from tests.test_engine import TINY
-from tests.test_ep import CASES, KW, PARAMS, assert_same
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
 
 DBO = OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
 

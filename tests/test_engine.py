@@ -6,48 +6,8 @@ import pytest
 import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
+from tests.helpers import TINY
 
-TINY = {
-    "qwen3_moe": dict(
-        model_type="qwen3_moe",
-        vocab_size=80,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    ),
-    "deepseek_v3": dict(
-        model_type="deepseek_v3",
-        vocab_size=80,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        max_position_embeddings=64,
-    ),
-}
 PROMPTS = [[1, 5, 9, 13, 2, 8, 30, 31, 40, 41, 7, 3, 60], [4, 4, 2], [9] * 21, [70, 12]]
 
 

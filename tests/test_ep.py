@@ -13,27 +13,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.runtime.spawn import RankFailure
-from tests.test_engine import TINY
-
-CASES = {
-    "single-long": [[(7 * i) % 80 for i in range(45)]],
-    "short+long": [[3, 4, 5], [(5 * i + 1) % 80 for i in range(40)]],
-    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 60)), [70, 71, 72], [5]],
-    "one-decode-token": [[11]],
-}
-PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
-KW = dict(seed=0, max_num_batched_tokens=24)  # small budget: chunked prefill and MIXED steps
-
-
-def reference(cfg):
-    with LLM(config=cfg, **KW) as llm:
-        return {case: llm.generate(p, PARAMS, return_logits=True) for case, p in CASES.items()}
-
-
-def assert_same(base, got):
-    for a, b in zip(base, got, strict=True):
-        assert a.token_ids == b.token_ids
-        assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_overlap import ModelConfig
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
-from tests.conftest import qwen3_hf_config
+from tests.helpers import qwen3_hf_config
 
 
 @pytest.fixture

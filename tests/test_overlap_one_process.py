@@ -1,6 +1,6 @@
 """TBO on one process (local dispatcher): the split, the interleaving and the merge are exact.
 
-The same checks at ep=2 over real all-to-alls live in test_overlap_ep.py.
+The same checks at ep=2 and ep=4 over real all-to-alls live in test_ep.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
-from tests.test_engine import TINY
+from tests.helpers import TINY
 
 CASES = {
     "single-long": [[(7 * i) % 80 for i in range(45)]],

@@ -19,8 +19,7 @@ from moe_overlap.distributed.link import parse_link
 from moe_overlap.overlap.sbo import SBO_MOE_OPS, expert_blocks
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
-from tests.test_engine import TINY
-from tests.test_ep import CASES, KW, PARAMS, assert_same, reference
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
 
 
 def sbo(blocks: int = 2, backend: str = "auto") -> OverlapConfig:
