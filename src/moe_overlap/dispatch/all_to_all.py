@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, sort_by_expert
 from moe_overlap.distributed.comm import CommHandle
@@ -88,8 +87,6 @@ class AllToAllDispatcher(Dispatcher):
         link: ModelledLink | None = None,
         timeline: Timeline | None = None,
     ):
-        if num_experts % group.size:
-            raise ConfigError(f"--ep={group.size} does not divide num_experts={num_experts}")
         self.group, self.ep, self.link = group, group.size, link
         self.num_experts, self.local = num_experts, num_experts // group.size
         self.timeline = timeline  # records each all-to-all from launch to completion

@@ -19,7 +19,7 @@ from rich.progress import Progress
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD, OverlapConfig
 from moe_overlap.tools.workloads import Workload
 
 DEFAULT_MODES = ("none", "sbo", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "dbo")
@@ -45,7 +45,7 @@ def mode_config(name: str) -> OverlapConfig:
         raise ConfigError(f"mode {name!r}: a tbo mode needs 2 or more micro-batches")
     return OverlapConfig(
         "tbo",
-        tbo_token_distribution_threshold=0.48 if cut else 0.0,
+        tbo_token_distribution_threshold=DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD if cut else 0.0,
         num_micro_batches=parts,
         tbo_split_policy="time" if cut == "+time-split" else "tokens",
     )

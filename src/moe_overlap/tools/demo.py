@@ -16,6 +16,7 @@ from rich.console import Console
 
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.tools.cli import main as cli
 
@@ -26,8 +27,6 @@ WORKLOAD = os.environ.get("DEMO_WORKLOAD", "uniform:30-3072:2048")
 
 
 def pick_link(console: Console) -> str:
-    from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
-
     try:
         with NetnsLink(2, RATE):
             pass

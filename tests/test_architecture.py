@@ -1,0 +1,46 @@
+"""The package's shape: layers import only downward, no cycles, small files, no hidden imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "moe_overlap"
+ROOT = SRC.parents[1]
+LAZY_OK = {"matplotlib", "matplotlib.pyplot"}  # optional heavy dependency, imported when plotting
+
+
+def test_import_contracts_hold() -> None:
+    # the contracts live in pyproject.toml: layers, and acyclic sibling packages and modules
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 kept, 0 broken" in out.stdout
+
+
+def test_no_source_file_over_300_lines() -> None:
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 300
+    }
+    assert not long, f"files over 300 lines: {long}"
+
+
+def test_no_import_inside_a_function() -> None:
+    hidden = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Import | ast.ImportFrom):
+                        names = (
+                            [inner.module]
+                            if isinstance(inner, ast.ImportFrom)
+                            else [a.name for a in inner.names]
+                        )
+                        if not set(names) <= LAZY_OK:
+                            hidden.append(f"{path.relative_to(SRC)}:{inner.lineno} {names}")
+    assert not hidden, f"imports inside functions: {hidden}"
