@@ -10,6 +10,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.overlap.split import (
     CostModel,
     balanced_seq_split,
+    half_token_seq,
     merge_logits,
     needs_two_chunk,
     plan_even_tokens,
@@ -44,12 +45,29 @@ def test_reference_examples():
 
 def test_two_chunk_disabled_keeps_sequences_whole():
     assert shapes(extend_batch([100, 2000]), 0) == [([100], [0]), ([2000], [0])]
-    assert shapes(extend_batch([3000]), 0) == [([3000], [0]), ([], [])]
+    # one sequence: SGLang's balanced split returns 0, so the first micro-batch is the empty one
+    assert shapes(extend_batch([3000]), 0) == [([], []), ([3000], [0])]
 
 
-def test_decode_halves_the_sequences():
+def test_decode_gives_the_first_micro_batch_the_smaller_half():
+    # SGLang: (num_tokens // token_num_per_seq) // 2 sequences go to the first micro-batch
     b = extend_batch([1] * 5, prefixes=[7, 3, 9, 1, 4], decode=True)
-    assert shapes(b) == [([1, 1, 1], [7, 3, 9]), ([1, 1], [1, 4])]
+    assert shapes(b) == [([1, 1], [7, 3]), ([1, 1, 1], [9, 1, 4])]
+
+
+def test_balanced_split_takes_the_later_cut_on_a_tie():
+    assert balanced_seq_split([1, 2, 1]) == 2  # cuts 1 and 2 both leave a gap of 2
+    assert balanced_seq_split([3, 3]) == 1
+    assert balanced_seq_split([5]) == 0 and balanced_seq_split([]) == 0
+
+
+def test_one_token_sequences_fall_back_to_the_sequence_split():
+    # two-chunk would give the first micro-batch more sequences than tokens (SGLang 0.5.x)
+    assert not needs_two_chunk([1, 2], 0.48) and not needs_two_chunk([1], 0.48)
+    assert half_token_seq([1, 1, 1]) == 1 and not needs_two_chunk([1, 1, 1], 0.48)
+    assert shapes(extend_batch([1, 1, 1])) == [([1, 1], [0, 0]), ([1], [0])]
+    assert shapes(extend_batch([1])) == [([], []), ([1], [0])]
+    assert needs_two_chunk([2], 0.48) and needs_two_chunk([1, 3], 0.48)
 
 
 def test_threshold_edges():
@@ -59,7 +77,10 @@ def test_threshold_edges():
     assert not needs_two_chunk(lens, 0.48)
     assert needs_two_chunk(lens, 0.481)
     assert needs_two_chunk([30, 70], 0.31) and not needs_two_chunk([30, 70], 0.30)
+    assert not needs_two_chunk([48, 52], 0.48)  # strict: exactly on the threshold is balanced
     assert not needs_two_chunk([1, 1000], 0)
+    # SGLang compares left > total * (1 - th) in floats: 63 > 90 * 0.7 == 62.99999999999999
+    assert needs_two_chunk([63, 27], 0.3)
 
 
 lens_st = st.lists(st.integers(1, 400), min_size=1, max_size=12)
@@ -96,12 +117,34 @@ def test_two_batch_split_properties(lens, prefixes, threshold):
     total = batch.num_tokens
     if needs_two_chunk(lens, threshold):  # two-chunk: both halves within one token
         assert [c.num_tokens for c in children] == [total // 2, total - total // 2]
-    else:  # sequence level: no sequence is cut
+    else:  # sequence level: no sequence is cut, and only a lone sequence leaves a side empty
         assert sum(c.num_seqs for c in children) == len(lens)
-        if len(lens) > 1:
-            assert children[0].num_seqs > 0 and children[1].num_seqs > 0
+        assert children[1].num_seqs > 0
+        assert (children[0].num_seqs > 0) == (len(lens) > 1)
     if threshold and total >= 2:  # the promise of two-chunk: no idle micro-batch
         assert all(c.num_tokens > 0 for c in children)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(lens=lens_st, threshold=st.sampled_from([0, 0.1, 0.3, 0.48, 0.5]))
+def test_split_choice_properties(lens, threshold):
+    n, total = len(lens), sum(lens)
+    gaps = {i: abs(2 * sum(lens[:i]) - total) for i in range(1, n)}
+    best = balanced_seq_split(lens)  # the latest of the cuts with the smallest gap
+    assert best == (max(i for i in gaps if gaps[i] == min(gaps.values())) if gaps else 0)
+    left = sum(lens[:best])
+    lopsided = left < total * threshold or left > total * (1 - threshold)
+    s = half_token_seq(lens)  # SGLang's first child: sequences [0, s], total // 2 tokens
+    assert sum(lens[:s]) <= total // 2 < sum(lens[: s + 1])
+    assert needs_two_chunk(lens, threshold) == (lopsided and s + 1 <= total // 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 40))
+def test_decode_split_properties(n):
+    batch = extend_batch([1] * n, decode=True)
+    children = check_children(batch, plan_two_batch(batch, 0.48))
+    assert [c.num_seqs for c in children] == [n // 2, n - n // 2]
 
 
 @settings(max_examples=800, deadline=None)

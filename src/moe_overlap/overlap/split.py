@@ -14,8 +14,6 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 
-DEFAULT_TOKEN_DISTRIBUTION_THRESHOLD = 0.48
-
 
 @dataclass(frozen=True)
 class Piece:
@@ -27,34 +25,40 @@ class Piece:
 Plan = list[list[Piece]]
 
 
-def check_threshold(threshold: float) -> float:
-    if not 0 <= threshold <= 0.5:
-        raise ValueError(
-            f"--tbo-token-distribution-threshold={threshold} must be in [0, 0.5] "
-            "(0 disables two-chunk splitting; 0.48 is the default)"
-        )
-    return threshold
-
-
 def balanced_seq_split(lens: list[int]) -> int:
-    """The first index i minimising |sum(lens[:i]) - sum(lens[i:])| (0 < i < len when possible)."""
-    if len(lens) < 2:
-        return len(lens)
-    total, left, best, best_gap = sum(lens), 0, 1, None
+    """SGLang's ``_split_array_by_balanced_sum``: the cut ``i`` minimising
+    |sum(lens[:i]) - sum(lens[i:])|, the later one on a tie; 0 for fewer than two sequences."""
+    total, left, best, best_gap = sum(lens), 0, 0, None
     for i in range(1, len(lens)):
         left += lens[i - 1]
         gap = abs(2 * left - total)
-        if best_gap is None or gap < best_gap:
-            best, best_gap = i, gap
+        if best_gap is not None and gap > best_gap:
+            break  # SGLang stops at the first increase (the gap is V-shaped)
+        best, best_gap = i, gap
     return best
 
 
+def half_token_seq(lens: list[int]) -> int:
+    """SGLang's ``_split_array_by_cum_less_than_half``: the sequence holding token
+    ``sum(lens) // 2`` (the first whose running total passes it), 0 if none does."""
+    half, running = sum(lens) // 2, 0
+    for i, n in enumerate(lens):
+        running += n
+        if running > half:
+            return i
+    return 0
+
+
 def needs_two_chunk(lens: list[int], threshold: float) -> bool:
-    """True if the balanced sequence split leaves a share outside [threshold, 1 - threshold]."""
-    if threshold == 0 or sum(lens) < 2:
+    """SGLang's ``_is_two_chunk_split_enabled``: the balanced sequence split leaves a share
+    strictly outside [threshold, 1 - threshold], and the first micro-batch would get no more
+    sequences than tokens (else, e.g. one one-token sequence, the sequence split is used)."""
+    total = sum(lens)
+    left = sum(lens[: balanced_seq_split(lens)])
+    # SGLang's own float expression, so the edges fall where they fall there
+    if not (left < total * threshold or left > total * (1 - threshold)):
         return False
-    share = sum(lens[: balanced_seq_split(lens)]) / sum(lens)
-    return not threshold <= share <= 1 - threshold
+    return half_token_seq(lens) + 1 <= total // 2
 
 
 def token_split(lens: list[int], cuts: list[int]) -> Plan:
@@ -136,12 +140,13 @@ def time_balanced_cuts(batch: ForwardBatch, cost: CostModel, parts: int) -> list
 
 
 def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None = None) -> Plan:
-    """SGLang's two-batch split: decode halves the sequences; extend balances tokens by
-    sequence, and cuts a sequence in two (two-chunk overlap) when that split is lopsided.
-    With a ``cost`` model the cut balances estimated time instead of tokens (ours)."""
+    """SGLang's two-batch split: decode gives the first micro-batch floor(n / 2) sequences;
+    extend balances tokens by sequence, and cuts a sequence in two (two-chunk overlap) when
+    that split is lopsided. With a ``cost`` model the cut balances estimated time instead of
+    tokens (ours)."""
     lens = batch.extend_lens
     if batch.mode == ForwardMode.DECODE:
-        return seq_split(lens, (len(lens) + 1) // 2)
+        return seq_split(lens, len(lens) // 2)
     if needs_two_chunk(lens, threshold):
         cut = time_balanced_cuts(batch, cost, 2)[0] if cost is not None else sum(lens) // 2
         return token_split(lens, [cut])
