@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from tests.dist_utils import free_port
@@ -21,10 +22,8 @@ with LLM(config=cfg, ep=2, overlap="tbo") as llm:
 PROMPTS = [[1, 2, 3], list(range(50, 90))]
 
 
-def test_torchrun_two_ranks_match_one_process(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\n{SCRIPT}")
-    proc = subprocess.run(
+def _torchrun(script, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -37,8 +36,14 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\n{SCRIPT}")
+    proc = _torchrun(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     with LLM(config=ModelConfig.from_hf("configs/deepseek-v3-tiny.json")) as llm:
@@ -47,3 +52,32 @@ def test_torchrun_two_ranks_match_one_process(tmp_path):
             for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
         ]
     assert results == [expected, []]  # rank 0 drives; rank 1 served its steps
+
+
+# Each rank records what LLM(...) did: had a rank exited with the error, torchrun could stop the
+# other before it got that far, and the test could not tell what that rank would have done.
+NETNS_SCRIPT = """
+import os
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.errors import ConfigError
+cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
+try:
+    LLM(config=cfg, ep=2, link="netns:1gbit", timeout_s=10).close()
+    result = "started"
+except ConfigError as exc:
+    result = f"ConfigError: {exc}"
+with open(f"{OUT}/rank{os.environ['RANK']}.txt", "w") as f:
+    f.write(result)
+"""
+
+
+def test_torchrun_refuses_netns_link_on_every_rank(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(f"OUT = {str(tmp_path)!r}\n{NETNS_SCRIPT}")
+    start = time.monotonic()
+    proc = _torchrun(script, timeout=90)  # a hang fails here
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        result = (tmp_path / f"rank{r}.txt").read_text()
+        assert result.startswith("ConfigError: --link netns:1gbit cannot be used under torchrun")

@@ -1,0 +1,179 @@
+"""The overlap modes tested on one process in test_overlap_one_process.py, now on real gloo
+ranks (time-balanced cuts, three and four micro-batches), and the cross-rank TBO agreement.
+
+Starting ranks costs 5-10 s on two busy cores, so one ep=2 engine per family serves every
+mode: its own mode through ``LLM(overlap=...)``, the others through the per-step override of
+``Executor.run`` (the bench's path; both reach ``ModelRunner.forward`` with the same config).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.overlap.agreement import tbo_decide, tbo_local_vote
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+
+MODES = {
+    "tbo4+time-split": OverlapConfig("tbo", num_micro_batches=4, tbo_split_policy="time"),
+    "tbo+time-split": OverlapConfig("tbo", tbo_split_policy="time"),
+    "tbo3": OverlapConfig("tbo", num_micro_batches=3),
+    "tbo3+time-split": OverlapConfig("tbo", num_micro_batches=3, tbo_split_policy="time"),
+    "tbo4": OverlapConfig("tbo", num_micro_batches=4),
+}
+ENGINE_MODE = "tbo4+time-split"  # the mode the engines are built with
+
+
+def _extend(ids: list[int], slot: int) -> ForwardBatch:
+    return ForwardBatch(torch.tensor(ids), [slot], [0], [len(ids)], [True])
+
+
+def _decode(ids: list[int], slots: list[int], prefixes: list[int]) -> ForwardBatch:
+    n = len(ids)
+    return ForwardBatch(torch.tensor(ids), slots, prefixes, [1] * n, is_decode=[True] * n)
+
+
+def _same_logits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # allclose alone would broadcast; an idle rank's logits are empty on both sides
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-4)
+
+
+def _tracks(spans) -> set[str]:
+    return {s.track for s in spans}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def engine(request):
+    """(an ep=2 engine built in ENGINE_MODE, the one-process outputs without overlap)."""
+    cfg = ModelConfig(**TINY[request.param])
+    base = reference(cfg)
+    with LLM(config=cfg, ep=2, overlap=MODES[ENGINE_MODE], **KW) as llm:
+        yield llm, base
+
+
+def _run_in(monkeypatch, llm: LLM, mode: str) -> None:
+    """Make every step of ``llm`` run ``mode`` (unless the engine was built in it)."""
+    if mode != ENGINE_MODE:
+        step = llm.executor.run
+        monkeypatch.setattr(
+            llm.executor,
+            "run",
+            lambda batches, _=None, record=False: step(batches, MODES[mode], record),
+        )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mode", MODES)
+def test_ep2_mode_matches_one_process(engine, mode, case, monkeypatch):
+    llm, base = engine
+    _run_in(monkeypatch, llm, mode)
+    assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ep2_mode_really_micro_batches(engine, mode):
+    """The exactness above is no fallback to one batch: each rank runs every micro-batch."""
+    llm, _ = engine
+    overlap = None if mode == ENGINE_MODE else MODES[mode]
+    batches = [_extend(list(range(1, 14)), slot=0), _extend([5] * 3 + [7] * 6, slot=0)]
+    plain = llm.executor.run(batches, OverlapConfig())
+    got = llm.executor.run(batches, overlap, record=True)
+    for r in range(2):
+        assert _same_logits(plain[r], got[r])
+        n = MODES[mode].num_micro_batches
+        assert {f"mb{i}" for i in range(n + 1)} & _tracks(llm.executor.last_spans[r]) == {
+            f"mb{i}" for i in range(n)
+        }
+
+
+def test_ep4_tbo3_time_split_matches_one_process():
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    base = reference(cfg)
+    with LLM(config=cfg, ep=4, overlap=MODES["tbo3+time-split"], **KW) as llm:
+        for case in ("mixed-batch", "short+long"):
+            assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
+
+
+# --- cross-rank TBO agreement ---------------------------------------------------------------
+
+CONTEXTS = [[(3 * i + 1) % 80 for i in range(9)], [(11 * i + 2) % 80 for i in range(14)]]
+PREFILL = ForwardBatch(torch.tensor(CONTEXTS[0] + CONTEXTS[1]), [0, 1], [0, 0], [9, 14])
+DECODE = _decode([21, 43], [0, 1], [9, 14])  # after PREFILL
+EXTEND = ForwardBatch(torch.arange(20, 32), [2, 3], [0, 0], [5, 7], [True, True])
+IDLE = ForwardBatch.idle()
+ONE_TOKEN = _extend([17], slot=4)  # cannot be split: vetoes TBO on every rank
+MIXED = ForwardBatch(torch.arange(6), [2, 0], [0, 9], [5, 1], is_decode=[False, True])
+
+# (rank 0's batch, rank 1's batch, --tbo-mode-mismatch, the ranks that micro-batch)
+AGREEMENT = {
+    "extend+decode/off": (EXTEND, DECODE, "off", set()),  # SGLang: modes differ, no TBO
+    "extend+decode/prefill": (EXTEND, DECODE, "prefill", {0, 1}),  # ours: prefill everywhere
+    "decode+extend/off": (DECODE, EXTEND, "off", set()),
+    "decode+decode/off": (DECODE, DECODE, "off", {0, 1}),
+    "idle+extend/off": (IDLE, EXTEND, "off", {0, 1}),  # an idle rank has no mode to disagree
+    "decode+idle/off": (DECODE, IDLE, "off", {0, 1}),
+    "mixed+decode/off": (MIXED, DECODE, "off", set()),
+    "extend+one-token/prefill": (EXTEND, ONE_TOKEN, "prefill", set()),
+}
+
+
+@pytest.mark.parametrize("scenario", AGREEMENT)
+def test_tbo_agreement_on_gloo_ranks(engine, scenario):
+    first, second, mismatch, micro_batching = AGREEMENT[scenario]
+    executor = engine[0].executor
+    executor.run([PREFILL, PREFILL], OverlapConfig())  # slots 0 and 1 hold DECODE's context
+    # a decode step rewrites the K/V at its own position, so both runs see the same cache
+    plain = executor.run([first, second], OverlapConfig())
+    tbo = OverlapConfig("tbo", tbo_mode_mismatch=mismatch)
+    got = executor.run([first, second], tbo, record=True)
+    for r in range(2):
+        assert _same_logits(plain[r], got[r])
+        tracks = _tracks(executor.last_spans[r])
+        assert "mb0" in tracks  # the timeline recorded this rank
+        assert ("mb1" in tracks) == (r in micro_batching), f"rank {r}"
+
+
+def _vote(*batches: ForwardBatch) -> list[int]:
+    """The MIN all-reduce of every rank's vote, as tbo_agree does it."""
+    return [min(column) for column in zip(*(tbo_local_vote(b) for b in batches), strict=True)]
+
+
+DECISIONS = {  # ranks' batches, --tbo-mode-mismatch -> run, decode strategy, reason
+    "idle+extend": ((IDLE, EXTEND), "off", True, False, ""),
+    "idle+decode": ((IDLE, DECODE), "off", True, True, ""),
+    "idle+mixed": ((MIXED, IDLE), "off", True, False, ""),
+    "extend+extend": ((EXTEND, EXTEND), "off", True, False, ""),
+    "decode+decode": ((DECODE, DECODE), "off", True, True, ""),
+    "decode+decode/prefill": ((DECODE, DECODE), "prefill", True, True, ""),
+    "extend+decode": ((EXTEND, DECODE), "off", False, False, "modes (extend, decode)"),
+    "extend+decode/prefill": ((EXTEND, DECODE), "prefill", True, False, ""),
+    "idle+extend+decode": ((IDLE, EXTEND, DECODE), "off", False, False, "different forward"),
+    "idle+extend+decode/prefill": ((IDLE, EXTEND, DECODE), "prefill", True, False, ""),
+    "mixed+extend": ((MIXED, EXTEND), "off", False, False, "modes (extend, mixed)"),
+    "mixed+decode": ((MIXED, DECODE), "off", False, False, "modes (decode, mixed)"),
+    "mixed+decode/prefill": ((MIXED, DECODE), "prefill", True, False, ""),
+    "all-idle": ((IDLE, IDLE), "off", False, False, "every rank is idle"),
+    "all-idle/prefill": ((IDLE, IDLE), "prefill", False, False, "every rank is idle"),
+    "one-token": ((EXTEND, ONE_TOKEN), "off", False, False, "cannot split"),
+    "idle+one-token/prefill": ((IDLE, ONE_TOKEN), "prefill", False, False, "cannot split"),
+    "one-decode-seq": ((DECODE, _decode([3], [0], [9])), "off", False, False, "cannot split"),
+}
+
+
+@pytest.mark.parametrize("combo", DECISIONS)
+def test_tbo_decide_table(combo):
+    batches, mismatch, run, decode, reason = DECISIONS[combo]
+    decision = tbo_decide(_vote(*batches), mismatch)
+    assert (decision.run, decision.decode) == (run, decode)
+    assert reason in decision.reason
+    assert bool(decision.reason) != run  # a reason exactly when TBO is off
+
+
+def test_table_batches_have_the_modes_they_claim_and_sglang_is_the_default():
+    modes = [b.mode for b in (IDLE, EXTEND, DECODE, MIXED)]
+    assert modes == [ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED]
+    assert OverlapConfig("tbo").tbo_mode_mismatch == "off"
+    assert not tbo_decide(_vote(EXTEND, DECODE)).run
