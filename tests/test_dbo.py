@@ -1,12 +1,9 @@
-"""Dual batch overlap: the baton protocol, the cross-rank decision, and exactness at ep=2."""
+"""Dual batch overlap: the receive hook, the cross-rank decision, vLLM's op order, exactness at
+ep=1 and ep=2, and the timeline of an ep=2 run (the baton protocol is in test_operations.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import threading
 import time
-from types import SimpleNamespace
 from unittest.mock import Mock
 
 import pytest
@@ -19,174 +16,19 @@ from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, InFlight
 from moe_overlap.distributed.groups import CommHandle, Group
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model
+from moe_overlap.overlap import dbo as dbo_module
 from moe_overlap.overlap.agreement import (
     dbo_decide,
     dbo_gather_table,
     dbo_local_column,
     dbo_vote,
 )
-from moe_overlap.overlap.baton import Baton, DboStall, DboYield, DualBatchThreads
+from moe_overlap.overlap.operations import Yield
 from moe_overlap.runtime.model_runner import ModelRunner
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
 
 DBO = OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
-
-# ---- the baton protocol, with toy ops (no model, no processes) ----
-
-
-def new_guard() -> SimpleNamespace:
-    """Counts the threads inside model code; a second one inside is an overlap."""
-    return SimpleNamespace(inside=0, overlaps=0)
-
-
-def toy_ops(guard: SimpleNamespace, log: list, layers: int = 1, pause: float = 5e-4) -> list:
-    def op(name: str):
-        def run(ctx, **kw):
-            guard.inside += 1
-            guard.overlaps += guard.inside != 1
-            log.append((ctx.index, name))
-            time.sleep(ctx.sleep.get(name, pause))  # gives up the GIL: a racer would show here
-            guard.inside -= 1
-            if name == ctx.fail_at:
-                raise ValueError(f"boom in mb{ctx.index}")
-            return {"x": list(ctx.tokens)} if name == "embed" else kw
-
-        return run
-
-    ops = [op("embed")]
-    for i in range(layers):
-        ops += [op(f"attn{i}"), op(f"dispatch_a{i}"), DboYield("dispatch", i)]
-        ops += [op(f"experts{i}"), op(f"combine_a{i}"), DboYield("combine", i)]
-        ops += [op(f"output{i}")]
-    return ops + [op("logits")]
-
-
-def toy_hooks(log: list, runs: dict):
-    def make_hook(ctx, point: DboYield):
-        key = (ctx.index, point.launched, point.layer)
-        runs[key] = 0
-
-        def hook(waiter: str):
-            assert waiter == f"mb{1 - ctx.index}"  # the other micro-batch runs it
-            runs[key] += 1
-            log.append(("recv", ctx.index, point.launched, threading.current_thread().name))
-
-        return hook
-
-    return make_hook
-
-
-def toy_ctx(index: int, tokens=(1, 2), fail_at=None, sleep=None):
-    return SimpleNamespace(
-        index=index, name=f"mb{index}", tokens=tokens, fail_at=fail_at, sleep=sleep or {}
-    )
-
-
-def test_baton_alternates_and_other_thread_runs_each_receive_once():
-    guard, log, runs = new_guard(), [], {}
-    threads = DualBatchThreads(timeout_s=5, name="toy")
-    try:
-        outs = threads.run(
-            [toy_ctx(0, (1, 2)), toy_ctx(1, ())], toy_ops(guard, log), toy_hooks(log, runs)
-        )
-    finally:
-        threads.close()
-    # micro-batch 1 is empty, yet makes the same calls and yields
-    assert outs == [{"x": [1, 2]}, {"x": []}]
-    assert log == [
-        (0, "embed"), (0, "attn0"), (0, "dispatch_a0"),
-        (1, "embed"), (1, "attn0"), (1, "dispatch_a0"), ("recv", 0, "dispatch", "toy-mb1"),
-        (0, "experts0"), (0, "combine_a0"), ("recv", 1, "dispatch", "toy-mb0"),
-        (1, "experts0"), (1, "combine_a0"), ("recv", 0, "combine", "toy-mb1"),
-        (0, "output0"), (0, "logits"), ("recv", 1, "combine", "toy-mb0"),
-        (1, "output0"), (1, "logits"),
-    ]  # fmt: skip
-    assert guard.overlaps == 0
-    assert runs == {(m, k, 0): 1 for m in (0, 1) for k in ("dispatch", "combine")}
-
-
-def test_one_thread_at_a_time_over_many_runs_on_the_same_threads():
-    guard, log, runs = new_guard(), [], {}
-    threads = DualBatchThreads(timeout_s=5)
-    idents = set()
-    ops = toy_ops(guard, log, layers=3, pause=2e-4)
-    ops.insert(1, lambda ctx, **kw: idents.add(threading.get_ident()) or kw)
-    try:
-        for i in range(15):
-            tokens = [(), (5,)] if i % 2 else [(1,), (2, 3)]
-            ctxs = [toy_ctx(0, tokens[0]), toy_ctx(1, tokens[1])]
-            assert threads.run(ctxs, ops, toy_hooks(log, runs)) == [{"x": list(t)} for t in tokens]
-            assert set(runs.values()) == {1} and len(runs) == 12  # every receive, exactly once
-            baton = threads.last_run.baton
-            assert baton.hooks_registered == baton.hooks_run == 12 and baton.owner is None
-    finally:
-        threads.close()
-    assert guard.overlaps == 0 and len(idents) == 2  # one persistent pair of threads
-    # the guard is not vacuous: the same ops on two free-running threads overlap
-    model_ops = [o for o in ops if not isinstance(o, DboYield)]
-    free = [threading.Thread(target=lambda i=i: [o(toy_ctx(i)) for o in model_ops]) for i in (0, 1)]
-    for t in free:
-        t.start()
-    for t in free:
-        t.join()
-    assert guard.overlaps > 0
-
-
-def test_model_code_out_of_turn_is_refused():
-    baton = Baton(timeout_s=1)
-    baton.check(0)
-    with pytest.raises(
-        AssertionError, match="micro-batch 1 entered model code while micro-batch 0"
-    ):
-        baton.check(1)
-
-
-@pytest.mark.parametrize(("mb", "where"), [(1, "experts0"), (0, "attn0"), (0, "logits")])
-def test_error_in_one_micro_batch_stops_both_and_reraises(mb, where):
-    guard, log, runs = new_guard(), [], {}
-    threads = DualBatchThreads(timeout_s=10)
-    ctxs = [toy_ctx(0), toy_ctx(1)]
-    ctxs[mb].fail_at = where
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=f"boom in mb{mb}"):
-        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
-    assert time.monotonic() - start < 2
-    assert log[-1] == (mb, where)  # nothing ran after the failing op, on either thread
-    ctxs[mb].fail_at = None  # and the same threads serve the next forward
-    assert threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs)) == [{"x": [1, 2]}] * 2
-    threads.close()
-    assert not any(t.is_alive() for t in threads._threads)
-    with pytest.raises(RuntimeError, match="closed"):
-        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
-
-
-def test_stalled_micro_batch_is_named_and_nothing_hangs():
-    guard, log, runs = new_guard(), [], {}
-    threads = DualBatchThreads(timeout_s=0.3)
-    ctxs = [toy_ctx(0, sleep={"experts0": 2.0}), toy_ctx(1)]
-    start = time.monotonic()
-    with pytest.raises(DboStall, match="micro-batch 1 waited 0.3 s .* micro-batch 0 stalled"):
-        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
-    assert time.monotonic() - start < 1.2  # long before the slow op returns
-    with pytest.raises(DboStall, match="still stuck in an earlier forward"):
-        threads.run([toy_ctx(0), toy_ctx(1)], toy_ops(guard, log), toy_hooks(log, runs))
-    time.sleep(max(0.0, start + 2.2 - time.monotonic()))  # the slow op returns and stops
-    assert threads.run([toy_ctx(0), toy_ctx(1)], toy_ops(guard, log), toy_hooks(log, runs))
-    assert log.count((0, "output0")) == 1  # the stalled forward never went on
-    threads.close()
-
-
-def test_interpreter_exits_without_close():
-    code = (
-        "from types import SimpleNamespace as N\n"
-        "from moe_overlap.overlap.baton import DualBatchThreads, DboYield\n"
-        "t = DualBatchThreads(5)\n"
-        "ops = [lambda c, **kw: kw, DboYield('dispatch', 0), lambda c, **kw: {'ok': 1}]\n"
-        "print(t.run([N(name='mb0'), N(name='mb1')], ops, lambda c, p: (lambda w: None)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[{'ok': 1}, {'ok': 1}]"
+ONES = OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1)
 
 
 def test_second_wait_on_a_handle_is_free():
@@ -294,13 +136,42 @@ def test_one_process_dbo_is_exact_and_really_overlaps(family):
     tracks = {s.track for s in dbo.timeline.spans if s.name.startswith("dbo segment")}
     assert tracks == {"mb0", "mb1"}
     # one token, thresholds 1: split at 1 // 2 = 0, so micro-batch 0 is empty yet makes every call
-    ones = OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1)
     one = _batch([(5, 0, [42])])
-    assert (plain.forward(one) - dbo.forward(one, ones)).abs().max().item() <= 1e-4
-    baton = dbo._scheme(ones).threads.last_run.baton
+    assert (plain.forward(one) - dbo.forward(one, ONES)).abs().max().item() <= 1e-4
+    baton = dbo._scheme(ONES).threads.last_run.baton
     assert baton.hooks_registered == baton.hooks_run == 2 * 2 * moe_layers
-    for overlap in (DBO, ones):
+    for overlap in (DBO, ONES):
         dbo._scheme(overlap).close()
+
+
+def test_shared_experts_run_between_the_combine_send_and_its_receive(monkeypatch):
+    """vLLM's order: a micro-batch yields after dispatch_a, and after combine_a plus the shared
+    experts; the other micro-batch runs each receive before the owner goes on."""
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    runner, log = _runner(build_model(cfg, None, 0), cfg), []
+    scheme = runner._scheme(DBO)
+
+    def logged(op):
+        def run(ctx, **kw):
+            log.append((ctx.name, op.__name__.removeprefix("op_")))
+            return op(ctx, **kw)
+
+        return op if isinstance(op, Yield) else run
+
+    def logged_hook(ctx, make=dbo_module.receive_hook):
+        wait = make(ctx)
+        return lambda waiter: log.append((ctx.name, f"receive by {waiter}")) or wait(waiter)
+
+    scheme.ops = [logged(op) for op in scheme.ops]
+    monkeypatch.setattr(dbo_module, "receive_hook", logged_hook)
+    runner.forward(_batch(SHORT_LONG), DBO)
+    scheme.close()
+    moe = ("dispatch_a", "dispatch_b", "experts", "combine_a", "shared_experts", "combine_b")
+    for me, other in (("mb0", "mb1"), ("mb1", "mb0")):
+        mine = [name for who, name in log if who == me and (name in moe or "receive" in name)]
+        by = f"receive by {other}"
+        per_layer = ["dispatch_a", by, "dispatch_b", "experts", "combine_a", "shared_experts", by]
+        assert mine == [*per_layer, "combine_b"] * sum(la.is_moe for la in scheme.model.layers)
 
 
 def _spy_dbo_steps(llm) -> list[list[bool]]:
@@ -340,3 +211,22 @@ def test_ep2_dbo_matches_one_process(family):
             ran[case] = sum(ranks[0] for ranks in steps[start:])
     assert ran["single-long"] == 0  # rank 1 is idle throughout: nobody micro-batches
     assert ran["two-long"] > 0 and ran["decode-batch"] > 0 and ran["mixed-batch"] > 0
+
+
+def test_ep2_timeline_records_each_wait_on_the_waiters_track():
+    """Real all-to-alls: a receive hook's wait lands on the track of the micro-batch that runs
+    it, and each micro-batch's compute on its own track."""
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    with LLM(config=cfg, ep=2, overlap=ONES, **KW) as llm:
+        batches = [ForwardBatch(torch.arange(n), [0], [0], [n]) for n in (9, 8)]
+        llm.executor.run(batches, record=True)
+        for spans in llm.executor.last_spans:
+            tracks = {s.track for s in spans}
+            assert {"mb0 wait", "mb1 wait"} <= tracks
+            for me, other in (("mb0", "mb1"), ("mb1", "mb0")):
+                waits = [s.name for s in spans if s.track == f"{me} wait"]
+                run_by_me = [name for name in waits if name.startswith("receive hook for")]
+                assert run_by_me == [f"receive hook for {other}"] * 2 * moe_layers
+                segments = [s.name for s in spans if s.track == me]
+                assert segments == [f"dbo segment {k}" for k in range(2 * moe_layers + 1)]

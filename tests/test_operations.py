@@ -1,12 +1,21 @@
-"""The stage executor: N micro-batches give the sequential result, in the expected order."""
+"""Executing op lists: the stage executor (TBO) gives the sequential result in the expected
+order; the baton threads (DBO) run one micro-batch at a time and every receive exactly once."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from moe_overlap.core.context import StrictState
+from moe_overlap.overlap.baton import Baton, DboStall, DualBatchThreads
 from moe_overlap.overlap.operations import (
     YIELD,
+    Yield,
     execute_operations,
     execute_overlapped,
     overlapped_schedule,
@@ -86,3 +95,163 @@ def test_strict_state_refuses_overwrite_and_reports_leaks():
     with pytest.raises(KeyError, match="has no 'a'"):
         state.pop("a")
     state.assert_empty("layer 3")
+
+
+# ---- the baton protocol, with toy ops (no model, no processes) ----
+
+
+def new_guard() -> SimpleNamespace:
+    """Counts the threads inside model code; a second one inside is an overlap."""
+    return SimpleNamespace(inside=0, overlaps=0)
+
+
+def toy_ops(guard: SimpleNamespace, log: list, layers: int = 1, pause: float = 5e-4) -> list:
+    def op(name: str):
+        def run(ctx, **kw):
+            guard.inside += 1
+            guard.overlaps += guard.inside != 1
+            log.append((ctx.index, name))
+            ctx.last = name
+            time.sleep(ctx.sleep.get(name, pause))  # gives up the GIL: a racer would show here
+            guard.inside -= 1
+            if name == ctx.fail_at:
+                raise ValueError(f"boom in mb{ctx.index}")
+            return {"x": list(ctx.tokens)} if name == "embed" else kw
+
+        return run
+
+    ops = [op("embed")]
+    for i in range(layers):
+        ops += [op(f"attn{i}"), op(f"dispatch_a{i}"), YIELD]
+        ops += [op(f"experts{i}"), op(f"combine_a{i}"), YIELD]
+        ops += [op(f"output{i}")]
+    return ops + [op("logits")]
+
+
+def toy_hooks(log: list, runs: dict):
+    def make_hook(ctx):
+        key = (ctx.index, ctx.last)  # the receive for what the yielding op just launched
+        runs[key] = 0
+
+        def hook(waiter: str):
+            assert waiter == f"mb{1 - ctx.index}"  # the other micro-batch runs it
+            runs[key] += 1
+            log.append(("recv", *key, threading.current_thread().name))
+
+        return hook
+
+    return make_hook
+
+
+def toy_ctx(index: int, tokens=(1, 2), fail_at=None, sleep=None):
+    return SimpleNamespace(
+        index=index, name=f"mb{index}", tokens=tokens, fail_at=fail_at, sleep=sleep or {}
+    )
+
+
+def test_baton_alternates_and_other_thread_runs_each_receive_once():
+    guard, log, runs = new_guard(), [], {}
+    threads = DualBatchThreads(timeout_s=5, name="toy")
+    try:
+        outs = threads.run(
+            [toy_ctx(0, (1, 2)), toy_ctx(1, ())], toy_ops(guard, log), toy_hooks(log, runs)
+        )
+    finally:
+        threads.close()
+    # micro-batch 1 is empty, yet makes the same calls and yields
+    assert outs == [{"x": [1, 2]}, {"x": []}]
+    assert log == [
+        (0, "embed"), (0, "attn0"), (0, "dispatch_a0"),
+        (1, "embed"), (1, "attn0"), (1, "dispatch_a0"), ("recv", 0, "dispatch_a0", "toy-mb1"),
+        (0, "experts0"), (0, "combine_a0"), ("recv", 1, "dispatch_a0", "toy-mb0"),
+        (1, "experts0"), (1, "combine_a0"), ("recv", 0, "combine_a0", "toy-mb1"),
+        (0, "output0"), (0, "logits"), ("recv", 1, "combine_a0", "toy-mb0"),
+        (1, "output0"), (1, "logits"),
+    ]  # fmt: skip
+    assert guard.overlaps == 0
+    assert runs == {(m, k): 1 for m in (0, 1) for k in ("dispatch_a0", "combine_a0")}
+
+
+def test_one_thread_at_a_time_over_many_runs_on_the_same_threads():
+    guard, log, runs = new_guard(), [], {}
+    threads = DualBatchThreads(timeout_s=5)
+    idents = set()
+    ops = toy_ops(guard, log, layers=3, pause=2e-4)
+    ops.insert(1, lambda ctx, **kw: idents.add(threading.get_ident()) or kw)
+    try:
+        for i in range(15):
+            tokens = [(), (5,)] if i % 2 else [(1,), (2, 3)]
+            ctxs = [toy_ctx(0, tokens[0]), toy_ctx(1, tokens[1])]
+            assert threads.run(ctxs, ops, toy_hooks(log, runs)) == [{"x": list(t)} for t in tokens]
+            assert set(runs.values()) == {1} and len(runs) == 12  # every receive, exactly once
+            baton = threads.last_run.baton
+            assert baton.hooks_registered == baton.hooks_run == 12 and baton.owner is None
+    finally:
+        threads.close()
+    assert guard.overlaps == 0 and len(idents) == 2  # one persistent pair of threads
+    # the guard is not vacuous: the same ops on two free-running threads overlap
+    model_ops = [o for o in ops if not isinstance(o, Yield)]
+    free = [threading.Thread(target=lambda i=i: [o(toy_ctx(i)) for o in model_ops]) for i in (0, 1)]
+    for t in free:
+        t.start()
+    for t in free:
+        t.join()
+    assert guard.overlaps > 0
+
+
+def test_model_code_out_of_turn_is_refused():
+    baton = Baton(timeout_s=1)
+    baton.check(0)
+    with pytest.raises(
+        AssertionError, match="micro-batch 1 entered model code while micro-batch 0"
+    ):
+        baton.check(1)
+
+
+@pytest.mark.parametrize(("mb", "where"), [(1, "experts0"), (0, "attn0"), (0, "logits")])
+def test_error_in_one_micro_batch_stops_both_and_reraises(mb, where):
+    guard, log, runs = new_guard(), [], {}
+    threads = DualBatchThreads(timeout_s=10)
+    ctxs = [toy_ctx(0), toy_ctx(1)]
+    ctxs[mb].fail_at = where
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"boom in mb{mb}"):
+        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
+    assert time.monotonic() - start < 2
+    assert log[-1] == (mb, where)  # nothing ran after the failing op, on either thread
+    ctxs[mb].fail_at = None  # and the same threads serve the next forward
+    assert threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs)) == [{"x": [1, 2]}] * 2
+    threads.close()
+    assert not any(t.is_alive() for t in threads._threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
+
+
+def test_stalled_micro_batch_is_named_and_nothing_hangs():
+    guard, log, runs = new_guard(), [], {}
+    threads = DualBatchThreads(timeout_s=0.3)
+    ctxs = [toy_ctx(0, sleep={"experts0": 2.0}), toy_ctx(1)]
+    start = time.monotonic()
+    with pytest.raises(DboStall, match="micro-batch 1 waited 0.3 s .* micro-batch 0 stalled"):
+        threads.run(ctxs, toy_ops(guard, log), toy_hooks(log, runs))
+    assert time.monotonic() - start < 1.2  # long before the slow op returns
+    with pytest.raises(DboStall, match="still stuck in an earlier forward"):
+        threads.run([toy_ctx(0), toy_ctx(1)], toy_ops(guard, log), toy_hooks(log, runs))
+    time.sleep(max(0.0, start + 2.2 - time.monotonic()))  # the slow op returns and stops
+    assert threads.run([toy_ctx(0), toy_ctx(1)], toy_ops(guard, log), toy_hooks(log, runs))
+    assert log.count((0, "output0")) == 1  # the stalled forward never went on
+    threads.close()
+
+
+def test_interpreter_exits_without_close():
+    code = (
+        "from types import SimpleNamespace as N\n"
+        "from moe_overlap.overlap.baton import DualBatchThreads\n"
+        "from moe_overlap.overlap.operations import YIELD\n"
+        "t = DualBatchThreads(5)\n"
+        "ops = [lambda c, **kw: kw, YIELD, lambda c, **kw: {'ok': 1}]\n"
+        "print(t.run([N(name='mb0'), N(name='mb1')], ops, lambda c: (lambda w: None)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[{'ok': 1}, {'ok': 1}]"

@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.distributed.groups import Group
+from moe_overlap.model.loader import build_model
+from moe_overlap.overlap.agreement import tbo_agree, tbo_local_vote
+from moe_overlap.overlap.strategy import STRATEGIES, Strategy
+from moe_overlap.overlap.tbo import TwoBatchOverlap
+from moe_overlap.runtime.model_runner import ModelRunner
 from tests.helpers import TINY
 
 CASES = {
@@ -57,24 +64,16 @@ def test_overlap_flags_are_validated():
 
 
 def test_a_custom_strategy_plugs_in_without_engine_changes():
-    from moe_overlap.core.batch import ForwardBatch
-    from moe_overlap.dispatch.local import LocalDispatcher
-    from moe_overlap.model.decoder import MOE_OPS
-    from moe_overlap.model.loader import build_model
-    from moe_overlap.overlap.strategy import Strategy
-    from moe_overlap.overlap.tbo import TwoBatchOverlap
-    from moe_overlap.runtime.model_runner import ModelRunner
-
     cfg = ModelConfig(**TINY["qwen3_moe"])
     # a yield after every op of a MoE layer, three stages of lag
-    names = [n for n in MOE_OPS if n != "shared_experts"]
+    names = [n for n in STRATEGIES["none", "qwen3", "prefill"].moe_ops if n != "shared_experts"]
     every_op = Strategy("every-op", tuple(x for n in names for x in (n, "|"))[:-1], 3)
     runner = ModelRunner(build_model(cfg, seed=1), LocalDispatcher(cfg.num_experts), 4, 64)
     scheme = TwoBatchOverlap(
         runner.model,
         OverlapConfig("tbo"),
         Group.single(),
-        strategies={("qwen3_moe", "prefill"): every_op},
+        strategies={("tbo", "qwen3_moe", "prefill"): every_op},
     )
     batch = ForwardBatch(torch.arange(30) % 80, [0, 1], [0, 0], [12, 18], [True, True])
     expected = runner.forward_plain(batch)
@@ -83,9 +82,6 @@ def test_a_custom_strategy_plugs_in_without_engine_changes():
 
 
 def test_tbo_min_tokens_threshold_edges():
-    from moe_overlap.core.batch import ForwardBatch
-    from moe_overlap.overlap.agreement import tbo_agree, tbo_local_vote
-
     def batch(n, decode):
         return ForwardBatch(
             torch.zeros(n, dtype=torch.long),

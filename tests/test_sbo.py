@@ -16,7 +16,8 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layout
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.overlap.sbo import SBO_MOE_OPS, expert_blocks
+from moe_overlap.overlap.sbo import expert_blocks
+from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
@@ -38,7 +39,7 @@ def test_settings_are_validated():
 
 
 def test_shared_experts_run_while_dispatch_is_in_flight():
-    order = SBO_MOE_OPS.index
+    order = STRATEGIES["sbo", "deepseek", "prefill"].moe_ops.index
     assert order("dispatch_a") < order("shared_experts") < order("dispatch_b")
     assert order("dispatch_b") < order("experts_combine_a") < order("combine_b")
 

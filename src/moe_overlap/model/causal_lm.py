@@ -65,12 +65,9 @@ class MoeForCausalLM(nn.Module):
         rows = ctx.batch.logit_rows()
         return {"logits": self.lm_head(self.model.norm(hidden_states[rows])).float()}
 
-    def layer_operations(self, layer: DecoderLayer) -> list[Op]:
-        return [layer.op(name) for name in layer.op_names]
-
     def operations(self) -> list[Op]:
-        """The whole forward as a flat list of operations, in plain sequential order."""
+        """The whole forward as a flat list of operations, in each layer's ``op_names`` order."""
         ops: list[Op] = [self.op_embed]
         for layer in self.layers:
-            ops += self.layer_operations(layer)
+            ops += [layer.op(name) for name in layer.op_names]
         return ops + [self.op_logits]

@@ -17,6 +17,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP, RMSNorm
 from moe_overlap.model.moe import SparseMoeBlock
 
+# the operations a layer has, in sequential order; overlap/strategy.py schedules them
 MOE_OPS = (
     "prepare_attn",
     "attn_prepare",
@@ -33,16 +34,6 @@ MOE_OPS = (
     "output",
 )
 DENSE_OPS = ("prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "dense_mlp", "output")
-_MOE_BLOCK_OPS = {
-    "gate",
-    "select_experts",
-    "dispatch_a",
-    "dispatch_b",
-    "experts",
-    "combine_a",
-    "combine_b",
-    "shared_experts",
-}
 
 
 class DecoderLayer(nn.Module):
@@ -80,7 +71,7 @@ class DecoderLayer(nn.Module):
             raise KeyError(
                 f"layer {self.layer_id} has no operation {name!r}; it has {self.op_names}"
             )
-        owner = self.mlp if name in _MOE_BLOCK_OPS else self
+        owner = self if hasattr(self, f"op_{name}") else self.mlp  # the MoE block's own ops
         return getattr(owner, f"op_{name}")
 
     def op_prepare_attn(

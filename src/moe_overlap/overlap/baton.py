@@ -1,9 +1,9 @@
 """Two micro-batches on two threads that pass a baton (vLLM's ubatch threads).
 
-Exactly one thread runs model code at a time. At a ``DboYield`` a micro-batch runs the receive
-hook the other left for it, leaves its own, hands the baton over and sleeps. Every wait has a
-timeout that names the stalled micro-batch, and an error on either thread stops both and is
-re-raised in the caller.
+Exactly one thread runs model code at a time. At a ``Yield`` (operations.py; the strategy table
+places them) a micro-batch runs the receive hook the other left for it, leaves its own, hands
+the baton over and sleeps. Every wait has a timeout that names the stalled micro-batch, and an
+error on either thread stops both and is re-raised in the caller.
 """
 
 from __future__ import annotations
@@ -13,22 +13,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from moe_overlap.overlap.operations import Op, Yield, split_stages
+
 GRACE_S = 5.0  # past a collective's own timeout, so its clearer error surfaces first
 _POLL_S = 0.05  # how often the caller looks for a micro-batch that stopped making progress
 Hook = Callable[[str], object]  # a receive, run by the micro-batch named by its argument
-
-
-@dataclass(frozen=True)
-class DboYield:
-    """A yield point: the all-to-all (``dispatch`` or ``combine``) just launched in ``layer``."""
-
-    launched: str
-    layer: int
+MakeHook = Callable[[Any], Hook]  # at a yield: the receive the yielding micro-batch leaves
 
 
 class DboStall(RuntimeError):
@@ -111,10 +105,13 @@ class Baton:
 class _DualRun:
     """One forward's two micro-batches: contexts, outputs, outcomes and the baton."""
 
-    def __init__(self, ctxs: Sequence[Any], ops: Sequence, make_hook, timeout_s: float):
+    def __init__(
+        self, ctxs: Sequence[Any], ops: Sequence[Op | Yield], make_hook: MakeHook, timeout_s: float
+    ):
         if len(ctxs) != 2:
             raise ValueError(f"DBO runs exactly two micro-batches, got {len(ctxs)}")
-        self.ctxs, self.ops, self.make_hook = list(ctxs), list(ops), make_hook
+        self.ctxs, self.make_hook = list(ctxs), make_hook
+        self.segments = split_stages(ops)  # the ops between two yields
         self.baton = Baton(timeout_s)
         self.outputs: list[dict] = [{}, {}]
         self.outcomes: dict[int, BaseException | None] = {}
@@ -132,22 +129,20 @@ class _DualRun:
         self.results.put((me, error))
 
     def _play(self, me: int) -> None:
-        baton, ctx = self.baton, self.ctxs[me]
+        baton, ctx, last = self.baton, self.ctxs[me], len(self.segments) - 1
         baton.wait_turn(me)
-        segment, start = 0, time.perf_counter()
-        for item in self.ops:
-            if not isinstance(item, DboYield):
+        for segment, ops in enumerate(self.segments):
+            start = time.perf_counter()
+            for op in ops:
                 baton.check(me)
-                self.outputs[me] = item(ctx, **self.outputs[me]) or {}
-                continue
+                self.outputs[me] = op(ctx, **self.outputs[me]) or {}
             _record(ctx, segment, start)
             baton.maybe_run_hook(me, ctx.name)  # the other's receive, now that our compute is done
-            baton.register_hook(me, self.make_hook(ctx, item))
+            if segment == last:
+                break
+            baton.register_hook(me, self.make_hook(ctx))
             baton.pass_on(me)
             baton.wait_turn(me)
-            segment, start = segment + 1, time.perf_counter()
-        _record(ctx, segment, start)
-        baton.maybe_run_hook(me, ctx.name)
         baton.pass_on(me, finished=True)
 
     def gather(self, timeout_s: float) -> bool:
@@ -221,10 +216,11 @@ class DualBatchThreads:
         self._close = weakref.finalize(self, _stop, self._jobs, self._threads)
 
     def run(
-        self, ctxs: Sequence[Any], ops: Sequence, make_hook: Callable[[Any, DboYield], Hook]
+        self, ctxs: Sequence[Any], ops: Sequence[Op | Yield], make_hook: MakeHook
     ) -> list[dict]:
-        """Run two micro-batches (``ctxs``) through ``ops`` (ops and ``DboYield`` markers);
-        return each one's final outputs, or re-raise the first error in the caller."""
+        """Run two micro-batches (``ctxs``) through ``ops`` (ops and ``Yield`` markers); at each
+        yield, ``make_hook(ctx)`` is the receive the other micro-batch runs at its next yield.
+        Return each one's final outputs, or re-raise the first error in the caller."""
         if not self._close.alive:
             raise RuntimeError("DualBatchThreads is closed")
         if self._stuck is not None and not self._stuck.gather(self.timeout_s):

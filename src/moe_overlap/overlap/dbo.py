@@ -1,9 +1,10 @@
 """Dual batch overlap (vLLM DBO): two micro-batches on two threads that pass a baton.
 
 Each micro-batch runs the whole model on its own thread, and exactly one thread runs model code
-at a time. Right after launching a dispatch or a combine inside an MoE layer, a micro-batch
-yields: it hands the baton to the other micro-batch and sleeps, so one micro-batch computes while
-the other's all-to-all is in flight. Waiting for an all-to-all is a receive hook that the *other*
+at a time. At each yield of the strategy table's DBO entry (vLLM's order: right after the
+dispatch send, and after the combine send plus the shared experts), a micro-batch hands the
+baton to the other micro-batch and sleeps, so one micro-batch computes while the other's
+all-to-all is in flight. Waiting for an all-to-all is a receive hook that the *other*
 micro-batch runs at its next yield point, after its own compute (vLLM's
 ``dbo_register_recv_hook`` / ``dbo_maybe_run_recv_hook``); the owner's ``dispatch_b`` /
 ``combine_b`` then finds its handle complete (a handle's second ``wait`` returns at once).
@@ -25,26 +26,14 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import dbo_agree
-from moe_overlap.overlap.baton import GRACE_S, DboYield, DualBatchThreads, Hook
-from moe_overlap.overlap.operations import Op
+from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
 from moe_overlap.overlap.split import merge_logits, split_batch, token_split
+from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
-def build_dbo_operations(model: MoeForCausalLM) -> list[Op | DboYield]:
-    """Embed, every layer's ops in plain order with a yield after each dispatch_a and
-    combine_a of an MoE layer (dense layers have none), then the logits."""
-    ops: list[Op | DboYield] = [model.op_embed]
-    for layer in model.layers:
-        for name in layer.op_names:
-            ops.append(layer.op(name))
-            if layer.is_moe and name in ("dispatch_a", "combine_a"):
-                ops.append(DboYield(name.removesuffix("_a"), layer.layer_id))
-    return ops + [model.op_logits]
-
-
-def receive_hook(ctx: ForwardContext, point: DboYield) -> Hook:
-    """The wait for the all-to-all this micro-batch just launched; the other micro-batch runs
-    it, and the timeline records the wait under the runner's name."""
+def receive_hook(ctx: ForwardContext) -> Hook:
+    """The wait for the all-to-all this micro-batch just launched. The other micro-batch runs
+    it, so the timeline records it on the runner's ``"mbN wait"`` track."""
     return ctx.state.get("dispatch").pending.wait
 
 
@@ -64,7 +53,7 @@ class DualBatchOverlap:
         timeout_s: float | None = None,
     ):
         self.model, self.cfg, self.group = model, cfg, group
-        self.ops = build_dbo_operations(model)
+        self.ops = build_operations(model, strategy_for(model, "dbo"))
         self.threads = DualBatchThreads(timeout_s or _baton_timeout(group))
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 

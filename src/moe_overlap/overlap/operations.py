@@ -1,9 +1,9 @@
 """Run a model's operations: sequentially, or several micro-batches interleaved by stages.
 
 An op is ``fn(ctx, **previous_outputs) -> dict | None``. ``YIELD`` markers cut an op list into
-stages; an overlapped run lets micro-batch i lag micro-batch i-1 by ``delta_stages`` stages and
-then runs one stage of each in turn, so that one micro-batch computes while another's
-communication is in flight.
+stages; an overlapped run (TBO) lets micro-batch i lag micro-batch i-1 by ``delta_stages``
+stages and then runs one stage of each in turn, so that one micro-batch computes while
+another's communication is in flight. DBO's baton threads (baton.py) cut at the same markers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ Op = Callable[..., dict | None]
 
 
 class Yield:
-    """A stage boundary: here another micro-batch may run."""
+    """A yield point: here another micro-batch may run (every scheme's one marker)."""
 
     def __repr__(self) -> str:
         return "YIELD"

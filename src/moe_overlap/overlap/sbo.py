@@ -12,6 +12,7 @@ depends only on the settings and the local expert count, which are the same on e
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -23,28 +24,10 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.decoder import DENSE_OPS, DecoderLayer
+from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.moe import ExpertBank
 from moe_overlap.overlap.operations import Op, execute_operations
-
-# One MoE layer under SBO, in order. Layers without shared experts (Qwen3) skip that op.
-SBO_MOE_OPS: tuple[str, ...] = (
-    "prepare_attn",
-    "attn_prepare",
-    "attn_core",
-    "prepare_mlp",
-    "gate",
-    "select_experts",
-    "dispatch_a",
-    "shared_experts",
-    "dispatch_b",
-    "experts_combine_a",
-    "combine_b",
-    "output",
-)
-# SBO's own ops, and the layer ops each one stands for.
-SBO_OWN_OPS: dict[str, tuple[str, ...]] = {"experts_combine_a": ("experts", "combine_a")}
-OPTIONAL_OPS = frozenset({"shared_experts"})
+from moe_overlap.overlap.strategy import SchemeOp, build_operations, strategy_for
 
 
 def expert_blocks(num_local: int, num_blocks: int) -> list[range]:
@@ -114,6 +97,7 @@ def _span(ctx: ForwardContext, name: str):
 
 
 def _timed(layer_id: int, name: str, op: Op) -> Op:
+    @functools.wraps(op)  # keeps the op's name
     def run(ctx: ForwardContext, **kw) -> dict | None:
         with _span(ctx, f"layer {layer_id} {name}"):
             return op(ctx, **kw)
@@ -121,29 +105,21 @@ def _timed(layer_id: int, name: str, op: Op) -> Op:
     return run
 
 
-def layer_sbo_ops(layer: DecoderLayer, blocks: int, lane: CommLane) -> list[Op]:
-    """``layer``'s operations in SBO order, checked to cover exactly the layer's own ops."""
-    if not layer.is_moe:
-        return [layer.op(name) for name in DENSE_OPS]
-    names = [n for n in SBO_MOE_OPS if n in layer.op_names or n in SBO_OWN_OPS]
-    missing = set(SBO_MOE_OPS) - set(names)
-    covered = sorted(op for n in names for op in SBO_OWN_OPS.get(n, (n,)))
-    if missing - OPTIONAL_OPS or covered != sorted(layer.op_names):
-        raise ValueError(
-            f"SBO order {SBO_MOE_OPS} covers {covered}, but layer {layer.layer_id} has "
-            f"{sorted(layer.op_names)}"
-        )
-    bank = layer.mlp.experts
-    own = ExpertsThenCombine(layer.layer_id, bank, expert_blocks(bank.count, blocks), lane)
-    ops: list[Op] = []
-    for name in names:
-        if name == "experts_combine_a":
-            ops.append(own)
-        elif name == "shared_experts":
-            ops.append(_timed(layer.layer_id, "shared experts", layer.op(name)))
-        else:
-            ops.append(layer.op(name))
-    return ops
+def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp]:
+    """SBO's own ops: expert blocks each launching its combine piece, and the shared experts
+    timed on the SBO track."""
+
+    def experts_combine_a(layer: DecoderLayer) -> Op:
+        bank = layer.mlp.experts
+        return ExpertsThenCombine(layer.layer_id, bank, expert_blocks(bank.count, blocks), lane)
+
+    def shared_experts(layer: DecoderLayer) -> Op:
+        return _timed(layer.layer_id, "shared experts", layer.op("shared_experts"))
+
+    return {
+        "experts_combine_a": SchemeOp(("experts", "combine_a"), experts_combine_a),
+        "shared_experts": SchemeOp(("shared_experts",), shared_experts),
+    }
 
 
 class SingleBatchOverlap:
@@ -152,10 +128,8 @@ class SingleBatchOverlap:
     def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
         self.model, self.cfg, self.group = model, cfg, group
         self.lane = CommLane(cfg.sbo_comm_sms, group.device)
-        self.ops: list[Op] = [model.op_embed]
-        for layer in model.layers:
-            self.ops += layer_sbo_ops(layer, cfg.sbo_combine_blocks, self.lane)
-        self.ops.append(model.op_logits)
+        own = sbo_ops(cfg.sbo_combine_blocks, self.lane)
+        self.ops = build_operations(model, strategy_for(model, "sbo"), own)
 
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor:
         """Logits ``[rows, vocab]``; an idle rank runs the same all-to-alls with no rows."""

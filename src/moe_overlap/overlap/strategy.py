@@ -1,94 +1,141 @@
-"""Overlap strategies as data: the op order of a layer with yields, and the stage lag.
+"""Every scheme's schedule as data: the op order of a layer, where it yields, and the stage lag.
 
-A strategy names operations; ``build_operations`` resolves the names on each layer, so a new
-model needs only a new entry in ``STRATEGIES`` (or a Strategy passed in), never an engine change.
-Dense layers run their ops without yields: they have no all-to-all to hide.
+One table, ``STRATEGIES``, keyed by (scheme, family, phase), holds the plain order (no overlap),
+SGLang's TBO orders, SGLang's SBO order and vLLM's DBO order. One builder,
+``build_operations``, resolves a strategy's names on each layer, so a new model or schedule is
+a new entry (or a Strategy passed in), never an engine change. A scheme may bring its own ops by
+name (``SchemeOp``), each standing for some of the layer's ops. Layers without shared experts
+(Qwen3) skip ``shared_experts``; dense layers run their dense ops without yields.
+
+What a yield means is the scheme's: a stage boundary for TBO's stage executor; for DBO's baton
+threads the point, right after launching an all-to-all, where the other micro-batch takes over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.decoder import DENSE_OPS
+from moe_overlap.model.decoder import DENSE_OPS, DecoderLayer
 from moe_overlap.overlap.operations import YIELD, Op, Yield
 
 Y = "|"  # a yield in a strategy's op list
+OPTIONAL_OPS = frozenset({"shared_experts"})  # a layer that lacks one skips it
+FAMILIES = ("deepseek", "qwen3")  # every order is the same for both
+
+
+def parse_ops(text: str) -> tuple[str, ...]:
+    """``"a b | c"`` -> ``("a", "b", "|", "c")``."""
+    return tuple(text.replace(Y, f" {Y} ").split())
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
     moe_ops: tuple[str, ...]  # op names of one MoE layer, "|" where a yield goes
-    delta_stages: int
+    delta_stages: int = 0  # TBO: micro-batch i starts this many stages after i - 1
     dense_ops: tuple[str, ...] = DENSE_OPS
 
+    def __post_init__(self) -> None:
+        if self.delta_stages < 0:
+            raise ValueError(f"strategy {self.name}: delta_stages must be >= 0")
+        if Y in self.dense_ops:  # a dense layer has no all-to-all to hide
+            raise ValueError(f"strategy {self.name}: dense layers do not yield")
 
-def _ops(text: str) -> tuple[str, ...]:
-    return tuple(text.replace("|", " | ").split())
+
+@dataclass(frozen=True)
+class SchemeOp:
+    """A scheme's own op: ``make(layer)`` builds it; it stands for the layer's ops ``covers``."""
+
+    covers: tuple[str, ...]
+    make: Callable[[DecoderLayer], Op]
 
 
-# SGLang's orders (reference 002, DESIGN.md s5); MIXED batches use the prefill order.
-STRATEGIES: dict[tuple[str, str], Strategy] = {
-    ("deepseek", "prefill"): Strategy(
-        "deepseek-prefill",
-        _ops(
-            "prepare_attn attn_prepare attn_core prepare_mlp gate select_experts dispatch_a |"
-            " dispatch_b experts combine_a | shared_experts combine_b output"
-        ),
-        0,
+_ATTN = "prepare_attn attn_prepare attn_core prepare_mlp gate select_experts"
+PLAIN = Strategy(
+    "plain",
+    parse_ops(f"{_ATTN} dispatch_a dispatch_b experts combine_a combine_b shared_experts output"),
+)
+# SGLang's operations_strategy.py (DeepSeek; Qwen3 is the same without shared experts)
+TBO_PREFILL = Strategy(
+    "tbo-prefill",
+    parse_ops(
+        f"{_ATTN} dispatch_a | dispatch_b experts combine_a | shared_experts combine_b output"
     ),
-    ("deepseek", "decode"): Strategy(
-        "deepseek-decode",
-        _ops(
-            "prepare_attn attn_prepare | attn_core prepare_mlp gate select_experts |"
-            " dispatch_a shared_experts | dispatch_b experts combine_a | combine_b | output"
-        ),
-        2,
+)
+TBO_DECODE = Strategy(
+    "tbo-decode",
+    parse_ops(
+        "prepare_attn attn_prepare | attn_core prepare_mlp gate select_experts |"
+        " dispatch_a shared_experts | dispatch_b experts combine_a | combine_b | output"
     ),
-    ("qwen3", "prefill"): Strategy(
-        "qwen3-prefill",
-        _ops(
-            "prepare_attn attn_prepare attn_core prepare_mlp gate select_experts dispatch_a |"
-            " dispatch_b experts combine_a | combine_b output"
-        ),
-        0,
+    delta_stages=2,
+)
+# SGLang's SBO: shared experts hide the dispatch; "experts_combine_a" is SBO's own op
+SBO = Strategy(
+    "sbo",
+    parse_ops(f"{_ATTN} dispatch_a shared_experts dispatch_b experts_combine_a combine_b output"),
+)
+# vLLM's modular kernel: shared experts run between the combine's send and its receive
+DBO = Strategy(
+    "dbo",
+    parse_ops(
+        f"{_ATTN} dispatch_a | dispatch_b experts combine_a shared_experts | combine_b output"
     ),
-    ("qwen3", "decode"): Strategy(
-        "qwen3-decode",
-        _ops(
-            "prepare_attn attn_prepare | attn_core prepare_mlp gate select_experts | dispatch_a |"
-            " dispatch_b experts combine_a | combine_b | output"
-        ),
-        2,
-    ),
+)
+_BY_SCHEME = {
+    "none": {"prefill": PLAIN, "decode": PLAIN},
+    "tbo": {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
+    "sbo": {"prefill": SBO, "decode": SBO},
+    "dbo": {"prefill": DBO, "decode": DBO},
+}
+STRATEGIES: dict[tuple[str, str, str], Strategy] = {
+    (scheme, family, phase): strategy
+    for scheme, phases in _BY_SCHEME.items()
+    for phase, strategy in phases.items()
+    for family in FAMILIES
 }
 
 
 def strategy_for(
-    model: MoeForCausalLM, decode: bool, strategies: dict[tuple[str, str], Strategy] | None = None
+    model: MoeForCausalLM,
+    scheme: str,
+    decode: bool = False,
+    strategies: Mapping[tuple[str, str, str], Strategy] | None = None,
 ) -> Strategy:
-    """The strategy for this model and phase; ``strategies`` (same keys as STRATEGIES, the
-    model_type also accepted as family) overrides the built-in ones."""
+    """The strategy for this scheme, model and phase. ``strategies`` (keys as in STRATEGIES,
+    the model_type also accepted as family) overrides the built-in ones."""
     phase = "decode" if decode else "prefill"
     family = "deepseek" if model.cfg.is_deepseek else "qwen3"
     for table in (strategies or {}, STRATEGIES):
-        for key in ((model.cfg.model_type, phase), (family, phase)):
+        for key in ((scheme, model.cfg.model_type, phase), (scheme, family, phase)):
             if key in table:
                 return table[key]
-    raise KeyError(f"no overlap strategy for {model.cfg.model_type} {phase}")
+    raise KeyError(f"no {scheme} strategy for {model.cfg.model_type} {phase}")
 
 
-def build_operations(model: MoeForCausalLM, strategy: Strategy) -> list[Op | Yield]:
+def layer_operations(
+    layer: DecoderLayer, strategy: Strategy, own: Mapping[str, SchemeOp] | None = None
+) -> list[Op | Yield]:
+    """``layer``'s ops in ``strategy``'s order, checked to cover exactly the layer's own ops."""
+    own = own or {}
+    names = strategy.moe_ops if layer.is_moe else strategy.dense_ops
+    names = [n for n in names if n not in OPTIONAL_OPS or n in layer.op_names]
+    covered = sorted(op for n in names if n != Y for op in (own[n].covers if n in own else (n,)))
+    if covered != sorted(layer.op_names):
+        raise ValueError(
+            f"strategy {strategy.name} covers ops {covered}, but layer {layer.layer_id} has "
+            f"{sorted(layer.op_names)}"
+        )
+    return [YIELD if n == Y else own[n].make(layer) if n in own else layer.op(n) for n in names]
+
+
+def build_operations(
+    model: MoeForCausalLM, strategy: Strategy, own: Mapping[str, SchemeOp] | None = None
+) -> list[Op | Yield]:
     """The whole forward as ops with yields: embed, each layer per the strategy, logits."""
     ops: list[Op | Yield] = [model.op_embed]
     for layer in model.layers:
-        names = strategy.moe_ops if layer.is_moe else strategy.dense_ops
-        listed = sorted(n for n in names if n != Y)
-        if listed != sorted(layer.op_names):
-            raise ValueError(
-                f"strategy {strategy.name} lists ops {listed}, but layer "
-                f"{layer.layer_id} has {sorted(layer.op_names)}"
-            )
-        ops += [YIELD if name == Y else layer.op(name) for name in names]
+        ops += layer_operations(layer, strategy, own)
     return ops + [model.op_logits]

@@ -20,7 +20,7 @@ from moe_overlap.overlap.split import (
     plan_two_batch,
     split_batch,
 )
-from moe_overlap.overlap.strategy import build_operations, strategy_for
+from moe_overlap.overlap.strategy import Strategy, build_operations, strategy_for
 
 
 class TwoBatchOverlap:
@@ -29,11 +29,11 @@ class TwoBatchOverlap:
         model: MoeForCausalLM,
         cfg: OverlapConfig,
         group: Group,
-        strategies: dict | None = None,
+        strategies: dict[tuple[str, str, str], Strategy] | None = None,
     ):
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = CostModel.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
-        self.strategies = {d: strategy_for(model, d, strategies) for d in (False, True)}
+        self.strategies = {d: strategy_for(model, "tbo", d, strategies) for d in (False, True)}
         self.ops = {d: build_operations(model, self.strategies[d]) for d in (False, True)}
 
     def plan(self, batch: ForwardBatch):
