@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -13,8 +11,6 @@ from moe_overlap.model.attention import GQAttention
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.mla import MLAttention
-
-Op = Callable[..., dict | None]
 
 
 def attention_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -64,10 +60,3 @@ class MoeForCausalLM(nn.Module):
             hidden_states = residual + hidden_states
         rows = ctx.batch.logit_rows()
         return {"logits": self.lm_head(self.model.norm(hidden_states[rows])).float()}
-
-    def operations(self) -> list[Op]:
-        """The whole forward as a flat list of operations, in each layer's ``op_names`` order."""
-        ops: list[Op] = [self.op_embed]
-        for layer in self.layers:
-            ops += [layer.op(name) for name in layer.op_names]
-        return ops + [self.op_logits]

@@ -139,5 +139,4 @@ class SparseMoeBlock(nn.Module):
         ctx.state.put(moe_out=ctx.dispatcher.combine_b(ctx.state.pop("dispatch")))
 
     def op_shared_experts(self, ctx: ForwardContext) -> None:
-        if self.shared_experts is not None:
-            ctx.state.put(shared_out=self.shared_experts(ctx.state.pop("mlp_in")))
+        ctx.state.put(shared_out=self.shared_experts(ctx.state.pop("mlp_in")))

@@ -21,6 +21,7 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.sbo import SingleBatchOverlap
+from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
 SCHEMES = {"tbo": TwoBatchOverlap, "sbo": SingleBatchOverlap, "dbo": DualBatchOverlap}
@@ -41,7 +42,7 @@ class ModelRunner:
         self.dispatcher = dispatcher
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         self.kv_cache = KVCache(model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries())
-        self.ops = model.operations()
+        self.ops = build_operations(model, strategy_for(model, "none"))
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
         self._schemes: dict[tuple, object] = {}
