@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.distributed import netns
 from moe_overlap.tools.cli import main
 
 CONFIG = "configs/qwen3-moe-tiny.json"
@@ -39,3 +40,17 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_cleanup_says_which_namespaces_it_could_not_remove(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(netns, "NETNS_DIR", str(tmp_path))
+    monkeypatch.setattr(netns, "_run", lambda command, check=True: None)  # as without root
+    (tmp_path / "moeo999999999-1-abc123-r0").touch()  # beyond any pid_max: its owner is gone
+    (tmp_path / "other-namespace").touch()
+    assert main(["cleanup"]) == 1
+    captured = capsys.readouterr()
+    assert "removed 0 network namespace(s)" in captured.out
+    assert captured.err.splitlines() == [
+        "moe-overlap: error: could not remove 1 network namespace(s) "
+        "(moeo999999999-1-abc123-r0); deleting them needs root"
+    ]

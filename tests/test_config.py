@@ -46,6 +46,17 @@ def test_reads_shipped_configs():
             "num_attention_heads=4 does not divide hidden_size=30",
         ),
         ({"vocab_size": 0}, "vocab_size=0 must be a positive integer"),
+        ({"head_dim": 0}, "head_dim=0 must be a positive integer"),
+        ({"head_dim": -8}, "head_dim=-8 must be a positive integer"),
+        ({"intermediate_size": -48}, "intermediate_size=-48 must be a positive integer"),
+        ({"num_experts": 8.0}, "num_experts=8.0 must be a positive integer"),
+        ({"rms_norm_eps": "abc"}, "rms_norm_eps='abc' must be a finite number"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps=0 must be positive"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes' must be true or false"),
+        ({"norm_topk_prob": 1}, "norm_topk_prob=1 must be true or false"),
+        ({"mlp_only_layers": [99]}, r"mlp_only_layers=\[99\] must list layer indices in \[0, num"),
+        ({"mlp_only_layers": "1"}, "mlp_only_layers='1' must list layer indices"),
+        ({"eos_token_id": -1}, "eos_token_id=-1 must be an integer >= 0"),
     ],
 )
 def test_qwen3_errors_name_the_field(change, match):
@@ -64,6 +75,13 @@ def test_qwen3_errors_name_the_field(change, match):
         ({"qk_rope_head_dim": 3}, "qk_rope_head_dim=3 must be even"),
         ({"first_k_dense_replace": 7}, "first_k_dense_replace=7 must be in"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "only default RoPE"),
+        ({"kv_lora_rank": "32"}, "kv_lora_rank='32' must be a positive integer"),
+        ({"q_lora_rank": -16}, "q_lora_rank=-16 must be a positive integer"),
+        ({"v_head_dim": 0}, "v_head_dim=0 must be a positive integer"),
+        ({"topk_method": "bogus"}, "topk_method='bogus' must be one of greedy, noaux_tc"),
+        ({"scoring_func": "tanh"}, "scoring_func='tanh' must be one of softmax, sigmoid"),
+        ({"routed_scaling_factor": float("nan")}, "routed_scaling_factor=nan must be a finite"),
+        ({"n_shared_experts": -1}, "n_shared_experts=-1 must be an integer >= 0"),
     ],
 )
 def test_deepseek_errors_name_the_field(change, match):

@@ -1,10 +1,11 @@
-"""The emulated link: `--link` parsing, the tc-shaped namespace link, and the modelled link."""
+"""The emulated link: `--link` parsing, the tc-shaped namespace link, and the modelled link.
+
+What a killed or stopped owner leaves behind is tested in test_faults.py."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from moe_overlap.distributed import netns as netns_mod
 from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.distributed.modelled_link import ModelledLink
-from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink, cleanup_stale, enter_netns
+from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink, enter_netns
 
 # One side of a timed TCP transfer; run inside a namespace through `ip netns exec`.
 XFER = """
@@ -38,17 +39,6 @@ else:
         s.shutdown(socket.SHUT_WR)
         s.recv(1)
     print(time.perf_counter() - start, flush=True)
-"""
-
-# Holds a link until killed, to leave leftovers like a crashed launcher would.
-HOLDER = """
-import signal, sys, time
-from moe_overlap.distributed.netns import NetnsLink
-if len(sys.argv) > 2:  # what an entry point does (the CLI does): SIGTERM unwinds and exits
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-link = NetnsLink(2, "100mbit", prefix=sys.argv[1]).__enter__()
-print(" ".join([link.switch_netns, link.netns_name(0), link.netns_name(1)]), flush=True)
-time.sleep(60)
 """
 
 
@@ -234,35 +224,6 @@ def test_shaping_is_real(netns_ok: None) -> None:
     ideal = size / link.bytes_per_s
     print(f"\n4 MiB TCP at 100mbit: {elapsed * 1e3:.0f} ms, size/rate {ideal * 1e3:.0f} ms")
     assert 0.5 * ideal < elapsed < 3 * ideal
-
-
-def test_cleanup_stale_removes_only_dead_owners(netns_ok: None) -> None:
-    prefix = "moeostale" + "".join(chr(ord("a") + int(d)) for d in str(os.getpid()))  # per session
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, prefix], stdout=subprocess.PIPE, text=True
-    )
-    assert holder.stdout is not None
-    leftovers = set(holder.stdout.readline().split())
-    with NetnsLink(1, "1gbit", prefix=prefix) as alive:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-        assert len(leftovers) == 3 and leftovers <= netns_names()
-        assert set(cleanup_stale(prefix)) == leftovers
-        assert not leftovers & netns_names()
-        assert alive.netns_name(0) in netns_names()  # its owner is alive
-
-
-def test_sigterm_of_owner_removes_its_namespaces(netns_ok: None) -> None:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, "moeoterm", "exit-on-sigterm"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout is not None
-    made = set(holder.stdout.readline().split())
-    holder.terminate()
-    assert holder.wait(timeout=20) == 143
-    assert len(made) == 3 and not made & netns_names()
 
 
 def _gloo_rank(rank: int, netns: str, ifname: str, master: str, queue: mp.Queue) -> None:

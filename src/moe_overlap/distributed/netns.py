@@ -59,19 +59,25 @@ def _owner_gone(pid: str, started: str) -> bool:
     return process_start_time(int(pid)) != int(started)
 
 
-def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Delete namespaces named by `prefix` whose creating process is gone (by pid and start
-    time, so a reused pid does not keep them); return their names.
-
-    Deleting a namespace destroys the bridge, veths and qdiscs inside it, so nothing else leaks.
-    """
+def stale_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Namespaces named by `prefix` whose creating process is gone (by pid and start time, so
+    a reused pid does not keep them)."""
     _check_prefix(prefix)
     owned = re.compile(rf"{prefix}(\d+)-(\d+)-[0-9a-f]+-(r\d+|sw)")
     names = os.listdir(NETNS_DIR) if os.path.isdir(NETNS_DIR) else []
-    stale = [n for n in sorted(names) if (m := owned.fullmatch(n)) and _owner_gone(m[1], m[2])]
+    return [n for n in sorted(names) if (m := owned.fullmatch(n)) and _owner_gone(m[1], m[2])]
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Delete the stale namespaces of `prefix`; return the names that are gone (one that
+    cannot be deleted, e.g. without root, stays in `stale_namespaces`).
+
+    Deleting a namespace destroys the bridge, veths and qdiscs inside it, so nothing else leaks.
+    """
+    stale = stale_namespaces(prefix)
     for name in stale:
         _run(f"ip netns delete {name}", check=False)
-    return stale
+    return [n for n in stale if not os.path.exists(os.path.join(NETNS_DIR, n))]
 
 
 def _delete_namespaces(created: list[str], owner_pid: int) -> None:

@@ -7,6 +7,7 @@ import numbers
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.progress import Progress
 
@@ -155,20 +156,35 @@ class LLM:
 
 def _token_ids(where: str, prompt: object) -> list[int]:
     """The prompt's ids as ints; anything but a sequence of integers is refused, not converted."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-            raise InvalidRequestError(f"{where} must be a 1-D integer tensor, got {prompt.dtype}")
-        return prompt.tolist()
+    if isinstance(prompt, torch.Tensor | np.ndarray):
+        if prompt.ndim != 1 or not _integer_dtype(prompt.dtype):
+            raise InvalidRequestError(
+                f"{where} must be a 1-D integer array, got {prompt.ndim}-D {prompt.dtype}"
+            )
+        return [int(t) for t in prompt.tolist()]
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
         raise InvalidRequestError(
             f"{where} must be a list of token ids, not {type(prompt).__name__} {prompt!r:.40}"
         )
-    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    bad = [t for t in prompt if not _is_integer(t)]
     if bad:
         raise InvalidRequestError(
             f"{where} holds {bad[0]!r} ({type(bad[0]).__name__}); token ids must be integers"
         )
     return [int(t) for t in prompt]
+
+
+def _integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return dtype.kind in "iu"
+
+
+def _is_integer(value: object) -> bool:
+    """An int, a NumPy integer or a 0-D integer tensor; never a bool, float or string."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.ndim == 0 and _integer_dtype(value.dtype)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

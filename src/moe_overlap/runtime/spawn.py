@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 
 import numpy as np
@@ -33,6 +36,23 @@ _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 
 class RankFailure(RuntimeError):
     """A rank raised or died; the engine has been stopped."""
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends, so no message is half sent or read and lost."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield  # only the main thread sees signals; SIG_IGN and SIG_DFL need no care
+        return
+    caught: list[tuple] = []
+    signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])
 
 
 def _free_port() -> int:
@@ -83,7 +103,7 @@ class SpawnedExecutor(Executor):
             )
             self.procs.append(_RankProcess(r, spec, rank))
         self.conns = [p.conn for p in self.procs]
-        self._collect("ready", startup=True)
+        self._collect(list(range(self.num_ranks)), startup=True)
 
     def run(
         self,
@@ -101,31 +121,32 @@ class SpawnedExecutor(Executor):
     def _request(self, messages: list[tuple]) -> list:
         """Send each rank its message and collect every reply. A call interrupted while
         waiting (Ctrl-C) leaves replies unread: the next call reads and drops them first, so
-        no reply is ever taken for another step's. One interrupted while sending stops the
-        engine, since the ranks that got the step would wait for the others forever."""
+        no reply is ever taken for another step's. Ctrl-C is held while a message is sent or
+        read, so every rank gets the step or none does, and no reply is lost half read."""
         if self.closed:
             raise RankFailure("the engine was stopped (closed, or a rank failed earlier)")
         if self._unread:
-            self._collect("ok")  # the interrupted step's replies
-        sent = 0
-        try:
-            for conn, msg in zip(self.conns, messages, strict=True):
-                conn.send(msg)
-                sent += 1
-        except BaseException:
-            if sent:
-                self.close()
-            raise
-        self._unread = set(range(self.num_ranks))
-        return self._collect("ok")
+            self._collect(sorted(self._unread))  # the interrupted step's replies
+        with _sigint_held():
+            sent = 0
+            try:
+                for conn, msg in zip(self.conns, messages, strict=True):
+                    conn.send(msg)
+                    sent += 1
+            except BaseException:
+                if sent:  # the ranks that got it would wait for the others forever
+                    self.close()
+                raise
+            self._unread = set(range(self.num_ranks))
+        return self._collect(list(range(self.num_ranks)))
 
-    def _collect(self, kind: str, startup: bool = False) -> list:
-        """Each rank's reply, or a RankFailure naming the rank that failed first."""
+    def _collect(self, ranks: list[int], startup: bool = False) -> list:
+        """The reply of each of ``ranks``, or a RankFailure naming the rank that failed first."""
         replies: dict[int, object] = {}
         limit = self.timeout_s + _GRACE_S + (120.0 if startup else 0.0)
         deadline = time.monotonic() + limit
-        while len(replies) < self.num_ranks:
-            pending = [r for r in range(self.num_ranks) if r not in replies]
+        while len(replies) < len(ranks):
+            pending = [r for r in ranks if r not in replies]
             ready = wait(
                 [self.conns[r] for r in pending] + [self.procs[r].pidfd for r in pending],
                 timeout=max(0.0, deadline - time.monotonic()),
@@ -138,16 +159,17 @@ class SpawnedExecutor(Executor):
             for r in pending:
                 if self.conns[r] in ready or self.conns[r].poll():
                     try:
-                        msg = self.conns[r].recv()
+                        with _sigint_held():
+                            msg = self.conns[r].recv()
+                            self._unread.discard(r)
                     except (EOFError, OSError):
                         self._fail(self._death(r))
-                    self._unread.discard(r)
                     if msg[0] == "error":
                         self._fail(f"rank {msg[1]} raised {msg[2]}\n{msg[3]}")
                     replies[r] = msg[1]
                 elif self.procs[r].pidfd in ready:
                     self._fail(self._death(r))
-        return [replies[r] for r in range(self.num_ranks)]
+        return [replies[r] for r in ranks]
 
     def _death(self, r: int) -> str:
         return f"rank {r} died (exit code {self.procs[r].exitcode(1.0)})"
@@ -165,14 +187,15 @@ class SpawnedExecutor(Executor):
         if self.closed:
             return
         self.closed = True
-        for conn in self.conns:
-            with contextlib.suppress(OSError):
-                conn.send(("stop",))
-        deadline = time.monotonic() + 5.0
-        for p in self.procs:
-            p.stop(max(0.0, deadline - time.monotonic()))
-        if self.netns is not None:
-            self.netns.close()
+        with _sigint_held():  # a second Ctrl-C must not leave ranks or namespaces behind
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+            deadline = time.monotonic() + 5.0
+            for p in self.procs:
+                p.stop(max(0.0, deadline - time.monotonic()))
+            if self.netns is not None:
+                self.netns.close()
 
 
 class _RankProcess:

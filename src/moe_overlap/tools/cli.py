@@ -9,7 +9,12 @@ from collections.abc import Sequence
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.distributed.netns import DEFAULT_PREFIX, cleanup_stale
+from moe_overlap.distributed.netns import (
+    DEFAULT_PREFIX,
+    LinkUnavailable,
+    cleanup_stale,
+    stale_namespaces,
+)
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
 from moe_overlap.tools.bench_cli import add_bench_commands
@@ -52,6 +57,12 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     print(f"removed {len(removed)} network namespace(s) left by runs that are gone")
     for name in removed:
         print(f"  {name}")
+    left = stale_namespaces(args.prefix)
+    if left:
+        raise LinkUnavailable(
+            f"could not remove {len(left)} network namespace(s) ({', '.join(left)}); "
+            "deleting them needs root"
+        )
     return 0
 
 

@@ -1,0 +1,165 @@
+"""Bad input is refused at once, with one line that names the field, and nothing is started."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from moe_overlap import LLM, ConfigError, InvalidRequestError, ModelConfig, SamplingParams
+from moe_overlap.tools.cli import main
+from tests.helpers import TINY
+
+CONFIG = "configs/qwen3-moe-tiny.json"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(config=ModelConfig(**TINY["qwen3_moe"]), seed=0) as engine:
+        yield engine
+
+
+def run_cli(capsys, *args: str) -> tuple[int, list[str]]:
+    """Exit code and stderr lines of ``moe-overlap ARGS`` run in this process."""
+    code = main(list(args))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": None}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": "x"}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_sampling_fields_are_checked(kw, field):
+    with pytest.raises(InvalidRequestError, match=f"^{field}="):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([1.7, 2.2], r"prompt 1 holds 1\.7 \(float\)"),
+        ("123", "prompt 1 must be a list of token ids, not str"),
+        ([True, 2], r"prompt 1 holds True \(bool\)"),
+        ([None], r"prompt 1 holds None \(NoneType\)"),
+        ("hello", "prompt 1 must be a list of token ids, not str"),
+        (torch.tensor([1.0, 2.0]), "prompt 1 must be a 1-D integer array, got 1-D torch.float32"),
+        (torch.tensor([[1, 2]]), "prompt 1 must be a 1-D integer array, got 2-D torch.int64"),
+        (np.array([1.5]), "prompt 1 must be a 1-D integer array, got 1-D float64"),
+        ([1, torch.tensor(2.0)], r"prompt 1 holds tensor\(2\.\) \(Tensor\)"),
+        ([1, np.float32(2)], r"prompt 1 holds .*2\.0.* \(float32\)"),
+        (7, "prompt 1 must be a list of token ids, not int"),
+    ],
+)
+def test_non_integer_token_ids_are_refused_with_the_prompt_index(llm, prompt, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate([[1, 2], prompt], SamplingParams(max_new_tokens=2))
+
+
+def test_integer_token_ids_of_any_integer_type_are_accepted(llm):
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], params)[0].token_ids
+    for prompt in (
+        [np.int64(5), np.int32(6), 7],
+        [torch.tensor(5), torch.tensor(6, dtype=torch.int32), torch.tensor(7)],
+        torch.tensor([5, 6, 7]),
+        np.array([5, 6, 7], dtype=np.uint8),
+        (5, 6, 7),
+    ):
+        assert llm.generate([prompt], params)[0].token_ids == want
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_num_seqs_below_one_is_refused(value):
+    with pytest.raises(ConfigError, match=f"--max-num-seqs={value} must be an integer >= 1"):
+        LLM(config=ModelConfig(**TINY["qwen3_moe"]), max_num_seqs=value)
+
+
+def test_max_num_seqs_zero_in_the_cli_exits_2_without_hanging():
+    args = ["generate", "--config", CONFIG, "--max-num-seqs", "0", "--prompt-ids", "1,2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_overlap.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "moe-overlap: error: --max-num-seqs=0 must be an integer >= 1"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--timeout", "0", "--timeout=0.0 must be a positive number of seconds"),
+        ("--timeout", "-5", "--timeout=-5.0 must be a positive number of seconds"),
+        ("--timeout", "nan", "--timeout=nan must be a positive number of seconds"),
+        ("--max-model-len", "0", "--max-model-len=0 must be an integer >= 1"),
+        ("--max-model-len", "-5", "--max-model-len=-5 must be an integer >= 1"),
+        ("--max-num-seqs", "-1", "--max-num-seqs=-1 must be an integer >= 1"),
+        ("--max-num-batched-tokens", "0", "--max-num-batched-tokens=0 must be an integer >= 1"),
+    ],
+)
+def test_engine_flags_exit_2_with_one_line_before_any_rank_starts(capsys, flag, value, message):
+    start = time.monotonic()
+    code, err = run_cli(
+        capsys, "generate", "--config", CONFIG, "--ep", "2", flag, value, "--prompt-ids", "1,2"
+    )
+    assert (code, err) == (2, [f"moe-overlap: error: {message}"])
+    assert time.monotonic() - start < 5, "ranks were started before the flag was checked"
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"ep": "2"}, r"--ep='2' must be an integer"),
+        ({"ep": 2.0}, r"--ep=2.0 must be an integer"),
+        ({"ep": 3}, "--ep=3 must divide num_experts=4"),
+        ({"link": None}, "bad --link None: give a string"),
+        ({"ep": 2, "link": None}, "bad --link None: give a string"),
+        ({"link": "netns:2gbit"}, "--link netns:2gbit needs --ep > 1"),
+        ({"timeout_s": "60"}, "--timeout='60' must be a number"),
+        ({"seed": -1}, "--seed=-1 must be an integer >= 0"),
+    ],
+)
+def test_llm_arguments_name_the_fault(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        LLM(config=ModelConfig(**TINY["qwen3_moe"]), **kw)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ep", "1"], "--ep=1: probing a link needs 2 or more ranks"),
+        (["--mib", "-1"], "--mib=-1 must be positive"),
+        (["--mib", "0"], "--mib=0 must be positive"),
+        (["--repeat", "0"], "--repeat=0 must be >= 1"),
+    ],
+)
+def test_probe_link_arguments_exit_2_with_one_line(capsys, args, message):
+    assert run_cli(capsys, "probe-link", *args) == (2, [f"moe-overlap: error: {message}"])
+
+
+def test_bench_workload_longer_than_the_context_fails_at_once(capsys):
+    start = time.monotonic()
+    code, err = run_cli(
+        capsys, "bench", "--config", CONFIG, "--workload", "single-long:999999", "--modes", "none"
+    )
+    assert code == 2 and len(err) == 1
+    assert "a sequence of 1000000 tokens exceeds" in err[0]
+    assert "max_position_embeddings=" in err[0]
+    assert time.monotonic() - start < 5, "ranks were started before the workload was checked"
