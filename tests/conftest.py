@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
+from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 from tests.helpers import deepseek_hf_config, qwen3_hf_config, save_hf_model
+
+
+@pytest.fixture(scope="session")
+def netns_ok() -> None:
+    """Skip unless shaped network namespaces can be built here (a real attempt decides: root
+    alone does not guarantee namespaces or tbf)."""
+    try:
+        with NetnsLink(1, "100mbit", prefix="moeoprobe"):
+            pass
+    except LinkUnavailable as error:
+        pytest.skip(f"network namespaces not permitted here: {error}")
 
 
 @pytest.fixture(scope="session", params=["qwen3_moe", "deepseek_v3"])

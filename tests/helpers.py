@@ -3,6 +3,8 @@ exactness check."""
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 
 from moe_overlap import LLM, SamplingParams
@@ -149,3 +151,8 @@ def save_hf_model(config, path, seed: int = 0):
     _randomize(model, seed)
     model.save_pretrained(path)
     return model
+
+
+def netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}

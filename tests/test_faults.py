@@ -16,14 +16,13 @@ import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.distributed.netns import (
-    LinkUnavailable,
     NetnsLink,
     cleanup_stale,
     process_start_time,
 )
 from moe_overlap.engine import scheduler as scheduler_mod
 from moe_overlap.tools.cli import main
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, netns_names, reference
 
 LONG = [[(3 * i + j) % 80 for i in range(40)] for j in range(6)]
 LONG_PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -211,21 +210,6 @@ link = NetnsLink(2, "100mbit", prefix=sys.argv[1]).__enter__()
 print(" ".join([link.switch_netns, link.netns_name(0), link.netns_name(1)]), flush=True)
 time.sleep(60)
 """
-
-
-def netns_names() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-@pytest.fixture(scope="module")
-def netns_ok() -> None:
-    # a real attempt decides, since root alone does not guarantee namespaces or tbf
-    try:
-        with NetnsLink(1, "100mbit", prefix="moeoprobe"):
-            pass
-    except LinkUnavailable as error:
-        pytest.skip(f"network namespaces not permitted here: {error}")
 
 
 def session_prefix(tag: str) -> str:

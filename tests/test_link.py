@@ -17,6 +17,7 @@ from moe_overlap.distributed import netns as netns_mod
 from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink, enter_netns
+from tests.helpers import netns_names
 
 # One side of a timed TCP transfer; run inside a namespace through `ip netns exec`.
 XFER = """
@@ -42,25 +43,10 @@ else:
 """
 
 
-def netns_names() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
 def link_names(*netns: str) -> set[str]:
     cmd = ["ip", *(["-n", netns[0]] if netns else []), "-o", "link", "show"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
-
-
-@pytest.fixture(scope="module")
-def netns_ok() -> None:
-    # a real attempt decides, since root alone does not guarantee namespaces or tbf
-    try:
-        with NetnsLink(1, "100mbit", prefix="moeoprobe"):
-            pass
-    except LinkUnavailable as error:
-        pytest.skip(f"network namespaces not permitted here: {error}")
 
 
 def tcp_transfer(link: NetnsLink, size: int) -> float:
