@@ -11,7 +11,11 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.engine_config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineSpec,
+)
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -37,8 +41,8 @@ class LLM:
         seed: int = 0,
         ep: int = 1,
         max_model_len: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         overlap: str | OverlapConfig = "none",
         link: str = "none",
         timeout_s: float = 60.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import (
@@ -78,14 +79,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs",
         type=int,
-        default=16,
-        help="KV cache slots per rank, i.e. sequences running at once (default 16)",
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="KV cache slots per rank, i.e. sequences running at once (default %(default)s)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="tokens per rank per forward; longer prompts are prefilled in chunks",
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens per rank per forward; longer prompts are prefilled in chunks "
+        "(default %(default)s)",
     )
     o = p.add_argument_group("overlap (at most one scheme)")
     o.add_argument(
