@@ -136,8 +136,9 @@ def add_bench_commands(sub) -> None:
         "bench",
         help="time one workload through every overlap mode on the same ranks",
         description="Run a workload through each overlap mode, alternating modes across "
-        "repetitions, and print tokens/s, time per forward, speed-up over none and overlap "
-        "efficiency against max(T_comp, T_comm), all measured in the same run.",
+        "repetitions, and print tokens/s, time per forward, speed-up over none, and the share "
+        "of communication each mode hid behind computation, all measured in the same run "
+        "(with T_comp, T_comm and the limit max(T_comp, T_comm) from the no-overlap forwards).",
     )
     add_model_args(bench)
     bench.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
