@@ -21,16 +21,19 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch.factory import resolve_backend
 from moe_overlap.distributed.link import LinkSpec, parse_link
+from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.engine.tokenizer import load_tokenizer
 from moe_overlap.runtime.launch import start_executor
 
 
 class LLM:
     """An MoE inference engine over ``ep`` expert-parallel ranks (1 = this process only).
 
-    ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint; ``LLM(config=cfg, seed=0)``
-    builds seeded random weights.
+    ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint, and its tokenizer when the
+    directory has a tokenizer.json (``tokenizer`` names another directory); ``LLM(config=cfg,
+    seed=0)`` builds seeded random weights.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class LLM:
         overlap: str | OverlapConfig = "none",
         link: str = "none",
         timeout_s: float = 60.0,
+        tokenizer: str | Path | None = None,
     ):
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
@@ -67,6 +71,7 @@ class LLM:
         _check_layout(ep, overlap, link_spec)
         max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config, self.seed, self.max_len = cfg, seed, max_len
+        self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         spec = EngineSpec(
             cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
@@ -78,19 +83,20 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         return_logits: bool = False,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (lists of token ids); outputs come back in prompt order.
+        """Generate for every prompt (text, or a list of token ids); outputs come back in prompt
+        order, with their text when the model has a tokenizer.
 
         All prompts are checked before anything runs: a bad one raises InvalidRequestError
         naming it. A call that fails or is interrupted (Ctrl-C) drops its requests, so the
         engine is left as it was before the call.
         """
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
-            raise InvalidRequestError("prompts must be a list of prompts (lists of token ids)")
+            raise InvalidRequestError("prompts must be a list of prompts (text or token ids)")
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -100,7 +106,7 @@ class LLM:
             return []
         try:
             requests = [
-                self._make_request(i, p, sp, return_logits)
+                self.make_request(f"prompt {i}", p, sp, return_logits)
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
             ]
             return self._run(requests, progress)
@@ -115,21 +121,32 @@ class LLM:
             with Progress(disable=not progress, transient=True) as bar:
                 task = bar.add_task("generating", total=len(requests))
                 while self.scheduler.has_work():
-                    step = self.scheduler.schedule()
-                    for req in self.scheduler.update(step, self.executor.run(step.batches)):
-                        done[req.request_id] = req
-                        bar.advance(task)
+                    for req in self.step():
+                        if req.finish_reason:
+                            done[req.request_id] = req
+                            bar.advance(task)
         except BaseException:
             self.scheduler.abort(requests)
             raise
         return [done[req.request_id].to_output() for req in requests]
 
-    def _make_request(
-        self, index: int, prompt: Sequence[int], params: SamplingParams, return_logits: bool
+    def step(self) -> list[Request]:
+        """Run one forward of every running request; return those that got a token (the
+        finished ones have ``finish_reason`` set and have left the scheduler)."""
+        step = self.scheduler.schedule()
+        self.scheduler.update(step, self.executor.run(step.batches))
+        return [req for entries in step.scheduled for req, _ in entries if not req.in_prefill]
+
+    def make_request(
+        self, where: str, prompt: str | Sequence[int], params: SamplingParams, return_logits=False
     ) -> Request:
-        where = f"prompt {index}"
+        """A checked request, not yet scheduled; InvalidRequestError names ``where`` if bad."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"{where}: params must be SamplingParams, not {params!r}")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError(f"{where}: stop strings need a model with a tokenizer")
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = _token_ids(where, prompt)
         if not ids:
             raise InvalidRequestError(f"{where} is empty; give at least one token id")
@@ -144,9 +161,9 @@ class LLM:
             )
         seed = params.seed if params.seed is not None else self.seed + self._next_id
         self._next_id += 1
-        return Request(
-            self._next_id, ids, params, return_logits, generator=torch.Generator().manual_seed(seed)
-        )
+        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        gen = torch.Generator().manual_seed(seed)
+        return Request(self._next_id, ids, params, return_logits, generator=gen, text=text)
 
     def close(self) -> None:
         self.executor.close()
@@ -167,8 +184,10 @@ def _token_ids(where: str, prompt: object) -> list[int]:
             )
         return [int(t) for t in prompt.tolist()]
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+        note = " (the model has no tokenizer for text)" if isinstance(prompt, str) else ""
         raise InvalidRequestError(
             f"{where} must be a list of token ids, not {type(prompt).__name__} {prompt!r:.40}"
+            + note
         )
     bad = [t for t in prompt if not _is_integer(t)]
     if bad:

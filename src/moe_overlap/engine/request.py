@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_overlap.engine.detokenize import TextStream
+
 
 class InvalidRequestError(ValueError):
     """A request cannot be served as given; nothing was scheduled."""
@@ -20,8 +22,17 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
     ignore_eos: bool = False
+    stop: list[str] | str | None = None  # strings that end the output (needs a tokenizer)
+    stop_token_ids: list[int] | None = None  # token ids that end the output (kept in it)
 
     def __post_init__(self) -> None:
+        self.stop = _listed("stop", self.stop, str)
+        bad = [s for s in self.stop if not isinstance(s, str) or not s]
+        if bad:
+            raise InvalidRequestError(f"stop={bad[0]!r}: stop strings must be non-empty strings")
+        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, int)
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, minimum=0, note=" (a token id)")
         _integer("max_new_tokens", self.max_new_tokens, minimum=1)
         _integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
         if self.seed is not None:
@@ -34,6 +45,17 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+
+
+def _listed(name: str, value: object, kind: type) -> list:
+    """None is an empty list and a lone string one stop string; other values must be lists."""
+    if value is None:
+        return []
+    if kind is str and isinstance(value, str):
+        return [value]
+    if not isinstance(value, list | tuple):
+        raise InvalidRequestError(f"{name}={value!r:.40} must be a list of {kind.__name__}s")
+    return list(value)
 
 
 def _integer(name: str, value: object, minimum: int, note: str = "") -> None:
@@ -51,8 +73,11 @@ class RequestOutput:
     request_id: int
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "eos", "length" (max_new_tokens) or "context" (model's context full)
+    # "eos", "stop" (a stop string or stop token id), "length" (max_new_tokens) or
+    # "context" (the model's context is full)
+    finish_reason: str
     prompt_logits: torch.Tensor | None = None  # float32 [prompt_len, vocab]
+    text: str | None = None  # the output as text (None when the model has no tokenizer)
 
 
 @dataclass
@@ -68,6 +93,7 @@ class Request:
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    text: TextStream | None = None  # with a tokenizer: the output's text and stop strings
 
     @property
     def prompt_len(self) -> int:
@@ -95,4 +121,5 @@ class Request:
             list(self.output_ids),
             self.finish_reason or "length",
             logits,
+            self.text.text if self.text is not None else None,
         )

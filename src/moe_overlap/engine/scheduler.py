@@ -86,16 +86,20 @@ class Scheduler:
                 if req.in_prefill:
                     continue  # a middle prompt chunk: nothing to sample yet
                 req.output_ids.append(sample(last, req.params, req.generator))
-                if self._finish_reason(req):
-                    req.finish_reason = self._finish_reason(req)
+                req.finish_reason = self._finish_reason(req)
+                if req.finish_reason:
                     self.running[rank].remove(req)
                     self.slots[rank].release(req.slot)
                     finished.append(req)
         return finished
 
     def _finish_reason(self, req: Request) -> str | None:
-        if not req.params.ignore_eos and self.eos is not None and req.output_ids[-1] == self.eos:
+        token = req.output_ids[-1]
+        if not req.params.ignore_eos and self.eos is not None and token == self.eos:
             return "eos"
+        stopped = req.text is not None and req.text.push(token)  # every token goes to the text
+        if stopped or token in req.params.stop_token_ids:
+            return "stop"
         if len(req.output_ids) >= req.params.max_new_tokens:
             return "length"
         if req.total_len >= self.max_len:

@@ -1,0 +1,71 @@
+"""A model directory's tokenizer: a small byte-level BPE trained offline on text kept in the repo
+(``write_tokenizer``), loaded back with its chat template through ``transformers``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from moe_overlap.core.errors import ConfigError
+
+CORPUS = Path(__file__).resolve().parents[3] / "configs" / "tokenizer-corpus.txt"
+# ids 0, 1, 2 in this order; id 1 is the shipped configs' eos_token_id
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+EOS_TOKEN = "<|im_end|>"
+# ChatML, as Qwen's models use it
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_ALPHABET = len(pre_tokenizers.ByteLevel.alphabet())  # 256: every byte has a token
+
+
+def write_tokenizer(
+    path: str | Path, vocab_size: int, corpus: str | Path = CORPUS
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE of at most ``vocab_size`` tokens on ``corpus`` and save it, with
+    the ChatML chat template, into the directory ``path`` (tokenizer.json and its config)."""
+    smallest = _ALPHABET + len(SPECIAL_TOKENS)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < smallest:
+        raise ConfigError(
+            f"vocab_size={vocab_size!r} is too small for a byte-level tokenizer: it needs at "
+            f"least {smallest} tokens (256 bytes and {len(SPECIAL_TOKENS)} special tokens)"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(corpus)], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def load_tokenizer(path: str | Path | None, vocab_size: int) -> PreTrainedTokenizerFast | None:
+    """The tokenizer saved in model directory ``path``, or None when it has none."""
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}/tokenizer.json could not be loaded: {exc}") from None
+    if len(tok) > vocab_size:
+        raise ConfigError(
+            f"{path}/tokenizer.json has {len(tok)} tokens, more than the model's "
+            f"vocab_size={vocab_size}"
+        )
+    return tok

@@ -1,0 +1,83 @@
+"""The shipped tokenizer: trained offline on the repo's corpus, saved with a chat template that
+transformers applies, and incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.detokenize import TextStream
+from moe_overlap.engine.tokenizer import SPECIAL_TOKENS, load_tokenizer, write_tokenizer
+
+TEXT = "Hello, how are the experts today? Ünïcode and 東京 survive the trip."
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path, 320)
+    return path
+
+
+def test_round_trip_within_the_vocabulary(tok_dir):
+    tok = load_tokenizer(tok_dir, vocab_size=320)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert tok.decode(ids) == TEXT
+    assert len(tok) <= 320 and max(ids) < 320
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == SPECIAL_TOKENS
+    assert tok.eos_token_id == 1  # the shipped configs' eos_token_id
+    assert len(tok.encode("the experts", add_special_tokens=False)) < len("the experts")
+
+
+def test_chat_template_through_auto_tokenizer(tok_dir):
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.encode(text, add_special_tokens=False)[0] == 2  # <|im_start|> is one token
+
+
+def test_training_is_deterministic(tok_dir, tmp_path):
+    write_tokenizer(tmp_path, 320)
+    assert (tmp_path / "tokenizer.json").read_text() == (tok_dir / "tokenizer.json").read_text()
+
+
+def test_too_small_vocab_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="vocab_size=100 is too small"):
+        write_tokenizer(tmp_path, 100)
+
+
+def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tok_dir):
+    with pytest.raises(ConfigError, match="more than the model's vocab_size=300"):
+        load_tokenizer(tok_dir, vocab_size=300)
+
+
+def test_no_tokenizer_file_gives_none(tmp_path):
+    assert load_tokenizer(tmp_path, vocab_size=320) is None
+
+
+def test_text_stream_holds_back_a_possible_stop_and_cuts_at_it(tok_dir):
+    tok = load_tokenizer(tok_dir, vocab_size=320)
+    stream = TextStream(tok, ["STOP"])
+    pieces, stopped = [], False
+    for t in tok.encode("one two STOP three", add_special_tokens=False):
+        stopped = stream.push(t)
+        pieces.append(stream.delta(final=stopped))
+        if stopped:
+            break
+    assert stopped and stream.text == "one two "
+    assert "".join(pieces) == "one two "
+
+
+def test_text_stream_never_hands_out_half_a_character(tok_dir):
+    tok = load_tokenizer(tok_dir, vocab_size=320)
+    stream = TextStream(tok, [])
+    pieces = []
+    for t in tok.encode("東京", add_special_tokens=False):
+        stream.push(t)
+        pieces.append(stream.delta())
+    assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == "東京"
