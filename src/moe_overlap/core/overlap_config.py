@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from moe_overlap.core.errors import ConfigError
 
-OVERLAP_MODES = ("none", "tbo", "sbo", "dbo")
+OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per forward
 A2A_BACKENDS = ("auto", "local", "torch")  # auto: local on one rank, torch on several
 SPLIT_POLICIES = ("tokens", "time")
 MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
@@ -15,7 +15,7 @@ DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
 
 @dataclass
 class OverlapConfig:
-    mode: str = "none"  # none | tbo | sbo | dbo
+    mode: str = "none"  # none | tbo | sbo | dbo | auto
     tbo_token_distribution_threshold: float = DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD
     num_micro_batches: int = 2
     tbo_min_tokens: int = 2  # a rank with fewer tokens votes against micro-batching this step
@@ -29,6 +29,7 @@ class OverlapConfig:
     moe_a2a_backend: str = "auto"
     sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
+    log_overlap_decisions: bool = False  # auto: print each forward's choice and predictions
 
     def __post_init__(self) -> None:
         for name, choices in (

@@ -60,10 +60,12 @@ class DualBatchOverlap:
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
         decision = dbo_agree(batch, self.cfg, self.group)
-        if not decision.run:
-            return None
-        # cut at the agreed (padded) split point; the agreement left tokens on both sides
-        plan = token_split(batch.extend_lens, [decision.split_point])
+        return self.run(batch, runner, decision.split_point) if decision.run else None
+
+    def run(self, batch: ForwardBatch, runner, split_point: int) -> torch.Tensor:
+        """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
+        rank, with tokens on both sides)."""
+        plan = token_split(batch.extend_lens, [split_point])
         ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(split_batch(batch, plan))]
         outputs = self.threads.run(ctxs, self.ops, receive_hook)
         self.num_overlapped += 1

@@ -76,6 +76,11 @@ def token_split(lens: list[int], cuts: list[int]) -> Plan:
     return plan
 
 
+def whole(batch: ForwardBatch) -> list[Piece]:
+    """Every sequence of ``batch``, entire: one child holding the whole batch."""
+    return [Piece(i, 0, n) for i, n in enumerate(batch.extend_lens)]
+
+
 def seq_split(lens: list[int], index: int) -> Plan:
     return [
         [Piece(i, 0, lens[i]) for i in range(index)],

@@ -47,12 +47,12 @@ class TwoBatchOverlap:
     def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
         """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
         decision = tbo_agree(batch, self.cfg, self.group)
-        if not decision.run:
-            return None
+        return self.run(batch, runner, decision.decode) if decision.run else None
+
+    def run(self, batch: ForwardBatch, runner, decode: bool) -> torch.Tensor:
+        """Micro-batch ``batch`` (every rank has agreed to) with the decode or prefill strategy."""
         plan = self.plan(batch)
         ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]
-        strategy = self.strategies[decision.decode]
-        outs = execute_overlapped(
-            ctxs, [self.ops[decision.decode]] * len(ctxs), strategy.delta_stages
-        )
+        strategy = self.strategies[decode]
+        outs = execute_overlapped(ctxs, [self.ops[decode]] * len(ctxs), strategy.delta_stages)
         return merge_logits(batch, plan, [o["logits"] for o in outs])

@@ -18,13 +18,19 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.overlap.auto import AutoOverlap
 from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
-SCHEMES = {"tbo": TwoBatchOverlap, "sbo": SingleBatchOverlap, "dbo": DualBatchOverlap}
+SCHEMES = {
+    "tbo": TwoBatchOverlap,
+    "sbo": SingleBatchOverlap,
+    "dbo": DualBatchOverlap,
+    "auto": AutoOverlap,
+}
 
 
 class ModelRunner:

@@ -27,12 +27,21 @@ from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRES
 from moe_overlap.tools.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.tools.workloads import Workload
 
-DEFAULT_MODES = ("none", "sbo", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "dbo")
-_MODE = re.compile(r"(none|sbo|dbo)|tbo(\d*)(\+two-chunk|\+time-split)?")
+DEFAULT_MODES = (
+    "none",
+    "sbo",
+    "tbo",
+    "tbo+two-chunk",
+    "tbo+time-split",
+    "tbo3+time-split",
+    "dbo",
+    "auto",
+)
+_MODE = re.compile(r"(none|sbo|dbo|auto)|tbo(\d*)(\+two-chunk|\+time-split)?")
 
 
 def mode_config(name: str) -> OverlapConfig:
-    """A bench mode: none, sbo, dbo, or tbo[N][+two-chunk|+time-split].
+    """A bench mode: none, sbo, dbo, auto, or tbo[N][+two-chunk|+time-split].
 
     ``tbo`` splits by whole sequences, ``+two-chunk`` may cut one (SGLang), ``+time-split`` cuts
     where estimated time balances (ours); N > 2 micro-batches always cut at token level.
@@ -40,7 +49,7 @@ def mode_config(name: str) -> OverlapConfig:
     match = _MODE.fullmatch(name)
     if match is None:
         raise ConfigError(
-            f"mode {name!r}: use none, sbo, dbo or tbo[N][+two-chunk|+time-split], "
+            f"mode {name!r}: use none, sbo, dbo, auto or tbo[N][+two-chunk|+time-split], "
             "e.g. tbo3+time-split"
         )
     if match[1]:

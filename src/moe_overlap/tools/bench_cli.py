@@ -11,6 +11,7 @@ from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
@@ -81,7 +82,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_num_seqs=slots,
         max_model_len=longest,
     ) as llm:
-        report = run_bench(llm.executor, workload, modes, args.repeat, cfg.vocab_size, args.seed)
+        auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
+        report = run_bench(
+            llm.executor,
+            workload,
+            modes,
+            args.repeat,
+            cfg.vocab_size,
+            args.seed,
+            overrides={"auto": auto},
+        )
     title = (
         f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
         f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
@@ -166,4 +176,9 @@ def add_bench_commands(sub) -> None:
         "and one per rank for communication",
     )
     bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
+    bench.add_argument(
+        "--log-overlap-decisions",
+        action="store_true",
+        help="mode auto: print each forward's choice and predicted times (also in --trace)",
+    )
     bench.set_defaults(func=cmd_bench)

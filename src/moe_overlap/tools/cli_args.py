@@ -12,6 +12,7 @@ from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
     DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD,
     MODE_MISMATCH,
+    OVERLAP_MODES,
     OverlapConfig,
 )
 from moe_overlap.engine.llm import LLM
@@ -90,6 +91,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default %(default)s)",
     )
     o = p.add_argument_group("overlap (at most one scheme)")
+    o.add_argument(
+        "--overlap",
+        choices=OVERLAP_MODES,
+        default=None,
+        help="the scheme by name: none, tbo, sbo, dbo (as the --enable flags), or auto (ours): "
+        "every forward, the mode predicted fastest from a cost model calibrated at start-up "
+        "and corrected from measured forwards",
+    )
+    o.add_argument(
+        "--log-overlap-decisions",
+        action="store_true",
+        help="with --overlap auto: print each forward's choice and the predicted times",
+    )
     o.add_argument(
         "--enable-two-batch-overlap",
         action="store_true",
@@ -180,6 +194,8 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         )
         if on
     ]
+    if args.overlap not in (None, "none", *chosen):
+        chosen.append(args.overlap)
     if len(chosen) > 1:
         raise ConfigError(
             f"overlap schemes {' and '.join(chosen)} are mutually exclusive; enable at most one"
@@ -196,6 +212,7 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         sbo_combine_blocks=args.sbo_combine_blocks,
         sbo_comm_sms=args.sbo_comm_sms,
         moe_a2a_backend=args.moe_a2a_backend,
+        log_overlap_decisions=args.log_overlap_decisions,
     )
 
 

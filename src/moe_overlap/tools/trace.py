@@ -17,8 +17,9 @@ _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never 
 
 
 def _tracks(spans: list[Span]) -> list[str]:
-    names = sorted({s.track for s in spans if s.track != "comm" and not s.track.endswith(" wait")})
-    return names + ["comm"]
+    """The compute lanes (one per micro-batch, SBO's blocks apart) and the communication lane."""
+    names = {s.track for s in spans if s.track.startswith("mb") and not s.track.endswith(" wait")}
+    return sorted(names) + ["comm"]
 
 
 def _bars(spans: list[Span], track: str, origin: float) -> list[tuple[float, float]]:
@@ -41,9 +42,12 @@ def write_chrome_trace(recording: Recording, path: str | Path) -> None:
                     "args": {"name": f"{mode} / rank {rank}"},
                 }
             )
-            tracks = _tracks(spans) + sorted({s.track for s in spans if s.track.endswith("wait")})
+            # then the waits, and auto's decisions (their names carry the predicted times)
+            tracks = _tracks(spans) + sorted({s.track for s in spans} - set(_tracks(spans)))
             for tid, track in enumerate(tracks):
-                label = "communication" if track == "comm" else f"compute {track}"
+                label = {"comm": "communication", "decision": "auto's decision"}.get(
+                    track, f"compute {track}"
+                )
                 label = (
                     f"{track.removesuffix(' wait')} blocked on a receive"
                     if track.endswith("wait")

@@ -1,0 +1,125 @@
+"""``--overlap auto`` (ours): choose, every forward, the overlap mode predicted to be fastest.
+
+The candidates are none, SBO, TBO with two or three micro-batches (time-balanced cuts) and DBO.
+One all-reduce per forward, the agreement every overlapped forward already pays, carries each
+rank's work (FLOPs, tokens, sequences), its TBO vote and how long its previous forward took; from
+the same table and the same calibration every rank predicts the same times (predict.py), picks
+the same mode, derives TBO's and DBO's own agreement from it, and corrects the executed mode's
+factor from the measured time. The first forward calibrates (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.groups import Group
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.overlap.agreement import dbo_decide, tbo_decide, tbo_local_vote
+from moe_overlap.overlap.calibrate import calibrate
+from moe_overlap.overlap.dbo import DualBatchOverlap
+from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.overlap.predict import Calibration, Choice, StepStats, choose, corrected, raw_times
+from moe_overlap.overlap.sbo import SingleBatchOverlap
+from moe_overlap.overlap.split import CostModel, whole
+from moe_overlap.overlap.tbo import TwoBatchOverlap
+
+FLOPS, TOKENS, SEQS, LAST_S, VOTES = 0, 1, 2, 3, 4  # rows; VOTES.. holds tbo_local_vote's four
+ROWS = VOTES + 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    stats: StepStats
+    tbo_decode: bool  # every busy rank decodes: TBO's decode strategy
+    slowest_last_s: float  # the previous forward's time on the slowest rank
+
+
+class AutoOverlap:
+    def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
+        self.model, self.cfg, self.group = model, cfg, group
+        self.cost = CostModel.for_model(model.cfg)
+        tbo = dataclasses.replace(cfg, mode="tbo", tbo_split_policy="time")
+        self.schemes = {
+            "sbo": SingleBatchOverlap(model, dataclasses.replace(cfg, mode="sbo"), group),
+            "tbo2": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=2), group),
+            "tbo3": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=3), group),
+        }
+        self.dbo = DualBatchOverlap(model, dataclasses.replace(cfg, mode="dbo"), group)
+        self.calibration: Calibration | None = None
+        self.last: tuple[str, float] | None = None  # the executed mode and its raw prediction
+        self.last_s = 0.0  # how long this rank's previous auto forward took
+        self.last_choice: Choice | None = None
+        self.steps = 0
+
+    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
+        """Logits of the chosen mode's forward; None on one rank, where nothing is hidden."""
+        if self.group.size == 1:
+            return None
+        if self.calibration is None:
+            self.calibration = self._calibrate(runner)
+        start = time.perf_counter()
+        step = self.agree(batch)
+        cal = self.calibration
+        if self.last is not None:
+            corrected(cal, *self.last, step.slowest_last_s)
+        choice = self.last_choice = choose(cal, step.stats, self.group.size)
+        self.last = (choice.mode, raw_times(cal, step.stats)[choice.mode])
+        split = step.stats.dbo_split
+        logits = self._run(choice.mode, batch, runner, step.tbo_decode, split)
+        self.last_s = time.perf_counter() - start
+        self._report(runner, choice, start)
+        return logits
+
+    def agree(self, batch: ForwardBatch) -> Step:
+        """One all-reduce: every rank's column of work, votes and last forward time."""
+        table = torch.zeros(ROWS, self.group.size, dtype=torch.float64)
+        column = [self.cost.cost(batch, whole(batch)), batch.num_tokens, batch.num_seqs]
+        column += [self.last_s, *tbo_local_vote(batch, self.cfg.tbo_min_tokens)]
+        table[:, self.group.rank] = torch.tensor(column, dtype=torch.float64)
+        if self.group.size > 1:
+            table = self.group.all_reduce(table)
+        tokens = [int(t) for t in table[TOKENS].tolist()]
+        tbo = tbo_decide(
+            table[VOTES:].min(dim=1).values.long().tolist(), self.cfg.tbo_mode_mismatch
+        )
+        ones = torch.ones(len(tokens), dtype=torch.int64)
+        counts = torch.tensor(tokens, dtype=torch.int64)
+        dbo = dbo_decide(torch.stack([counts, counts, ones, 0 * ones]))  # vLLM's cut, no vote
+        stats = StepStats(
+            flops=table[FLOPS].tolist(),
+            tokens=tokens,
+            seqs=[int(s) for s in table[SEQS].tolist()],
+            tbo_ok=tbo.run,
+            dbo_split=dbo.split_point if dbo.run else None,
+        )
+        return Step(stats, tbo.decode, float(table[LAST_S].max()))
+
+    def _run(self, mode: str, batch: ForwardBatch, runner, decode: bool, split: int | None):
+        if mode == "none":
+            return execute_operations(runner.context(batch), runner.ops)["logits"]
+        if mode == "sbo":
+            return self.schemes["sbo"].forward(batch, runner)
+        if mode == "dbo":
+            return self.dbo.run(batch, runner, split)
+        return self.schemes[mode].run(batch, runner, decode)
+
+    def _calibrate(self, runner) -> Calibration:
+        def run_mode(mode: str, batch: ForwardBatch, scratch) -> None:
+            self._run(mode, batch, scratch, False, batch.num_tokens // 2)
+
+        return calibrate(runner, self.group, self.cfg.sbo_combine_blocks, run_mode)
+
+    def _report(self, runner, choice: Choice, start: float) -> None:
+        self.steps += 1
+        runner.timeline.add("decision", f"auto: {choice.describe()}", start, time.perf_counter())
+        if self.cfg.log_overlap_decisions and self.group.rank == 0:
+            print(f"[auto] forward {self.steps}: {choice.describe()}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.dbo.close()

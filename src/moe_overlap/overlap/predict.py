@@ -1,0 +1,117 @@
+"""Predicted time of one forward under each overlap mode, and the choice among them (pure).
+
+The inputs are every rank's work this step (from the one agreement collective) and a
+``Calibration`` of this model on these ranks and this link. Ranks meet at every all-to-all, so
+the slowest rank's compute sets the pace:
+
+- ``C``: compute of the busiest rank: ``kappa`` seconds per FLOP of its batch (attention grows
+  with the prefix) plus ``per_seq`` per sequence; ``F``: fixed cost of one micro-batch's pass
+  through every op (Python, launches);
+- ``M``: communication, ``2 x MoE layers`` all-to-alls of ``latency + bytes / rate`` each;
+- ``none``: ``C + F + M``;
+- ``sbo``: the dispatch hides behind the shared experts and all but the last combine piece
+  behind the routed experts: ``C + F + M - hidden``;
+- ``tbo<N>`` / ``dbo``: N micro-batches pipeline compute against communication:
+  ``max(C + N F, M') + (C + M) / (N S)``, where ``M'`` adds each extra all-to-all's latency and
+  the last term is the fill and drain of ``S = 2 x MoE layers`` stages.
+
+Each mode's prediction is then scaled by its own factor, measured at calibration and corrected
+online from measured forwards, which absorbs what the formulas leave out (bubbles, uneven cuts,
+thread hand-offs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CANDIDATES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # ties go to the earlier, simpler one
+MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
+MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
+
+
+@dataclass
+class Calibration:
+    kappa: float  # seconds of compute per FLOP of a batch (split.CostModel FLOPs)
+    per_seq: float  # seconds per sequence (per-sequence attention and cache work)
+    per_pass: float  # seconds of fixed cost per micro-batch pass through every op
+    latency: float  # seconds per all-to-all besides its bytes
+    bytes_per_s: float  # the rate one rank's all-to-all sees
+    bytes_per_token: float  # bytes one rank sends per token and all-to-all
+    moe_layers: int
+    expert_share: float  # of the per-token FLOPs: routed experts
+    shared_share: float  # of the per-token FLOPs: shared experts
+    sbo_blocks: int = 2
+    factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CANDIDATES, 1.0))
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """This step on every rank, as the agreement collective sees it."""
+
+    flops: list[float]  # per rank: estimated FLOPs of its batch (0: idle)
+    tokens: list[int]
+    seqs: list[int]
+    tbo_ok: bool  # every rank can split, and the busy ranks' forward modes allow TBO
+    dbo_split: int | None  # DBO's agreed cut (vLLM's rule), None if it must not run
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    predicted: dict[str, float]  # seconds, factors applied, feasible modes only
+
+    def describe(self) -> str:
+        times = ", ".join(f"{m} {t * 1e3:.0f}" for m, t in self.predicted.items())
+        return f"{self.mode} (predicted ms: {times})"
+
+
+def feasible(stats: StepStats, ep: int) -> list[str]:
+    if ep < 2 or max(stats.tokens) == 0:
+        return ["none"]  # nothing to hide
+    modes = ["none", "sbo"]
+    busy = [t for t in stats.tokens if t]
+    if stats.tbo_ok:
+        modes += [f"tbo{n}" for n in (2, 3) if min(busy) >= n]
+    if stats.dbo_split is not None:
+        modes.append("dbo")
+    return modes
+
+
+def raw_times(cal: Calibration, stats: StepStats) -> dict[str, float]:
+    """Each candidate's predicted seconds before its factor."""
+    compute = max(
+        cal.kappa * f + cal.per_seq * s for f, s in zip(stats.flops, stats.seqs, strict=True)
+    )
+    a2a = 2 * cal.moe_layers
+    comm = a2a * (cal.latency + max(stats.tokens) * cal.bytes_per_token / cal.bytes_per_s)
+    blocks = cal.sbo_blocks
+    hidden = min(comm / 2, cal.shared_share * compute) + min(
+        comm / 2 * (blocks - 1) / blocks, cal.expert_share * compute * (blocks - 1) / blocks
+    )
+    times = {
+        "none": compute + cal.per_pass + comm,
+        "sbo": compute + cal.per_pass + comm - hidden,
+    }
+    for mode, n in MICRO_BATCHES.items():
+        comm_n = comm + (n - 1) * a2a * cal.latency
+        fill = (compute + comm) / (n * a2a)
+        times[mode] = max(compute + n * cal.per_pass, comm_n) + fill
+    return times
+
+
+def choose(cal: Calibration, stats: StepStats, ep: int) -> Choice:
+    """The mode with the least predicted time; overlap only if it beats none by ``MARGIN``."""
+    raw = raw_times(cal, stats)
+    predicted = {m: raw[m] * cal.factor[m] for m in feasible(stats, ep)}
+    best = min(predicted, key=lambda m: (predicted[m], CANDIDATES.index(m)))
+    if best != "none" and predicted[best] > predicted["none"] * (1 - MARGIN):
+        best = "none"
+    return Choice(best, predicted)
+
+
+def corrected(cal: Calibration, mode: str, predicted_raw: float, measured: float) -> None:
+    """Move ``mode``'s factor towards what a measured forward showed (every rank alike)."""
+    if predicted_raw <= 0 or measured <= 0:
+        return
+    ratio = min(max(measured / predicted_raw, 0.25), 4.0)
+    cal.factor[mode] = 0.7 * cal.factor[mode] + 0.3 * ratio

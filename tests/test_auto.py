@@ -1,0 +1,115 @@
+"""``--overlap auto``: the choice as a pure function of its inputs, and exactness on gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.overlap.predict import (
+    CANDIDATES,
+    Calibration,
+    StepStats,
+    choose,
+    corrected,
+    raw_times,
+)
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+
+# 1 ns per FLOP, 1 ms per pass, 4 MoE layers, 1 KB per token per all-to-all
+CAL = Calibration(
+    kappa=1e-9,
+    per_seq=0.0,
+    per_pass=1e-3,
+    latency=0.0,
+    bytes_per_s=1e9,
+    bytes_per_token=1e3,
+    moe_layers=4,
+    expert_share=0.5,
+    shared_share=0.0,
+)
+
+
+def stats(flops=1e8, tokens=1000, ranks=2, tbo_ok=True, dbo_split=500, seqs=1):
+    return StepStats([flops] * ranks, [tokens] * ranks, [seqs] * ranks, tbo_ok, dbo_split)
+
+
+def link(bytes_per_s: float, **factors: float) -> Calibration:
+    cal = dataclasses.replace(CAL, bytes_per_s=bytes_per_s, factor=dict.fromkeys(CANDIDATES, 1.0))
+    cal.factor.update(factors)
+    return cal
+
+
+# compute is 100 ms; communication is 8 all-to-alls of 1 MB: 8 ms at 1 GB/s, 80 ms at 100 MB/s
+@pytest.mark.parametrize(
+    ("cal", "step", "ep", "expected"),
+    [
+        (link(1e9), stats(), 1, "none"),  # one rank: nothing to hide
+        (link(1e12), stats(), 2, "none"),  # a fast link: overlap only adds passes
+        (link(1e8), stats(), 2, "tbo3"),  # comparable: three micro-batches fill best
+        (link(1e8, tbo3=1.2), stats(), 2, "tbo2"),  # tbo3 measured slower than predicted
+        (link(1e8, tbo2=1.3, tbo3=1.3), stats(), 2, "dbo"),
+        (link(1e8), stats(tbo_ok=False), 2, "dbo"),  # ranks' modes disagree: no TBO
+        (link(1e8), stats(tbo_ok=False, dbo_split=None), 2, "sbo"),  # only SBO is left
+        (link(2e5), stats(tokens=2, dbo_split=1), 2, "tbo2"),  # too few tokens for three
+        (link(1e8), stats(tokens=0, flops=0), 2, "none"),  # idle everywhere
+        (link(3e8, sbo=1.03, tbo2=1.2, tbo3=1.25, dbo=1.25), stats(), 2, "none"),  # < MARGIN
+    ],
+)
+def test_choice_table(cal, step, ep, expected):
+    choice = choose(cal, step, ep)
+    assert choice.mode == expected, choice.describe()
+    assert choice.predicted[expected] == min(choice.predicted.values()) or expected == "none"
+
+
+def test_predictions_follow_the_formulas():
+    t = raw_times(link(1e8), stats())
+    compute, comm, fill2 = 0.1, 0.08, (0.1 + 0.08) / (2 * 8)
+    assert t["none"] == pytest.approx(compute + 1e-3 + comm)
+    assert t["tbo2"] == pytest.approx(max(compute + 2e-3, comm) + fill2)
+    assert t["sbo"] == pytest.approx(compute + 1e-3 + comm - min(comm / 4, 0.5 * compute / 2))
+    assert t["none"] > t["sbo"] and t["none"] > t["tbo2"] > t["tbo3"]
+
+
+def test_correction_moves_a_factor_towards_what_was_measured():
+    cal = link(1e8)
+    corrected(cal, "tbo2", 0.1, 0.2)
+    assert cal.factor["tbo2"] == pytest.approx(0.7 + 0.3 * 2.0)
+    corrected(cal, "tbo2", 0.1, 100.0)  # an outlier moves it by a bounded step
+    assert cal.factor["tbo2"] <= 0.7 * 1.3 + 0.3 * 4.0 + 1e-9
+    corrected(cal, "none", 0.0, 1.0)  # nothing to learn from a zero prediction
+    assert cal.factor["none"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def slow_link_engine():
+    # one family: every mode auto runs is checked for both families in test_ep*.py
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    overlap = OverlapConfig("auto", log_overlap_decisions=True)
+    with LLM(config=cfg, ep=2, overlap=overlap, link="model:10mbit,50us", **KW) as llm:
+        yield llm, reference(cfg), overlap
+
+
+def test_auto_is_exact_at_ep2(slow_link_engine):
+    llm, base, _ = slow_link_engine
+    for case in ("mixed-batch", "single-long", "short+long"):
+        assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
+
+
+def test_auto_records_its_decision_and_overlaps_on_a_slow_link(slow_link_engine):
+    llm, _, overlap = slow_link_engine
+    batch = ForwardBatch(torch.arange(60) % 70, [0], [0], [60])
+    chosen = []
+    for _ in range(4):
+        llm.executor.run([batch, batch], overlap, record=True)
+        for spans in llm.executor.last_spans:
+            decisions = [s.name for s in spans if s.track == "decision"]
+            assert len(decisions) == 1 and decisions[0].startswith("auto: ")
+            chosen.append(decisions[0].split()[1])
+    # each step's choice is the same on both ranks, and at 10 Mbit/s it overlaps
+    assert chosen[0::2] == chosen[1::2]
+    assert set(chosen) - {"none"}, chosen
