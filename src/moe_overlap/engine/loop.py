@@ -1,0 +1,141 @@
+"""Continuous batching for a server: one thread steps the engine while callers add and abort
+requests; a request added while others run joins the batch at the next step.
+
+Each request has a listener that hears a ``Delta`` after every step that gave it a token (its new
+token ids and final text), and a last one with ``finish_reason`` or ``error`` set. Listeners run
+on the engine's thread and must only hand the delta over (e.g. ``call_soon_threadsafe``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.request import Request, SamplingParams
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped (a rank failed, or it was shut down); no request can be served."""
+
+
+@dataclass
+class Delta:
+    request_id: int
+    token_ids: list[int]  # tokens new since the last delta
+    text: str  # text new since the last delta ("" without a tokenizer)
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None  # set on the request's last delta
+    error: str | None = None  # the engine failed; this is the request's last delta
+
+
+Listener = Callable[[Delta], None]
+
+
+class EngineLoop:
+    """Drives ``llm`` from a thread of its own. ``llm`` must not be used directly meanwhile."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._wake = threading.Condition()
+        self._new: list[tuple[Request, Listener]] = []
+        self._aborted: set[int] = set()
+        self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
+        self._stopping = False
+        self.error: str | None = None  # why the engine died, once it has
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        listener: Listener,
+        where: str = "prompt",
+    ) -> Request:
+        """Check the request (InvalidRequestError names ``where``) and queue it."""
+        req = self.llm.make_request(where, prompt, params)
+        with self._wake:
+            if self.error or self._stopping:
+                raise EngineDead(self.error or "the engine is shutting down")
+            self._new.append((req, listener))
+            self._wake.notify()
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request wherever it is; its slot and KV cache row are freed at the next step."""
+        with self._wake:
+            self._aborted.add(request_id)
+            self._wake.notify()
+
+    def stats(self) -> dict[str, int]:
+        sched = self.llm.scheduler
+        return {
+            "running": sum(len(r) for r in sched.running),
+            "waiting": len(sched.waiting) + len(self._new),
+            "free_slots": sum(len(s) for s in sched.slots),
+        }
+
+    def stop(self) -> None:
+        """Stop stepping (requests still running hear an error), then close the engine."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.llm.close()
+
+    def _run(self) -> None:
+        try:
+            while self._take_inbox():
+                if self.llm.scheduler.has_work():
+                    for req in self.llm.step():
+                        self._tell(req)
+        except BaseException as exc:  # a rank failed: every request hears why
+            with self._wake:
+                self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.llm.close()
+        with self._wake:
+            self._live.update({r.request_id: (r, cb) for r, cb in self._new})
+            self._new.clear()
+        for req, listener in self._live.values():
+            listener(_delta(req, [], "", error=self.error or "the server is shutting down"))
+        self._live.clear()
+
+    def _take_inbox(self) -> bool:
+        """Add new requests and drop aborted ones; wait while there is nothing to do. False
+        when the loop must stop."""
+        with self._wake:
+            while not (self._stopping or self._new or self._aborted):
+                if self.llm.scheduler.has_work():
+                    break
+                self._wake.wait()
+            if self._stopping:
+                return False
+            new, self._new = self._new, []
+            aborted, self._aborted = self._aborted, set()
+        for req, listener in new:
+            self._live[req.request_id] = (req, listener)
+            self.llm.scheduler.add(req)
+        gone = [self._live.pop(i)[0] for i in aborted if i in self._live]
+        self.llm.scheduler.abort(gone)
+        return True
+
+    def _tell(self, req: Request) -> None:
+        entry = self._live.get(req.request_id)
+        if entry is None:
+            return
+        done = req.finish_reason is not None
+        text = req.text.delta(final=done) if req.text is not None else ""
+        entry[1](_delta(req, [req.output_ids[-1]], text, finish_reason=req.finish_reason))
+        if done:
+            del self._live[req.request_id]
+
+
+def _delta(req: Request, ids: list[int], text: str, **kw) -> Delta:
+    return Delta(req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw)

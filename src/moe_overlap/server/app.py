@@ -1,0 +1,144 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (streamed over
+server-sent events or whole), /v1/models and /health, over one ``EngineLoop``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from moe_overlap.engine.loop import EngineDead, EngineLoop
+from moe_overlap.server.guards import APIError, ServerSettings, error_response, install_guards
+from moe_overlap.server.protocol import ChatRequest, CompletionRequest, SamplingFields
+from moe_overlap.server.responses import DONE, Choice, Formatter, sse
+from moe_overlap.server.submission import Submission
+
+
+def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="moe-overlap", docs_url=None, redoc_url=None, openapi_url=None)
+    install_guards(app, settings)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.error:
+            return error_response(503, f"the engine stopped: {engine.error}", "engine_dead")
+        return JSONResponse({"status": "ok", **engine.stats()})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": settings.model_name, "object": "model", "created": created}
+        return {"object": "list", "data": [{**card, "owned_by": "moe-overlap"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body, settings)
+        prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(body.prompts())]
+        return await _serve(engine, settings, body, prompts, body.max_tokens, False, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        _check_model(body, settings)
+        tok = engine.llm.tokenizer
+        if tok is None:
+            raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
+        text = tok.apply_chat_template(
+            body.conversation(), add_generation_prompt=True, tokenize=False
+        )
+        prompt = tok.encode(text, add_special_tokens=False)
+        limit = body.max_completion_tokens or body.max_tokens
+        return await _serve(engine, settings, body, [prompt], limit, True, request)
+
+    return app
+
+
+def _check_model(body: SamplingFields, settings: ServerSettings) -> None:
+    if body.model is not None and body.model != settings.model_name:
+        raise APIError(
+            404,
+            f"model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+            "model_not_found",
+        )
+
+
+def _encode(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int]:
+    if not isinstance(prompt, str):
+        return prompt
+    if engine.llm.tokenizer is None:
+        raise APIError(400, f"{where} is text, but the model has no tokenizer; send token ids")
+    return engine.llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _max_new_tokens(engine: EngineLoop, settings: ServerSettings, ids: list[int], limit) -> int:
+    context = engine.llm.max_len
+    most = settings.max_prompt_tokens or context - 1
+    if len(ids) > most:
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens, more than the {most} this server accepts",
+            "prompt_too_long",
+        )
+    if limit is not None and len(ids) + limit > context:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {context} tokens, but {len(ids)} prompt "
+            f"tokens and max_tokens={limit} were asked for",
+            "context_length_exceeded",
+        )
+    return limit if limit is not None else context - len(ids)
+
+
+async def _serve(engine, settings, body, prompts, limit, chat: bool, request: Request):
+    if engine.error:
+        raise EngineDead(engine.error)
+    params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
+    fmt = Formatter(chat, settings.model_name, [len(ids) for ids in prompts])
+    sub = Submission(engine)
+    try:
+        for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+            sub.add(i, ids, sp)
+    except BaseException:
+        sub.close()
+        raise
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(sub, fmt, len(prompts), usage, request)
+        return StreamingResponse(events, media_type="text/event-stream")
+    choices = [Choice() for _ in prompts]
+    try:
+        async for index, delta in sub.deltas(request.is_disconnected):
+            if delta.error:
+                raise EngineDead(delta.error)
+            choices[index].add(delta)
+    finally:
+        sub.close()
+    return fmt.whole(choices)
+
+
+async def _events(
+    sub: Submission, fmt: Formatter, n: int, usage: bool, request: Request
+) -> AsyncIterator[str]:
+    """The stream: deltas as they come, then usage if asked, then [DONE]. A client that goes
+    away cancels this generator, and ``close`` aborts what it had asked for."""
+    choices = [Choice() for _ in range(n)]
+    try:
+        if fmt.chat:
+            for i in range(n):
+                yield fmt.chunk(i, None)
+        async for index, delta in sub.deltas(request.is_disconnected):
+            if delta.error:
+                yield sse(error_body(f"the engine stopped: {delta.error}"))
+                break
+            choices[index].add(delta)
+            yield fmt.chunk(index, delta)
+        if usage:
+            yield fmt.usage_chunk(choices)
+        yield DONE
+    finally:
+        sub.close()
+
+
+def error_body(message: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "code": "engine_dead"}}

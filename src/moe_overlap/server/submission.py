@@ -1,0 +1,49 @@
+"""The requests of one HTTP call, as seen from the event loop: their deltas arrive on an asyncio
+queue, and whatever has not finished when the call ends (a client gone) is aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from moe_overlap.engine.loop import Delta, EngineLoop
+from moe_overlap.engine.request import SamplingParams
+
+
+class Submission:
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+        self.queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, int] = {}  # choice index -> request id, until it finishes
+
+    def add(self, index: int, prompt: list[int], params: SamplingParams) -> None:
+        def listener(delta: Delta) -> None:  # runs on the engine's thread
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, delta))
+
+        req = self.engine.submit(prompt, params, listener, where=f"prompt {index}")
+        self.pending[index] = req.request_id
+
+    async def deltas(
+        self, disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[tuple[int, Delta]]:
+        """Every delta of every request, until all have finished; stops early (and the caller's
+        ``close`` aborts the rest) when ``disconnected`` says the client is gone."""
+        while self.pending:
+            try:
+                index, delta = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+            except TimeoutError:
+                if disconnected is not None and await disconnected():
+                    return
+                continue
+            if delta.finish_reason or delta.error:
+                self.pending.pop(index, None)
+            yield index, delta
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (their slots and KV rows are freed)."""
+        for request_id in self.pending.values():
+            self.engine.abort(request_id)
+        self.pending.clear()

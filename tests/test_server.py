@@ -1,0 +1,336 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against a server on a
+free local port: completion, chat, streaming, concurrency, errors, the API key, disconnects, a
+dead rank and SIGTERM."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from openai import OpenAI
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.engine.tokenizer import write_tokenizer
+from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.server.guards import ServerSettings
+from moe_overlap.server.run import EngineStopped, Server
+
+CFG = dict(
+    model_type="qwen3_moe",
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=1024,
+    eos_token_id=1,
+)
+KEY = "test-key"
+SLOTS = 4  # per rank: 32 concurrent requests queue and join as slots free up
+PROMPTS = [f"Question {i}: where is the {w}?" for i, w in enumerate(["river", "sea", "fox"] * 11)]
+GREEDY = dict(temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A Server on its own thread; ``error`` holds what ``run`` raised."""
+
+    def __init__(self, llm: LLM, **settings):
+        self.port = _free_port()
+        self.server = Server(llm, ServerSettings("tiny", **settings), port=self.port)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, self.error
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def client(self, key: str = KEY) -> OpenAI:
+        return OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, max_retries=0)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, key: str = KEY):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("served")
+    save_checkpoint(build_model(ModelConfig(**CFG), seed=0), path)
+    write_tokenizer(path, CFG["vocab_size"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    with LLM(model_dir) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    run = Running(
+        LLM(model_dir, max_num_seqs=SLOTS),
+        api_key=KEY,
+        max_prompt_tokens=200,
+        max_request_bytes=4096,
+    )
+    yield run
+    run.stop()
+    assert run.error is None
+
+
+def _offline(offline, prompts, max_new_tokens=6):
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return offline.generate(prompts, params)
+
+
+def test_completion_equals_offline_generate(served, offline):
+    got = served.client().completions.create(model="tiny", prompt=PROMPTS[0], **GREEDY)
+    want = _offline(offline, [PROMPTS[0]])[0]
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(want.prompt_ids) and got.usage.completion_tokens == 6
+
+
+def test_token_id_prompts_and_batches(served, offline):
+    ids = offline.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    got = served.client().completions.create(model="tiny", prompt=[ids, ids[:3]], **GREEDY)
+    want = _offline(offline, [ids, ids[:3]])
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert [c.model_extra["token_ids"] for c in got.choices] == [w.token_ids for w in want]
+
+
+def test_chat_equals_offline_generate_of_the_chat_template(served, offline):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    got = served.client().chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    text = offline.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert got.choices[0].message.content == _offline(offline, [text])[0].text
+    assert got.choices[0].message.role == "assistant" and got.object == "chat.completion"
+
+
+def test_streams_add_up_to_the_whole_answer(served):
+    client = served.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[2], **GREEDY)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[2],
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=messages, stream=True, **GREEDY)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == whole.choices[0].message.content
+
+
+def test_stop_strings_reach_the_engine(served):
+    client = served.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[3], **GREEDY).choices[0]
+    stop = whole.text[2:4]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[3], stop=[stop], **GREEDY)
+    assert cut.choices[0].text == whole.text[: whole.text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_requests_equal_offline_generate(served, offline):
+    client = served.client()
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(ask, PROMPTS[:32]))
+    assert got == [o.text for o in _offline(offline, PROMPTS[:32])]
+    assert served.raw("GET", "/health")[1]["free_slots"] == SLOTS
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (dict(model="other", prompt="hi"), 404, "model 'other' does not exist"),
+        (dict(prompt="hi", max_tokens=5000), 400, "maximum context length is 1024"),
+        (dict(prompt="word " * 300), 400, "more than the 200 this server accepts"),
+        (dict(prompt="hi", temperature=-1), 400, "temperature"),
+        (dict(prompt="hi", n=2), 400, "n:"),
+        (dict(prompt=""), 400, "prompt 0 is empty"),
+        (dict(prompt=[[5, 999]]), 400, "outside the vocabulary"),
+        (dict(prompt="hi", stop=[""]), 400, "stop strings must be non-empty"),
+        (dict(prompt="x" * 5000), 400, "larger than --max-request-bytes"),
+        (dict(max_tokens=3), 400, "prompt: Field required"),
+    ],
+)
+def test_bad_requests_get_an_openai_error_and_the_server_survives(served, body, status, words):
+    code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    assert code == status and words in reply["error"]["message"]
+    assert set(reply["error"]) == {"message", "type", "code"}
+    assert served.client().completions.create(model="tiny", prompt="ok", **GREEDY).choices
+
+
+def test_malformed_json_and_bad_chat_messages_are_400(served):
+    code, reply = served.raw("POST", "/v1/completions", b"{not json")
+    assert code == 400 and reply["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        served.client().chat.completions.create(model="tiny", messages=[])
+
+
+def test_wrong_or_missing_key_is_refused_but_health_is_open(served):
+    with pytest.raises(openai.AuthenticationError):
+        served.client(key="wrong").models.list()
+    code, reply = served.raw("GET", "/v1/models", key="")
+    assert code == 401 and reply["error"]["code"] == "invalid_api_key"
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    assert [m.id for m in served.client().models.list()] == ["tiny"]
+
+
+def test_disconnected_stream_frees_its_slot(served):
+    stream = served.client().completions.create(
+        model="tiny",
+        prompt="Tell me",
+        stream=True,
+        temperature=0,
+        max_tokens=1000,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream)), next(iter(stream))
+    assert served.raw("GET", "/health")[1]["running"] == 1
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 5  # the whole answer would take far longer
+    while (health := served.raw("GET", "/health")[1])["running"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    assert health["free_slots"] == SLOTS and health["waiting"] == 0
+
+
+@pytest.fixture(scope="module")
+def served_ep2(model_dir):
+    run = Running(LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=SLOTS, timeout_s=10))
+    yield run
+    run.stop()
+
+
+def test_ep2_with_two_batch_overlap_equals_offline_generate(served_ep2, offline):
+    client = served_ep2.client()
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, PROMPTS[:8]))
+    assert got == [o.text for o in _offline(offline, PROMPTS[:8])]
+    chunks = client.completions.create(model="tiny", prompt=PROMPTS[0], stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == got[0]
+
+
+def test_dead_rank_gives_503_and_stops_the_server_naming_it(served_ep2):
+    executor = served_ep2.server.engine.llm.executor
+    stream = served_ep2.client().completions.create(
+        model="tiny",
+        prompt="Tell me",
+        stream=True,
+        temperature=0,
+        max_tokens=1000,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    executor.procs[1].proc.kill()  # mid-answer
+    with pytest.raises(openai.APIError, match="rank 1 died"):
+        list(stream)
+    code, reply = served_ep2.raw("POST", "/v1/completions", b'{"prompt": "hi"}')
+    assert code == 503 and "rank 1 died" in reply["error"]["message"]
+    served_ep2.thread.join(15)
+    assert not served_ep2.thread.is_alive()
+    assert isinstance(served_ep2.error, EngineStopped) and "rank 1 died" in str(served_ep2.error)
+    assert all(p.proc.poll() is not None for p in executor.procs)
+
+
+SERVE = (
+    "import argparse, sys\n"
+    "from moe_overlap.tools.serve_cli import add_serve_commands\n"
+    "p = argparse.ArgumentParser()\n"
+    "add_serve_commands(p.add_subparsers())\n"
+    "args = p.parse_args(sys.argv[1:])\n"
+    "try:\n"
+    "    sys.exit(args.func(args))\n"
+    "except KeyboardInterrupt:\n"  # as moe-overlap's main does
+    "    sys.exit(130)\n"
+)
+
+
+@pytest.mark.parametrize("sig, ep", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
+    port = _free_port()
+    cmd = [sys.executable, "-c", SERVE, "serve", "--model", str(model_dir), "--ep", str(ep)]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        rank_pids = [int(p) for p in ranks.stdout.split()]
+        assert len(rank_pids) == (ep if ep > 1 else 0)
+        os.kill(proc.pid, sig)
+        assert proc.wait(30) in (130, 128 + signal.SIGTERM)
+        assert "serving 'served" in proc.stderr.read()
+        for pid in rank_pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
