@@ -9,6 +9,8 @@ class KVCache:
     """Per layer, named buffers of shape ``[num_slots, max_len, *entry_shape]``.
 
     GQA stores ``k`` and ``v``; MLA stores its compressed ``latent`` and rotated ``k_pe``.
+    The buffers grow (zero-filled) to the highest slot and the longest sequence written so far,
+    so memory follows the sequences actually running, never more than ``num_slots x max_len``.
     """
 
     def __init__(
@@ -24,30 +26,56 @@ class KVCache:
         self.max_len = max_len
         self.layers = [
             {
-                name: torch.zeros(num_slots, max_len, *shape, dtype=dtype, device=device)
+                name: torch.zeros(0, 0, *shape, dtype=dtype, device=device)
                 for name, shape in entries.items()
             }
             for _ in range(num_layers)
         ]
 
-    def write(self, layer: int, name: str, slot: int, start: int, values: torch.Tensor) -> None:
-        end = start + values.shape[0]
+    def store(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, **new: torch.Tensor
+    ) -> None:
+        """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry)."""
+        if slots.numel() == 0:
+            return
+        end, top = int(positions.max()) + 1, int(slots.max()) + 1
         if end > self.max_len:
             raise ValueError(
                 f"sequence of {end} tokens exceeds the KV cache's max_len={self.max_len}"
             )
-        self.layers[layer][name][slot, start:end] = values
+        if top > self.num_slots:
+            raise IndexError(f"slot {top - 1} is outside the KV cache's {self.num_slots} slots")
+        buffers = self.layers[layer]
+        for name, values in new.items():
+            buf = self._reserve(buffers, name, top, end)
+            buf[slots, positions] = values
 
-    def read(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
+    def sequence(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
+        """One sequence's entries ``[0, length)`` (a view, no copy)."""
         return self.layers[layer][name][slot, :length]
 
-    def extend(
-        self, layer: int, slot: int, prefix: int, **new: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """Write a sequence's new entries after its ``prefix``; return each entry's whole
-        ``[0, prefix + new)`` history, which attention then reads."""
-        out = {}
-        for name, values in new.items():
-            self.write(layer, name, slot, prefix, values)
-            out[name] = self.read(layer, name, slot, prefix + values.shape[0])
-        return out
+    def gather(self, layer: int, name: str, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Entries ``[0, length)`` of several sequences, ``[len(slots), length, ...]`` (a copy);
+        rows past a sequence's own length hold zeros or stale finite values, to be masked."""
+        return self.layers[layer][name][slots, :length]
+
+    def _reserve(self, buffers: dict, name: str, slots: int, length: int) -> torch.Tensor:
+        buf = buffers[name]
+        have_slots, have_len = buf.shape[0], buf.shape[1]
+        if slots <= have_slots and length <= have_len:
+            return buf
+        # grow geometrically so a decode step rarely copies the cache
+        new_slots = (
+            min(self.num_slots, max(slots, 2 * have_slots)) if slots > have_slots else have_slots
+        )
+        new_len = (
+            min(self.max_len, max(length, 2 * have_len, 64)) if length > have_len else have_len
+        )
+        grown = buf.new_zeros(new_slots, new_len, *buf.shape[2:])
+        grown[:have_slots, :have_len] = buf
+        buffers[name] = grown
+        return grown
+
+    def allocated_bytes(self) -> int:
+        """Bytes the buffers hold now (they grow with the running sequences)."""
+        return sum(b.numel() * b.element_size() for layer in self.layers for b in layer.values())

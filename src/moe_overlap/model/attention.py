@@ -7,7 +7,13 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
+from moe_overlap.model.layers import (
+    AttentionPlan,
+    RMSNorm,
+    RotaryEmbedding,
+    causal_attention,
+    decode_attention,
+)
 
 
 class GQAttention(nn.Module):
@@ -45,9 +51,21 @@ class GQAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        outs = []
-        for slot, prefix, rows in ctx.batch.per_sequence():
-            kv = ctx.kv_cache.extend(self.layer_id, slot, prefix, k=k[rows], v=v[rows])
-            outs.append(causal_attention(q[rows], kv["k"], kv["v"], prefix, self.head_dim**-0.5))
-        out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.head_dim)
+        plan, cache, layer = AttentionPlan.of(ctx.batch), ctx.kv_cache, self.layer_id
+        cache.store(layer, plan.slots, ctx.positions, k=k, v=v)
+        scale = self.head_dim**-0.5
+        out = q.new_empty(q.shape[0], self.heads, self.head_dim)
+        if plan.decode_max_len:
+            keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
+            values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
+            dec = decode_attention(q[plan.decode_rows], keys, values, plan.decode_lens, scale)
+            if plan.all_decode:
+                out = dec
+            else:
+                out[plan.decode_rows] = dec
+        for slot, prefix, rows in plan.extends:
+            length = prefix + rows.stop - rows.start
+            keys = cache.sequence(layer, "k", slot, length)
+            values = cache.sequence(layer, "v", slot, length)
+            out[rows] = causal_attention(q[rows], keys, values, prefix, scale)
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))

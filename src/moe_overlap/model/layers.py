@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+
+from moe_overlap.core.batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -60,24 +64,86 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass
+class AttentionPlan:
+    """Where one forward's tokens go in the KV cache and how attention runs over them.
+
+    Sequences with one new token (decode steps) attend in one batched call over their cached
+    rows padded to the longest; longer extends (prefill chunks) take the fused causal path,
+    one call each.
+    """
+
+    slots: torch.Tensor  # [T] the cache slot of every new token
+    decode_rows: torch.Tensor  # [B] the token row of each one-token sequence
+    decode_slots: torch.Tensor  # [B]
+    decode_lens: torch.Tensor  # [B] keys each of them attends over
+    decode_max_len: int
+    extends: list[tuple[int, int, slice]]  # (slot, prefix_len, rows) of longer sequences
+    all_decode: bool  # every token is a decode row, in batch order
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> AttentionPlan:
+        rows, slots, lens, extends = [], [], [], []
+        for slot, prefix, span in batch.per_sequence():
+            if span.stop - span.start == 1:
+                rows.append(span.start)
+                slots.append(slot)
+                lens.append(prefix + 1)
+            else:
+                extends.append((slot, prefix, span))
+        return cls(
+            slots=torch.tensor(batch.slots, dtype=torch.long).repeat_interleave(
+                torch.tensor(batch.extend_lens, dtype=torch.long)
+            ),
+            decode_rows=torch.tensor(rows, dtype=torch.long),
+            decode_slots=torch.tensor(slots, dtype=torch.long),
+            decode_lens=torch.tensor(lens, dtype=torch.long),
+            decode_max_len=max(lens, default=0),
+            extends=extends,
+            all_decode=not extends,
+        )
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
     """Attention of ``q [new, heads, d]`` over a sequence's cached ``k/v [len, kv_heads, d]``.
 
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
-    causal mask aligned to the lower right, which (with 4-D inputs) takes SDPA's fused CPU path.
+    causal mask aligned to the lower right, which (with 4-D inputs) takes SDPA's fused CPU path;
+    GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
     """
     new, length = q.shape[0], k.shape[0]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
-    if q.shape[1] != k.shape[1]:  # GQA: the fused path wants one key head per query head
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=causal_lower_right(new, length),
+        attn_mask=causal_lower_right(new, length) if prefix_len else None,
+        is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One new token per sequence: ``q [B, heads, d]`` over padded ``k/v [B, L, kv_heads, d]``,
+    sequence b seeing its first ``lens[b]`` keys. Returns ``[B, heads, v_dim]``.
+
+    The query heads sharing a KV head attend as that head's queries (``[B, kv_heads, group,
+    d]``): no repeated K/V, and SDPA's fused path with a key-padding mask.
+    """
+    b, heads, d = q.shape
+    kv_heads = k.shape[2]
+    mask = torch.arange(k.shape[1]) < lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, kv_heads, heads // kv_heads, d),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(b, heads, v.shape[-1])

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
 
-_EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)")
+_EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
 class CheckpointError(ValueError):
@@ -32,9 +32,14 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
         if match is None:
             layout[name] = tensor
             continue
-        bank = model.get_submodule(match[1])
+        bank, prefix = model.get_submodule(match[1]), match[1]
         for i in range(bank.count):
-            layout[f"{match[1]}.{bank.first + i}.{match[2]}.weight"] = tensor[i]
+            expert = f"{prefix}.{bank.first + i}"
+            if match[2] == "down_proj":
+                layout[f"{expert}.down_proj.weight"] = tensor[i]
+            else:  # the fused matrix: gate rows first, then up rows
+                gate, up = tensor[i].split(bank.intermediate)
+                layout[f"{expert}.gate_proj.weight"], layout[f"{expert}.up_proj.weight"] = gate, up
     return layout
 
 

@@ -13,7 +13,13 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.model.layers import RMSNorm, RotaryEmbedding, causal_attention
+from moe_overlap.model.layers import (
+    AttentionPlan,
+    RMSNorm,
+    RotaryEmbedding,
+    causal_attention,
+    decode_attention,
+)
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
@@ -66,24 +72,37 @@ class MLAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        outs = []
-        for slot, prefix, rows in ctx.batch.per_sequence():
-            kv = ctx.kv_cache.extend(
-                self.layer_id, slot, prefix, latent=latent[rows], k_pe=k_pe[rows]
+        plan, cache, layer = AttentionPlan.of(ctx.batch), ctx.kv_cache, self.layer_id
+        cache.store(layer, plan.slots, ctx.positions, latent=latent, k_pe=k_pe)
+        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
+        if plan.decode_max_len:
+            keys, values = self._expand(
+                cache.gather(layer, "latent", plan.decode_slots, plan.decode_max_len),
+                cache.gather(layer, "k_pe", plan.decode_slots, plan.decode_max_len),
             )
-            keys, values = self._expand(kv["latent"], kv["k_pe"])
-            outs.append(causal_attention(q[rows], keys, values, prefix, self.scale))
-        out = torch.cat(outs) if outs else q.new_zeros(0, self.heads, self.v_dim)
+            dec = decode_attention(q[plan.decode_rows], keys, values, plan.decode_lens, self.scale)
+            if plan.all_decode:
+                out = dec
+            else:
+                out[plan.decode_rows] = dec
+        for slot, prefix, rows in plan.extends:
+            length = prefix + rows.stop - rows.start
+            keys, values = self._expand(
+                cache.sequence(layer, "latent", slot, length),
+                cache.sequence(layer, "k_pe", slot, length),
+            )
+            out[rows] = causal_attention(q[rows], keys, values, prefix, self.scale)
         # explicit width: an idle micro-batch has zero tokens, and reshape(0, -1) is ambiguous
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
 
     def _expand(
         self, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents ``[L, kv_rank]`` and ``k_pe [L, rope]`` -> per-head keys and values."""
-        length = latent.shape[0]
-        kv = self.kv_b_proj(latent).view(length, self.heads, self.nope_dim + self.v_dim)
+        """Cached latents ``[..., L, kv_rank]`` and ``k_pe [..., L, rope]`` -> per-head keys
+        ``[..., L, heads, nope+rope]`` and values ``[..., L, heads, v]``."""
+        lead = latent.shape[:-1]
+        kv = self.kv_b_proj(latent).view(*lead, self.heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         # k_pe is shared by all heads (the "mqa" in kv_a_proj_with_mqa)
-        k = torch.cat((k_nope, k_pe[:, None, :].expand(length, self.heads, self.rope_dim)), dim=-1)
-        return k, v
+        k_pe = k_pe[..., None, :].expand(*lead, self.heads, self.rope_dim)
+        return torch.cat((k_nope, k_pe), dim=-1), v

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,13 +65,17 @@ def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 class ExpertBank(nn.Module):
-    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked."""
+    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked.
+
+    Each expert's gate and up projections are one ``[2 * intermediate, hidden]`` matrix (one
+    matmul); the checkpoint keeps them as ``experts.N.gate_proj`` and ``experts.N.up_proj``
+    (``model/loader.py: checkpoint_layout`` maps the names to the two halves).
+    """
 
     def __init__(self, hidden: int, intermediate: int, first: int, count: int):
         super().__init__()
-        self.first, self.count = first, count
-        self.gate_proj = nn.Parameter(torch.zeros(count, intermediate, hidden))
-        self.up_proj = nn.Parameter(torch.zeros(count, intermediate, hidden))
+        self.first, self.count, self.intermediate = first, count, intermediate
+        self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(count, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
@@ -86,14 +92,13 @@ class ExpertBank(nn.Module):
         Same rows and arithmetic as ``forward``, so running the experts block by block (SBO)
         gives bit-identical outputs.
         """
-        start = sum(tokens_per_expert[: experts.start])
+        ends = list(accumulate(tokens_per_expert))
         for e in experts:
-            n = tokens_per_expert[e]
-            if n:
-                rows = x[start : start + n]
-                h = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
-                out[start : start + n] = h @ self.down_proj[e].t()
-            start += n
+            start, end = ends[e] - tokens_per_expert[e], ends[e]
+            if start == end:
+                continue
+            gate, up = F.linear(x[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
 
 
 class SparseMoeBlock(nn.Module):
