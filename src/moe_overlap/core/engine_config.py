@@ -4,18 +4,65 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 
-DEFAULT_MAX_NUM_SEQS = 16  # KV cache slots per rank: sequences running at once
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per rank per forward
+DEFAULT_MAX_NUM_SEQS = 256  # sequences running at once per rank (vLLM's max_num_seqs)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's chunked prefill)
+# KV cache memory per rank, like vLLM's CPU KV cache space; it bounds the slots below
+DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """KV cache bytes one token takes over all layers (the model's ``kv_entries``: MLA keeps
+    its latent and rotated ``k_pe``, GQA its K and V heads)."""
+    if cfg.is_deepseek:
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
+    return per_layer * cfg.num_hidden_layers * dtype_bytes
 
 
 @dataclass
 class EngineSpec:
+    """``slots_per_rank`` asks for sequences at once; ``kv_slots`` is what the KV cache budget
+    allows at ``max_len`` tokens each, and what the cache and the scheduler use."""
+
     config: ModelConfig
     model_path: str | None = None
     seed: int = 0
     slots_per_rank: int = DEFAULT_MAX_NUM_SEQS
     max_len: int = 4096
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.kv_slots < 1:
+            raise ConfigError(
+                f"the KV cache budget of {_gib(self.kv_cache_bytes)} holds no sequence of "
+                f"max_len={self.max_len} tokens ({_gib(self.slot_bytes)} each); lower "
+                "--max-model-len or raise the budget"
+            )
+
+    @property
+    def slot_bytes(self) -> int:
+        """KV cache bytes of one sequence at ``max_len`` tokens."""
+        return kv_bytes_per_token(self.config) * self.max_len
+
+    @property
+    def kv_slots(self) -> int:
+        """Sequences per rank: ``slots_per_rank``, or fewer if the budget holds fewer."""
+        return min(self.slots_per_rank, self.kv_cache_bytes // self.slot_bytes)
+
+    def kv_cache_summary(self) -> str:
+        """One line for start-up: slots, tokens each, and the memory they may take."""
+        capped = " (capped by the KV cache budget)" if self.kv_slots < self.slots_per_rank else ""
+        return (
+            f"KV cache per rank: {self.kv_slots} sequences{capped} x {self.max_len} tokens, "
+            f"up to {_gib(self.kv_slots * self.slot_bytes)} of {_gib(self.kv_cache_bytes)}"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

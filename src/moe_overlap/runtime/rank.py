@@ -61,7 +61,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
         spec.overlap.moe_a2a_backend, spec.config.num_experts, group, link, timeline
     )
     return ModelRunner(
-        model, dispatcher, spec.slots_per_rank, spec.max_len, spec.overlap, group, timeline
+        model, dispatcher, spec.kv_slots, spec.max_len, spec.overlap, group, timeline
     )
 
 

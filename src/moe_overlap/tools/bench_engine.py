@@ -1,0 +1,231 @@
+"""``moe-overlap bench-engine``: the engine's own speed (one process, no overlap) against
+Hugging Face ``transformers`` on the same weights, in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.request import SamplingParams
+from moe_overlap.model.loader import build_model, save_checkpoint
+
+
+@dataclass
+class Case:
+    """``batch`` prompts of ``prompt_len`` random tokens, each generating ``new_tokens``.
+
+    A prefill case generates one token (the prompt's forward and its first sample), and counts
+    prompt tokens; a decode case counts generated tokens."""
+
+    name: str
+    kind: str  # "prefill" or "decode"
+    batch: int
+    prompt_len: int
+    new_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * (self.prompt_len if self.kind == "prefill" else self.new_tokens)
+
+
+@dataclass
+class CaseResult:
+    name: str
+    kind: str
+    tokens: int
+    ours_s: float
+    ours_tok_s: float
+    hf_s: float | None = None
+    hf_tok_s: float | None = None
+    ratio: float | None = None  # ours / transformers in tokens/s
+    same_tokens: str | None = None  # sequences whose greedy tokens agree, "k/n"
+
+
+def parse_prefill(text: str) -> list[tuple[int, int]]:
+    """``"1x3072,8x512"`` -> ``[(1, 3072), (8, 512)]`` (prompts x tokens)."""
+    try:
+        cases = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+        raise argparse.ArgumentTypeError(f"--prefill {text!r}: want e.g. 1x3072,8x512")
+    return cases
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--decode-batches {text!r}: want e.g. 32,128")
+    return sizes
+
+
+def make_cases(args: argparse.Namespace) -> list[Case]:
+    cases = [Case(f"prefill {b}x{n}", "prefill", b, n, 1) for b, n in args.prefill]
+    cases += [
+        Case(f"decode batch {b}", "decode", b, args.decode_prompt_len, args.new_tokens)
+        for b in args.decode_batches
+    ]
+    return cases
+
+
+def prompts_for(case: Case, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + case.batch * 7919 + case.prompt_len)
+    return torch.randint(2, vocab, (case.batch, case.prompt_len), generator=gen)
+
+
+def run_ours(llm: LLM, case: Case, prompts: torch.Tensor) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=case.new_tokens, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts.tolist(), params)]
+
+
+def run_hf(hf, case: Case, prompts: torch.Tensor) -> list[list[int]]:
+    n = case.new_tokens
+    with torch.inference_mode():
+        out = hf.generate(
+            prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[:, prompts.shape[1] :].tolist()
+
+
+def timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def load_hf(model_dir: Path):
+    """transformers' model on our checkpoint; imported here: an optional, slow import."""
+    transformers = importlib.import_module("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def bench_case(case: Case, model_dir: Path, hf, vocab: int, seed: int, repeats: int):
+    """Time ``case`` ``repeats`` times for each engine, alternating; the median time counts."""
+    prompts = prompts_for(case, vocab, seed)
+    ours, theirs, ours_out, hf_out = [], [], None, None
+    # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
+    with LLM(model_dir, max_model_len=case.prompt_len + case.new_tokens) as llm:
+        for _ in range(repeats):
+            t, ours_out = timed(lambda: run_ours(llm, case, prompts))
+            ours.append(t)
+            if hf is not None:
+                t, hf_out = timed(lambda: run_hf(hf, case, prompts))
+                theirs.append(t)
+    ours_s = statistics.median(ours)
+    result = CaseResult(case.name, case.kind, case.tokens, ours_s, case.tokens / ours_s)
+    if hf is not None:
+        result.hf_s = statistics.median(theirs)
+        result.hf_tok_s = case.tokens / result.hf_s
+        result.ratio = result.ours_tok_s / result.hf_tok_s
+        same = sum(a == b for a, b in zip(ours_out, hf_out, strict=True))
+        result.same_tokens = f"{same}/{len(ours_out)}"
+    return result
+
+
+def results_table(results: list[CaseResult], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("case", "tokens", "ours tok/s", "HF tok/s", "ours/HF", "same tokens"):
+        table.add_column(col, justify="left" if col == "case" else "right")
+    for r in results:
+        table.add_row(
+            r.name,
+            f"{r.tokens:,}",
+            f"{r.ours_tok_s:,.0f}",
+            "-" if r.hf_tok_s is None else f"{r.hf_tok_s:,.0f}",
+            "-" if r.ratio is None else f"{r.ratio:.2f}x",
+            r.same_tokens or "-",
+        )
+    return table
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    if args.threads < 1 or args.repeats < 1 or args.new_tokens < 1 or args.decode_prompt_len < 1:
+        raise ConfigError("--threads, --repeats, --new-tokens, --decode-prompt-len must be >= 1")
+    has_hf = importlib.util.find_spec("transformers") is not None
+    if args.compare_hf and not has_hf:
+        raise ConfigError("--compare-hf needs transformers (pip install transformers)")
+    cfg = ModelConfig.from_hf(args.config)
+    cases = make_cases(args)
+    longest = max(c.prompt_len + c.new_tokens for c in cases)
+    if longest > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"a case needs {longest} tokens, more than max_position_embeddings="
+            f"{cfg.max_position_embeddings}"
+        )
+    torch.set_num_threads(args.threads)
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        save_checkpoint(build_model(cfg, seed=args.seed), tmp)  # both engines load these
+        hf = load_hf(Path(tmp)) if args.compare_hf else None
+        results = []
+        for case in cases:
+            results.append(bench_case(case, Path(tmp), hf, cfg.vocab_size, args.seed, args.repeats))
+    title = (
+        f"{Path(args.config).stem}, one process, {args.threads} threads, fp32, median of "
+        f"{args.repeats}; tokens/s: prompt tokens (prefill), generated tokens (decode)"
+    )
+    console.print(results_table(results, title))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "config": args.config,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "torch": torch.__version__,
+            "cases": [asdict(r) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        console.print(f"results: {args.json}")
+    return 0
+
+
+def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-engine",
+        help="time prefill and greedy decode, ours against transformers",
+        description="Prefill (one long prompt; several short ones) and greedy decode at several "
+        "batch sizes, one process without overlap, on seeded random weights; with "
+        "--compare-hf, transformers runs the same weights and prompts in the same run.",
+    )
+    p.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    p.add_argument("--compare-hf", action="store_true", help="also run transformers")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument(
+        "--prefill",
+        type=parse_prefill,
+        default=parse_prefill("1x3072,8x512"),
+        metavar="BxN[,BxN]",
+        help="prefill cases: prompts x tokens (default 1x3072,8x512)",
+    )
+    p.add_argument(
+        "--decode-batches",
+        type=parse_batches,
+        default=parse_batches("32,128"),
+        metavar="B[,B]",
+        help="decode batch sizes (default 32,128)",
+    )
+    p.add_argument("--decode-prompt-len", type=int, default=16, help="decode prompts' tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens each decode generates")
+    p.add_argument("--repeats", type=int, default=3, help="runs per case; the median counts")
+    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.set_defaults(func=cmd_bench_engine)
