@@ -4,6 +4,7 @@ dead rank and SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -19,11 +20,13 @@ import openai
 import pytest
 from openai import OpenAI
 
-from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
+from moe_overlap.tools.bench_serve import make_prompts, percentile, prompt_lengths, run_load
+from moe_overlap.tools.serve_cli import add_serve_commands
 
 CFG = dict(
     model_type="qwen3_moe",
@@ -250,6 +253,21 @@ def test_disconnected_stream_frees_its_slot(served):
     assert health["free_slots"] == SLOTS and health["waiting"] == 0
 
 
+def test_online_load_is_served_without_errors_and_timed(served):
+    lengths = prompt_lengths("uniform:5-40", 12, seed=0)
+    assert len(lengths) == 12 and all(5 <= n <= 40 for n in lengths)
+    prompts = make_prompts(lengths, CFG["vocab_size"], seed=0)
+    result = run_load(served.port, prompts, rate=40.0, output_len=3, seed=0, api_key=KEY)
+    assert result.errors == 0 and result.output_tokens == 12 * 3
+    assert 0 < result.ttft_ms[0] <= result.ttft_ms[1] and 0 < result.itl_ms[0] <= result.itl_ms[1]
+    assert result.tokens_per_s > 0
+
+
+def test_percentile_interpolates():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+
+
 @pytest.fixture(scope="module")
 def served_ep2(model_dir):
     run = Running(LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=SLOTS, timeout_s=10))
@@ -334,3 +352,40 @@ def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    add_serve_commands(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--rates", "0"], "every rate must be a positive number"),
+        (["--rates", "fast"], "must be comma-separated numbers"),
+        (["--modes", "tbo1"], "needs 2 or more micro-batches"),
+        (["--workload", "single-long:5000"], "exceed the model's context of 1024"),
+        (["--num-requests", "0"], "--num-requests=0 must be >= 1"),
+    ],
+)
+def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
+    args = _parse("bench-serve", "--model", str(model_dir), *extra)
+    with pytest.raises(ConfigError, match=match):
+        args.func(args)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--port", "70000"], "--port=70000 must be in 0..65535"),
+        (["--max-request-bytes", "0"], "--max-request-bytes=0 must be >= 1"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens=0 must be >= 1"),
+        (["--api-key", " "], "--api-key must not be empty"),
+    ],
+)
+def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
+    args = _parse("serve", "--model", str(model_dir), *extra)
+    with pytest.raises(ConfigError, match=match):
+        args.func(args)
