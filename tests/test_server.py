@@ -253,6 +253,23 @@ def test_disconnected_stream_frees_its_slot(served):
     assert health["free_slots"] == SLOTS and health["waiting"] == 0
 
 
+def test_client_gone_before_a_whole_answer_frees_its_slot(served):
+    body = {"prompt": "Tell me", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    deadline = time.monotonic() + 5
+    while served.raw("GET", "/health")[1]["running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.close()  # gone without reading the answer
+    deadline = time.monotonic() + 5
+    while (health := served.raw("GET", "/health")[1])["running"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    assert health["free_slots"] == SLOTS
+
+
 def test_online_load_is_served_without_errors_and_timed(served):
     lengths = prompt_lengths("uniform:5-40", 12, seed=0)
     assert len(lengths) == 12 and all(5 <= n <= 40 for n in lengths)

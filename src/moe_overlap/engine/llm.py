@@ -75,9 +75,14 @@ class LLM:
         spec = EngineSpec(
             cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
         )
+        self.spec = spec
         self.executor = start_executor(spec, ep, link_spec, float(timeout_s))
-        self.scheduler = Scheduler(
-            self.executor.num_ranks, max_num_seqs, max_len, max_num_batched_tokens, cfg.eos_token_id
+        self.scheduler = Scheduler(  # as many slots as the ranks' KV caches hold
+            self.executor.num_ranks,
+            spec.kv_slots,
+            max_len,
+            max_num_batched_tokens,
+            cfg.eos_token_id,
         )
         self._next_id = 0
 

@@ -21,7 +21,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_ALPHABET = len(pre_tokenizers.ByteLevel.alphabet())  # 256: every byte has a token
+# every byte has a token, then the special tokens: the smallest vocabulary write_tokenizer makes
+MIN_VOCAB_SIZE = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
 
 
 def write_tokenizer(
@@ -29,11 +30,11 @@ def write_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of at most ``vocab_size`` tokens on ``corpus`` and save it, with
     the ChatML chat template, into the directory ``path`` (tokenizer.json and its config)."""
-    smallest = _ALPHABET + len(SPECIAL_TOKENS)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < smallest:
+    bad = isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+    if bad or vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(
             f"vocab_size={vocab_size!r} is too small for a byte-level tokenizer: it needs at "
-            f"least {smallest} tokens (256 bytes and {len(SPECIAL_TOKENS)} special tokens)"
+            f"least {MIN_VOCAB_SIZE} tokens (256 bytes and {len(SPECIAL_TOKENS)} special tokens)"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

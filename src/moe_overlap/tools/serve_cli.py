@@ -140,8 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"moe-overlap: serving {settings.model_name!r} ({text}) at "
             f"http://{args.host}:{args.port}/v1 on {args.ep} rank(s); Ctrl-C stops",
             file=sys.stderr,
-            flush=True,
         )
+        print(f"moe-overlap: {llm.spec.kv_cache_summary()}", file=sys.stderr, flush=True)
         server.run()
     return 0
 
