@@ -277,7 +277,7 @@ def test_online_load_is_served_without_errors_and_timed(served):
     result = run_load(served.port, prompts, rate=40.0, output_len=3, seed=0, api_key=KEY)
     assert result.errors == 0 and result.output_tokens == 12 * 3
     assert 0 < result.ttft_ms[0] <= result.ttft_ms[1] and 0 < result.itl_ms[0] <= result.itl_ms[1]
-    assert result.tokens_per_s > 0
+    assert result.tokens_per_s > 0 and result.rss_mib[0] > 0 and result.rss_mib[1] > 0
 
 
 def test_percentile_interpolates():
@@ -385,6 +385,7 @@ def _parse(*argv: str):
         (["--modes", "tbo1"], "needs 2 or more micro-batches"),
         (["--workload", "single-long:5000"], "exceed the model's context of 1024"),
         (["--num-requests", "0"], "--num-requests=0 must be >= 1"),
+        (["--duration", "0"], "--duration=0.0 must be a positive number"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from moe_overlap.tools.workloads import parse_workload
 
@@ -37,6 +39,7 @@ class LoadResult:
     output_tokens: int
     ttft_ms: tuple[float, float]  # p50, p99
     itl_ms: tuple[float, float]  # p50, p99
+    rss_mib: tuple[float, float] = (float("nan"), float("nan"))  # before, after (with ranks)
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,6 +100,7 @@ def run_load(
 ) -> LoadResult:
     """Send ``prompts`` as Poisson arrivals at ``rate`` per second; wait for every answer."""
     rng = random.Random(seed)
+    rss_before = rss_mib()
     timings: list[RequestTiming] = []
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=min(len(prompts), 256)) as pool:
@@ -122,7 +126,30 @@ def run_load(
         sum(len(t.tokens) for t in timings if not t.error),
         (percentile(ttft, 50), percentile(ttft, 99)),
         (percentile(itl, 50), percentile(itl, 99)),
+        (rss_before, rss_mib()),
     )
+
+
+def rss_mib() -> float:
+    """Resident memory of this process and its children (spawned ranks), in MiB."""
+    pids = [os.getpid(), *_children(os.getpid())]
+    pages = 0
+    for pid in pids:
+        try:
+            pages += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or no /proc here
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _stream(

@@ -65,6 +65,14 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         help="prompt lengths, in the bench's grammar (default %(default)s)",
     )
     bench.add_argument("--num-requests", type=int, default=32, help="per rate (default 32)")
+    bench.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="soak: hold each rate for about S seconds (rate x S requests, prompts reused) "
+        "instead of --num-requests; compare errors and memory before and after",
+    )
     bench.add_argument("--output-len", type=int, default=32, help="tokens per answer (default 32)")
     bench.add_argument("--json", metavar="PATH", help="also write the results here")
     bench.set_defaults(func=cmd_bench_serve)
@@ -153,6 +161,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for name in ("num_requests", "output_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.duration is not None and not args.duration > 0:
+        raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
     cfg = ModelConfig.from_hf(args.model or args.config)
     lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
     context = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -162,7 +172,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             f"{args.output_len} exceed the model's context of {context} tokens"
         )
     prompts = make_prompts(lengths, cfg.vocab_size, args.seed)
-    console, results = Console(), []
+    console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:
         kwargs = {**engine_kwargs(args), "overlap": overlaps[mode]}
         llm = LLM(args.model, **kwargs) if args.model else LLM(config=cfg, **kwargs)
@@ -176,10 +186,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"the server for mode {mode} did not start")
                 time.sleep(0.05)
             for rate in rates:
-                console.print(f"{mode}: {len(prompts)} requests at {rate:g}/s ...")
-                results.append(
-                    run_load(port, prompts, rate, args.output_len, args.seed, None, mode)
-                )
+                count = round(rate * args.duration) if args.duration else len(prompts)
+                sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
+                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
+                results.append(run_load(port, sent, rate, args.output_len, args.seed, None, mode))
         finally:
             server.stop()
             thread.join()
@@ -211,7 +221,7 @@ def load_table(results: list[LoadResult], title: str) -> Table:
     table = Table(title=title)
     for column in ("mode", "rate/s", "done/s", "tokens/s", "TTFT p50", "TTFT p99"):
         table.add_column(column, justify="left" if column == "mode" else "right")
-    for column in ("ITL p50", "ITL p99", "errors"):
+    for column in ("ITL p50", "ITL p99", "errors", "RSS MiB"):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
@@ -221,5 +231,6 @@ def load_table(results: list[LoadResult], title: str) -> Table:
             f"{r.tokens_per_s:,.0f}",
             *(f"{v:.0f} ms" for v in (*r.ttft_ms, *r.itl_ms)),
             str(r.errors),
+            f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
         )
     return table
