@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from moe_overlap.engine.loop import Delta, EngineLoop
 from moe_overlap.engine.request import SamplingParams
+
+CHECK_S = 0.25  # how often a client is checked for having gone away
 
 
 class Submission:
@@ -31,12 +34,17 @@ class Submission:
     ) -> AsyncIterator[tuple[int, Delta]]:
         """Every delta of every request, until all have finished; stops early (and the caller's
         ``close`` aborts the rest) when ``disconnected`` says the client is gone."""
+        checked = time.monotonic()
         while self.pending:
             try:
-                index, delta = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                index, delta = await asyncio.wait_for(self.queue.get(), timeout=CHECK_S)
             except TimeoutError:
-                if disconnected is not None and await disconnected():
+                delta = None
+            if disconnected is not None and time.monotonic() - checked >= CHECK_S:
+                if await disconnected():
                     return
+                checked = time.monotonic()
+            if delta is None:
                 continue
             if delta.finish_reason or delta.error:
                 self.pending.pop(index, None)
