@@ -316,7 +316,10 @@ def test_dead_rank_gives_503_and_stops_the_server_naming_it(served_ep2):
         extra_body={"ignore_eos": True},
     )
     next(iter(stream))
-    executor.procs[1].proc.kill()  # mid-answer
+    # stop rank 1 first, so the driver is surely waiting for its reply when it dies mid-answer
+    os.kill(executor.procs[1].proc.pid, signal.SIGSTOP)
+    time.sleep(0.5)
+    executor.procs[1].proc.kill()
     with pytest.raises(openai.APIError, match="rank 1 died"):
         list(stream)
     code, reply = served_ep2.raw("POST", "/v1/completions", b'{"prompt": "hi"}')
