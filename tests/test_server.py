@@ -410,3 +410,12 @@ def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
     args = _parse("serve", "--model", str(model_dir), *extra)
     with pytest.raises(ConfigError, match=match):
         args.func(args)
+
+
+def test_serve_refuses_torchrun(model_dir, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "x")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    args = _parse("serve", "--model", str(model_dir))
+    with pytest.raises(ConfigError, match="does not run under torchrun"):
+        args.func(args)

@@ -15,6 +15,7 @@ from rich.table import Table
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
+from moe_overlap.runtime.torchrun import launched_by_torchrun
 from moe_overlap.server.guards import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 from moe_overlap.server.run import Server
 from moe_overlap.tools.bench import mode_config
@@ -135,6 +136,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)  # before any rank starts
+    if launched_by_torchrun():  # ranks > 0 would wait for steps between requests and time out
+        raise ConfigError("serve runs its ranks itself (--ep N); it does not run under torchrun")
     with build_llm(args) as llm:
         server = Server(llm, settings, args.host, args.port, args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
