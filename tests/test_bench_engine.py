@@ -48,6 +48,8 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
     assert [c["tokens"] for c in report["cases"]] == [24, 24, 6, 15]
     for case in report["cases"]:
         assert case["ours_tok_s"] > 0 and case["hf_tok_s"] > 0
+        assert len(case["ours_times"]) == len(case["hf_times"]) == 1
+        assert case["ours_s"] == min(case["ours_times"])
         assert case["ratio"] == pytest.approx(case["ours_tok_s"] / case["hf_tok_s"])
     # same weights and prompts: greedy tokens agree with transformers
     assert [c["same_tokens"] for c in report["cases"]] == ["1/1", "3/3", "2/2", "5/5"]

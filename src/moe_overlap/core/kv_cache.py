@@ -54,9 +54,12 @@ class KVCache:
         """One sequence's entries ``[0, length)`` (a view, no copy)."""
         return self.layers[layer][name][slot, :length]
 
-    def gather(self, layer: int, name: str, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """Entries ``[0, length)`` of several sequences, ``[len(slots), length, ...]`` (a copy);
-        rows past a sequence's own length hold zeros or stale finite values, to be masked."""
+    def gather(
+        self, layer: int, name: str, slots: torch.Tensor | slice, length: int
+    ) -> torch.Tensor:
+        """Entries ``[0, length)`` of several sequences, ``[num_slots, length, ...]`` (a copy, or
+        a view for a slice of slots); rows past a sequence's own length hold zeros or stale
+        finite values, to be masked."""
         return self.layers[layer][name][slots, :length]
 
     def _reserve(self, buffers: dict, name: str, slots: int, length: int) -> torch.Tensor:
@@ -71,8 +74,9 @@ class KVCache:
         new_len = (
             min(self.max_len, max(length, 2 * have_len, 64)) if length > have_len else have_len
         )
-        grown = buf.new_zeros(new_slots, new_len, *buf.shape[2:])
-        grown[:have_slots, :have_len] = buf
+        with torch.inference_mode(False):  # a plain tensor: writable outside inference too
+            grown = buf.new_zeros(new_slots, new_len, *buf.shape[2:])
+            grown[:have_slots, :have_len] = buf
         buffers[name] = grown
         return grown
 

@@ -58,7 +58,8 @@ class GQAttention(nn.Module):
         if plan.decode_max_len:
             keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
             values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
-            dec = decode_attention(q[plan.decode_rows], keys, values, plan.decode_lens, scale)
+            q_dec = q if plan.all_decode else q[plan.decode_rows]
+            dec = decode_attention(q_dec, keys, values, plan.decode_lens, scale)
             if plan.all_decode:
                 out = dec
             else:

@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:  # one op, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -33,17 +35,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = interleaved
+        self._cos_sin = inv_freq.new_zeros(0, 2, dim)  # per position, grown on demand
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape ``[tokens, heads, dim]`` by each token's position."""
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+        cos_sin = self._table(positions)[positions].to(x.dtype)  # one lookup, not cos/sin per call
+        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
         if self.interleaved:
             # de-interleave (x0, x1, x2, x3...) into (x0, x2, ..., x1, x3, ...) first
             t, h, d = x.shape
             x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
         return x * cos + _rotate_half(x) * sin
+
+    def _table(self, positions: torch.Tensor) -> torch.Tensor:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        have = self._cos_sin.shape[0]
+        if need > have:
+            n = max(need, 2 * have, 256)
+            with torch.inference_mode(False):  # a plain tensor: usable outside inference too
+                freqs = torch.arange(n, dtype=torch.float, device=self.inv_freq.device)[:, None]
+                emb = torch.cat((freqs * self.inv_freq,) * 2, dim=-1)
+                self._cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)
+        return self._cos_sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +88,7 @@ class AttentionPlan:
 
     slots: torch.Tensor  # [T] the cache slot of every new token
     decode_rows: torch.Tensor  # [B] the token row of each one-token sequence
-    decode_slots: torch.Tensor  # [B]
+    decode_slots: torch.Tensor | slice  # [B], or a slice when they are consecutive (no copy)
     decode_lens: torch.Tensor  # [B] keys each of them attends over
     decode_max_len: int
     extends: list[tuple[int, int, slice]]  # (slot, prefix_len, rows) of longer sequences
@@ -96,12 +109,19 @@ class AttentionPlan:
                 torch.tensor(batch.extend_lens, dtype=torch.long)
             ),
             decode_rows=torch.tensor(rows, dtype=torch.long),
-            decode_slots=torch.tensor(slots, dtype=torch.long),
+            decode_slots=_as_slice(slots) or torch.tensor(slots, dtype=torch.long),
             decode_lens=torch.tensor(lens, dtype=torch.long),
             decode_max_len=max(lens, default=0),
             extends=extends,
             all_decode=not extends,
         )
+
+
+def _as_slice(items: list[int]) -> slice | None:
+    """``slice(a, a + n)`` if ``items`` are ``a, a + 1, ..., a + n - 1``, else None."""
+    if items and items == list(range(items[0], items[0] + len(items))):
+        return slice(items[0], items[0] + len(items))
+    return None
 
 
 def causal_attention(

@@ -80,7 +80,8 @@ class MLAttention(nn.Module):
                 cache.gather(layer, "latent", plan.decode_slots, plan.decode_max_len),
                 cache.gather(layer, "k_pe", plan.decode_slots, plan.decode_max_len),
             )
-            dec = decode_attention(q[plan.decode_rows], keys, values, plan.decode_lens, self.scale)
+            q_dec = q if plan.all_decode else q[plan.decode_rows]
+            dec = decode_attention(q_dec, keys, values, plan.decode_lens, self.scale)
             if plan.all_decode:
                 out = dec
             else:
