@@ -130,7 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise ConfigError(f"--max-prompt-tokens={args.max_prompt_tokens} must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key must not be empty")
-    name = args.served_model_name or Path(args.model or args.config).resolve().stem
+    source = Path(args.model).resolve().name if args.model else Path(args.config).stem
+    name = args.served_model_name or source
     return ServerSettings(name, args.api_key, args.max_request_bytes, args.max_prompt_tokens)
 
 
