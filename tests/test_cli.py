@@ -35,6 +35,18 @@ def test_make_model_then_generate_prints_the_same_tokens_as_the_api(tmp_path, ca
     assert lines == [",".join(map(str, o.token_ids)) for o in outs]
 
 
+def test_make_model_writes_a_tokenizer_and_generate_takes_text(tmp_path, capsys):
+    assert main(["make-model", "--config", CONFIG, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "tokenizer.json").is_file()
+    args = ["generate", "--model", str(tmp_path), "--max-new-tokens", "4", "--ignore-eos"]
+    capsys.readouterr()
+    assert main([*args, "--prompt", "The cat sat"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    with LLM(tmp_path) as llm:
+        out = llm.generate(["The cat sat"], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert out.text is not None and printed == out.text
+
+
 def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert main(["generate", "--config", CONFIG, "--prompt-ids", "1,99999"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err

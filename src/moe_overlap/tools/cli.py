@@ -16,9 +16,12 @@ from moe_overlap.distributed.netns import (
     stale_namespaces,
 )
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
+from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
 from moe_overlap.tools.bench_cli import add_bench_commands
+from moe_overlap.tools.bench_engine import add_bench_engine_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
+from moe_overlap.tools.serve_cli import add_serve_commands
 
 
 def parse_ids(text: str) -> list[int]:
@@ -40,15 +43,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with build_llm(args) as llm:
-        for out in llm.generate(args.prompt_ids, params):
-            print(",".join(map(str, out.token_ids)))
+        for out in llm.generate(args.prompt_ids or args.prompt, params):
+            print(out.text if args.prompt else ",".join(map(str, out.token_ids)))
     return 0
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    model = build_model(ModelConfig.from_hf(args.config), seed=args.seed)
+    cfg = ModelConfig.from_hf(args.config)
+    model = build_model(cfg, seed=args.seed)
     save_checkpoint(model, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
+    if cfg.vocab_size >= MIN_VOCAB_SIZE:
+        write_tokenizer(args.out, cfg.vocab_size)
+        print(f"wrote a {cfg.vocab_size}-token BPE tokenizer to {args.out}/tokenizer.json")
+    else:
+        print(f"no tokenizer: vocab_size={cfg.vocab_size} < {MIN_VOCAB_SIZE} (ids only)")
     return 0
 
 
@@ -75,18 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate",
-        help="generate tokens for prompts given as token ids",
-        description="Generate and print one line of comma-separated ids per prompt.",
+        help="generate for prompts given as text or token ids",
+        description="Generate and print one line per prompt: text for --prompt, "
+        "comma-separated ids for --prompt-ids.",
     )
     add_model_args(gen)
     add_engine_args(gen)
-    gen.add_argument(
+    prompts = gen.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
         "--prompt-ids",
         type=parse_ids,
         action="append",
-        required=True,
         metavar="IDS",
-        help="a prompt as comma-separated token ids; repeat for a batch",
+        help="a prompt as comma-separated token ids; repeat for a batch (prints ids)",
+    )
+    prompts.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt as text (the model directory's tokenizer); repeat for a batch "
+        "(prints text)",
     )
     gen.add_argument(
         "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"
@@ -98,11 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_bench_commands(sub)
+    add_bench_engine_command(sub)
+    add_serve_commands(sub)
 
     make = sub.add_parser(
         "make-model",
         help="write a seeded random checkpoint for a config",
-        description="Write config.json and model.safetensors (Hub layout).",
+        description="Write config.json and model.safetensors (Hub layout), and a small BPE "
+        "tokenizer with a chat template trained on text kept in the repo.",
     )
     make.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
     make.add_argument("--out", required=True, metavar="DIR", help="directory to write")
