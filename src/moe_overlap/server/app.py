@@ -71,7 +71,9 @@ def _encode(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int
     return engine.llm.tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def _max_new_tokens(engine: EngineLoop, settings: ServerSettings, ids: list[int], limit) -> int:
+def _max_new_tokens(
+    engine: EngineLoop, settings: ServerSettings, ids: list[int], limit: int | None
+) -> int:
     context = engine.llm.max_len
     most = settings.max_prompt_tokens or context - 1
     if len(ids) > most:
@@ -90,7 +92,17 @@ def _max_new_tokens(engine: EngineLoop, settings: ServerSettings, ids: list[int]
     return limit if limit is not None else context - len(ids)
 
 
-async def _serve(engine, settings, body, prompts, limit, chat: bool, request: Request):
+async def _serve(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    limit: int | None,
+    chat: bool,
+    request: Request,
+) -> dict | StreamingResponse:
+    """Queue every prompt (a bad one aborts those queued before it), then stream the deltas
+    or wait for every answer."""
     if engine.error:
         raise EngineDead(engine.error)
     params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]

@@ -199,7 +199,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             thread.join()
     title = (
         f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
-        f"workload {args.workload}, {args.num_requests} requests of {args.output_len} tokens"
+        f"workload {args.workload}, "
+        + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
+        + f" of {args.output_len}-token answers per rate"
     )
     console.print(load_table(results, title))
     if args.json:
