@@ -76,6 +76,19 @@ def test_killed_rank_stops_everything_with_its_name():
     llm.close()
 
 
+def test_rank_killed_while_idle_is_named_at_the_next_step():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    llm = LLM(config=cfg, ep=2, timeout_s=10, **KW)
+    llm.generate([[1, 2, 3]], PARAMS)
+    victim = llm.executor.procs[1].proc
+    victim.kill()
+    victim.wait(10)
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)"):
+        llm.generate([[1, 2, 3]] * 4, PARAMS)
+    assert not any(_alive(llm))
+    llm.close()
+
+
 def test_raising_rank_is_named_and_others_stop():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with LLM(config=cfg, ep=2, timeout_s=10, **KW) as llm:

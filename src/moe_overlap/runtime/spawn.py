@@ -133,6 +133,8 @@ class SpawnedExecutor(Executor):
                 for conn, msg in zip(self.conns, messages, strict=True):
                     conn.send(msg)
                     sent += 1
+            except OSError:  # its pipe is gone: the rank died while the engine was idle
+                self._fail(self._death(sent))
             except BaseException:
                 if sent:  # the ranks that got it would wait for the others forever
                     self.close()
