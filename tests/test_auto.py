@@ -9,10 +9,12 @@ import torch
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.overlap.predict import (
     CANDIDATES,
     Calibration,
+    Choice,
     StepStats,
     choose,
     corrected,
@@ -85,31 +87,41 @@ def test_correction_moves_a_factor_towards_what_was_measured():
     assert cal.factor["none"] == 1.0
 
 
+def test_allowed_modes_restrict_the_choice():
+    cal, step = link(1e12), stats()  # a fast link: none would win
+    assert choose(cal, step, 2, ("none", "sbo")).mode == "none"
+    forced = choose(cal, step, 2, ("tbo2", "dbo"))
+    assert forced.mode == "tbo2" and set(forced.predicted) == {"tbo2", "dbo"}
+    # nothing allowed fits this step (one token per rank): none
+    assert choose(cal, stats(tokens=1, dbo_split=None), 2, ("tbo3",)) == Choice("none", {})
+    with pytest.raises(ConfigError, match="--auto-modes='tbo9' must name some of"):
+        OverlapConfig("auto", auto_modes=("tbo9",))
+
+
 @pytest.fixture(scope="module")
-def slow_link_engine():
-    # one family: every mode auto runs is checked for both families in test_ep*.py
+def forced_overlap_engine():
+    # one family: every mode auto runs is checked for both families in test_ep*.py; without
+    # "none" among its modes auto overlaps every step, so its own paths are exercised
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    overlap = OverlapConfig("auto", log_overlap_decisions=True)
+    overlap = OverlapConfig("auto", auto_modes=("sbo", "tbo2", "tbo3", "dbo"))
     with LLM(config=cfg, ep=2, overlap=overlap, link="model:10mbit,50us", **KW) as llm:
         yield llm, reference(cfg), overlap
 
 
-def test_auto_is_exact_at_ep2(slow_link_engine):
-    llm, base, _ = slow_link_engine
+def test_auto_is_exact_at_ep2(forced_overlap_engine):
+    llm, base, _ = forced_overlap_engine
     for case in ("mixed-batch", "single-long", "short+long"):
         assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
 
 
-def test_auto_records_its_decision_and_overlaps_on_a_slow_link(slow_link_engine):
-    llm, _, overlap = slow_link_engine
+def test_auto_decides_alike_on_every_rank_and_records_why(forced_overlap_engine):
+    llm, _, overlap = forced_overlap_engine
     batch = ForwardBatch(torch.arange(60) % 70, [0], [0], [60])
-    chosen = []
-    for _ in range(4):
+    for _ in range(3):
         llm.executor.run([batch, batch], overlap, record=True)
-        for spans in llm.executor.last_spans:
-            decisions = [s.name for s in spans if s.track == "decision"]
-            assert len(decisions) == 1 and decisions[0].startswith("auto: ")
-            chosen.append(decisions[0].split()[1])
-    # each step's choice is the same on both ranks, and at 10 Mbit/s it overlaps
-    assert chosen[0::2] == chosen[1::2]
-    assert set(chosen) - {"none"}, chosen
+        decisions = [
+            [s.name for s in spans if s.track == "decision"] for spans in llm.executor.last_spans
+        ]
+        assert decisions[0] == decisions[1] and len(decisions[0]) == 1
+        chosen, times = decisions[0][0].removeprefix("auto: ").split(" ", 1)
+        assert chosen in overlap.auto_modes and f"{chosen} " in times

@@ -10,6 +10,7 @@ OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per 
 A2A_BACKENDS = ("auto", "local", "torch")  # auto: local on one rank, torch on several
 SPLIT_POLICIES = ("tokens", "time")
 MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
+AUTO_MODES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # what auto chooses among (ties: earlier)
 DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
 
 
@@ -30,6 +31,7 @@ class OverlapConfig:
     sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
     log_overlap_decisions: bool = False  # auto: print each forward's choice and predictions
+    auto_modes: tuple[str, ...] = AUTO_MODES  # auto chooses among these (none if none fits)
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -42,6 +44,11 @@ class OverlapConfig:
                 raise ConfigError(
                     f"{_flag(name)}={getattr(self, name)!r} must be one of {', '.join(choices)}"
                 )
+        if not self.auto_modes or not set(self.auto_modes) <= set(AUTO_MODES):
+            raise ConfigError(
+                f"--auto-modes={','.join(self.auto_modes)!r} must name some of "
+                f"{', '.join(AUTO_MODES)}"
+            )
         threshold = self.tbo_token_distribution_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int | float):
             raise ConfigError(

@@ -68,7 +68,8 @@ class AutoOverlap:
         cal = self.calibration
         if self.last is not None:
             corrected(cal, *self.last, step.slowest_last_s)
-        choice = self.last_choice = choose(cal, step.stats, self.group.size)
+        choice = choose(cal, step.stats, self.group.size, self.cfg.auto_modes)
+        self.last_choice = choice
         self.last = (choice.mode, raw_times(cal, step.stats)[choice.mode])
         split = step.stats.dbo_split
         logits = self._run(choice.mode, batch, runner, step.tbo_decode, split)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CANDIDATES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # ties go to the earlier, simpler one
+from moe_overlap.core.overlap_config import AUTO_MODES
+
+CANDIDATES = AUTO_MODES  # ties go to the earlier, simpler one
 MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
 MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
 
@@ -99,12 +101,18 @@ def raw_times(cal: Calibration, stats: StepStats) -> dict[str, float]:
     return times
 
 
-def choose(cal: Calibration, stats: StepStats, ep: int) -> Choice:
-    """The mode with the least predicted time; overlap only if it beats none by ``MARGIN``."""
+def choose(
+    cal: Calibration, stats: StepStats, ep: int, allowed: tuple[str, ...] = CANDIDATES
+) -> Choice:
+    """Among the ``allowed`` modes that fit this step, the least predicted time; overlap only
+    if it beats none by ``MARGIN`` (when none is allowed); none if no allowed mode fits."""
     raw = raw_times(cal, stats)
-    predicted = {m: raw[m] * cal.factor[m] for m in feasible(stats, ep)}
+    modes = [m for m in feasible(stats, ep) if m in allowed]
+    predicted = {m: raw[m] * cal.factor[m] for m in modes}
+    if not predicted:
+        return Choice("none", {})
     best = min(predicted, key=lambda m: (predicted[m], CANDIDATES.index(m)))
-    if best != "none" and predicted[best] > predicted["none"] * (1 - MARGIN):
+    if "none" in predicted and predicted[best] > predicted["none"] * (1 - MARGIN):
         best = "none"
     return Choice(best, predicted)
 

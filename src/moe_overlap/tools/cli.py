@@ -102,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         action="append",
         metavar="TEXT",
-        help="a prompt as text (the model directory's tokenizer); repeat for a batch "
-        "(prints text)",
+        help="a prompt as text (the model directory's tokenizer); repeat for a batch (prints text)",
     )
     gen.add_argument(
         "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"

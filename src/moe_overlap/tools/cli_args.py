@@ -10,6 +10,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
+    AUTO_MODES,
     DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD,
     MODE_MISMATCH,
     OVERLAP_MODES,
@@ -98,6 +99,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the scheme by name: none, tbo, sbo, dbo (as the --enable flags), or auto (ours): "
         "every forward, the mode predicted fastest from a cost model calibrated at start-up "
         "and corrected from measured forwards",
+    )
+    o.add_argument(
+        "--auto-modes",
+        type=lambda text: tuple(m.strip() for m in text.split(",") if m.strip()),
+        default=AUTO_MODES,
+        metavar="MODES",
+        help=f"with --overlap auto: the modes it chooses among (default {','.join(AUTO_MODES)}; "
+        "tbo2/tbo3 cut where estimated time balances); leaving out none forces overlap "
+        "wherever an allowed mode fits",
     )
     o.add_argument(
         "--log-overlap-decisions",
@@ -213,6 +223,7 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
         sbo_comm_sms=args.sbo_comm_sms,
         moe_a2a_backend=args.moe_a2a_backend,
         log_overlap_decisions=args.log_overlap_decisions,
+        auto_modes=args.auto_modes,
     )
 
 
