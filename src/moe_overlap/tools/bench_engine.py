@@ -100,9 +100,7 @@ def run_ours(llm: LLM, case: Case, prompts: torch.Tensor) -> list[list[int]]:
 def run_hf(hf, case: Case, prompts: torch.Tensor) -> list[list[int]]:
     n = case.new_tokens
     with torch.inference_mode():
-        out = hf.generate(
-            prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-        )
+        out = hf.generate(prompts, max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[:, prompts.shape[1] :].tolist()
 
 
@@ -117,6 +115,8 @@ def load_hf(model_dir: Path):
     transformers = importlib.import_module("transformers")
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # like ignore_eos: min_new_tokens would instead forbid EOS and pick another token
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
