@@ -26,7 +26,11 @@ from moe_overlap.distributed.modelled_link import ModelledLink
 
 
 class InFlight(Pending):
-    """One all-to-all; over a modelled link it completes no sooner than the link would."""
+    """One all-to-all; over a modelled link it completes no sooner than the link would.
+
+    While the timeline records, the all-to-all's span runs from its launch to its completion:
+    the completion callback's time, or the first wait's return if that comes first (a callback
+    thread may get the GIL late, and the rows are surely here once a wait returns)."""
 
     def __init__(
         self,
@@ -35,19 +39,32 @@ class InFlight(Pending):
         num_bytes: int,
         owner: str,
         timeline: Timeline | None,
+        label: str = "all-to-all",
     ):
         self.handle, self.link, self.owner, self.timeline = handle, link, owner, timeline
+        self.label = label
         self.start = time.perf_counter()
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
+        self.completed_at: float | None = None
+        self.recording = timeline is not None and timeline.enabled
+        if self.recording:
+            handle.on_complete(self._completed)
+
+    def _completed(self) -> None:
+        self.completed_at = max(time.perf_counter(), self.earliest_end)
 
     def wait(self, waiter: str | None = None) -> torch.Tensor:
-        recording = self.timeline is not None and self.timeline.enabled
         who = waiter or self.owner
         label = "wait" if who == self.owner else f"receive hook for {self.owner}"
-        with self.timeline.span(f"{who} wait", label) if recording else nullcontext():
+        with self.timeline.span(f"{who} wait", label) if self.recording else nullcontext():
             out = self.handle.wait()
             if self.link is not None:
                 self.link.sleep_until(self.earliest_end)
+        if self.recording:
+            self.recording = False  # one span per all-to-all, at its first wait
+            now = time.perf_counter()
+            end = now if self.completed_at is None else min(self.completed_at, now)
+            self.timeline.add("comm", self.label, self.start, end)
         return out
 
 
@@ -98,16 +115,8 @@ class AllToAllDispatcher(Dispatcher):
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         off_rank = max(sum(send) - send[me], sum(recv) - recv[me]) * row_bytes
         handle = self.group.all_to_all(rows, send, recv, async_op=True)
-        flight = InFlight(handle, self.link, off_rank, owner, self.timeline)
-        timeline = self.timeline
-        if timeline is not None and timeline.enabled:
-
-            def done() -> None:
-                end = max(time.perf_counter(), flight.earliest_end)
-                timeline.add("comm", f"{kind} {off_rank / 1e6:.2f} MB ({owner})", flight.start, end)
-
-            handle.on_complete(done)
-        return flight
+        label = f"{kind} {off_rank / 1e6:.2f} MB ({owner})"
+        return InFlight(handle, self.link, off_rank, owner, self.timeline, label)
 
     def dispatch_a(
         self,
