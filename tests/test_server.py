@@ -27,22 +27,10 @@ from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
 from moe_overlap.tools.bench_serve import make_prompts, percentile, prompt_lengths, run_load
 from moe_overlap.tools.serve_cli import add_serve_commands
+from tests.helpers import TINY
 
-CFG = dict(
-    model_type="qwen3_moe",
-    vocab_size=320,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=1024,
-    eos_token_id=1,
-)
+# the tiny Qwen3 with room for a byte-level tokenizer
+CFG = {**TINY["qwen3_moe"], "vocab_size": 320, "max_position_embeddings": 1024, "eos_token_id": 1}
 KEY = "test-key"
 SLOTS = 4  # per rank: 32 concurrent requests queue and join as slots free up
 PROMPTS = [f"Question {i}: where is the {w}?" for i, w in enumerate(["river", "sea", "fox"] * 11)]

@@ -8,22 +8,10 @@ import pytest
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
+from tests.helpers import TINY
 
-CFG = dict(
-    model_type="qwen3_moe",
-    vocab_size=320,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=128,
-    eos_token_id=1,
-)
+# the tiny Qwen3 with room for a byte-level tokenizer
+CFG = {**TINY["qwen3_moe"], "vocab_size": 320, "max_position_embeddings": 128, "eos_token_id": 1}
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 
