@@ -1,5 +1,18 @@
-"""Errors every layer may raise; each names the bad value and the fix."""
+"""Errors every layer may raise, and the type checks behind them; each error names the bad
+value and the fix."""
+
+import math
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or impossible."""
+
+
+def is_int(value: object) -> bool:
+    """A Python int that is not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """An int or float, not a bool, not NaN or infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 from moe_overlap.core.hf_config import check_model_type, fields_from_hf, hf_from_fields, read_json
 
 _POSITIVE_INTS = (
@@ -180,13 +179,13 @@ class ModelConfig:
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(f"{name}={value!r} must be {kind}")
 
 
 def _require_positive_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ConfigError(f"{name}={value!r} must be a finite number")
     if value <= 0:
         raise ConfigError(f"{name}={value!r} must be positive")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
 OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per forward
 A2A_BACKENDS = ("auto", "local", "torch")  # auto: local on one rank, torch on several
@@ -50,7 +50,7 @@ class OverlapConfig:
                 f"{', '.join(AUTO_MODES)}"
             )
         threshold = self.tbo_token_distribution_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+        if not is_finite_number(threshold):
             raise ConfigError(
                 f"{_flag('tbo_token_distribution_threshold')}={threshold!r} must be a number"
             )
@@ -68,7 +68,7 @@ class OverlapConfig:
             ("sbo_comm_sms", 1),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if not is_int(value) or value < minimum:
                 raise ConfigError(f"{_flag(name)}={value!r} must be an integer >= {minimum}")
 
 

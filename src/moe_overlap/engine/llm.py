@@ -16,7 +16,7 @@ from moe_overlap.core.engine_config import (
     DEFAULT_MAX_NUM_SEQS,
     EngineSpec,
 )
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch.factory import resolve_backend
@@ -216,7 +216,7 @@ def _is_integer(value: object) -> bool:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
 
 

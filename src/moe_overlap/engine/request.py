@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
+from moe_overlap.core.errors import is_finite_number, is_int
 from moe_overlap.engine.detokenize import TextStream
 
 
@@ -59,12 +59,12 @@ def _listed(name: str, value: object, kind: type) -> list:
 
 
 def _integer(name: str, value: object, minimum: int, note: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise InvalidRequestError(f"{name}={value!r} must be an integer >= {minimum}{note}")
 
 
 def _number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise InvalidRequestError(f"{name}={value!r} must be a finite number")
 
 
