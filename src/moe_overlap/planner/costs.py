@@ -1,0 +1,189 @@
+"""The seconds each operation of a layer takes for one micro-batch on each rank.
+
+Each op's time is ``max(FLOPs / rate, bytes / HBM rate) + a fixed overhead``: GEMMs at the
+cluster's GEMM rate (FP8 weights at the FP8 rate), attention at its own rate with FLOPs that grow
+with ``new x (prefix + new)`` (the whole rectangle where the cluster says a chunk with a prefix
+computes it), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
+activations, rows from top-k routing spread evenly over the EP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+
+ELEMENTWISE = ("prepare_attn", "prepare_mlp", "select_experts", "output")
+WAITS = ("dispatch_b", "combine_b")
+
+
+@dataclass(frozen=True)
+class Work:
+    """One rank's share of one micro-batch."""
+
+    tokens: int  # tokens through attention on this rank
+    moe_tokens: float  # tokens this rank routes (attention TP scatters them)
+    pieces: int  # sequences (or pieces of them)
+    decode_tokens: int
+    pairs: float  # query-key pairs attention computes
+    keys: int  # cached keys read
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, attn_tp: int, rectangle: bool) -> Work:
+        pairs, keys, decode = 0.0, 0, 0
+        for prefix, n, dec in zip(
+            batch.prefix_lens, batch.extend_lens, batch.is_decode, strict=True
+        ):
+            full = rectangle and prefix > 0
+            pairs += n * (prefix + n) if full else n * (prefix + (n + 1) / 2)
+            keys += prefix + n
+            decode += n if dec else 0
+        t = batch.num_tokens
+        return cls(t, t / attn_tp, batch.num_seqs, decode, pairs, keys)
+
+
+@dataclass
+class MicroBatchCost:
+    """Per op name, per rank: compute seconds; and each rank's all-to-all bytes."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    a2a_bytes: list[float] = field(default_factory=list)  # dispatch, and combine alike
+    allreduce_s: list[float] = field(default_factory=list)  # attention TP's, inside attn_core
+
+
+class CostModel:
+    """Op times of ``spec`` on ``cluster`` under ``layout``."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, layout: PlanLayout):
+        self.spec, self.cluster, self.layout = spec, cluster, layout
+        self.gemm = cluster.gemm_flops_per_s(spec.fp8_weights)
+        self.attn = cluster.attention_flops_per_s
+        self.hbm = cluster.hbm_bytes_per_s
+        self.over = cluster.op_overhead_us * 1e-6
+        c = spec.cfg
+        self.local_experts = c.num_experts / layout.ep
+
+    def _t(self, flops: float, weights: float, act: float, rate: float | None = None) -> float:
+        byte_time = (weights * self.spec.weight_bytes + act) / self.hbm
+        return max(flops / (rate or self.gemm), byte_time) + self.over
+
+    def micro_batch(self, children: list[ForwardBatch]) -> MicroBatchCost:
+        """``children[r]``: rank r's micro-batch (idle ranks: an empty batch)."""
+        rect = self.cluster.attention_full_rectangle_with_prefix
+        works = [Work.of(b, self.layout.attn_tp, rect) for b in children]
+        received = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
+        received /= self.layout.ep
+        out = MicroBatchCost()
+        for w in works:
+            for name, s in self.op_seconds(w, received).items():
+                out.seconds.setdefault(name, []).append(s)
+            out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, received))
+            out.allreduce_s.append(self.allreduce_seconds(w.tokens))
+        return out
+
+    def a2a_bytes(self, moe_tokens: float, received: float) -> float:
+        """Bytes that leave (or reach) the rank: the engine's max(sent, received) off-rank.
+        FP8 models on FP8 GPUs dispatch FP8 rows with a scale per 128 (DeepEP, SGLang) and
+        combine in BF16: the two average to ``(1 + 1/32 + 2) / 2`` bytes per element."""
+        c, ep, cl = self.spec.cfg, self.layout.ep, self.cluster
+        sent = c.num_experts_per_tok * moe_tokens
+        share = (ep - 1) / ep
+        per_elem = cl.activation_bytes
+        if self.spec.fp8_weights and cl.gemm_tflops_fp8:
+            per_elem = (1 + 1 / 32 + cl.activation_bytes) / 2
+        return max(sent, received) * share * c.hidden_size * per_elem
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        tp = self.layout.attn_tp
+        if tp == 1:
+            return 0.0
+        rate = (self.cluster.allreduce_gbps or self.cluster.intra_node_a2a_gbps) * 1e9
+        nbytes = 2 * (tp - 1) / tp * tokens * self.spec.cfg.hidden_size * 2
+        return nbytes / rate + self.cluster.a2a_latency_us * 1e-6
+
+    def op_seconds(self, w: Work, received: float) -> dict[str, float]:
+        c, tp, cl = self.spec.cfg, self.layout.attn_tp, self.cluster
+        h, act = c.hidden_size, cl.activation_bytes
+        row = h * act
+        prepare, core, kv_per_key = self._attention(w)
+        experts_active = self.local_experts * (1 - math.exp(-received / self.local_experts))
+        expert_w = 3 * h * c.moe_intermediate_size
+        out = {
+            "attn_prepare": prepare,
+            "attn_core": core
+            + kv_per_key * w.keys / self.hbm
+            + w.pieces * cl.seq_overhead_us * 1e-6,
+            "gate": self._t(
+                2 * w.moe_tokens * h * c.num_experts, h * c.num_experts, w.moe_tokens * row
+            ),
+            "dispatch_a": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
+            "dispatch_b": self._t(0, 0, 2 * received * row),
+            "experts": self._t(
+                2 * received * expert_w, experts_active * expert_w, 3 * received * row
+            ),
+            "combine_a": self._t(0, 0, 2 * received * row),
+            "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
+            "shared_experts": self._t(
+                2 * w.moe_tokens * expert_w * c.n_shared_experts,
+                expert_w * c.n_shared_experts,
+                3 * w.moe_tokens * row,
+            ),
+            "dense_mlp": self._t(
+                2 * w.tokens * 3 * h * c.intermediate_size / tp,
+                3 * h * c.intermediate_size / tp,
+                3 * w.tokens * row,
+            ),
+            "embed": self._t(0, 0, 2 * w.tokens * row),
+            "logits": self._t(2 * w.pieces * h * c.vocab_size / tp, h * c.vocab_size / tp, 0),
+        }
+        for name in ELEMENTWISE:
+            out[name] = self._t(0, 0, 3 * w.tokens * row)
+        return out
+
+    def _attention(self, w: Work) -> tuple[float, float, float]:
+        """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key)."""
+        c, tp, act = self.spec.cfg, self.layout.attn_tp, self.cluster.activation_bytes
+        h, heads, t = c.hidden_size, c.num_attention_heads / tp, w.tokens
+        if c.is_deepseek:
+            qk, v, lora, rope = (
+                c.qk_nope_head_dim + c.qk_rope_head_dim,
+                c.v_head_dim,
+                c.kv_lora_rank,
+                c.qk_rope_head_dim,
+            )
+            q_w = (
+                h * c.q_lora_rank + c.q_lora_rank * heads * qk if c.q_lora_rank else h * heads * qk
+            )
+            prep_w = q_w + h * (lora + rope)
+            prefill = t - w.decode_tokens
+            # prefill decompresses every key it reads (MHA form); decode absorbs (MQA form)
+            up_w = lora * heads * (c.qk_nope_head_dim + v)
+            up_flops = 2 * (w.keys if prefill else 0) * up_w + 2 * w.decode_tokens * up_w
+            attn_flops = 2 * w.pairs * heads * ((qk + v) if prefill else (2 * lora + rope))
+            o_w = heads * v * h
+            kv_per_key = (lora + rope) * act
+        else:
+            d = c.head_dim or h // c.num_attention_heads
+            prep_w = h * (heads + 2 * c.num_key_value_heads / tp) * d
+            up_flops, up_w = 0.0, 0.0
+            attn_flops = 4 * w.pairs * heads * d
+            o_w = heads * d * h
+            kv_per_key = 2 * c.num_key_value_heads / tp * d * act
+        prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act)
+        core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act)
+        core += attn_flops / self.attn
+        return prepare, core, kv_per_key
+
+    def link_seconds(self, nbytes: float) -> float:
+        """A transfer's time on one rank's link (no latency): intra- and inter-node at once."""
+        if nbytes <= 0:
+            return 0.0
+        ep, per_node, cl = self.layout.ep, self.cluster.gpus_per_node, self.cluster
+        peers = ep - 1
+        inside = min(ep, per_node) - 1
+        intra = nbytes * inside / peers / (cl.intra_node_a2a_gbps * 1e9) if peers else 0.0
+        inter = nbytes * (peers - inside) / peers / (cl.inter_node_a2a_gbps * 1e9) if peers else 0.0
+        return max(intra, inter)

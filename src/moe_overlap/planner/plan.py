@@ -1,0 +1,153 @@
+"""Predict each overlap mode's forward: the engine's decisions, splits and schedules, timed.
+
+For every mode the planner takes the engine's own steps on every rank's batch: the TBO vote
+(``agreement.tbo_local_vote`` / ``tbo_decide``) and split (``TwoBatchOverlap.plan``, built on
+the simulated model), the DBO vote and cut (``dbo_local_column`` / ``dbo_decide``,
+``split.token_split``), the strategy table's op lists (``strategy_for`` / ``build_operations``)
+and the stage executor (``execute_overlapped``), then reads the simulated clocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import Span
+from moe_overlap.overlap.agreement import dbo_decide, dbo_local_column, tbo_decide, tbo_local_vote
+from moe_overlap.overlap.operations import execute_overlapped
+from moe_overlap.overlap.predict import MARGIN
+from moe_overlap.overlap.split import split_batch, token_split
+from moe_overlap.overlap.strategy import build_operations, strategy_for
+from moe_overlap.overlap.tbo import TwoBatchOverlap
+from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.costs import CostModel
+from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+from moe_overlap.planner.simulate import RankClocks, SimContext, SimModel, sbo_sim_ops
+
+AUTO_CANDIDATES = {
+    "none": OverlapConfig("none"),
+    "sbo": OverlapConfig("sbo"),
+    "tbo2": OverlapConfig("tbo", tbo_split_policy="time"),
+    "tbo3": OverlapConfig("tbo", num_micro_batches=3, tbo_split_policy="time"),
+    "dbo": OverlapConfig("dbo"),
+}
+
+
+@dataclass
+class ModePlan:
+    mode: str
+    seconds: float  # predicted time of one forward (the slowest rank)
+    t_comp: float  # the busiest rank's compute
+    t_comm: float  # the busiest rank's all-to-all time, launch to completion
+    micro_batches: list[list[int]]  # per micro-batch: tokens on each rank
+    note: str = ""  # e.g. why the ranks agreed not to overlap
+    spans: list[list[Span]] | None = None  # per rank, seconds from the forward's start
+
+    @property
+    def limit(self) -> float:
+        return max(self.t_comp, self.t_comm)
+
+    @property
+    def bottleneck(self) -> str:
+        return "compute" if self.t_comp >= self.t_comm else "communication"
+
+
+class Planner:
+    """Plans one step: ``batches[r]`` is rank r's batch (all ranks of a layout)."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, layout: PlanLayout):
+        self.spec, self.cluster, self.layout = spec, cluster, layout
+        self.costs = CostModel(spec, cluster, layout)
+        self.model = SimModel(spec.cfg)
+        self._ops: dict[str, list] = {}
+
+    def ops(self, scheme: str, blocks: int = 2) -> list:
+        key = f"{scheme}{blocks}"
+        if key not in self._ops:
+            own = sbo_sim_ops(blocks) if scheme == "sbo" else None
+            strategy = strategy_for(self.model, scheme)
+            self._ops[key] = build_operations(self.model, strategy, own)
+        return self._ops[key]
+
+    def plan(
+        self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool = False
+    ) -> ModePlan:
+        if cfg.mode == "auto":
+            return self._auto(mode, cfg, batches, record)
+        if cfg.mode == "tbo":
+            return self._tbo(mode, cfg, batches, record)
+        if cfg.mode == "dbo":
+            return self._dbo(mode, cfg, batches, record)
+        if cfg.mode == "sbo":
+            ops = self.ops("sbo", cfg.sbo_combine_blocks)
+            return self._run(mode, [batches], ops, 0, record)
+        return self._run(mode, [batches], self.ops("none"), 0, record)
+
+    def _tbo(self, mode, cfg, batches, record) -> ModePlan:
+        columns = [tbo_local_vote(b, cfg.tbo_min_tokens) for b in batches]
+        votes = [min(v) for v in zip(*columns, strict=True)]  # the all-reduce(MIN)
+        decision = tbo_decide(votes, cfg.tbo_mode_mismatch)
+        if not decision.run:
+            out = self._run(mode, [batches], self.ops("none"), 0, record, agree=True)
+            return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
+        tbo = TwoBatchOverlap(self.model, cfg, None)
+        per_rank = [split_batch(b, tbo.plan(b)) for b in batches]
+        micro = [list(mb) for mb in zip(*per_rank, strict=True)]
+        strategy = tbo.strategies[decision.decode]
+        return self._run(mode, micro, tbo.ops[decision.decode], strategy.delta_stages, record, True)
+
+    def _dbo(self, mode, cfg, batches, record) -> ModePlan:
+        table = torch.tensor([dbo_local_column(b, cfg) for b in batches], dtype=torch.int64).T
+        decision = dbo_decide(table)
+        if not decision.run:
+            out = self._run(mode, [batches], self.ops("none"), 0, record, agree=True)
+            return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
+        per_rank = [
+            split_batch(b, token_split(b.extend_lens, [decision.split_point])) for b in batches
+        ]
+        micro = [list(mb) for mb in zip(*per_rank, strict=True)]
+        # DBO's baton threads alternate at the same yields: the stage order with no lag
+        return self._run(mode, micro, self.ops("dbo"), 0, record, agree=True)
+
+    def _auto(self, mode, cfg, batches, record) -> ModePlan:
+        plans = {
+            name: self.plan(name, candidate, batches, record)
+            for name, candidate in AUTO_CANDIDATES.items()
+            if name in cfg.auto_modes
+        }
+        best = min(plans, key=lambda m: plans[m].seconds)
+        if "none" in plans and plans[best].seconds > plans["none"].seconds * (1 - MARGIN):
+            best = "none"
+        return dataclasses.replace(plans[best], mode=mode, note=f"auto picks {best}")
+
+    def _run(
+        self,
+        mode: str,
+        micro: list[list[ForwardBatch]],
+        ops: list,
+        delta: int,
+        record: bool,
+        agree: bool = False,
+    ) -> ModePlan:
+        clocks = RankClocks(self.layout.world, self.costs, record)
+        if agree:  # the one small all-reduce every overlapped forward pays
+            clocks.barrier(self.cluster.a2a_latency_us * 1e-6)
+        ctxs = [
+            SimContext(f"mb{i}", clocks, self.costs.micro_batch(children))
+            for i, children in enumerate(micro)
+        ]
+        execute_overlapped(ctxs, [ops] * len(ctxs), delta)
+        end = max(clocks.now) + self.cluster.forward_overhead_us * 1e-6
+        tokens = [[b.num_tokens for b in children] for children in micro]
+        return ModePlan(
+            mode,
+            end,
+            max(clocks.compute_s),
+            max(clocks.comm_s),
+            tokens,
+            spans=clocks.spans if record else None,
+        )

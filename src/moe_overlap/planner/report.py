@@ -1,0 +1,95 @@
+"""A plan as a user reads it: the table, the bench's JSON shape, the flags to use."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.planner.plan import ModePlan
+
+
+def flags_for(cfg: OverlapConfig) -> str:
+    """The ``generate``/``serve`` flags that run ``cfg``."""
+    if cfg.mode == "none":
+        return "(no overlap flag)"
+    if cfg.mode == "sbo":
+        return "--enable-single-batch-overlap"
+    if cfg.mode == "dbo":
+        return "--enable-dbo"
+    if cfg.mode == "auto":
+        return "--overlap auto"
+    flags = ["--enable-two-batch-overlap"]
+    if cfg.tbo_token_distribution_threshold == 0:
+        flags.append("--tbo-token-distribution-threshold 0")
+    if cfg.num_micro_batches != 2:
+        flags.append(f"--num-micro-batches {cfg.num_micro_batches}")
+    if cfg.tbo_split_policy == "time":
+        flags.append("--tbo-split-policy time")
+    return " ".join(flags)
+
+
+def recommend(plans: dict[str, ModePlan], configs: dict[str, OverlapConfig]) -> tuple[str, str]:
+    """(best mode, a sentence with its flags); overlap only if it beats none by 3%."""
+    none = plans["none"].seconds
+    best = min(plans, key=lambda m: plans[m].seconds)
+    if plans[best].seconds > none * 0.97:
+        return "none", f"no overlap: the best mode ({best}) gains under 3% here"
+    gain = none / plans[best].seconds
+    return best, f"{best} ({gain:.2f}x over none): {flags_for(configs[best])}"
+
+
+def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("mode", no_wrap=True)
+    for name in ("tokens/s", "ms/forward", "speed-up", "T_comp", "T_comm", "limit", "bound by"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("note")
+    none = plans["none"].seconds
+    for mode, p in plans.items():
+        table.add_row(
+            mode,
+            f"{tokens / p.seconds:,.0f}",
+            f"{p.seconds * 1e3:.1f}",
+            f"{none / p.seconds:.2f}x",
+            f"{p.t_comp * 1e3:.1f}",
+            f"{p.t_comm * 1e3:.1f}",
+            f"{p.limit * 1e3:.1f}",
+            p.bottleneck,
+            p.note,
+        )
+    table.caption = (
+        "predicted, not measured: per mode the busiest rank's compute (T_comp) and all-to-all "
+        "time from launch to completion (T_comm), limit = max(T_comp, T_comm)"
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def plan_json(plans: dict[str, ModePlan], tokens: int, workload: str) -> dict:
+    """The bench's JSON shape (``modes.<mode>.median_s``, ``speedup``), marked predicted."""
+    none = plans["none"]
+    modes = {
+        m: {
+            "times_s": [p.seconds],
+            "median_s": p.seconds,
+            "tokens_per_s": tokens / p.seconds,
+            "speedup": none.seconds / p.seconds,
+            "t_comp_s": p.t_comp,
+            "t_comm_s": p.t_comm,
+            "limit_s": p.limit,
+            "bottleneck": p.bottleneck,
+            "micro_batch_tokens": p.micro_batches,
+            "note": p.note,
+        }
+        for m, p in plans.items()
+    }
+    return {
+        "predicted": True,
+        "workload": workload,
+        "tokens_per_forward": tokens,
+        "t_none_s": none.seconds,
+        "t_comp_s": none.t_comp,
+        "t_comm_s": none.t_comm,
+        "limit_s": none.limit,
+        "modes": modes,
+    }

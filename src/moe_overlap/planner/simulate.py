@@ -1,0 +1,200 @@
+"""Simulated operations on a simulated clock, run by the engine's own schedules.
+
+``SimModel`` has the shape ``overlap/strategy.py: build_operations`` reads (``cfg``,
+``layers`` with ``layer_id``, ``is_moe``, ``op_names``, ``op(name)``, ``op_embed``,
+``op_logits``), so the strategy table builds the same op lists as for the real model, and
+``overlap/operations.py: execute_overlapped`` (the stage executor) runs them. An op does no
+arithmetic: it advances every rank's clock by its cost. Ranks run the same schedule (the
+engine's agreement makes sure of that), so one run moves all ranks at once, each with its own
+batch; an all-to-all completes when its bytes have crossed the rank's link (transfers queued
+behind what is already on it) and every rank has launched it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.timeline import Span
+from moe_overlap.model.decoder import DENSE_OPS, MOE_OPS
+from moe_overlap.overlap.strategy import SchemeOp
+from moe_overlap.planner.costs import CostModel, MicroBatchCost
+
+
+class RankClocks:
+    """Every rank's compute clock and link, and (if recording) their spans."""
+
+    def __init__(self, ranks: int, costs: CostModel, record: bool):
+        self.costs, self.record = costs, record
+        self.latency = costs.cluster.a2a_latency_us * 1e-6
+        self.share = costs.cluster.comm_sm_share
+        self.now = [0.0] * ranks
+        self.link_free = [0.0] * ranks
+        self.compute_s = [0.0] * ranks
+        self.comm_s = [0.0] * ranks  # time with some all-to-all in flight
+        self._comm_until = [0.0] * ranks
+        self.spans: list[list[Span]] = [[] for _ in range(ranks)]
+
+    def compute(self, track: str, label: str, seconds: list[float]) -> None:
+        for r, s in enumerate(seconds):
+            start, busy = self.now[r], self.link_free[r] - self.now[r]
+            if busy > 0 and self.share:  # an all-to-all in flight takes some of the GPU
+                slow = s / (1 - self.share)
+                s = slow if slow <= busy else busy + s - busy * (1 - self.share)
+            self.now[r] = start + s
+            self.compute_s[r] += s
+            if self.record:
+                self._span(r, track, label, start)
+
+    def _span(self, r: int, track: str, label: str, start: float) -> None:
+        spans = self.spans[r]
+        if spans and spans[-1].track == track and spans[-1].end == start:
+            spans[-1].end = self.now[r]  # one bar per uninterrupted run of a micro-batch's ops
+        else:
+            spans.append(Span(track, label, start, self.now[r]))
+
+    def barrier(self, extra: float = 0.0) -> None:
+        at = max(self.now) + extra
+        self.now = [at] * len(self.now)
+
+    def launch(self, label: str, nbytes: list[float]) -> list[float]:
+        """Start an all-to-all on every rank now; each rank's completion time."""
+        last_launch = max(self.now)
+        done = []
+        for r, b in enumerate(nbytes):
+            begin = max(self.now[r], self.link_free[r])
+            self.link_free[r] = begin + self.costs.link_seconds(b)
+            end = max(self.link_free[r] + self.latency, last_launch + self.latency)
+            done.append(end)
+            self.comm_s[r] += max(0.0, end - max(self.now[r], self._comm_until[r]))
+            self._comm_until[r] = max(self._comm_until[r], end)
+            if self.record:
+                self.spans[r].append(Span("comm", f"{label} {b / 1e6:.2f} MB", self.now[r], end))
+        return done
+
+    def wait(self, track: str, done: list[float]) -> None:
+        for r, t in enumerate(done):
+            if t > self.now[r]:
+                if self.record:
+                    self.spans[r].append(Span(f"{track} wait", "wait", self.now[r], t))
+                self.now[r] = t
+
+
+@dataclass
+class SimContext:
+    """One micro-batch: its name (track), its costs on every rank, its in-flight transfers."""
+
+    name: str
+    clocks: RankClocks
+    cost: MicroBatchCost
+    pending: dict[str, list[float]] = field(default_factory=dict)
+    timeline: None = None  # the stage executor records real time only when a timeline is set
+
+    def run(self, label: str, op: str, share: float = 1.0) -> None:
+        seconds = self.cost.seconds[op]
+        self.clocks.compute(
+            self.name, label, seconds if share == 1 else [s * share for s in seconds]
+        )
+
+
+SimOp = Callable[..., None]
+
+
+def _compute(layer_id: int, name: str) -> SimOp:
+    label = f"layer {layer_id} {name}"
+
+    def op(ctx: SimContext, **_) -> None:
+        ctx.run(label, name)
+
+    return op
+
+
+def _attn_core(layer_id: int) -> SimOp:
+    def op(ctx: SimContext, **_) -> None:
+        ctx.run(f"layer {layer_id} attn_core", "attn_core")
+        if any(ctx.cost.allreduce_s):  # attention TP's all-reduce: blocking, all ranks meet
+            ctx.clocks.barrier()
+            ctx.clocks.compute(ctx.name, f"layer {layer_id} all-reduce", ctx.cost.allreduce_s)
+
+    return op
+
+
+def _send(layer_id: int, kind: str) -> SimOp:
+    def op(ctx: SimContext, **_) -> None:
+        ctx.run(f"layer {layer_id} {kind}_a", f"{kind}_a")
+        if kind == "dispatch":
+            ctx.clocks.barrier()  # the per-expert counts are exchanged synchronously first
+        label = f"layer {layer_id} {kind} ({ctx.name})"
+        ctx.pending[kind] = ctx.clocks.launch(label, ctx.cost.a2a_bytes)
+
+    return op
+
+
+def _receive(layer_id: int, kind: str) -> SimOp:
+    def op(ctx: SimContext, **_) -> None:
+        ctx.clocks.wait(ctx.name, ctx.pending.pop(kind))
+        ctx.run(f"layer {layer_id} {kind}_b", f"{kind}_b")
+
+    return op
+
+
+def experts_then_combine(blocks: int) -> SimOp:
+    """SBO's ``experts_combine_a``: each block of experts, then its combine piece at once."""
+
+    def make(layer: SimLayer) -> SimOp:
+        def op(ctx: SimContext, **_) -> None:
+            done: list[float] | None = None
+            for b in range(blocks):
+                ctx.run(f"layer {layer.layer_id} experts {b}/{blocks}", "experts", 1 / blocks)
+                ctx.run(f"layer {layer.layer_id} combine_a {b}", "combine_a", 1 / blocks)
+                piece = [x / blocks for x in ctx.cost.a2a_bytes]
+                sent = ctx.clocks.launch(f"layer {layer.layer_id} combine piece {b}", piece)
+                done = (
+                    sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]
+                )
+            ctx.pending["combine"] = done
+
+        return op
+
+    return make
+
+
+def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp]:
+    """The simulated twin of ``overlap/sbo.py: sbo_ops`` (the same names and coverage)."""
+    return {
+        "experts_combine_a": SchemeOp(("experts", "combine_a"), experts_then_combine(blocks)),
+    }
+
+
+class SimLayer:
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        self.layer_id = layer_id
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        if not self.is_moe:
+            self.op_names = DENSE_OPS
+        elif cfg.n_shared_experts:
+            self.op_names = MOE_OPS
+        else:
+            self.op_names = tuple(n for n in MOE_OPS if n != "shared_experts")
+
+    def op(self, name: str) -> SimOp:
+        if name not in self.op_names:
+            raise KeyError(f"layer {self.layer_id} has no operation {name!r}")
+        if name == "attn_core":
+            return _attn_core(self.layer_id)
+        if name in ("dispatch_a", "combine_a"):
+            return _send(self.layer_id, name[:-2])
+        if name in ("dispatch_b", "combine_b"):
+            return _receive(self.layer_id, name[:-2])
+        return _compute(self.layer_id, name)
+
+
+class SimModel:
+    """What the strategy builder reads of a model, with simulated ops."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.layers = [SimLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.op_embed = _compute(-1, "embed")
+        self.op_logits = _compute(cfg.num_hidden_layers, "logits")

@@ -1,0 +1,181 @@
+"""``moe-overlap plan``: predict every overlap mode on a cluster, from a config.json alone.
+
+``--cluster this`` first measures this machine (the engine's ranks over ``--link``, a few
+no-overlap forwards and one tiny overlapped pair; see ``planner/calibration.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+from statistics import median
+
+from rich.console import Console
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.llm import LLM
+from moe_overlap.planner.calibration import SHAPES, Sample, fit_cluster, shape_batch
+from moe_overlap.planner.cluster import Cluster, load_cluster, presets
+from moe_overlap.planner.inputs import ModelSpec, PlanLayout, load_model_spec, make_layout
+from moe_overlap.planner.plan import Planner
+from moe_overlap.planner.report import plan_json, plan_table, recommend
+from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
+from moe_overlap.tools.cli_args import add_link_arg
+from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
+from moe_overlap.tools.workloads import parse_workload
+
+_MB = re.compile(r"(\d+(?:\.\d+)?) MB")
+NONE = mode_config("none")
+
+
+def _sample(executor, batch, ranks: int, repeat: int) -> Sample:
+    walls, comms, transfers = [], [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        executor.run([batch] * ranks, NONE, record=True)
+        walls.append(time.perf_counter() - start)
+        spans = executor.last_spans
+        comms.append(max(sum(s.end - s.start for s in rank if s.track == "comm") for rank in spans))
+        for s in spans[0]:
+            found = _MB.search(s.name) if s.track == "comm" else None
+            if found:
+                transfers.append((float(found[1]) * 1e6, s.end - s.start))
+    return Sample(batch, median(walls), median(comms), tuple(transfers))
+
+
+def _wall(executor, batches, cfg, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        executor.run(batches, cfg)
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def calibrate_this(spec: ModelSpec, layout: PlanLayout, link: str, repeat: int) -> Cluster:
+    """This machine's ranks and link as a Cluster (a run of a few seconds per shape)."""
+    longest = max(s[1] for s in SHAPES) + 1
+    with LLM(
+        config=spec.cfg,
+        ep=layout.ep,
+        link=link,
+        max_num_seqs=max(s[0] for s in SHAPES),
+        max_model_len=longest,
+    ) as llm:
+        ex = llm.executor
+        samples = []
+        for seqs, tokens in SHAPES:
+            batch = shape_batch(seqs, tokens)
+            ex.run([batch] * layout.world, NONE)  # warm
+            samples.append(_sample(ex, batch, layout.world, repeat))
+        tiny = [shape_batch(1, 2)] * layout.world
+        two = mode_config("tbo+two-chunk")
+        _wall(ex, tiny, two, 1)
+        extra = _wall(ex, tiny, two, 3 * repeat) - _wall(ex, tiny, NONE, 3 * repeat)
+    cluster = fit_cluster(spec, layout, samples, 0.0)
+    moe_layers = sum(spec.cfg.is_moe_layer(i) for i in range(spec.cfg.num_hidden_layers))
+    # the second pass also pays its own all-to-alls' latency and the agreement's
+    extra -= (2 * moe_layers + 1) * cluster.a2a_latency_us * 1e-6
+    return fit_cluster(spec, layout, samples, max(extra, 0.0))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    spec = load_model_spec(args.config)
+    layout = make_layout(args.tp, args.dp, args.ep, args.enable_dp_attention)
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    configs = {m: mode_config(m) for m in names}
+    if "none" not in configs:
+        raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
+    if args.cluster == "this":
+        cluster = calibrate_this(spec, layout, args.link, args.repeat)
+        print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
+        started = time.perf_counter()
+    else:
+        cluster = load_cluster(args.cluster)
+    if layout.world > cluster.world:
+        raise ConfigError(
+            f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
+        )
+    workload = parse_workload(args.workload, layout.dp_groups, args.seed)
+    group_batches = make_batches(workload, spec.cfg.vocab_size, args.seed)
+    batches = [group_batches[layout.group_of(r)] for r in range(layout.world)]
+    planner = Planner(spec, cluster, layout)
+    record = bool(args.trace or args.plot)
+    plans = {m: planner.plan(m, cfg, batches, record) for m, cfg in configs.items()}
+    elapsed = time.perf_counter() - started
+    console = Console(width=max(Console().width, 120))
+    for note in spec.notes:
+        console.print(f"note: {note}")
+    title = (
+        f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
+        f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward)"
+    )
+    console.print(plan_table(plans, workload.tokens, title))
+    best, sentence = recommend(plans, configs)
+    console.print(f"recommended: {sentence}")
+    console.print(f"planned in {elapsed:.2f} s")
+    if args.json:
+        out = {"model": args.config, "cluster": cluster.to_json(), "ep": layout.ep}
+        out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    recording = {m: p.spans for m, p in plans.items() if p.spans is not None}
+    if args.trace:
+        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(recording, args.trace)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_timelines(recording, args.plot)
+    for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
+        if path:
+            console.print(f"{what}: {path}")
+    return 0
+
+
+def add_plan_command(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict each overlap mode on a cluster without running it",
+        description="Run the engine's own overlap schedules over simulated operations timed "
+        "from FLOPs and bytes on a cluster, and print each mode's predicted time, speed-up, "
+        "limit max(T_comp, T_comm), bottleneck and the flags to use.",
+    )
+    plan.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    plan.add_argument(
+        "--cluster",
+        required=True,
+        metavar="NAME|JSON",
+        help=f"a preset ({', '.join(presets())}), a cluster JSON file, or this (this machine, "
+        "measured by a short run over --link)",
+    )
+    plan.add_argument("--tp", type=int, default=None, help="GPUs (SGLang's tp); default --ep")
+    plan.add_argument("--dp", type=int, default=None, help="attention DP groups")
+    plan.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
+    plan.add_argument(
+        "--enable-dp-attention", action="store_true", help="each DP group has its own requests"
+    )
+    add_link_arg(plan)
+    plan.add_argument(
+        "--workload",
+        default="uniform:30-3072",
+        metavar="SPEC",
+        help="the bench's grammar: single-long[:N], uniform:A-B[:T], decode:BS[:CTX], file:PATH "
+        "(per DP group)",
+    )
+    plan.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="the bench's modes, comma-separated (default: %(default)s)",
+    )
+    plan.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    plan.add_argument(
+        "--repeat", type=int, default=2, help="--cluster this: forwards per calibration shape"
+    )
+    plan.add_argument("--json", metavar="PATH", help="write the plan in the bench's JSON shape")
+    plan.add_argument("--trace", metavar="PATH", help="write the predicted timelines as a trace")
+    plan.add_argument("--plot", metavar="PATH", help="draw the predicted timelines of rank 0")
+    plan.set_defaults(func=cmd_plan)
