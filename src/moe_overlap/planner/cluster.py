@@ -64,6 +64,9 @@ class Cluster:
     # a chunk with a prefix computes the whole (new x keys) rectangle (CPU SDPA with a mask)
     attention_full_rectangle_with_prefix: bool = False
     attention_tflops: float = 0.0  # 0: gemm_tflops_bf16 x attention_efficiency
+    # DeepEP: a token crosses RDMA once per remote node and NVLink once per GPU it reaches,
+    # however many of its top-k experts sit there (the engine's torch backend sends every row)
+    a2a_dedup: bool = False
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
 

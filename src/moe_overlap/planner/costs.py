@@ -50,7 +50,7 @@ class MicroBatchCost:
     """Per op name, per rank: compute seconds; and each rank's all-to-all bytes."""
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
-    a2a_bytes: list[float] = field(default_factory=list)  # dispatch, and combine alike
+    a2a_bytes: list[list[float]] = field(default_factory=list)  # per rank (NVLink, RDMA)
     allreduce_s: list[float] = field(default_factory=list)  # attention TP's, inside attn_core
 
 
@@ -84,17 +84,28 @@ class CostModel:
             out.allreduce_s.append(self.allreduce_seconds(w.tokens))
         return out
 
-    def a2a_bytes(self, moe_tokens: float, received: float) -> float:
-        """Bytes that leave (or reach) the rank: the engine's max(sent, received) off-rank.
-        FP8 models on FP8 GPUs dispatch FP8 rows with a scale per 128 (DeepEP, SGLang) and
-        combine in BF16: the two average to ``(1 + 1/32 + 2) / 2`` bytes per element."""
+    def a2a_bytes(self, moe_tokens: float, received: float) -> list[float]:
+        """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
+        max(sent, received) rows off-rank, or with ``a2a_dedup`` one copy per GPU (NVLink)
+        and per node (RDMA) a token reaches. FP8 models on FP8 GPUs dispatch FP8 rows with a
+        scale per 128 (DeepEP, SGLang) and combine in BF16: on average ``(1 + 1/32 + 2) / 2``
+        bytes per element."""
         c, ep, cl = self.spec.cfg, self.layout.ep, self.cluster
-        sent = c.num_experts_per_tok * moe_tokens
-        share = (ep - 1) / ep
+        k, per_node = c.num_experts_per_tok, min(ep, cl.gpus_per_node)
         per_elem = cl.activation_bytes
         if self.spec.fp8_weights and cl.gemm_tflops_fp8:
             per_elem = (1 + 1 / 32 + cl.activation_bytes) / 2
-        return max(sent, received) * share * c.hidden_size * per_elem
+        row = c.hidden_size * per_elem
+        if ep == 1:
+            return [0.0, 0.0]
+        if cl.a2a_dedup:
+            nodes = ep // per_node
+            gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
+            nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
+            return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
+        rows = max(k * moe_tokens, received) * (ep - 1) / ep
+        inside = (per_node - 1) / (ep - 1)
+        return [rows * inside * row, rows * (1 - inside) * row]
 
     def allreduce_seconds(self, tokens: int) -> float:
         tp = self.layout.attn_tp
@@ -177,13 +188,9 @@ class CostModel:
         core += attn_flops / self.attn
         return prepare, core, kv_per_key
 
-    def link_seconds(self, nbytes: float) -> float:
-        """A transfer's time on one rank's link (no latency): intra- and inter-node at once."""
-        if nbytes <= 0:
-            return 0.0
-        ep, per_node, cl = self.layout.ep, self.cluster.gpus_per_node, self.cluster
-        peers = ep - 1
-        inside = min(ep, per_node) - 1
-        intra = nbytes * inside / peers / (cl.intra_node_a2a_gbps * 1e9) if peers else 0.0
-        inter = nbytes * (peers - inside) / peers / (cl.inter_node_a2a_gbps * 1e9) if peers else 0.0
-        return max(intra, inter)
+    def link_seconds(self, nbytes: list[float]) -> float:
+        """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""
+        cl = self.cluster
+        return max(
+            nbytes[0] / (cl.intra_node_a2a_gbps * 1e9), nbytes[1] / (cl.inter_node_a2a_gbps * 1e9)
+        )

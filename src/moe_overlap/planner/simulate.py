@@ -58,7 +58,7 @@ class RankClocks:
         at = max(self.now) + extra
         self.now = [at] * len(self.now)
 
-    def launch(self, label: str, nbytes: list[float]) -> list[float]:
+    def launch(self, label: str, nbytes: list[list[float]]) -> list[float]:
         """Start an all-to-all on every rank now; each rank's completion time."""
         last_launch = max(self.now)
         done = []
@@ -70,7 +70,8 @@ class RankClocks:
             self.comm_s[r] += max(0.0, end - max(self.now[r], self._comm_until[r]))
             self._comm_until[r] = max(self._comm_until[r], end)
             if self.record:
-                self.spans[r].append(Span("comm", f"{label} {b / 1e6:.2f} MB", self.now[r], end))
+                mb = sum(b) / 1e6
+                self.spans[r].append(Span("comm", f"{label} {mb:.2f} MB", self.now[r], end))
         return done
 
     def wait(self, track: str, done: list[float]) -> None:
@@ -148,7 +149,7 @@ def experts_then_combine(blocks: int) -> SimOp:
             for b in range(blocks):
                 ctx.run(f"layer {layer.layer_id} experts {b}/{blocks}", "experts", 1 / blocks)
                 ctx.run(f"layer {layer.layer_id} combine_a {b}", "combine_a", 1 / blocks)
-                piece = [x / blocks for x in ctx.cost.a2a_bytes]
+                piece = [[x / blocks for x in b] for b in ctx.cost.a2a_bytes]
                 sent = ctx.clocks.launch(f"layer {layer.layer_id} combine piece {b}", piece)
                 done = (
                     sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]
