@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
@@ -40,8 +41,6 @@ FLAT = Cluster(  # no overheads, one rate everywhere: the arithmetic can be chec
 
 
 def batch(lens: list[int], prefix: int = 0, decode: bool = False) -> ForwardBatch:
-    import torch
-
     n = len(lens)
     return ForwardBatch(
         torch.zeros(sum(lens), dtype=torch.long),
