@@ -10,6 +10,8 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.distributed.groups import Group
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
 class RMSNorm(nn.Module):
@@ -65,13 +67,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with the Hugging Face parameter names (dense layers and shared experts)."""
+    """SwiGLU MLP with the Hugging Face parameter names (dense layers and shared experts),
+    tensor parallel over ``group``: gate and up split by columns, down by rows."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, group: Group | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        group = group or Group.single()
+        self.gate_proj = ColumnLinear.even(hidden, intermediate, group)
+        self.up_proj = ColumnLinear.even(hidden, intermediate, group)
+        self.down_proj = RowLinear(intermediate, hidden, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
