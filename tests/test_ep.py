@@ -46,13 +46,14 @@ def test_layout_refusals():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with pytest.raises(ConfigError, match="--ep=3 must divide num_experts=4"):
         LLM(config=cfg, ep=3)
-    with pytest.raises(ConfigError, match="--enable-dbo needs data/expert parallelism > 1"):
+    with pytest.raises(ConfigError, match="--enable-dbo needs more than one rank"):
         LLM(config=cfg, overlap="dbo")
     with pytest.raises(
-        ConfigError, match="--moe-a2a-backend=local holds every expert on one rank; with --ep=2"
+        ConfigError,
+        match="--moe-a2a-backend=local holds every expert on one rank; with dp2 dp-attention ep2",
     ):
         LLM(config=cfg, ep=2, overlap=OverlapConfig("tbo", moe_a2a_backend="local"))
-    with pytest.raises(ConfigError, match="needs --ep > 1"):
+    with pytest.raises(ConfigError, match=r"needs more than one rank \(--ep or --tp > 1\)"):
         LLM(config=cfg, link="model:1gbit,10us")
 
 

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_overlap import ModelConfig
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
+from moe_overlap.model.tensor_parallel import ModelParallel
 from tests.helpers import qwen3_hf_config
 
 
@@ -32,14 +34,19 @@ def test_round_trip_and_hub_layout(saved):
 
 def test_expert_shards_match_the_whole_model(saved):
     cfg, model, path = saved
-    for ep_rank in range(2):
-        for shard in (
-            build_model(cfg, path, ep_rank=ep_rank, ep_size=2),
-            build_model(cfg, seed=3, ep_rank=ep_rank, ep_size=2),
-        ):
-            bank, whole = shard.layers[0].mlp.experts, model.layers[0].mlp.experts
-            assert (bank.first, bank.count) == (4 * ep_rank, 4)
-            assert torch.equal(bank.down_proj, whole.down_proj[bank.first : bank.first + 4])
+    whole = model.layers[0].mlp.experts
+    inter = whole.intermediate
+    for ep_rank, moe_tp_rank in ((0, 0), (1, 0), (1, 1)):
+        par = ModelParallel(Group.single(), ep_rank, 2, moe_tp_rank, 2)
+        for shard in (build_model(cfg, path, par=par), build_model(cfg, seed=3, par=par)):
+            bank = shard.layers[0].mlp.experts
+            assert (bank.first, bank.count, bank.intermediate) == (4 * ep_rank, 4, inter // 2)
+            mine = slice(moe_tp_rank * inter // 2, (moe_tp_rank + 1) * inter // 2)
+            experts = slice(bank.first, bank.first + 4)
+            assert torch.equal(bank.down_proj, whole.down_proj[experts, :, mine])
+            gate, up = bank.gate_up_proj.split(inter // 2, dim=1)
+            assert torch.equal(gate, whole.gate_up_proj[experts, :inter][:, mine])
+            assert torch.equal(up, whole.gate_up_proj[experts, inter:][:, mine])
 
 
 def test_missing_tensor_is_named(saved):

@@ -55,8 +55,8 @@ def test_tbo_matches_no_overlap(family, case):
 
 
 def test_overlap_flags_are_validated():
-    with pytest.raises(ConfigError, match="--moe-a2a-backend='none' must be one of auto"):
-        OverlapConfig("tbo", moe_a2a_backend="none")
+    with pytest.raises(ConfigError, match="--moe-a2a-backend='deepep' must be one of auto"):
+        OverlapConfig("tbo", moe_a2a_backend="deepep")
     with pytest.raises(ConfigError, match="must be in \\[0, 0.5\\]"):
         OverlapConfig("tbo", tbo_token_distribution_threshold=0.6)
     with pytest.raises(ConfigError, match="overlap='fast' must be one of"):

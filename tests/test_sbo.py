@@ -14,6 +14,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layout
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.overlap.sbo import expert_blocks
@@ -219,6 +220,7 @@ def _structure_worker(rank, world_size, port, family, blocks):
     init_gloo(rank, world_size, port)
     cfg = ModelConfig(**TINY[family])
     spec = EngineSpec(cfg, seed=0, slots_per_rank=2, max_len=64, overlap=sbo(blocks))
+    spec.parallel = ParallelConfig(ep=world_size)
     runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
     log: list[dict] = []
     runner.dispatcher.group = _LoggedGroup(runner.dispatcher.group, log)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 
 DEFAULT_MAX_NUM_SEQS = 256  # sequences running at once per rank (vLLM's max_num_seqs)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's chunked prefill)
@@ -36,6 +37,7 @@ class EngineSpec:
     max_len: int = 4096
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.kv_slots < 1:

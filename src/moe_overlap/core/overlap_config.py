@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
 OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per forward
-A2A_BACKENDS = ("auto", "local", "torch")  # auto: local on one rank, torch on several
+A2A_BACKENDS = ("auto", "local", "torch", "none")  # dispatch/factory.py: resolve_backend
 SPLIT_POLICIES = ("tokens", "time")
 MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
 AUTO_MODES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # what auto chooses among (ties: earlier)

@@ -124,6 +124,7 @@ class AllToAllDispatcher(Dispatcher):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         owner: str = "mb0",
+        extend: bool = True,
     ) -> AllToAllState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         counts = counts.view(self.ep, self.local)  # rows for each rank's local experts

@@ -46,10 +46,12 @@ class DispatchState:
     tokens_per_expert: list[int] = field(default_factory=list)
     expert_outputs: torch.Tensor | None = None
     pending: Pending | None = None
+    scattered: list[int] | None = None  # rows each attention-TP rank dispatched (scatter.py)
 
 
 class Dispatcher(ABC):
-    """A backend: ``local`` (one rank, every expert) or ``torch`` (all-to-all over EP ranks)."""
+    """A backend: ``local`` (one rank, every expert), ``torch`` (all-to-all over EP ranks) or
+    ``none`` (a tensor-parallel MoE: gather, partial experts, all-reduce)."""
 
     name: str
     num_experts: int  # routed experts over all ranks
@@ -61,8 +63,10 @@ class Dispatcher(ABC):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         owner: str = "mb0",
+        extend: bool = True,
     ) -> DispatchState:
-        """Sort the (token, slot) pairs by expert and start sending them to their owners."""
+        """Sort the (token, slot) pairs by expert and start sending them to their owners.
+        ``extend``: this micro-batch extends (prefill), which some backends' padding reads."""
 
     @abstractmethod
     def dispatch_b(self, state: DispatchState) -> None:

@@ -1,37 +1,68 @@
-"""``--moe-a2a-backend``: which dispatcher a rank builds."""
+"""``--moe-a2a-backend``: which dispatcher a rank builds for its layout."""
 
 from __future__ import annotations
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.dispatch.scatter import ScatteredDispatcher
 from moe_overlap.distributed.groups import Group
+from moe_overlap.distributed.layout import RankCoords
 from moe_overlap.distributed.modelled_link import ModelledLink
 
 
-def resolve_backend(backend: str, ep: int) -> str:
-    """``auto`` picks ``local`` on one rank and ``torch`` on several; others are checked."""
+def resolve_backend(backend: str, par: ParallelConfig) -> str:
+    """``auto``: ``local`` on one rank; ``torch`` (all-to-all) when every rank of the TP world
+    owns whole experts (``ep == tp``, moe-TP 1); else ``none``, SGLang's tensor-parallel MoE
+    (gather, partial experts, all-reduce). An explicit choice is checked against the layout."""
+    if par.world_size == 1:
+        if backend in ("torch", "none"):
+            raise ConfigError(
+                f"--moe-a2a-backend={backend} needs more than one rank (--tp or --ep > 1); "
+                "use local (or auto)"
+            )
+        return "local"
     if backend == "auto":
-        return "local" if ep == 1 else "torch"
-    if backend == "local" and ep > 1:
+        return "torch" if par.moe_tp == 1 else "none"
+    if backend == "local":
         raise ConfigError(
-            f"--moe-a2a-backend=local holds every expert on one rank; with --ep={ep} use "
-            "torch (or auto)"
+            f"--moe-a2a-backend=local holds every expert on one rank; with {par.describe()} "
+            "use torch or none (or auto)"
         )
-    if backend == "torch" and ep == 1:
-        raise ConfigError("--moe-a2a-backend=torch needs --ep > 1; use local (or auto)")
+    if backend == "torch" and par.moe_tp > 1:
+        raise ConfigError(
+            f"--moe-a2a-backend=torch needs --ep equal to --tp (whole experts per rank), not "
+            f"--ep {par.ep} with --tp {par.tp}; set --ep {par.tp}, or use none (or auto)"
+        )
     return backend
 
 
 def make_dispatcher(
     backend: str,
     num_experts: int,
-    group: Group,
+    par: ParallelConfig,
+    groups: dict[str, Group],
+    coords: RankCoords,
     link: ModelledLink | None = None,
     timeline: Timeline | None = None,
 ) -> Dispatcher:
-    if resolve_backend(backend, group.size) == "local":
+    kind = resolve_backend(backend, par)
+    if kind == "local":
         return LocalDispatcher(num_experts)
-    return AllToAllDispatcher(group, num_experts, link, timeline)
+    if kind == "none":
+        return GatherDispatcher(
+            groups["tp"],
+            groups["attn_dp"],
+            coords.attn_tp_rank,
+            coords.ep_rank,
+            par.ep,
+            num_experts,
+            link,
+            timeline,
+        )
+    a2a = AllToAllDispatcher(groups["ep"], num_experts, link, timeline)
+    return ScatteredDispatcher(a2a, groups["attn_tp"]) if par.attn_tp > 1 else a2a

@@ -19,6 +19,7 @@ class LocalDispatcher(Dispatcher):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         owner: str = "mb0",
+        extend: bool = True,
     ) -> DispatchState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         state = DispatchState(hidden.shape[0], topk_weights, order, owner)

@@ -8,12 +8,14 @@ initialises ``torch.distributed``.
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.timeline import Timeline
 from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Works
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
 
@@ -41,6 +43,8 @@ class Group:
             raise ValueError(f"group {name!r} {ranks} has several ranks but no process group")
         self.ranks, self.global_rank, self.pg = list(ranks), global_rank, pg
         self.backend, self.timeout, self.name = str(backend), timeout, name
+        # set on the attention-TP group: its blocking collectives land on the "tp comm" track
+        self.timeline: Timeline | None = None
         on_cuda = self.backend == "nccl"
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -85,7 +89,14 @@ class Group:
         self, work: dist.Work | None, output: torch.Tensor, op: str, async_op: bool
     ) -> torch.Tensor | CommHandle:
         handle = CommHandle(self._wait, work, output, op)
-        return handle if async_op else handle.wait()
+        if async_op:
+            return handle
+        if self.timeline is None or not self.timeline.enabled or work is None:
+            return handle.wait()
+        start = time.perf_counter()
+        out = handle.wait()
+        self.timeline.add("tp comm", f"{self.name} {op}", start, time.perf_counter())
+        return out
 
     def all_reduce(
         self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False

@@ -19,7 +19,9 @@ from moe_overlap.core.engine_config import (
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig, check_model_fits
 from moe_overlap.dispatch.factory import resolve_backend
+from moe_overlap.distributed.layout import compute_layout
 from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
@@ -29,7 +31,9 @@ from moe_overlap.runtime.launch import start_executor
 
 
 class LLM:
-    """An MoE inference engine over ``ep`` expert-parallel ranks (1 = this process only).
+    """An MoE inference engine over SGLang's layouts: ``tp`` tensor-parallel ranks, cut into
+    ``dp`` attention-DP groups with ``enable_dp_attention``, experts sharded ``ep`` ways inside
+    them; ``tp=1, ep=N`` is pure expert parallelism over N ranks; all 1 is this process only.
 
     ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint, and its tokenizer when the
     directory has a tokenizer.json (``tokenizer`` names another directory); ``LLM(config=cfg,
@@ -42,7 +46,10 @@ class LLM:
         *,
         config: ModelConfig | None = None,
         seed: int = 0,
+        tp: int = 1,
+        dp: int = 1,
         ep: int = 1,
+        enable_dp_attention: bool = False,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -54,7 +61,7 @@ class LLM:
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
         cfg = config or ModelConfig.from_hf(model)
-        for name, value in (("ep", ep), ("max_num_seqs", max_num_seqs), ("seed", seed)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("seed", seed)):
             _check_int(name, value, minimum=0 if name == "seed" else 1)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_model_len is not None:
@@ -63,22 +70,29 @@ class LLM:
             raise ConfigError(f"--timeout={timeout_s!r} must be a number of seconds")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
-        if cfg.num_experts % ep:
-            raise ConfigError(f"--ep={ep} must divide num_experts={cfg.num_experts}")
+        par = ParallelConfig(tp, dp, ep, enable_dp_attention)
+        compute_layout(par.world_size, 1 if par.pure_ep else tp, 1, ep, dp, enable_dp_attention)
+        check_model_fits(cfg, par)
         if isinstance(overlap, str):
             overlap = OverlapConfig(mode=overlap)
         link_spec = _parse_link(link)
-        _check_layout(ep, overlap, link_spec)
+        _check_layout(par, overlap, link_spec)
         max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config, self.seed, self.max_len = cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         spec = EngineSpec(
-            cfg, str(model) if model is not None else None, seed, max_num_seqs, max_len, overlap
+            cfg,
+            str(model) if model is not None else None,
+            seed,
+            max_num_seqs,
+            max_len,
+            overlap,
+            parallel=par,
         )
-        self.spec = spec
-        self.executor = start_executor(spec, ep, link_spec, float(timeout_s))
-        self.scheduler = Scheduler(  # as many slots as the ranks' KV caches hold
-            self.executor.num_ranks,
+        self.spec, self.parallel = spec, par
+        self.executor = start_executor(spec, link_spec, float(timeout_s))
+        self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
+            self.executor.num_dp,
             spec.kv_slots,
             max_len,
             max_num_batched_tokens,
@@ -227,10 +241,15 @@ def _parse_link(link: object) -> LinkSpec:
         raise ConfigError(str(exc)) from None
 
 
-def _check_layout(ep: int, overlap: OverlapConfig, link: LinkSpec) -> None:
+def _check_layout(par: ParallelConfig, overlap: OverlapConfig, link: LinkSpec) -> None:
     """The reference systems' refusals, each with the fix."""
-    resolve_backend(overlap.moe_a2a_backend, ep)
-    if overlap.mode == "dbo" and ep == 1:
-        raise ConfigError("--enable-dbo needs data/expert parallelism > 1; set --ep 2 or more")
-    if ep == 1 and link.kind != "none":
-        raise ConfigError(f"--link {link.spec} needs --ep > 1: one process has no link to emulate")
+    resolve_backend(overlap.moe_a2a_backend, par)
+    if overlap.mode == "dbo" and par.world_size == 1:
+        raise ConfigError(
+            "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"
+        )
+    if par.world_size == 1 and link.kind != "none":
+        raise ConfigError(
+            f"--link {link.spec} needs more than one rank (--ep or --tp > 1): one process has "
+            "no link to emulate"
+        )

@@ -7,6 +7,7 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
     AttentionPlan,
     RMSNorm,
@@ -14,32 +15,34 @@ from moe_overlap.model.layers import (
     causal_attention,
     decode_attention,
 )
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    """Query heads split over the attention-TP ``group``; KV heads split too, or replicated
+    (each rank holding the one its query heads share) when there are fewer than ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, group: Group | None = None):
         super().__init__()
+        group = group or Group.single()
         self.layer_id = layer_id
-        self.heads, self.kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.heads, self.head_dim = heads // group.size, d
+        self.kv_heads = max(1, kv_heads // group.size)
+        # the first KV head this rank holds: its share, or the one its query heads map to
+        first_kv = group.rank * self.heads // (heads // kv_heads)
+        kv_rows = range(first_kv * d, (first_kv + self.kv_heads) * d)
+        self.q_proj = ColumnLinear.even(h, heads * d, group)
+        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows)
+        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows)
+        self.o_proj = RowLinear(heads * d, h, group)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(d, cfg.rope_theta)
 
-    @staticmethod
-    def kv_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return {
-            "k": (cfg.num_key_value_heads, cfg.head_dim),
-            "v": (cfg.num_key_value_heads, cfg.head_dim),
-        }
+    def kv_entries(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
 
     def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]

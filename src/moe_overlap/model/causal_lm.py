@@ -11,6 +11,7 @@ from moe_overlap.model.attention import GQAttention
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.mla import MLAttention
+from moe_overlap.model.tensor_parallel import ModelParallel, VocabEmbedding, VocabHead
 
 
 def attention_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -18,12 +19,12 @@ def attention_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep_rank: int, ep_size: int):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel):
         super().__init__()
         attn = attention_class(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, attn(cfg, i), ep_rank, ep_size)
+            DecoderLayer(cfg, i, attn(cfg, i, par.attn_tp), par)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -32,14 +33,16 @@ class _Backbone(nn.Module):
 class MoeForCausalLM(nn.Module):
     """Parameter names follow the Hugging Face checkpoints (``model.layers.N...``, ``lm_head``).
 
-    Under expert parallelism each rank builds only its ``num_experts / ep_size`` experts.
+    ``par`` places this rank: attention, dense MLPs and the vocabulary split over its
+    attention-TP group, ``num_experts / ep_size`` experts each cut to its moe-TP slice.
     """
 
-    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = _Backbone(cfg, ep_rank, ep_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.par = par = par or ModelParallel.single()
+        self.model = _Backbone(cfg, par)
+        self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -48,7 +51,7 @@ class MoeForCausalLM(nn.Module):
         return self.model.layers
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
-        return attention_class(self.cfg).kv_entries(self.cfg)
+        return self.layers[0].self_attn.kv_entries()
 
     def op_embed(self, ctx: ForwardContext) -> dict:
         return {"hidden_states": self.model.embed_tokens(ctx.batch.input_ids), "residual": None}

@@ -16,6 +16,7 @@ from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP, RMSNorm
 from moe_overlap.model.moe import SparseMoeBlock
+from moe_overlap.model.tensor_parallel import ModelParallel
 
 # the operations a layer has, in sequential order; overlap/strategy.py schedules them
 MOE_OPS = (
@@ -42,8 +43,7 @@ class DecoderLayer(nn.Module):
         cfg: ModelConfig,
         layer_id: int,
         self_attn: nn.Module,
-        ep_rank: int = 0,
-        ep_size: int = 1,
+        par: ModelParallel | None = None,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -51,10 +51,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        par = par or ModelParallel.single()
         self.mlp = (
-            SparseMoeBlock(cfg, ep_rank, ep_size)
+            SparseMoeBlock(cfg, par)
             if self.is_moe
-            else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, par.attn_tp)
         )
 
     @property

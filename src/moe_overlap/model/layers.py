@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.distributed.groups import Group
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
 class RMSNorm(nn.Module):
@@ -65,13 +66,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with the Hugging Face parameter names (dense layers and shared experts)."""
+    """SwiGLU MLP with the Hugging Face parameter names (dense layers and shared experts),
+    tensor parallel over ``group``: gate and up split by columns, down by rows."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, group: Group | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        group = group or Group.single()
+        self.gate_proj = ColumnLinear.even(hidden, intermediate, group)
+        self.up_proj = ColumnLinear.even(hidden, intermediate, group)
+        self.down_proj = RowLinear(intermediate, hidden, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -130,7 +133,8 @@ def causal_attention(
     """Attention of ``q [new, heads, d]`` over a sequence's cached ``k/v [len, kv_heads, d]``.
 
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
-    causal mask aligned to the lower right, which (with 4-D inputs) takes SDPA's fused CPU path;
+    causal mask aligned to the lower right, as a boolean mask (what torch's ``CausalBias``
+    materialises on CPU anyway, without importing its dynamo machinery into every rank);
     GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
     """
     new, length = q.shape[0], k.shape[0]
@@ -139,12 +143,16 @@ def causal_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=causal_lower_right(new, length) if prefix_len else None,
+        attn_mask=_lower_right_causal(new, length) if prefix_len else None,
         is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def _lower_right_causal(new: int, length: int) -> torch.Tensor:
+    return torch.ones(new, length, dtype=torch.bool).tril(diagonal=length - new)
 
 
 def decode_attention(

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.tensor_parallel import ModelParallel, Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
@@ -22,25 +23,38 @@ class CheckpointError(ValueError):
     """A checkpoint is missing a tensor, holds one of the wrong shape, or is unreadable."""
 
 
-def checkpoint_layout(model: MoeForCausalLM) -> dict[str, torch.Tensor]:
-    """Map each checkpoint tensor name this rank needs to the tensor (or view) it fills."""
+def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Shard | None]]:
+    """Map each checkpoint tensor name this rank needs to the tensor (or view) it fills, and
+    which slice of the checkpoint tensor that is (None: all of it)."""
     layout = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
         match = _EXPERT_PARAM.fullmatch(name)
         if match is None:
-            layout[name] = tensor
+            layout[name] = (tensor.detach(), getattr(tensor, "shard", None))
             continue
         bank, prefix = model.get_submodule(match[1]), match[1]
+        rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
         for i in range(bank.count):
             expert = f"{prefix}.{bank.first + i}"
+            weights = tensor.detach()[i]
             if match[2] == "down_proj":
-                layout[f"{expert}.down_proj.weight"] = tensor[i]
+                cols = Shard(1, bank.inter_start, bank.inter_full)
+                layout[f"{expert}.down_proj.weight"] = (weights, cols)
             else:  # the fused matrix: gate rows first, then up rows
-                gate, up = tensor[i].split(bank.intermediate)
-                layout[f"{expert}.gate_proj.weight"], layout[f"{expert}.up_proj.weight"] = gate, up
+                gate, up = weights.split(bank.intermediate)
+                layout[f"{expert}.gate_proj.weight"] = (gate, rows)
+                layout[f"{expert}.up_proj.weight"] = (up, rows)
     return layout
+
+
+def _full_shape(dest: torch.Tensor, shard: Shard | None) -> tuple[int, ...]:
+    return tuple(dest.shape) if shard is None else shard.full_shape(dest.shape)
+
+
+def _fill(dest: torch.Tensor, shard: Shard | None, whole: torch.Tensor) -> None:
+    dest.copy_(whole if shard is None else shard.take(whole, dest.shape))
 
 
 def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
@@ -51,7 +65,7 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
         raise CheckpointError(f"no *.safetensors files in {path}")
     where = _index(files)
     with torch.no_grad():
-        for name, dest in checkpoint_layout(model).items():
+        for name, (dest, shard) in checkpoint_layout(model).items():
             if name not in where:
                 raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
             file = where[name]
@@ -60,12 +74,13 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
                     value = f.get_tensor(name)
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise CheckpointError(f"cannot read tensor {name!r} from {file}: {exc}") from exc
-            if tuple(value.shape) != tuple(dest.shape):
+            expected = _full_shape(dest, shard)
+            if tuple(value.shape) != expected:
                 raise CheckpointError(
                     f"tensor {name!r} in {file.name} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(dest.shape)} from config.json"
+                    f"expected {expected} from config.json"
                 )
-            dest.copy_(value)
+            _fill(dest, shard, value)
 
 
 def _index(files: list[Path]) -> dict[str, Path]:
@@ -82,27 +97,35 @@ def _index(files: list[Path]) -> dict[str, Path]:
 def init_random(model: MoeForCausalLM, seed: int) -> None:
     """Seeded random weights, drawn per checkpoint tensor name.
 
-    Every tensor depends only on ``(seed, name)``, so a rank holding experts 4..7 gets the same
-    expert weights as a single process holding all of them.
+    Every tensor depends only on ``(seed, name)`` and is drawn whole, then cut to this rank's
+    slice, so a rank holding experts 4..7 (or half of every head) gets exactly the weights a
+    single process holding all of them has.
     """
     with torch.no_grad():
-        for name, dest in checkpoint_layout(model).items():
+        for name, (dest, shard) in checkpoint_layout(model).items():
+            shape = _full_shape(dest, shard)
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            noise = torch.randn(dest.shape, generator=gen, dtype=torch.float32)
-            if dest.dim() >= 2:
-                value = noise * dest.shape[-1] ** -0.5
+            noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+            if len(shape) >= 2:
+                value = noise * shape[-1] ** -0.5
             elif name.endswith("e_score_correction_bias"):
                 value = 0.1 * noise
             else:  # norm weights
                 value = 1.0 + 0.1 * noise
-            dest.copy_(value.to(dest.dtype))
+            _fill(dest, shard, value.to(dest.dtype))
 
 
 def save_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` in the Hub layout (one process, all experts)."""
+    layout = checkpoint_layout(model)
+    if any(
+        shard is not None and dest.shape != _full_shape(dest, shard)
+        for dest, shard in layout.values()
+    ):
+        raise ValueError("save_checkpoint needs the whole model (one process), not a rank's shard")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous().clone() for k, v in checkpoint_layout(model).items()}
+    tensors = {k: dest.contiguous().clone() for k, (dest, _) in layout.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
 
@@ -111,11 +134,10 @@ def build_model(
     cfg: ModelConfig,
     path: str | Path | None = None,
     seed: int = 0,
-    ep_rank: int = 0,
-    ep_size: int = 1,
+    par: ModelParallel | None = None,
 ) -> MoeForCausalLM:
     """Build this rank's model and fill it from ``path``, or with seeded random weights."""
-    model = MoeForCausalLM(cfg, ep_rank, ep_size)
+    model = MoeForCausalLM(cfg, par)
     if path is None:
         init_random(model, seed)
     else:

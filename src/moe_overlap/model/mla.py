@@ -13,6 +13,7 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
     AttentionPlan,
     RMSNorm,
@@ -20,6 +21,7 @@ from moe_overlap.model.layers import (
     causal_attention,
     decode_attention,
 )
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
@@ -28,36 +30,39 @@ _LORA_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """Parameter names follow the Hugging Face checkpoints (``q_a_proj``, ``kv_b_proj``, ...)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, group: Group | None = None):
         super().__init__()
+        group = group or Group.single()
         self.layer_id = layer_id
-        self.heads = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
+        self.heads = heads // group.size  # this rank's heads (attention TP)
         self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_dim, self.kv_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
         h = cfg.hidden_size
         self.q_lora = cfg.q_lora_rank is not None
+        # the LoRA down-projections and the latent are replicated; the per-head up-projections
+        # are split by heads, o_proj by its input columns (SGLang's split)
         if not self.q_lora:  # DeepSeek-V2-Lite: a plain query projection
-            self.q_proj = nn.Linear(h, self.heads * self.qk_dim, bias=False)
+            self.q_proj = ColumnLinear.even(h, heads * self.qk_dim, group)
         else:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * self.qk_dim, bias=False)
+            self.q_b_proj = ColumnLinear.even(cfg.q_lora_rank, heads * self.qk_dim, group)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, _LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(
-            self.kv_rank, self.heads * (self.nope_dim + self.v_dim), bias=False
+        self.kv_b_proj = ColumnLinear.even(
+            self.kv_rank, heads * (self.nope_dim + self.v_dim), group
         )
-        self.o_proj = nn.Linear(self.heads * self.v_dim, h, bias=False)
+        self.o_proj = RowLinear(heads * self.v_dim, h, group)
         self.rotary = RotaryEmbedding(
             self.rope_dim, cfg.rope_theta, interleaved=cfg.rope_interleave
         )
         # Default RoPE only (config rejects yarn), so no mscale correction of the scale.
         self.scale = self.qk_dim**-0.5
 
-    @staticmethod
-    def kv_entries(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        return {"latent": (cfg.kv_lora_rank,), "k_pe": (cfg.qk_rope_head_dim,)}
+    def kv_entries(self) -> dict[str, tuple[int, ...]]:
+        return {"latent": (self.kv_rank,), "k_pe": (self.rope_dim,)}
 
     def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Return ``(q [T, heads, nope+rope], latent [T, kv_rank], k_pe [T, rope])``."""

@@ -11,6 +11,7 @@ from torch import nn
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP
+from moe_overlap.model.tensor_parallel import ModelParallel, even_part
 
 
 class Router(nn.Module):
@@ -65,16 +66,23 @@ def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 class ExpertBank(nn.Module):
-    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked.
+    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked,
+    each holding intermediate rows ``inter_rows`` of ``inter_full`` (moe-TP shards an expert's
+    width; its outputs are then partial sums the dispatcher reduces).
 
     Each expert's gate and up projections are one ``[2 * intermediate, hidden]`` matrix (one
     matmul); the checkpoint keeps them as ``experts.N.gate_proj`` and ``experts.N.up_proj``
     (``model/loader.py: checkpoint_layout`` maps the names to the two halves).
     """
 
-    def __init__(self, hidden: int, intermediate: int, first: int, count: int):
+    def __init__(
+        self, hidden: int, inter_full: int, first: int, count: int, inter_rows: range | None = None
+    ):
         super().__init__()
-        self.first, self.count, self.intermediate = first, count, intermediate
+        inter_rows = inter_rows or range(inter_full)
+        self.first, self.count = first, count
+        self.inter_full, self.inter_start = inter_full, inter_rows.start
+        self.intermediate = intermediate = len(inter_rows)
         self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(count, hidden, intermediate))
 
@@ -104,17 +112,22 @@ class ExpertBank(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router, this rank's experts and (DeepSeek) shared experts, exposed as operations."""
 
-    def __init__(self, cfg: ModelConfig, ep_rank: int = 0, ep_size: int = 1):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
         super().__init__()
-        local = cfg.num_experts // ep_size
+        par = par or ModelParallel.single()
+        local = cfg.num_experts // par.ep_size
         self.gate = Router(cfg)
         self.experts = ExpertBank(
-            cfg.hidden_size, cfg.moe_intermediate_size, ep_rank * local, local
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            par.ep_rank * local,
+            local,
+            even_part(cfg.moe_intermediate_size, par.moe_tp_rank, par.moe_tp_size),
         )
         self.shared_experts = None
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(
-                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par.attn_tp
             )
 
     def op_gate(self, ctx: ForwardContext) -> None:
@@ -128,7 +141,8 @@ class SparseMoeBlock(nn.Module):
         s = ctx.state
         x = s.get("mlp_in") if self.shared_experts is not None else s.pop("mlp_in")
         ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
-        s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name))
+        extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
+        s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
 
     def op_dispatch_b(self, ctx: ForwardContext) -> None:
         ctx.dispatcher.dispatch_b(ctx.state.get("dispatch"))

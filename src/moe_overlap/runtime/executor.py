@@ -18,7 +18,9 @@ from moe_overlap.core.timeline import Span
 
 
 class Executor(ABC):
-    num_ranks: int
+    num_ranks: int  # processes
+    # batches per step, one per attention-DP group; rank r runs batch r // (num_ranks / num_dp)
+    num_dp: int
     is_driver: bool = True  # False on torchrun ranks > 0, which only serve rank 0's steps
     last_spans: list[list[Span] | None]  # per rank, the spans of the last recorded step
 
@@ -29,13 +31,14 @@ class Executor(ABC):
         overlap: OverlapConfig | None = None,
         record: bool = False,
     ) -> list[torch.Tensor]:
-        """Each rank's logits for its batch (``batches[r]`` runs on rank r). ``overlap``
+        """Each attention-DP group's logits for its batch (``batches[d]`` runs on group d's
+        ranks). ``overlap``
         overrides the engine's scheme for this step; with ``record`` each rank's timeline
         spans land in ``last_spans``."""
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""
-        raise ConfigError(f"probing the link needs --ep 2 or more, not {self.num_ranks}")
+        raise ConfigError("probing the link needs 2 or more ranks (--ep or --tp)")
 
     def serve(self) -> None:
         """Ranks that do not drive: serve the driver's steps until it ends the call."""

@@ -10,9 +10,9 @@ from moe_overlap.runtime.spawn import SpawnedExecutor
 from moe_overlap.runtime.torchrun import TorchrunExecutor, launched_by_torchrun
 
 
-def start_executor(spec: EngineSpec, ep: int, link: LinkSpec, timeout_s: float) -> Executor:
-    if ep == 1:
+def start_executor(spec: EngineSpec, link: LinkSpec, timeout_s: float) -> Executor:
+    if spec.parallel.world_size == 1:
         return LocalExecutor(spec)
     if launched_by_torchrun():
-        return TorchrunExecutor(spec, ep, link, timeout_s)
-    return SpawnedExecutor(spec, ep, link, timeout_s)
+        return TorchrunExecutor(spec, link, timeout_s)
+    return SpawnedExecutor(spec, link, timeout_s)

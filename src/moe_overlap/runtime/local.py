@@ -12,7 +12,7 @@ from moe_overlap.runtime.rank import build_rank_runner, serve_step
 
 
 class LocalExecutor(Executor):
-    num_ranks = 1
+    num_ranks = num_dp = 1
 
     def __init__(self, spec: EngineSpec):
         self.runner = build_rank_runner(spec)

@@ -12,14 +12,16 @@ import torch.distributed as dist
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.timeline import Span, Timeline
 from moe_overlap.dispatch.factory import make_dispatcher
 from moe_overlap.distributed.groups import Group, init_process_groups
-from moe_overlap.distributed.layout import compute_layout
+from moe_overlap.distributed.layout import GROUP_KINDS, compute_layout
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model
+from moe_overlap.model.tensor_parallel import ModelParallel
 from moe_overlap.runtime.model_runner import ModelRunner
 
 
@@ -38,11 +40,19 @@ class RankSpec:
 
 
 def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRunner:
-    """This rank's ModelRunner over its expert shard; ``rank=None`` is the one-process engine
-    (no torch.distributed at all)."""
+    """This rank's ModelRunner over its shard of the layout; ``rank=None`` is the one-process
+    engine (no torch.distributed at all)."""
+    par = spec.parallel
+    tp = 1 if par.pure_ep else par.tp
+    layout = compute_layout(par.world_size, tp, 1, par.ep, par.dp, par.enable_dp_attention)
     if rank is None:
-        group, link = Group.single(name="ep"), None
+        me, link = 0, None
+        groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
     else:
+        if rank.world_size != par.world_size:
+            raise ConfigError(
+                f"{rank.world_size} ranks were started but {par.describe()} needs {par.world_size}"
+            )
         if not dist.is_initialized():
             dist.init_process_group(
                 "gloo",
@@ -51,17 +61,24 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
                 world_size=rank.world_size,
                 timeout=timedelta(seconds=rank.timeout_s),
             )
-        n = rank.world_size
-        group = init_process_groups(compute_layout(n, 1, 1, n, 1, False), rank.rank, "gloo")["ep"]
+        me = rank.rank
+        groups = init_process_groups(layout, me, "gloo")
         link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
-    path = Path(spec.model_path) if spec.model_path else None
-    model = build_model(spec.config, path, spec.seed, group.rank, group.size)
-    timeline = Timeline()
-    dispatcher = make_dispatcher(
-        spec.overlap.moe_a2a_backend, spec.config.num_experts, group, link, timeline
+    coords = layout.coords(me)
+    model_par = ModelParallel(
+        groups["attn_tp"], coords.ep_rank, layout.ep, coords.moe_tp_rank, layout.moe_tp
     )
+    path = Path(spec.model_path) if spec.model_path else None
+    model = build_model(spec.config, path, spec.seed, model_par)
+    timeline = Timeline()
+    groups["attn_tp"].timeline = timeline  # attention/vocabulary all-reduces and all-gathers
+    dispatcher = make_dispatcher(
+        spec.overlap.moe_a2a_backend, spec.config.num_experts, par, groups, coords, link, timeline
+    )
+    # every rank that shares a MoE collective takes the overlap decisions together
+    moe_group = groups["ep"] if layout.pure_ep else groups["tp"]
     return ModelRunner(
-        model, dispatcher, spec.kv_slots, spec.max_len, spec.overlap, group, timeline
+        model, dispatcher, spec.kv_slots, spec.max_len, spec.overlap, moe_group, timeline
     )
 
 

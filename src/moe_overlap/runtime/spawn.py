@@ -65,17 +65,18 @@ class SpawnedExecutor(Executor):
     def __init__(
         self,
         spec: EngineSpec,
-        ep: int,
         link: LinkSpec,
         timeout_s: float = 60.0,
         threads_per_rank: int = 1,
     ):
-        self.num_ranks, self.timeout_s = ep, timeout_s
+        world = spec.parallel.world_size
+        self.num_ranks, self.num_dp, self.timeout_s = world, spec.parallel.attn_dp, timeout_s
+        self.attn_tp = spec.parallel.attn_tp
         self.link_spec = link
         self.netns: NetnsLink | None = None
         self.procs, self.conns = [], []
         self.closed = False
-        self.last_spans = [None] * ep
+        self.last_spans = [None] * world
         self._unread: set[int] = set()  # ranks whose reply to the last step is not read yet
         try:
             self._start(spec, threads_per_rank)
@@ -111,9 +112,12 @@ class SpawnedExecutor(Executor):
         overlap: OverlapConfig | None = None,
         record: bool = False,
     ) -> list[torch.Tensor]:
-        replies = self._request([("step", b.to_dict(), overlap, record) for b in batches])
+        dicts = [b.to_dict() for b in batches]
+        msgs = [("step", dicts[r // self.attn_tp], overlap, record) for r in range(self.num_ranks)]
+        replies = self._request(msgs)
         self.last_spans = [spans for _, spans in replies]
-        return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
+        leaders = replies[:: self.attn_tp]  # attention-TP rank 0 of each group answers for it
+        return [torch.from_numpy(np.asarray(logits)) for logits, _ in leaders]
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)

@@ -28,10 +28,13 @@ def launched_by_torchrun() -> bool:
 
 
 class TorchrunExecutor(Executor):
-    def __init__(self, spec: EngineSpec, ep: int, link: LinkSpec, timeout_s: float):
-        world = int(os.environ["WORLD_SIZE"])
-        if world != ep:
-            raise ConfigError(f"torchrun started {world} processes but --ep={ep}; they must match")
+    def __init__(self, spec: EngineSpec, link: LinkSpec, timeout_s: float):
+        world, par = int(os.environ["WORLD_SIZE"]), spec.parallel
+        if world != par.world_size:
+            raise ConfigError(
+                f"torchrun started {world} processes but {par.describe()} needs "
+                f"{par.world_size}; they must match"
+            )
         if link.kind == "netns":
             raise ConfigError(
                 f"--link {link.spec} cannot be used under torchrun: the launcher, not us, starts "
@@ -39,6 +42,7 @@ class TorchrunExecutor(Executor):
                 "(or shape the real network yourself)"
             )
         self.rank, self.num_ranks = int(os.environ["RANK"]), world
+        self.num_dp, self.attn_tp = par.attn_dp, par.attn_tp
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         rank = RankSpec(self.rank, world, "env://", timeout_s, link)
@@ -68,7 +72,8 @@ class TorchrunExecutor(Executor):
         self._broadcast(("step", dicts, overlap, record))
         replies = self._step(dicts[0], overlap, record)
         self.last_spans = [spans for _, spans in replies]
-        return [torch.from_numpy(np.asarray(logits)) for logits, _ in replies]
+        leaders = replies[:: self.attn_tp]  # attention-TP rank 0 of each group answers for it
+        return [torch.from_numpy(np.asarray(logits)) for logits, _ in leaders]
 
     def end_generate(self) -> None:
         self._broadcast(("end",))
@@ -80,7 +85,7 @@ class TorchrunExecutor(Executor):
             if msg[0] != "step":
                 self.closed = msg[0] == "stop"
                 return
-            self._step(msg[1][self.rank], msg[2], msg[3])
+            self._step(msg[1][self.rank // self.attn_tp], msg[2], msg[3])
 
     def close(self) -> None:
         if self.closed:

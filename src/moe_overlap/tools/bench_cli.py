@@ -12,10 +12,11 @@ from rich.console import Console
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
-from moe_overlap.tools.cli_args import add_link_arg, add_model_args
+from moe_overlap.tools.cli_args import add_layout_args, add_link_arg, add_model_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
 from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
 from moe_overlap.tools.workloads import parse_workload
@@ -58,12 +59,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mode_config(mode)  # a clear error for a malformed name
     if "none" not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    if args.ep < 2 and "dbo" in modes:
-        raise ConfigError("--modes with dbo needs --ep 2 or more")
+    par = ParallelConfig(**layout_kwargs(args))
+    if par.world_size < 2 and "dbo" in modes:
+        raise ConfigError("--modes with dbo needs 2 or more ranks (--ep or --tp)")
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     cfg = ModelConfig.from_hf(args.model or args.config)
-    workload = parse_workload(args.workload, args.ep, args.seed)
+    workload = parse_workload(args.workload, par.attn_dp, args.seed)  # a batch per DP group
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
     if longest > cfg.max_position_embeddings:
         raise ConfigError(
@@ -76,7 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with LLM(
         **source,
         seed=args.seed,
-        ep=args.ep,
+        **layout_kwargs(args),
         link=args.link,
         timeout_s=args.timeout,
         max_num_seqs=slots,
@@ -93,7 +95,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             overrides={"auto": auto},
         )
     title = (
-        f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
+        f"{Path(args.model or args.config).stem}, {par.describe()}, --link {args.link}, "
         f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
     )
     console.print(bench_table(report, title))
@@ -103,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "model": args.model or args.config,
-                    "ep": args.ep,
+                    **layout_kwargs(args),
                     "link": args.link,
                     **report.to_json(),
                 },
@@ -151,7 +153,8 @@ def add_bench_commands(sub) -> None:
         "(with T_comp, T_comm and the limit max(T_comp, T_comm) from the no-overlap forwards).",
     )
     add_model_args(bench)
-    bench.add_argument("--ep", type=int, default=2, help="expert-parallel ranks (default 2)")
+    add_layout_args(bench)
+    bench.set_defaults(ep=2)  # the bench's default layout: pure EP over two ranks
     add_link_arg(bench)
     bench.add_argument(
         "--workload",

@@ -50,13 +50,43 @@ def add_link_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's layout flags, with SGLang's meanings."""
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: the world size, started on this machine (default 1). "
+        "Attention, dense MLPs and the vocabulary split over tp/dp ranks",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="attention data-parallel groups inside --tp, each with its own requests and KV "
+        "cache; needs --enable-dp-attention (default 1)",
+    )
+    p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="run attention data parallel: --dp groups of --tp/--dp ranks each",
+    )
     p.add_argument(
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel ranks started on this machine (default 1: one process)",
+        help="expert-parallel size: routed experts split --ep ways inside --tp (ep < tp: each "
+        "expert's width split tp/ep ways too); with --tp 1, --ep N is pure expert parallelism "
+        "over N ranks (default %(default)s)",
     )
+
+
+def layout_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tp=args.tp, dp=args.dp, ep=args.ep, enable_dp_attention=args.enable_dp_attention)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_layout_args(p)
     add_link_arg(p)
     p.add_argument(
         "--timeout",
@@ -69,8 +99,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--moe-a2a-backend",
         choices=A2A_BACKENDS,
         default="auto",
-        help="token dispatcher: torch (all-to-all over torch.distributed), local (one process "
-        "holds every expert), or auto (the default: local at --ep 1, torch above)",
+        help="token dispatcher: torch (all-to-all over the EP ranks; needs --ep equal to the "
+        "world), none (SGLang's tensor-parallel MoE: gather the tokens, run the local experts' "
+        "slices, all-reduce), local (one process holds every expert), or auto (the default: "
+        "local on one rank, torch when every rank owns whole experts, else none)",
     )
     p.add_argument(
         "--max-model-len",
@@ -230,7 +262,7 @@ def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         seed=args.seed,
-        ep=args.ep,
+        **layout_kwargs(args),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

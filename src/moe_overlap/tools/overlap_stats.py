@@ -70,7 +70,10 @@ class OverlapStats:
 
 def overlap_stats(spans: list[Span]) -> OverlapStats:
     """Compute, communication and their overlap in one rank's recorded forward."""
-    waits = union([(s.start, s.end) for s in spans if s.track.endswith(" wait")])
+    # blocked on a receive, or in a blocking attention-TP collective: not computing
+    waits = union(
+        [(s.start, s.end) for s in spans if s.track.endswith(" wait") or s.track == "tp comm"]
+    )
     busy = union([(s.start, s.end) for s in spans if s.track.startswith("mb")])
     compute = subtract(busy, waits)
     comm = union([(s.start, s.end) for s in spans if s.track == "comm"])

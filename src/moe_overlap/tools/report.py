@@ -22,11 +22,15 @@ def bench_table(report: BenchReport, title: str) -> Table:
             f"{report.speedup(mode):.2f}x",
             "-" if hidden is None else f"{hidden:.0%}",
         )
+    tp = ""
+    if report.t_tp_comm:
+        tp = f" + T_tp {report.t_tp_comm * 1e3:.1f} ms (attention-TP all-reduce/all-gather)"
     table.caption = (
-        f"T_comp {report.t_comp * 1e3:.1f} ms, T_comm {report.t_comm * 1e3:.1f} ms "
-        f"(from the no-overlap forwards), physical limit max(T_comp, T_comm) = "
-        f"{report.limit * 1e3:.1f} ms; hidden: the share of the time an all-to-all was "
-        "in flight while some micro-batch computed, in the mode's recorded forward"
+        f"T_comp {report.t_comp * 1e3:.1f} ms, T_comm {report.t_comm * 1e3:.1f} ms (MoE "
+        f"all-to-all or gather/all-reduce){tp}, from the no-overlap forwards; physical limit "
+        f"max(T_comp, T_comm){' + T_tp' if tp else ''} = {report.limit * 1e3:.1f} ms; hidden: "
+        "the share of the time the MoE's communication was in flight while some micro-batch "
+        "computed, in the mode's recorded forward"
     )
     table.caption_justify = "left"
     return table

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.runtime.torchrun import launched_by_torchrun
 from moe_overlap.server.guards import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
@@ -26,7 +27,13 @@ from moe_overlap.tools.bench_serve import (
     prompt_lengths,
     run_load,
 )
-from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm, engine_kwargs
+from moe_overlap.tools.cli_args import (
+    add_engine_args,
+    add_model_args,
+    build_llm,
+    engine_kwargs,
+    layout_kwargs,
+)
 
 
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +145,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)  # before any rank starts
     if launched_by_torchrun():  # ranks > 0 would wait for steps between requests and time out
-        raise ConfigError("serve runs its ranks itself (--ep N); it does not run under torchrun")
+        raise ConfigError(
+            "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
+        )
     with build_llm(args) as llm:
         server = Server(llm, settings, args.host, args.port, args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
@@ -150,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         text = "text and token ids" if llm.tokenizer is not None else "token ids only"
         print(
             f"moe-overlap: serving {settings.model_name!r} ({text}) at "
-            f"http://{args.host}:{args.port}/v1 on {args.ep} rank(s); Ctrl-C stops",
+            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops",
             file=sys.stderr,
         )
         print(f"moe-overlap: {llm.spec.kv_cache_summary()}", file=sys.stderr, flush=True)
@@ -198,7 +207,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             server.stop()
             thread.join()
     title = (
-        f"{Path(args.model or args.config).stem}, --ep {args.ep}, --link {args.link}, "
+        f"{Path(args.model or args.config).stem}, {ParallelConfig(**layout_kwargs(args)).describe()}, "
+        f"--link {args.link}, "
         f"workload {args.workload}, "
         + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
         + f" of {args.output_len}-token answers per rate"
@@ -206,7 +216,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     console.print(load_table(results, title))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": args.model or args.config, "ep": args.ep, "link": args.link}
+        payload = {"model": args.model or args.config, **layout_kwargs(args), "link": args.link}
         payload |= {"workload": args.workload, "results": [r.to_json() for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results: {args.json}")

@@ -1,0 +1,108 @@
+"""The parallel layout a user asks for (SGLang's flags), and whether a model fits it.
+
+``--tp N`` ranks form one tensor-parallel world. ``--dp D --enable-dp-attention`` cuts it into
+``D`` attention-DP groups of ``tp / D`` ranks (attention TP), each with its own requests and KV
+cache. ``--ep E`` shards the routed experts ``E`` ways inside the TP world; ``tp / E`` ranks
+(moe-TP) share an expert, each holding a slice of its intermediate dimension. ``--tp 1 --ep E``
+is pure expert parallelism: ``E`` ranks, each its own attention-DP group (attention TP 1).
+The group arithmetic is ``distributed/layout.py``'s; this file holds the sizes and the model's
+divisibility rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    enable_dp_attention: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "ep"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"--{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.enable_dp_attention, bool):
+            raise ConfigError(
+                f"enable_dp_attention={self.enable_dp_attention!r} must be true or false"
+            )
+        if self.tp > 1 and self.ep > self.tp:
+            raise ConfigError(
+                f"--ep={self.ep} is larger than --tp={self.tp}: expert parallelism lives inside "
+                f"the TP world; set --ep to a divisor of {self.tp}, or --tp 1 for pure EP"
+            )
+
+    @property
+    def pure_ep(self) -> bool:
+        return self.tp == 1 and self.ep > 1
+
+    @property
+    def world_size(self) -> int:
+        return self.ep if self.pure_ep else self.tp
+
+    @property
+    def attn_dp(self) -> int:
+        """Attention-DP groups: the number of independent batches per step."""
+        return self.ep if self.pure_ep else self.dp
+
+    @property
+    def attn_tp(self) -> int:
+        return self.world_size // self.attn_dp
+
+    @property
+    def moe_tp(self) -> int:
+        return self.world_size // self.ep
+
+    def describe(self) -> str:
+        if self.world_size == 1:
+            return "one process"
+        parts = [f"tp{self.tp}"] if not self.pure_ep else []
+        if self.enable_dp_attention or self.pure_ep:
+            parts.append(f"dp{self.attn_dp} dp-attention")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        return " ".join(parts)
+
+
+def check_model_fits(cfg: ModelConfig, par: ParallelConfig) -> None:
+    """SGLang's refusals for a model on a layout, each naming the value and a fix."""
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    a = par.attn_tp
+    where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
+    if heads % a:
+        raise ConfigError(
+            f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "
+            f"that tp/dp divides {heads}"
+        )
+    if not cfg.is_deepseek and kv % a and a % kv:
+        raise ConfigError(
+            f"num_key_value_heads={kv} and the {where}: one must divide the other (KV heads "
+            "are split, or replicated when fewer than the attention-TP ranks)"
+        )
+    if cfg.num_experts % par.ep:
+        raise ConfigError(
+            f"--ep={par.ep} must divide num_experts={cfg.num_experts}; choose a divisor"
+        )
+    if cfg.moe_intermediate_size % par.moe_tp:
+        raise ConfigError(
+            f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by the moe-TP "
+            f"size {par.moe_tp} (--tp {par.tp} / --ep {par.ep}); raise --ep"
+        )
+    widths = {}
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        widths["intermediate_size"] = cfg.intermediate_size
+    if cfg.n_shared_experts:
+        widths["shared experts' width"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+    for name, width in widths.items():
+        if width % a:
+            raise ConfigError(
+                f"{name}={width} (dense MLPs run tensor parallel over attention TP) is not "
+                f"divisible by the {where}"
+            )

@@ -1,0 +1,62 @@
+"""All-to-all under attention TP: the ranks of an attention-TP group hold the same tokens, so
+each dispatches only its share of them (SGLang's scattered mode) and the group all-gathers the
+combined rows back. Shares differ by at most one row; the gather pads them to the longest and
+drops the padding, so no padded row reaches an expert or the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.dispatch.base import Dispatcher, DispatchState
+from moe_overlap.distributed.groups import Group
+
+
+def shares(rows: int, ranks: int) -> list[int]:
+    """``rows`` cut into ``ranks`` contiguous shares, the first ``rows % ranks`` one longer."""
+    return [rows // ranks + (r < rows % ranks) for r in range(ranks)]
+
+
+class ScatteredDispatcher(Dispatcher):
+    def __init__(self, inner: Dispatcher, attn_tp: Group):
+        self.inner, self.attn_tp = inner, attn_tp
+        self.name, self.num_experts = inner.name, inner.num_experts
+
+    def __getattr__(self, name: str):  # the inner backend's link, group, timeline
+        return getattr(self.inner, name)
+
+    def dispatch_a(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        owner: str = "mb0",
+        extend: bool = True,
+    ) -> DispatchState:
+        sizes = shares(hidden.shape[0], self.attn_tp.size)
+        start = sum(sizes[: self.attn_tp.rank])
+        mine = slice(start, start + sizes[self.attn_tp.rank])
+        state = self.inner.dispatch_a(
+            hidden[mine], topk_ids[mine], topk_weights[mine], owner, extend
+        )
+        state.scattered = sizes
+        return state
+
+    def dispatch_b(self, state: DispatchState) -> None:
+        self.inner.dispatch_b(state)
+
+    def combine_a(self, state: DispatchState) -> None:
+        self.inner.combine_a(state)
+
+    def combine_a_block(self, state: DispatchState, experts: range) -> None:
+        self.inner.combine_a_block(state, experts)
+
+    def combine_b(self, state: DispatchState) -> torch.Tensor:
+        mine = self.inner.combine_b(state)
+        sizes, longest = state.scattered, max(state.scattered)
+        if longest == 0:  # the group has no tokens: every rank skips the gather
+            return mine
+        padded = mine.new_zeros(longest, *mine.shape[1:])
+        padded[: mine.shape[0]] = mine
+        every = self.attn_tp.all_gather(padded)
+        return torch.cat([every[r * longest : r * longest + n] for r, n in enumerate(sizes)])

@@ -1,0 +1,147 @@
+"""Tensor-parallel building blocks: the linears know their group, the layers do not branch.
+
+Every sharded weight carries a ``Shard``: which slice of the checkpoint tensor it holds. The
+loader and the seeded initialiser read it, so a rank builds exactly the weights a single
+process would, cut to its slice. On a one-rank group every block is the plain layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_overlap.distributed.groups import Group
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This tensor is ``full.narrow(dim, start, length)``; rows past the checkpoint's end (a
+    vocabulary padded to a multiple of the TP size) are zeros."""
+
+    dim: int
+    start: int
+    full: int  # the checkpoint tensor's size along ``dim``
+
+    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
+        shape = list(local)
+        shape[self.dim] = self.full
+        return tuple(shape)
+
+    def take(self, whole: torch.Tensor, local: torch.Size) -> torch.Tensor:
+        length = local[self.dim]
+        stop = min(self.start + length, self.full)
+        part = whole.narrow(self.dim, self.start, max(0, stop - self.start))
+        if part.shape[self.dim] == length:
+            return part
+        pad = list(local)
+        pad[self.dim] = length - part.shape[self.dim]
+        return torch.cat((part, part.new_zeros(pad)), dim=self.dim)
+
+
+def set_shard(param: torch.Tensor, dim: int, start: int, full: int) -> None:
+    param.shard = Shard(dim, start, full)
+
+
+def even_part(size: int, rank: int, parts: int) -> range:
+    """Rank's contiguous share of ``size`` items cut into ``parts`` equal pieces."""
+    per = size // parts
+    return range(rank * per, (rank + 1) * per)
+
+
+@dataclass
+class ModelParallel:
+    """What the model needs of the layout: the attention-TP group (attention, dense MLPs, the
+    vocabulary) and this rank's share of the routed experts."""
+
+    attn_tp: Group
+    ep_rank: int = 0
+    ep_size: int = 1
+    moe_tp_rank: int = 0
+    moe_tp_size: int = 1
+
+    @classmethod
+    def single(cls) -> ModelParallel:
+        return cls(Group.single(name="attn_tp"))
+
+
+class ColumnLinear(nn.Module):
+    """``x W^T`` for output rows ``rows`` of the full ``[out_features, in_features]`` weight;
+    no communication (the output stays sharded)."""
+
+    def __init__(self, in_features: int, out_features: int, rows: range):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(len(rows), in_features))
+        set_shard(self.weight, 0, rows.start, out_features)
+
+    @classmethod
+    def even(cls, in_features: int, out_features: int, group: Group) -> ColumnLinear:
+        return cls(in_features, out_features, even_part(out_features, group.rank, group.size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowLinear(nn.Module):
+    """Input columns sharded over ``group``; the partial products are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group):
+        super().__init__()
+        cols = even_part(in_features, group.rank, group.size)
+        self.weight = nn.Parameter(torch.zeros(out_features, len(cols)))
+        set_shard(self.weight, 1, cols.start, in_features)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.group.size > 1 and y.numel():  # every rank of the group has the same rows
+            self.group.all_reduce(y)
+        return y
+
+
+def _vocab_part(vocab: int, group: Group) -> range:
+    per = -(-vocab // group.size)  # padded to a multiple of the group size
+    return range(group.rank * per, (group.rank + 1) * per)
+
+
+class VocabEmbedding(nn.Module):
+    """Vocabulary rows split over ``group``; each rank embeds the ids it holds, zeros the rest,
+    and the group sums."""
+
+    def __init__(self, vocab: int, hidden: int, group: Group):
+        super().__init__()
+        self.rows, self.group = _vocab_part(vocab, group), group
+        self.weight = nn.Parameter(torch.zeros(len(self.rows), hidden))
+        set_shard(self.weight, 0, self.rows.start, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= len(self.rows))
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out[outside] = 0
+        if out.numel():
+            self.group.all_reduce(out)
+        return out
+
+
+class VocabHead(nn.Module):
+    """The LM head over a vocabulary split like ``VocabEmbedding``; the logits are gathered and
+    the padding columns dropped, so no padded id can ever be sampled."""
+
+    def __init__(self, hidden: int, vocab: int, group: Group):
+        super().__init__()
+        self.vocab, self.group = vocab, group
+        rows = _vocab_part(vocab, group)
+        self.weight = nn.Parameter(torch.zeros(len(rows), hidden))
+        set_shard(self.weight, 0, rows.start, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.group.size == 1 or not x.shape[0]:  # no rows on any rank of the group
+            return logits[:, : self.vocab]
+        gathered = self.group.all_gather(logits.t().contiguous())  # [padded vocab, rows]
+        return gathered[: self.vocab].t()
