@@ -127,3 +127,16 @@ def test_mode_names():
     for bad in ("tbo1", "tbo+fast", "xbo"):
         with pytest.raises(ConfigError, match="mode"):
             mode_config(bad)
+
+
+def test_bench_under_tensor_parallelism_splits_its_communication(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    argv = ["bench", "--config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--ep", "2"]
+    argv += ["--workload", "single-long:64", "--repeat", "1", "--modes", "none,dbo"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "tp2 ep2" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert (report["tp"], report["ep"]) == (2, 2)
+    # the attention all-reduces (T_tp) are measured apart from the all-to-all (T_comm)
+    assert report["t_comm_s"] > 0 and report["t_tp_comm_s"] > 0
+    assert report["limit_s"] >= report["t_tp_comm_s"]

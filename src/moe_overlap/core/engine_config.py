@@ -15,13 +15,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's c
 DEFAULT_KV_CACHE_BYTES = 4 * 2**30
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """KV cache bytes one token takes over all layers (the model's ``kv_entries``: MLA keeps
-    its latent and rotated ``k_pe``, GQA its K and V heads)."""
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1) -> int:
+    """KV cache bytes one token takes on one rank over all layers (the model's ``kv_entries``:
+    MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
+    share, at least one)."""
     if cfg.is_deepseek:
         per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     else:
-        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
+        per_layer = 2 * max(1, cfg.num_key_value_heads // attn_tp) * cfg.head_dim
     return per_layer * cfg.num_hidden_layers * dtype_bytes
 
 
@@ -50,7 +51,7 @@ class EngineSpec:
     @property
     def slot_bytes(self) -> int:
         """KV cache bytes of one sequence at ``max_len`` tokens."""
-        return kv_bytes_per_token(self.config) * self.max_len
+        return kv_bytes_per_token(self.config, attn_tp=self.parallel.attn_tp) * self.max_len
 
     @property
     def kv_slots(self) -> int:
