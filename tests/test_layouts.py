@@ -105,7 +105,6 @@ REFUSALS = {
         dict(tp=4, dp=3, enable_dp_attention=True),
         "--dp=3 does not divide --tp=4",
     ),
-    "dp-needs-flag": (dict(tp=4, dp=2), "--dp=2 needs --enable-dp-attention"),
     "ep-divides-tp": (dict(tp=4, ep=3), "--ep=3 does not divide --tp=4"),
     "ep-above-tp": (dict(tp=2, ep=4), "--ep=4 is larger than --tp=2"),
     "moe-tp-width": (

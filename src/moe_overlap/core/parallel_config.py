@@ -5,6 +5,8 @@
 cache. ``--ep E`` shards the routed experts ``E`` ways inside the TP world; ``tp / E`` ranks
 (moe-TP) share an expert, each holding a slice of its intermediate dimension. ``--tp 1 --ep E``
 is pure expert parallelism: ``E`` ranks, each its own attention-DP group (attention TP 1).
+``--dp D`` without ``--enable-dp-attention`` starts ``D`` independent replicas of that layout
+(SGLang's data-parallel controller): no collective crosses replicas.
 The group arithmetic is ``distributed/layout.py``'s; this file holds the sizes and the model's
 divisibility rules.
 """
@@ -44,31 +46,48 @@ class ParallelConfig:
         return self.tp == 1 and self.ep > 1
 
     @property
-    def world_size(self) -> int:
+    def replicas(self) -> int:
+        """Independent data-parallel replicas (``--dp`` without DP attention)."""
+        return self.dp if self.dp > 1 and not self.enable_dp_attention and not self.pure_ep else 1
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one replica: its TP world, or its EP ranks under pure EP."""
         return self.ep if self.pure_ep else self.tp
 
     @property
+    def world_size(self) -> int:
+        return self.replica_size * self.replicas
+
+    @property
+    def replica_attn_dp(self) -> int:
+        if self.pure_ep:
+            return self.ep
+        return self.dp if self.enable_dp_attention else 1
+
+    @property
     def attn_dp(self) -> int:
-        """Attention-DP groups: the number of independent batches per step."""
-        return self.ep if self.pure_ep else self.dp
+        """Attention-DP groups over every replica: the number of independent batches per step."""
+        return self.replicas * self.replica_attn_dp
 
     @property
     def attn_tp(self) -> int:
-        return self.world_size // self.attn_dp
+        return self.replica_size // self.replica_attn_dp
 
     @property
     def moe_tp(self) -> int:
-        return self.world_size // self.ep
+        return self.replica_size // self.ep
 
     def describe(self) -> str:
         if self.world_size == 1:
             return "one process"
         parts = [f"tp{self.tp}"] if not self.pure_ep else []
         if self.enable_dp_attention or self.pure_ep:
-            parts.append(f"dp{self.attn_dp} dp-attention")
+            parts.append(f"dp{self.replica_attn_dp} dp-attention")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        return " ".join(parts)
+        one = " ".join(parts) or "one process"
+        return f"{self.replicas} replicas of {one}" if self.replicas > 1 else one
 
 
 def check_model_fits(cfg: ModelConfig, par: ParallelConfig) -> None:

@@ -19,11 +19,11 @@ def resolve_backend(backend: str, par: ParallelConfig) -> str:
     """``auto``: ``local`` on one rank; ``torch`` (all-to-all) when every rank of the TP world
     owns whole experts (``ep == tp``, moe-TP 1); else ``none``, SGLang's tensor-parallel MoE
     (gather, partial experts, all-reduce). An explicit choice is checked against the layout."""
-    if par.world_size == 1:
+    if par.replica_size == 1:  # every replica is one process
         if backend in ("torch", "none"):
             raise ConfigError(
-                f"--moe-a2a-backend={backend} needs more than one rank (--tp or --ep > 1); "
-                "use local (or auto)"
+                f"--moe-a2a-backend={backend} needs more than one rank per replica (--tp or "
+                "--ep > 1); use local (or auto)"
             )
         return "local"
     if backend == "auto":

@@ -3,9 +3,11 @@ attention-DP groups (SGLang's arithmetic, DESIGN.md s6). Pure arithmetic; no tor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.parallel_config import ParallelConfig
 
 GROUP_KINDS = ("tp", "pp", "ep", "moe_tp", "attn_tp", "attn_dp")
 
@@ -62,6 +64,34 @@ class ParallelLayout:
         """``rank``'s index inside each of its groups (tp_rank == rank % tp, and so on)."""
         pos = {f"{k}_rank": self.group_of(k, rank).index(rank) for k in GROUP_KINDS}
         return RankCoords(rank=rank, **pos)
+
+
+def layout_for(par: ParallelConfig) -> ParallelLayout:
+    """The whole world's layout: one replica's groups, repeated for every replica (each block
+    of ``replica_size`` ranks), so that every kind still partitions the world."""
+    one = compute_layout(
+        par.replica_size,
+        1 if par.pure_ep else par.tp,
+        1,
+        par.ep,
+        par.dp if par.replicas == 1 else 1,
+        par.enable_dp_attention,
+    )
+    if par.replicas == 1:
+        return one
+    return dataclasses.replace(
+        one,
+        world_size=par.world_size,
+        **{
+            f"{kind}_groups": _repeat(one.groups(kind), par.replica_size, par.replicas)
+            for kind in GROUP_KINDS
+        },
+    )
+
+
+def _repeat(groups: list[list[int]], size: int, times: int) -> list[list[int]]:
+    """``groups`` for each of ``times`` blocks of ``size`` ranks."""
+    return [[r + k * size for r in g] for k in range(times) for g in groups]
 
 
 def _divisors(n: int) -> str:

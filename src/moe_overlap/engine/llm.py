@@ -21,9 +21,10 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig, check_model_fits
 from moe_overlap.dispatch.factory import resolve_backend
-from moe_overlap.distributed.layout import compute_layout
+from moe_overlap.distributed.layout import layout_for
 from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.engine.detokenize import TextStream
+from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, check_method
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.tokenizer import load_tokenizer
@@ -50,6 +51,7 @@ class LLM:
         dp: int = 1,
         ep: int = 1,
         enable_dp_attention: bool = False,
+        load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -71,7 +73,8 @@ class LLM:
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
         par = ParallelConfig(tp, dp, ep, enable_dp_attention)
-        compute_layout(par.world_size, 1 if par.pure_ep else tp, 1, ep, dp, enable_dp_attention)
+        check_method(load_balance_method)
+        layout_for(par)  # SGLang's refusals, naming the flags
         check_model_fits(cfg, par)
         if isinstance(overlap, str):
             overlap = OverlapConfig(mode=overlap)
@@ -97,6 +100,7 @@ class LLM:
             max_len,
             max_num_batched_tokens,
             cfg.eos_token_id,
+            load_balance_method,
         )
         self._next_id = 0
 
@@ -244,11 +248,11 @@ def _parse_link(link: object) -> LinkSpec:
 def _check_layout(par: ParallelConfig, overlap: OverlapConfig, link: LinkSpec) -> None:
     """The reference systems' refusals, each with the fix."""
     resolve_backend(overlap.moe_a2a_backend, par)
-    if overlap.mode == "dbo" and par.world_size == 1:
+    if overlap.mode == "dbo" and par.replica_size == 1:
         raise ConfigError(
             "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"
         )
-    if par.world_size == 1 and link.kind != "none":
+    if par.replica_size == 1 and link.kind != "none":
         raise ConfigError(
             f"--link {link.spec} needs more than one rank (--ep or --tp > 1): one process has "
             "no link to emulate"

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.engine.load_balance import (
+    DEFAULT_LOAD_BALANCE_METHOD,
+    GroupLoad,
+    check_method,
+    choose_group,
+)
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.sampling import sample
 
@@ -30,6 +36,7 @@ class Scheduler:
         max_len: int,
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
+        load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
     ):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
@@ -39,6 +46,7 @@ class Scheduler:
         self.slots = [SlotAllocator(slots_per_rank) for _ in range(num_ranks)]
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
+        self.method, self.turn = check_method(load_balance_method), 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,16 +116,24 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting:
-            free = [r for r in range(len(self.slots)) if len(self.slots[r])]
-            if not free:
+            rank = choose_group(self.method, self.loads(), self.turn)  # the DP controller
+            if rank is None:
                 return
-            rank = min(free, key=self._load)  # the minimum-tokens DP controller
+            self.turn = rank + 1
             req = self.waiting.popleft()
             req.rank, req.slot = rank, self.slots[rank].alloc()
             self.running[rank].append(req)
 
-    def _load(self, rank: int) -> int:
-        return sum(r.prompt_len - r.num_computed + 1 for r in self.running[rank])
+    def loads(self) -> list[GroupLoad]:
+        """Each data-parallel group's load, as the balancing policies read it."""
+        return [
+            GroupLoad(
+                len(running),
+                sum(r.prompt_len - r.num_computed + 1 for r in running),
+                len(slots),
+            )
+            for running, slots in zip(self.running, self.slots, strict=True)
+        ]
 
 
 def _wants_all_logits(req: Request) -> bool:

@@ -17,7 +17,7 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.timeline import Span, Timeline
 from moe_overlap.dispatch.factory import make_dispatcher
 from moe_overlap.distributed.groups import Group, init_process_groups
-from moe_overlap.distributed.layout import GROUP_KINDS, compute_layout
+from moe_overlap.distributed.layout import GROUP_KINDS, layout_for
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model
@@ -43,8 +43,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     """This rank's ModelRunner over its shard of the layout; ``rank=None`` is the one-process
     engine (no torch.distributed at all)."""
     par = spec.parallel
-    tp = 1 if par.pure_ep else par.tp
-    layout = compute_layout(par.world_size, tp, 1, par.ep, par.dp, par.enable_dp_attention)
+    layout = layout_for(par)
     if rank is None:
         me, link = 0, None
         groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}

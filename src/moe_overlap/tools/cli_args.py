@@ -17,6 +17,7 @@ from moe_overlap.core.overlap_config import (
     OverlapConfig,
 )
 from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,15 +57,16 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         "--tp",
         type=int,
         default=1,
-        help="tensor-parallel ranks: the world size, started on this machine (default 1). "
+        help="tensor-parallel ranks of one replica, started on this machine (default 1). "
         "Attention, dense MLPs and the vocabulary split over tp/dp ranks",
     )
     p.add_argument(
         "--dp",
         type=int,
         default=1,
-        help="attention data-parallel groups inside --tp, each with its own requests and KV "
-        "cache; needs --enable-dp-attention (default 1)",
+        help="data parallelism: with --enable-dp-attention, attention-DP groups inside --tp, "
+        "each with its own requests and KV cache, sharing the MoE; without it, independent "
+        "replicas of the whole layout (world = dp x tp) (default 1)",
     )
     p.add_argument(
         "--enable-dp-attention",
@@ -78,6 +80,15 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
         help="expert-parallel size: routed experts split --ep ways inside --tp (ep < tp: each "
         "expert's width split tp/ep ways too); with --tp 1, --ep N is pure expert parallelism "
         "over N ranks (default %(default)s)",
+    )
+
+    p.add_argument(
+        "--load-balance-method",
+        choices=LOAD_BALANCE_METHODS,
+        default=DEFAULT_LOAD_BALANCE_METHOD,
+        help="which data-parallel group (replica or attention-DP group) a new request joins: "
+        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests) or "
+        "minimum_tokens (fewest tokens left to compute)",
     )
 
 
@@ -263,6 +274,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         seed=args.seed,
         **layout_kwargs(args),
+        load_balance_method=args.load_balance_method,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
