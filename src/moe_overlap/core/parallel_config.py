@@ -25,15 +25,21 @@ class ParallelConfig:
     dp: int = 1
     ep: int = 1
     enable_dp_attention: bool = False
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "ep"):
+        for name in ("tp", "dp", "ep", "pp"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ConfigError(f"--{name}={value!r} must be an integer >= 1")
         if not isinstance(self.enable_dp_attention, bool):
             raise ConfigError(
                 f"enable_dp_attention={self.enable_dp_attention!r} must be true or false"
+            )
+        if self.pp > 1 and self.pure_ep:
+            raise ConfigError(
+                f"--pp={self.pp} with pure expert parallelism (--tp 1 --ep {self.ep}): pipeline "
+                f"stages split a TP world; use --tp {self.ep} --ep {self.ep} --pp {self.pp}"
             )
         if self.tp > 1 and self.ep > self.tp:
             raise ConfigError(
@@ -51,9 +57,13 @@ class ParallelConfig:
         return self.dp if self.dp > 1 and not self.enable_dp_attention and not self.pure_ep else 1
 
     @property
-    def replica_size(self) -> int:
-        """Ranks of one replica: its TP world, or its EP ranks under pure EP."""
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: its TP world, or its EP ranks under pure EP."""
         return self.ep if self.pure_ep else self.tp
+
+    @property
+    def replica_size(self) -> int:
+        return self.stage_size * self.pp
 
     @property
     def world_size(self) -> int:
@@ -72,16 +82,28 @@ class ParallelConfig:
 
     @property
     def attn_tp(self) -> int:
-        return self.replica_size // self.replica_attn_dp
+        return self.stage_size // self.replica_attn_dp
 
     @property
     def moe_tp(self) -> int:
-        return self.replica_size // self.ep
+        return self.stage_size // self.ep
+
+    def batch_of(self, rank: int) -> int:
+        """Which attention-DP group's batch global ``rank`` runs (every stage runs it)."""
+        replica, inside = divmod(rank, self.replica_size)
+        return replica * self.replica_attn_dp + inside % self.stage_size // self.attn_tp
+
+    def answers(self, rank: int) -> bool:
+        """Whether ``rank`` returns its group's logits: attention-TP rank 0 of the last stage."""
+        inside = rank % self.replica_size
+        return inside // self.stage_size == self.pp - 1 and inside % self.attn_tp == 0
 
     def describe(self) -> str:
         if self.world_size == 1:
             return "one process"
         parts = [f"tp{self.tp}"] if not self.pure_ep else []
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
         if self.enable_dp_attention or self.pure_ep:
             parts.append(f"dp{self.replica_attn_dp} dp-attention")
         if self.ep > 1:
@@ -104,6 +126,11 @@ def check_model_fits(cfg: ModelConfig, par: ParallelConfig) -> None:
         raise ConfigError(
             f"num_key_value_heads={kv} and the {where}: one must divide the other (KV heads "
             "are split, or replicated when fewer than the attention-TP ranks)"
+        )
+    if par.pp > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"--pp={par.pp} is more stages than the model's {cfg.num_hidden_layers} layers; "
+            f"set --pp to at most {cfg.num_hidden_layers}"
         )
     if cfg.num_experts % par.ep:
         raise ConfigError(

@@ -186,16 +186,22 @@ class Group:
         if self.pg is not None:
             self._wait(dist.barrier(self.pg, async_op=True), "barrier", timeout)
 
-    def send_dict(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
-        """Send named tensors to group rank ``dst``: metadata (names, shapes, dtypes), then data."""
+    def send_dict(
+        self, tensors: dict[str, torch.Tensor], dst: int, wait: bool = True
+    ) -> Sending | None:
+        """Send named tensors to group rank ``dst``: metadata (names, shapes, dtypes), then data.
+        With ``wait=False`` return at once; the returned ``Sending`` waits for the sends."""
         self._check_peer(dst)
         meta = [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in tensors.items()]
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         frames = [torch.tensor([blob.numel()]), blob] + list(tensors.values())
         frames = [f.to(self.device).contiguous() for f in frames]
         works = [dist.isend(f, group=self.pg, group_dst=dst) for f in frames if f.numel()]
-        for work in works:  # `frames` keeps the buffers alive until here
-            self._wait(work, f"send_dict to group rank {dst}", None)
+        sending = Sending(self, works, frames, dst)
+        if not wait:
+            return sending
+        sending.wait()
+        return None
 
     def recv_dict(self, src: int) -> dict[str, torch.Tensor]:
         """Receive what ``send_dict`` on group rank ``src`` sent, on this group's device."""
@@ -218,6 +224,18 @@ class Group:
     def _check_peer(self, peer: int) -> None:
         if self.pg is None or not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{self!r} has no peer group rank {peer}")
+
+
+class Sending:
+    """Sends in flight; holds their buffers until ``wait`` has seen every one complete."""
+
+    def __init__(self, group: Group, works: list, frames: list[torch.Tensor], dst: int):
+        self.group, self.works, self.frames, self.dst = group, works, frames, dst
+
+    def wait(self) -> None:
+        for work in self.works:
+            self.group._wait(work, f"send_dict to group rank {self.dst}", None)
+        self.works, self.frames = [], []
 
 
 def default_group_timeout() -> timedelta:

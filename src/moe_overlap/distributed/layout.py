@@ -72,7 +72,7 @@ def layout_for(par: ParallelConfig) -> ParallelLayout:
     one = compute_layout(
         par.replica_size,
         1 if par.pure_ep else par.tp,
-        1,
+        par.pp,
         par.ep,
         par.dp if par.replicas == 1 else 1,
         par.enable_dp_attention,

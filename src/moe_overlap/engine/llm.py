@@ -51,6 +51,7 @@ class LLM:
         dp: int = 1,
         ep: int = 1,
         enable_dp_attention: bool = False,
+        pp: int = 1,
         load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -72,7 +73,7 @@ class LLM:
             raise ConfigError(f"--timeout={timeout_s!r} must be a number of seconds")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
-        par = ParallelConfig(tp, dp, ep, enable_dp_attention)
+        par = ParallelConfig(tp, dp, ep, enable_dp_attention, pp)
         check_method(load_balance_method)
         layout_for(par)  # SGLang's refusals, naming the flags
         check_model_fits(cfg, par)
@@ -248,6 +249,11 @@ def _parse_link(link: object) -> LinkSpec:
 def _check_layout(par: ParallelConfig, overlap: OverlapConfig, link: LinkSpec) -> None:
     """The reference systems' refusals, each with the fix."""
     resolve_backend(overlap.moe_a2a_backend, par)
+    if overlap.mode == "auto" and par.pp > 1:
+        raise ConfigError(
+            f"--overlap auto with --pp {par.pp}: auto calibrates on whole forwards, which a "
+            "pipeline stage does not run; choose tbo, sbo or dbo (they run inside each stage)"
+        )
     if overlap.mode == "dbo" and par.replica_size == 1:
         raise ConfigError(
             "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"

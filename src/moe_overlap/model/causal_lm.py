@@ -19,15 +19,19 @@ def attention_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, par: ModelParallel):
+    """A pipeline stage's part: the embedding on the first stage, its own layers (keyed by
+    global index, so the parameter names stay the checkpoint's), the norm on the last."""
+
+    def __init__(self, cfg: ModelConfig, par: ModelParallel, layers: range):
         super().__init__()
         attn = attention_class(cfg)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, attn(cfg, i, par.attn_tp), par)
-            for i in range(cfg.num_hidden_layers)
+        if layers.start == 0:
+            self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, i, attn(cfg, i, par.attn_tp), par) for i in layers}
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layers.stop == cfg.num_hidden_layers:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class MoeForCausalLM(nn.Module):
@@ -41,14 +45,18 @@ class MoeForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.par = par = par or ModelParallel.single()
-        self.model = _Backbone(cfg, par)
-        self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        stage = par.layers or range(cfg.num_hidden_layers)
+        self.is_first, self.is_last = stage.start == 0, stage.stop == cfg.num_hidden_layers
+        self.model = _Backbone(cfg, par, stage)
+        if self.is_last:
+            self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
+            if cfg.tie_word_embeddings and self.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def layers(self) -> nn.ModuleList:
-        return self.model.layers
+    def layers(self) -> list[DecoderLayer]:
+        """This stage's decoder layers, in order."""
+        return list(self.model.layers.values())
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
         return self.layers[0].self_attn.kv_entries()

@@ -29,7 +29,9 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sh
     layout = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            continue
+            if model.is_first:
+                continue  # the embedding's own tensor
+            name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
         match = _EXPERT_PARAM.fullmatch(name)
         if match is None:
             layout[name] = (tensor.detach(), getattr(tensor, "shard", None))

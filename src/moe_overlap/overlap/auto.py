@@ -57,8 +57,9 @@ class AutoOverlap:
         self.last_choice: Choice | None = None
         self.steps = 0
 
-    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
-        """Logits of the chosen mode's forward; None on one rank, where nothing is hidden."""
+    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+        """The chosen mode's outputs; None on one rank, where nothing is hidden. Not under
+        pipeline parallelism (``inputs``): the engine refuses auto with ``--pp``."""
         if self.group.size == 1:
             return None
         if self.calibration is None:
@@ -72,10 +73,10 @@ class AutoOverlap:
         self.last_choice = choice
         self.last = (choice.mode, raw_times(cal, step.stats)[choice.mode])
         split = step.stats.dbo_split
-        logits = self._run(choice.mode, batch, runner, step.tbo_decode, split)
+        out = self._run(choice.mode, batch, runner, step.tbo_decode, split)
         self.last_s = time.perf_counter() - start
         self._report(runner, choice, start)
-        return logits
+        return out
 
     def agree(self, batch: ForwardBatch) -> Step:
         """One all-reduce: every rank's column of work, votes and last forward time."""
@@ -103,7 +104,7 @@ class AutoOverlap:
 
     def _run(self, mode: str, batch: ForwardBatch, runner, decode: bool, split: int | None):
         if mode == "none":
-            return execute_operations(runner.context(batch), runner.ops)["logits"]
+            return execute_operations(runner.context(batch), runner.ops)
         if mode == "sbo":
             return self.schemes["sbo"].forward(batch, runner)
         if mode == "dbo":

@@ -106,14 +106,19 @@ class _DualRun:
     """One forward's two micro-batches: contexts, outputs, outcomes and the baton."""
 
     def __init__(
-        self, ctxs: Sequence[Any], ops: Sequence[Op | Yield], make_hook: MakeHook, timeout_s: float
+        self,
+        ctxs: Sequence[Any],
+        ops: Sequence[Op | Yield],
+        make_hook: MakeHook,
+        timeout_s: float,
+        inputs: Sequence[dict] | None = None,
     ):
         if len(ctxs) != 2:
             raise ValueError(f"DBO runs exactly two micro-batches, got {len(ctxs)}")
         self.ctxs, self.make_hook = list(ctxs), make_hook
         self.segments = split_stages(ops)  # the ops between two yields
         self.baton = Baton(timeout_s)
-        self.outputs: list[dict] = [{}, {}]
+        self.outputs: list[dict] = [dict(i) for i in inputs] if inputs else [{}, {}]
         self.outcomes: dict[int, BaseException | None] = {}
         self.results: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -216,16 +221,21 @@ class DualBatchThreads:
         self._close = weakref.finalize(self, _stop, self._jobs, self._threads)
 
     def run(
-        self, ctxs: Sequence[Any], ops: Sequence[Op | Yield], make_hook: MakeHook
+        self,
+        ctxs: Sequence[Any],
+        ops: Sequence[Op | Yield],
+        make_hook: MakeHook,
+        inputs: Sequence[dict] | None = None,
     ) -> list[dict]:
-        """Run two micro-batches (``ctxs``) through ``ops`` (ops and ``Yield`` markers); at each
-        yield, ``make_hook(ctx)`` is the receive the other micro-batch runs at its next yield.
-        Return each one's final outputs, or re-raise the first error in the caller."""
+        """Run two micro-batches (``ctxs``, each starting from its ``inputs``) through ``ops``
+        (ops and ``Yield`` markers); at each yield, ``make_hook(ctx)`` is the receive the other
+        micro-batch runs at its next yield. Return each one's final outputs, or re-raise the
+        first error in the caller."""
         if not self._close.alive:
             raise RuntimeError("DualBatchThreads is closed")
         if self._stuck is not None and not self._stuck.gather(self.timeout_s):
             raise DboStall("DBO threads are still stuck in an earlier forward")
-        run = self.last_run = self._stuck = _DualRun(ctxs, ops, make_hook, self.timeout_s)
+        run = self.last_run = self._stuck = _DualRun(ctxs, ops, make_hook, self.timeout_s, inputs)
         for me, jobs in enumerate(self._jobs):
             jobs.put((me, run))
         if run.collect(self.timeout_s + GRACE_S, min(GRACE_S, self.timeout_s)):

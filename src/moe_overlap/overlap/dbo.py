@@ -18,8 +18,6 @@ the second piece of a cut sequence attends over KV the first piece already wrote
 
 from __future__ import annotations
 
-import torch
-
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -27,7 +25,7 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import dbo_agree
 from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
-from moe_overlap.overlap.split import merge_logits, split_batch, token_split
+from moe_overlap.overlap.split import merge_outputs, split_batch, split_inputs, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
@@ -57,19 +55,22 @@ class DualBatchOverlap:
         self.threads = DualBatchThreads(timeout_s or _baton_timeout(group))
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
-    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
-        """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
+    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+        """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
+        or None if the ranks agreed not to micro-batch."""
         decision = dbo_agree(batch, self.cfg, self.group)
-        return self.run(batch, runner, decision.split_point) if decision.run else None
+        return self.run(batch, runner, decision.split_point, inputs) if decision.run else None
 
-    def run(self, batch: ForwardBatch, runner, split_point: int) -> torch.Tensor:
+    def run(
+        self, batch: ForwardBatch, runner, split_point: int, inputs: dict | None = None
+    ) -> dict:
         """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
         rank, with tokens on both sides)."""
         plan = token_split(batch.extend_lens, [split_point])
         ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(split_batch(batch, plan))]
-        outputs = self.threads.run(ctxs, self.ops, receive_hook)
+        outputs = self.threads.run(ctxs, self.ops, receive_hook, split_inputs(batch, plan, inputs))
         self.num_overlapped += 1
-        return merge_logits(batch, plan, [o["logits"] for o in outputs])
+        return merge_outputs(batch, plan, outputs)
 
     def close(self) -> None:
         self.threads.close()

@@ -123,7 +123,7 @@ def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp]:
 
 
 class SingleBatchOverlap:
-    """The SBO scheme: ``forward(batch, runner)`` returns the batch's logits."""
+    """The SBO scheme: ``forward(batch, runner)`` returns the batch's outputs (its logits)."""
 
     def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
         self.model, self.cfg, self.group = model, cfg, group
@@ -131,6 +131,7 @@ class SingleBatchOverlap:
         own = sbo_ops(cfg.sbo_combine_blocks, self.lane)
         self.ops = build_operations(model, strategy_for(model, "sbo"), own)
 
-    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor:
-        """Logits ``[rows, vocab]``; an idle rank runs the same all-to-alls with no rows."""
-        return execute_operations(runner.context(batch), self.ops)["logits"]
+    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict:
+        """The outputs (logits ``[rows, vocab]``, or a pipeline stage's hidden states); an idle
+        rank runs the same all-to-alls with no rows."""
+        return execute_operations(runner.context(batch), self.ops, inputs)

@@ -215,3 +215,38 @@ def _seq_starts(batch: ForwardBatch) -> list[int]:
         starts.append(offset)
         offset += n
     return starts
+
+
+def child_rows(batch: ForwardBatch, plan: Plan) -> list[torch.Tensor]:
+    """Each child's token rows in the parent batch, in the child's order."""
+    starts = _seq_starts(batch)
+    return [
+        torch.cat(
+            [torch.arange(starts[p.seq] + p.start, starts[p.seq] + p.start + p.length) for p in c]
+        )
+        if c
+        else torch.zeros(0, dtype=torch.long)
+        for c in plan
+    ]
+
+
+def split_inputs(batch: ForwardBatch, plan: Plan, inputs: dict | None) -> list[dict]:
+    """A pipeline stage's inputs (per-token tensors of the whole batch) cut for each child;
+    none (the first stage) gives each child none."""
+    if not inputs:
+        return [{} for _ in plan]
+    return [{k: v[rows] for k, v in inputs.items()} for rows in child_rows(batch, plan)]
+
+
+def merge_outputs(batch: ForwardBatch, plan: Plan, outs: list[dict]) -> dict:
+    """The children's outputs as the whole batch's: logits (the last stage), or the per-token
+    ``hidden_states`` and ``residual`` an earlier stage hands on."""
+    if "logits" in outs[0]:
+        return {"logits": merge_logits(batch, plan, [o["logits"] for o in outs])}
+    merged = {}
+    for key, like in outs[0].items():
+        whole = like.new_empty((batch.num_tokens, *like.shape[1:]))
+        for rows, out in zip(child_rows(batch, plan), outs, strict=True):
+            whole[rows] = out[key]
+        merged[key] = whole
+    return merged

@@ -134,8 +134,10 @@ def layer_operations(
 def build_operations(
     model: MoeForCausalLM, strategy: Strategy, own: Mapping[str, SchemeOp] | None = None
 ) -> list[Op | Yield]:
-    """The whole forward as ops with yields: embed, each layer per the strategy, logits."""
-    ops: list[Op | Yield] = [model.op_embed]
+    """The whole forward (of this pipeline stage) as ops with yields: the embedding on the first
+    stage, each layer per the strategy, the logits on the last (an earlier stage ends with its
+    last layer's ``hidden_states`` and ``residual``, which the next stage starts from)."""
+    ops: list[Op | Yield] = [model.op_embed] if model.is_first else []
     for layer in model.layers:
         ops += layer_operations(layer, strategy, own)
-    return ops + [model.op_logits]
+    return ops + [model.op_logits] if model.is_last else ops

@@ -5,8 +5,6 @@ Whether to micro-batch, and with which strategy, is agreed across ranks (agreeme
 
 from __future__ import annotations
 
-import torch
-
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
@@ -15,10 +13,11 @@ from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.split import (
     CostModel,
-    merge_logits,
+    merge_outputs,
     plan_even_tokens,
     plan_two_batch,
     split_batch,
+    split_inputs,
 )
 from moe_overlap.overlap.strategy import Strategy, build_operations, strategy_for
 
@@ -44,15 +43,19 @@ class TwoBatchOverlap:
             return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
         return plan_even_tokens(batch, n, self.cost)
 
-    def forward(self, batch: ForwardBatch, runner) -> torch.Tensor | None:
-        """Logits of an overlapped forward, or None if the ranks agreed not to micro-batch."""
+    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+        """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
+        or None if the ranks agreed not to micro-batch."""
         decision = tbo_agree(batch, self.cfg, self.group)
-        return self.run(batch, runner, decision.decode) if decision.run else None
+        return self.run(batch, runner, decision.decode, inputs) if decision.run else None
 
-    def run(self, batch: ForwardBatch, runner, decode: bool) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, runner, decode: bool, inputs: dict | None = None) -> dict:
         """Micro-batch ``batch`` (every rank has agreed to) with the decode or prefill strategy."""
         plan = self.plan(batch)
         ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]
         strategy = self.strategies[decode]
-        outs = execute_overlapped(ctxs, [self.ops[decode]] * len(ctxs), strategy.delta_stages)
-        return merge_logits(batch, plan, [o["logits"] for o in outs])
+        ops = [self.ops[decode]] * len(ctxs)
+        outs = execute_overlapped(
+            ctxs, ops, strategy.delta_stages, split_inputs(batch, plan, inputs)
+        )
+        return merge_outputs(batch, plan, outs)

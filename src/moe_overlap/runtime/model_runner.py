@@ -52,6 +52,7 @@ class ModelRunner:
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
         self._schemes: dict[tuple, object] = {}
+        self.pipeline = None  # a PipelineStage under --pp: it drives forward_stage
 
     def _scheme(self, cfg: OverlapConfig):
         key = dataclasses.astuple(cfg)
@@ -61,18 +62,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None = None) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` for the rows ``batch.logit_rows()`` names."""
+        """Logits ``[rows, vocab]`` for the rows ``batch.logit_rows()`` names (empty on a
+        pipeline stage before the last)."""
+        if self.pipeline is not None:
+            return self.pipeline.forward(batch, overlap)
+        return self.forward_stage(batch, overlap)["logits"]
+
+    @torch.inference_mode()
+    def forward_stage(
+        self, batch: ForwardBatch, overlap: OverlapConfig | None = None, inputs: dict | None = None
+    ) -> dict:
+        """This pipeline stage's outputs for ``batch``: the logits on the last stage, else the
+        ``hidden_states`` and ``residual`` the next stage starts from (``inputs`` on it)."""
         cfg = overlap or self.overlap
         if cfg.mode != "none":
-            logits = self._scheme(cfg).forward(batch, self)
-            if logits is not None:
-                return logits
-        return self.forward_plain(batch)
+            out = self._scheme(cfg).forward(batch, self, inputs)
+            if out is not None:
+                return out
+        return execute_operations(self.context(batch), self.ops, inputs)
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:
         """One batch through every op in order: no overlap."""
-        ctx = self.context(batch)
-        return execute_operations(ctx, self.ops)["logits"]
+        return execute_operations(self.context(batch), self.ops)["logits"]
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
         return ForwardContext(

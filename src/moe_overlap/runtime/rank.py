@@ -21,8 +21,9 @@ from moe_overlap.distributed.layout import GROUP_KINDS, layout_for
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model
-from moe_overlap.model.tensor_parallel import ModelParallel
+from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
+from moe_overlap.runtime.pipeline import PipelineStage
 
 
 @dataclass
@@ -65,7 +66,12 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
         link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
     coords = layout.coords(me)
     model_par = ModelParallel(
-        groups["attn_tp"], coords.ep_rank, layout.ep, coords.moe_tp_rank, layout.moe_tp
+        groups["attn_tp"],
+        coords.ep_rank,
+        layout.ep,
+        coords.moe_tp_rank,
+        layout.moe_tp,
+        pp_layers(spec.config.num_hidden_layers, coords.pp_rank, par.pp),
     )
     path = Path(spec.model_path) if spec.model_path else None
     model = build_model(spec.config, path, spec.seed, model_par)
@@ -76,9 +82,12 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     )
     # every rank that shares a MoE collective takes the overlap decisions together
     moe_group = groups["ep"] if layout.pure_ep else groups["tp"]
-    return ModelRunner(
+    runner = ModelRunner(
         model, dispatcher, spec.kv_slots, spec.max_len, spec.overlap, moe_group, timeline
     )
+    if par.pp > 1:
+        runner.pipeline = PipelineStage(runner, groups["pp"])
+    return runner
 
 
 def serve_step(

@@ -71,7 +71,7 @@ class SpawnedExecutor(Executor):
     ):
         world = spec.parallel.world_size
         self.num_ranks, self.num_dp, self.timeout_s = world, spec.parallel.attn_dp, timeout_s
-        self.attn_tp = spec.parallel.attn_tp
+        self.parallel = spec.parallel
         self.link_spec = link
         self.netns: NetnsLink | None = None
         self.procs, self.conns = [], []
@@ -113,11 +113,17 @@ class SpawnedExecutor(Executor):
         record: bool = False,
     ) -> list[torch.Tensor]:
         dicts = [b.to_dict() for b in batches]
-        msgs = [("step", dicts[r // self.attn_tp], overlap, record) for r in range(self.num_ranks)]
-        replies = self._request(msgs)
+        par = self.parallel
+        replies = self._request(
+            [("step", dicts[par.batch_of(r)], overlap, record) for r in range(self.num_ranks)]
+        )
         self.last_spans = [spans for _, spans in replies]
-        leaders = replies[:: self.attn_tp]  # attention-TP rank 0 of each group answers for it
-        return [torch.from_numpy(np.asarray(logits)) for logits, _ in leaders]
+        # one rank of each group (attention-TP rank 0 of its last stage) answers for it
+        return [
+            torch.from_numpy(np.asarray(logits))
+            for r, (logits, _) in enumerate(replies)
+            if par.answers(r)
+        ]
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)

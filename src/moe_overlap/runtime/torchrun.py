@@ -42,7 +42,7 @@ class TorchrunExecutor(Executor):
                 "(or shape the real network yourself)"
             )
         self.rank, self.num_ranks = int(os.environ["RANK"]), world
-        self.num_dp, self.attn_tp = par.attn_dp, par.attn_tp
+        self.num_dp, self.parallel = par.attn_dp, par
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         rank = RankSpec(self.rank, world, "env://", timeout_s, link)
@@ -72,8 +72,12 @@ class TorchrunExecutor(Executor):
         self._broadcast(("step", dicts, overlap, record))
         replies = self._step(dicts[0], overlap, record)
         self.last_spans = [spans for _, spans in replies]
-        leaders = replies[:: self.attn_tp]  # attention-TP rank 0 of each group answers for it
-        return [torch.from_numpy(np.asarray(logits)) for logits, _ in leaders]
+        # one rank of each group (attention-TP rank 0 of its last stage) answers for it
+        return [
+            torch.from_numpy(np.asarray(logits))
+            for r, (logits, _) in enumerate(replies)
+            if self.parallel.answers(r)
+        ]
 
     def end_generate(self) -> None:
         self._broadcast(("end",))
@@ -85,7 +89,7 @@ class TorchrunExecutor(Executor):
             if msg[0] != "step":
                 self.closed = msg[0] == "stop"
                 return
-            self._step(msg[1][self.rank // self.attn_tp], msg[2], msg[3])
+            self._step(msg[1][self.parallel.batch_of(self.rank)], msg[2], msg[3])
 
     def close(self) -> None:
         if self.closed:

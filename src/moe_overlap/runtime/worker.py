@@ -44,7 +44,7 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
             else:
                 _, batch, overlap, record = msg
                 logits, spans = serve_step(runner, ForwardBatch.from_dict(batch), overlap, record)
-                leader = rank.rank % spec.parallel.attn_tp == 0  # its group's logits, once
+                leader = spec.parallel.answers(rank.rank)  # its group's logits, once
                 conn.send(("ok", (logits.numpy() if leader else None, spans)))
     except EOFError:
         pass  # the driver went away; just exit

@@ -83,6 +83,13 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     )
 
     p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: contiguous layer ranges (the embedding on the first, the norm "
+        "and LM head on the last), each stage --tp ranks; world = dp x pp x tp (default 1)",
+    )
+    p.add_argument(
         "--load-balance-method",
         choices=LOAD_BALANCE_METHODS,
         default=DEFAULT_LOAD_BALANCE_METHOD,
@@ -93,7 +100,13 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
-    return dict(tp=args.tp, dp=args.dp, ep=args.ep, enable_dp_attention=args.enable_dp_attention)
+    return dict(
+        tp=args.tp,
+        dp=args.dp,
+        ep=args.ep,
+        enable_dp_attention=args.enable_dp_attention,
+        pp=args.pp,
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,42 @@
+"""Pipeline parallelism: one rank's stage of a forward, with several micro-batches in flight.
+
+Each step's batch is cut into ``pp`` micro-batches of nearly equal tokens (a prompt may be cut:
+its later piece runs after the earlier one on every stage, so it sees the earlier piece's KV).
+A stage takes each micro-batch's hidden states and residual from the previous stage (the first
+embeds), runs its layers under the step's overlap scheme, and sends the result on without
+waiting for it to arrive, so it starts the next micro-batch while the next stage works on this
+one (SGLang keeps ``pp_size`` micro-batches in flight the same way). The last stage returns the
+logits, reassembled in batch order; the others return none. Every stage runs every
+micro-batch, idle ones included, so the collectives inside a stage stay matched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.distributed.groups import Group
+from moe_overlap.overlap.split import merge_logits, plan_even_tokens, split_batch
+
+
+class PipelineStage:
+    def __init__(self, runner, pp: Group):
+        self.runner, self.pp = runner, pp
+        self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
+
+    def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None) -> torch.Tensor:
+        plan = plan_even_tokens(batch, self.pp.size)
+        sends, logits = [], []
+        for child in split_batch(batch, plan):
+            inputs = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
+            out = self.runner.forward_stage(child, overlap, inputs)
+            if self.last:
+                logits.append(out["logits"])
+            else:
+                sends.append(self.pp.send_dict(out, self.pp.rank + 1, wait=False))
+        for send in sends:  # the next stage has taken every micro-batch
+            send.wait()
+        if not self.last:
+            return torch.zeros(0)
+        return merge_logits(batch, plan, logits)

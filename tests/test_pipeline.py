@@ -1,0 +1,82 @@
+"""Pipeline parallelism on real gloo ranks: uneven stages, with TP and EP inside a stage, overlap
+inside each stage, tied embeddings, SGLang's refusals, and a stage that dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.model.tensor_parallel import pp_layers
+from moe_overlap.runtime.spawn import RankFailure
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
+
+PROMPTS = [p for prompts in CASES.values() for p in prompts]  # 45 tokens > budget: chunked
+MODES = {"none": OverlapConfig(), "tbo+two-chunk": OverlapConfig("tbo")}
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "sizes"),
+    [(3, 2, [2, 1]), (4, 3, [1, 2, 1]), (61, 4, [15, 15, 16, 15]), (5, 5, [1] * 5)],
+)
+def test_stages_split_layers_like_sglang(layers, stages, sizes):
+    ranges = [pp_layers(layers, s, stages) for s in range(stages)]
+    assert [len(r) for r in ranges] == sizes
+    assert [i for r in ranges for i in r] == list(range(layers))  # contiguous, in order
+
+
+def _reference(cfg: ModelConfig) -> list:
+    with LLM(config=cfg, **KW) as llm:
+        return llm.generate(PROMPTS, PARAMS, return_logits=True)
+
+
+CASES_PP = {
+    "deepseek-pp2-uneven": ("deepseek_v3", {}, dict(pp=2)),  # 3 layers: stages of 2 and 1
+    "qwen3-pp3-uneven": ("qwen3_moe", {"num_hidden_layers": 4}, dict(pp=3)),  # 1, 2, 1
+    "deepseek-tp2-pp2-ep2": ("deepseek_v3", {}, dict(tp=2, pp=2, ep=2)),
+    "qwen3-tp2-pp2": ("qwen3_moe", {"vocab_size": 79}, dict(tp=2, pp=2)),
+    "qwen3-pp2-tied": ("qwen3_moe", {"tie_word_embeddings": True}, dict(pp=2)),
+}
+
+
+@pytest.mark.parametrize("case", CASES_PP)
+def test_pipeline_matches_one_process(case, monkeypatch):
+    family, model_kw, layout = CASES_PP[case]
+    cfg = ModelConfig(**{**TINY[family], **model_kw})
+    base = _reference(cfg)
+    with LLM(config=cfg, **layout, **KW) as llm:
+        step = llm.executor.run
+        for overlap in MODES.values():
+            monkeypatch.setattr(
+                llm.executor, "run", lambda b, _=None, record=False, o=overlap: step(b, o, record)
+            )
+            assert_same(base, llm.generate(PROMPTS, PARAMS, return_logits=True))
+
+
+def test_pipeline_refusals_name_the_flags():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with pytest.raises(ConfigError, match="--pp=3 is more stages than the model's 2 layers"):
+        LLM(config=cfg, pp=3)
+    with pytest.raises(ConfigError, match=r"--pp=2 with pure expert parallelism \(--tp 1 --ep 2"):
+        LLM(config=cfg, ep=2, pp=2)
+    with pytest.raises(ConfigError, match="--overlap auto with --pp 2"):
+        LLM(config=cfg, pp=2, overlap="auto")
+
+
+def test_a_dead_stage_stops_every_rank_with_its_name():
+    cfg = ModelConfig(**{**TINY["qwen3_moe"], "max_position_embeddings": 4096})
+    llm = LLM(config=cfg, pp=2, timeout_s=10, **KW)
+    victim = llm.executor.procs[1].proc
+    killer = threading.Timer(1.0, victim.kill)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)"):
+        while True:  # steps until the kill lands
+            llm.generate([[i % 80 for i in range(1, 200)]], PARAMS)
+    killer.join()
+    assert time.monotonic() - start < 30
+    assert all(p.proc.poll() is not None for p in llm.executor.procs)  # nobody left behind
