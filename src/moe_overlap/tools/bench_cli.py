@@ -16,7 +16,8 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
-from moe_overlap.tools.cli_args import add_layout_args, add_link_arg, add_model_args, layout_kwargs
+from moe_overlap.tools.cli_args import add_link_arg, add_model_args
+from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
 from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
 from moe_overlap.tools.workloads import parse_workload
@@ -60,6 +61,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if "none" not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     par = ParallelConfig(**layout_kwargs(args))
+    if par.pp > 1 and "auto" in modes:
+        raise ConfigError("--modes with auto cannot run with --pp > 1; drop auto")
     if par.world_size < 2 and "dbo" in modes:
         raise ConfigError("--modes with dbo needs 2 or more ranks (--ep or --tp)")
     if args.repeat < 1:

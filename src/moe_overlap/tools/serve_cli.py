@@ -32,8 +32,8 @@ from moe_overlap.tools.cli_args import (
     add_model_args,
     build_llm,
     engine_kwargs,
-    layout_kwargs,
 )
+from moe_overlap.tools.layout_args import layout_kwargs
 
 
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
