@@ -97,7 +97,7 @@ def fit_cluster(
     per_gemm, per_attn, per_seq, fixed = solution.tolist()
     fixed = max(fixed, 0.0)
     per_op = min(extra_pass_s, fixed) / ops if extra_pass_s > 0 else fixed / ops
-    forward = fixed - per_op * ops
+    forward = max(fixed - per_op * ops, 0.0)  # rounding may leave a hair below zero
     latency, rate = fit_link(samples)
     return Cluster(
         name="this",

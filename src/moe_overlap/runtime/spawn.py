@@ -32,6 +32,7 @@ from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import RankSpec
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
+_DEATH_GRACE_S = 1.0  # after a rank's error, for a peer's death (its cause) to show
 
 
 class RankFailure(RuntimeError):
@@ -187,8 +188,14 @@ class SpawnedExecutor(Executor):
         return f"rank {r} died (exit code {self.procs[r].exitcode(1.0)})"
 
     def _fail(self, why: str) -> None:
-        # a rank that died is the cause; the others' collective errors are its echo
-        dead = [r for r, p in enumerate(self.procs) if p.exitcode() not in (None, 0)]
+        # a rank that died is the cause; the others' collective errors are its echo, and may
+        # arrive while the killed process is still being torn down: look for a second
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while True:
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode() not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         if dead and not why.startswith(f"rank {dead[0]} "):
             why = f"{self._death(dead[0])}; then {why}"
         self.close()
