@@ -45,7 +45,7 @@ class Group:
         self.backend, self.timeout, self.name = str(backend), timeout, name
         # set on the attention-TP group: its blocking collectives land on the "tp comm" track
         self.timeline: Timeline | None = None
-        on_cuda = self.backend == "nccl"
+        on_cuda = "nccl" in self.backend  # "nccl", or "cpu:gloo,cuda:nccl" (core/device.py)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         )
@@ -141,7 +141,7 @@ class Group:
         if self.pg is None:
             return self._run(None, input.clone(), "all_to_all", async_op)
         out = input.new_empty((sum(output_splits), *input.shape[1:]))
-        if p2p if p2p is not None else self.backend == "gloo":
+        if p2p if p2p is not None else not input.is_cuda:  # gloo carries CPU tensors
             return self._run(
                 self._all_to_all_p2p(out, input, input_splits, output_splits),
                 out,
