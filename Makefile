@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test gpu-check lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# On a machine with GPUs and torch, transformers, safetensors, tokenizers, rich, matplotlib
+# and pytest already installed: nothing is installed, the package is read from src/.
+gpu-check:
+	PYTHONPATH=src $(PY) -m pytest tests/gpu -q -rs
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

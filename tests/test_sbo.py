@@ -97,6 +97,7 @@ class _Hub:
 class _FakeGroup:
     def __init__(self, hub: _Hub, rank: int):
         self.hub, self.rank, self.size = hub, rank, hub.size
+        self.device = torch.device("cpu")  # as Group's: where the dispatcher's streams live
 
     def all_to_all(self, rows, input_splits, output_splits, async_op=False):
         out = self.hub.exchange(self.rank, rows, list(input_splits), list(output_splits))

@@ -56,5 +56,5 @@ class ForwardContext:
     state: StrictState = field(default_factory=StrictState)
 
     def __post_init__(self) -> None:
-        if self.positions is None:
-            self.positions = self.batch.positions
+        if self.positions is None:  # the batch is host metadata; the cache sits on the device
+            self.positions = self.batch.positions.to(self.kv_cache.device)

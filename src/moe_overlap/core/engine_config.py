@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_overlap.core.device import rank_device, torch_dtype
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -39,8 +40,12 @@ class EngineSpec:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"  # "cpu" or "cuda" (core/device.py resolves "auto" before this)
+    dtype: str = "float32"  # weights and KV cache; float32 is the exactness reference
 
     def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # a clear error for an unknown name
+        rank_device(self.device, 0)  # likewise
         if self.kv_slots < 1:
             raise ConfigError(
                 f"the KV cache budget of {_gib(self.kv_cache_bytes)} holds no sequence of "
@@ -51,7 +56,8 @@ class EngineSpec:
     @property
     def slot_bytes(self) -> int:
         """KV cache bytes of one sequence at ``max_len`` tokens."""
-        return kv_bytes_per_token(self.config, attn_tp=self.parallel.attn_tp) * self.max_len
+        width = torch_dtype(self.dtype).itemsize
+        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp) * self.max_len
 
     @property
     def kv_slots(self) -> int:

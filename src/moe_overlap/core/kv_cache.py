@@ -24,6 +24,8 @@ class KVCache:
     ):
         self.num_slots = num_slots
         self.max_len = max_len
+        self.device = torch.device(device)  # where a forward's index tensors must live
+        self.dtype = dtype
         self.layers = [
             {
                 name: torch.zeros(0, 0, *shape, dtype=dtype, device=device)

@@ -7,6 +7,10 @@ of hidden states; ``dispatch_b`` waits and regroups the received rows by local e
 and sums them per token exactly as the local backend does. SBO instead calls
 ``combine_a_block`` once per block of local experts, each block's piece sent as soon as its
 experts finish.
+
+On CUDA every all-to-all runs on the rank's communication stream (``distributed/streams.py``):
+launched after the compute that produced its rows, consumed after an event, the modelled link's
+delay held on that stream, never on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, sort_b
 from moe_overlap.distributed.comm import CommHandle
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
+from moe_overlap.distributed.streams import CommStream, consume
 
 
 class InFlight(Pending):
@@ -40,9 +45,10 @@ class InFlight(Pending):
         owner: str,
         timeline: Timeline | None,
         label: str = "all-to-all",
+        done: torch.cuda.Event | None = None,
     ):
         self.handle, self.link, self.owner, self.timeline = handle, link, owner, timeline
-        self.label = label
+        self.label, self.done = label, done  # done: the communication stream's event (CUDA)
         self.start = time.perf_counter()
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
         self.completed_at: float | None = None
@@ -57,7 +63,7 @@ class InFlight(Pending):
         who = waiter or self.owner
         label = "wait" if who == self.owner else f"receive hook for {self.owner}"
         with self.timeline.span(f"{who} wait", label) if self.recording else nullcontext():
-            out = self.handle.wait()
+            out = consume(self.done, self.handle.wait())  # every waiter's stream waits
             if self.link is not None:
                 self.link.sleep_until(self.earliest_end)
         if self.recording:
@@ -107,6 +113,7 @@ class AllToAllDispatcher(Dispatcher):
         self.group, self.ep, self.link = group, group.size, link
         self.num_experts, self.local = num_experts, num_experts // group.size
         self.timeline = timeline  # records each all-to-all from launch to completion
+        self.comm = CommStream(group.device)  # CUDA: the communication stream; CPU: no-op
 
     def _start(
         self, kind: str, rows: torch.Tensor, send: list[int], recv: list[int], owner: str
@@ -114,9 +121,16 @@ class AllToAllDispatcher(Dispatcher):
         me = self.group.rank
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         off_rank = max(sum(send) - send[me], sum(recv) - recv[me]) * row_bytes
-        handle = self.group.all_to_all(rows, send, recv, async_op=True)
+        link, done = self.link, None
+        with self.comm.launch():
+            handle = self.group.all_to_all(rows, send, recv, async_op=True)
+            if self.comm.on_gpu:  # the stream, not the host, waits for the rows and the link
+                handle.wait()
+                if link is not None:
+                    self.comm.delay(link.latency_s + off_rank / link.bytes_per_s)
+                link, done = None, self.comm.done()
         label = f"{kind} {off_rank / 1e6:.2f} MB ({owner})"
-        return InFlight(handle, self.link, off_rank, owner, self.timeline, label)
+        return InFlight(handle, link, off_rank, owner, self.timeline, label, done)
 
     def dispatch_a(
         self,
@@ -141,7 +155,8 @@ class AllToAllDispatcher(Dispatcher):
         state.pending = None
         recv_counts = state.recv_counts
         # rows arrive grouped by source rank, then expert; regroup by expert, then source
-        source = torch.repeat_interleave(torch.arange(recv_counts.numel()), recv_counts.reshape(-1))
+        ids = torch.arange(recv_counts.numel(), device=recv_counts.device)
+        source = torch.repeat_interleave(ids, recv_counts.reshape(-1))
         by_expert = source % self.local * self.ep + source // self.local
         state.perm = torch.argsort(by_expert, stable=True)
         state.expert_inputs = received[state.perm]

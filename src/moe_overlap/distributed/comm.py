@@ -40,7 +40,11 @@ class CommHandle:
 
         Raises ``CollectiveTimeout`` when the limit passes; the group is unusable afterwards.
         """
-        if self._work is not None:
+        if self._work is not None and self._output.is_cuda and timeout is None:
+            # NCCL: the caller's stream waits on the collective, the host does not (a wait
+            # with a timeout would block the host); NCCL's watchdog enforces the group timeout
+            self._work.wait()
+        elif self._work is not None:
             self._wait_fn(self._work, self._op, timeout)
             self._work = None  # done: later waits return at once
         return self._output

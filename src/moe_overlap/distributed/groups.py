@@ -19,6 +19,10 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Works
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
 
+# torch 2.13 names them *_single and deprecates the older names, which torch <= 2.11 needs
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Group:
     """A set of global ranks and the process group that connects them.
@@ -45,7 +49,7 @@ class Group:
         self.backend, self.timeout, self.name = str(backend), timeout, name
         # set on the attention-TP group: its blocking collectives land on the "tp comm" track
         self.timeline: Timeline | None = None
-        on_cuda = self.backend == "nccl"
+        on_cuda = "nccl" in self.backend  # "nccl", or "cpu:gloo,cuda:nccl" (core/device.py)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         )
@@ -110,7 +114,7 @@ class Group:
         if self.pg is None:
             return self._run(None, t.clone(), "all_gather", async_op)
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-        work = dist.all_gather_single(out, t.contiguous(), self.pg, async_op=True)
+        work = _all_gather(out, t.contiguous(), self.pg, async_op=True)
         return self._run(work, out, "all_gather", async_op)
 
     def reduce_scatter(
@@ -124,7 +128,7 @@ class Group:
         if self.pg is None:
             return self._run(None, t.clone(), "reduce_scatter", async_op)
         out = t.new_empty((t.shape[0] // self.size, *t.shape[1:]))
-        work = dist.reduce_scatter_single(out, t.contiguous(), op, self.pg, async_op=True)
+        work = _reduce_scatter(out, t.contiguous(), op, self.pg, async_op=True)
         return self._run(work, out, "reduce_scatter", async_op)
 
     def all_to_all(
@@ -141,7 +145,7 @@ class Group:
         if self.pg is None:
             return self._run(None, input.clone(), "all_to_all", async_op)
         out = input.new_empty((sum(output_splits), *input.shape[1:]))
-        if p2p if p2p is not None else self.backend == "gloo":
+        if p2p if p2p is not None else not input.is_cuda:  # gloo carries CPU tensors
             return self._run(
                 self._all_to_all_p2p(out, input, input_splits, output_splits),
                 out,

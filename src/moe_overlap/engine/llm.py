@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
 from moe_overlap.core.engine_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -38,7 +39,8 @@ class LLM:
 
     ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint, and its tokenizer when the
     directory has a tokenizer.json (``tokenizer`` names another directory); ``LLM(config=cfg,
-    seed=0)`` builds seeded random weights.
+    seed=0)`` builds seeded random weights. ``device``: cpu, cuda (each rank on
+    ``cuda:<local rank>``) or auto; ``dtype``: float32 (the exactness reference) or bfloat16.
     """
 
     def __init__(
@@ -60,6 +62,8 @@ class LLM:
         link: str = "none",
         timeout_s: float = 60.0,
         tokenizer: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
     ):
         if (model is None) == (config is None):
             raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
@@ -75,6 +79,8 @@ class LLM:
             raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
         par = ParallelConfig(tp, dp, ep, enable_dp_attention, pp)
         check_method(load_balance_method)
+        torch_dtype(dtype)
+        device = resolve_device(device, ranks_on_this_node(par.world_size))
         layout_for(par)  # SGLang's refusals, naming the flags
         check_model_fits(cfg, par)
         if isinstance(overlap, str):
@@ -92,6 +98,8 @@ class LLM:
             max_len,
             overlap,
             parallel=par,
+            device=device,
+            dtype=dtype,
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(timeout_s))

@@ -98,7 +98,8 @@ class AttentionPlan:
     all_decode: bool  # every token is a decode row, in batch order
 
     @classmethod
-    def of(cls, batch: ForwardBatch) -> AttentionPlan:
+    def of(cls, batch: ForwardBatch, device: torch.device | str = "cpu") -> AttentionPlan:
+        """The plan of ``batch``, its index tensors on ``device`` (the KV cache's)."""
         rows, slots, lens, extends = [], [], [], []
         for slot, prefix, span in batch.per_sequence():
             if span.stop - span.start == 1:
@@ -107,13 +108,15 @@ class AttentionPlan:
                 lens.append(prefix + 1)
             else:
                 extends.append((slot, prefix, span))
+
+        def longs(items: list[int]) -> torch.Tensor:
+            return torch.tensor(items, dtype=torch.long, device=device)
+
         return cls(
-            slots=torch.tensor(batch.slots, dtype=torch.long).repeat_interleave(
-                torch.tensor(batch.extend_lens, dtype=torch.long)
-            ),
-            decode_rows=torch.tensor(rows, dtype=torch.long),
-            decode_slots=_as_slice(slots) or torch.tensor(slots, dtype=torch.long),
-            decode_lens=torch.tensor(lens, dtype=torch.long),
+            slots=longs(batch.slots).repeat_interleave(longs(batch.extend_lens)),
+            decode_rows=longs(rows),
+            decode_slots=_as_slice(slots) or longs(slots),
+            decode_lens=longs(lens),
             decode_max_len=max(lens, default=0),
             extends=extends,
             all_decode=not extends,
@@ -143,7 +146,7 @@ def causal_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
         v.transpose(0, 1)[None],
-        attn_mask=_lower_right_causal(new, length) if prefix_len else None,
+        attn_mask=_lower_right_causal(new, length, q.device) if prefix_len else None,
         is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
@@ -151,8 +154,8 @@ def causal_attention(
     return out[0].transpose(0, 1)
 
 
-def _lower_right_causal(new: int, length: int) -> torch.Tensor:
-    return torch.ones(new, length, dtype=torch.bool).tril(diagonal=length - new)
+def _lower_right_causal(new: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(new, length, dtype=torch.bool, device=device).tril(diagonal=length - new)
 
 
 def decode_attention(
@@ -166,7 +169,7 @@ def decode_attention(
     """
     b, heads, d = q.shape
     kv_heads = k.shape[2]
-    mask = torch.arange(k.shape[1]) < lens[:, None]
+    mask = torch.arange(k.shape[1], device=k.device) < lens[:, None]
     out = F.scaled_dot_product_attention(
         q.reshape(b, kv_heads, heads // kv_heads, d),
         k.transpose(1, 2),

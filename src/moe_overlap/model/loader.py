@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.layers import RMSNorm, RotaryEmbedding
+from moe_overlap.model.moe import Router
 from moe_overlap.model.tensor_parallel import ModelParallel, Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -137,11 +139,34 @@ def build_model(
     path: str | Path | None = None,
     seed: int = 0,
     par: ModelParallel | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> MoeForCausalLM:
-    """Build this rank's model and fill it from ``path``, or with seeded random weights."""
+    """Build this rank's model and fill it from ``path``, or with seeded random weights, then
+    move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
+    the fp32 model's weights rounded once)."""
     model = MoeForCausalLM(cfg, par)
     if path is None:
         init_random(model, seed)
     else:
         load_checkpoint(model, path)
-    return model.eval()
+    return place_model(model, device, dtype).eval()
+
+
+def place_model(model: MoeForCausalLM, device: torch.device | str, dtype: torch.dtype):
+    """Move ``model`` to ``device`` and cast its weights to ``dtype``, except the routers
+    (the routing decision stays in float32, as SGLang keeps the correction bias) and RoPE's
+    frequencies."""
+    model.to(device)
+    for module in model.modules():
+        if isinstance(module, Router | RotaryEmbedding):
+            continue
+        for param in module.parameters(recurse=False):
+            param.data = param.data.to(dtype)  # in place: tied weights stay tied
+    return model
+
+
+def model_placement(model: MoeForCausalLM) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of ``model``'s activations (and so of its KV cache)."""
+    norm = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    return norm.weight.device, norm.weight.dtype

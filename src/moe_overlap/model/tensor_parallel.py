@@ -128,6 +128,7 @@ class VocabEmbedding(nn.Module):
         set_shard(self.weight, 0, self.rows.start, vocab)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.weight.device)  # a batch's ids are host data
         if self.group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.rows.start

@@ -3,7 +3,8 @@
 Exactly one thread runs model code at a time. At a ``Yield`` (operations.py; the strategy table
 places them) a micro-batch runs the receive hook the other left for it, leaves its own, hands
 the baton over and sleeps. Every wait has a timeout that names the stalled micro-batch, and an
-error on either thread stops both and is re-raised in the caller.
+error on either thread stops both and is re-raised in the caller. On CUDA each micro-batch
+launches on its own stream and every handover is an event (``MicroBatchStreams``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, split_stages
 
 GRACE_S = 5.0  # past a collective's own timeout, so its clearer error surfaces first
@@ -111,13 +113,14 @@ class _DualRun:
         ops: Sequence[Op | Yield],
         make_hook: MakeHook,
         timeout_s: float,
+        streams: MicroBatchStreams,
         inputs: Sequence[dict] | None = None,
     ):
         if len(ctxs) != 2:
             raise ValueError(f"DBO runs exactly two micro-batches, got {len(ctxs)}")
         self.ctxs, self.make_hook = list(ctxs), make_hook
         self.segments = split_stages(ops)  # the ops between two yields
-        self.baton = Baton(timeout_s)
+        self.baton, self.streams = Baton(timeout_s), streams
         self.outputs: list[dict] = [dict(i) for i in inputs] if inputs else [{}, {}]
         self.outcomes: dict[int, BaseException | None] = {}
         self.results: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,7 +129,8 @@ class _DualRun:
         """Run micro-batch ``me`` on the calling thread; report ``(me, error or None)``."""
         error = None
         try:
-            with torch.inference_mode():  # thread-local: the caller's mode does not reach here
+            # thread-local: neither the caller's mode nor its stream reaches here
+            with torch.inference_mode(), self.streams.on(me):
                 self._play(me)
         except BaseException as exc:  # the caller re-raises it
             error = exc
@@ -135,7 +139,9 @@ class _DualRun:
 
     def _play(self, me: int) -> None:
         baton, ctx, last = self.baton, self.ctxs[me], len(self.segments) - 1
+        streams = self.streams  # the GPU follows the baton: each holder waits on the last
         baton.wait_turn(me)
+        streams.take_over(me)
         for segment, ops in enumerate(self.segments):
             start = time.perf_counter()
             for op in ops:
@@ -146,8 +152,11 @@ class _DualRun:
             if segment == last:
                 break
             baton.register_hook(me, self.make_hook(ctx))
+            streams.hand_over(me)
             baton.pass_on(me)
             baton.wait_turn(me)
+            streams.take_over(me)
+        streams.hand_over(me)
         baton.pass_on(me, finished=True)
 
     def gather(self, timeout_s: float) -> bool:
@@ -206,8 +215,11 @@ def _stop(jobs: list[queue.SimpleQueue], threads: list[threading.Thread]) -> Non
 class DualBatchThreads:
     """A persistent pair of daemon threads, one per micro-batch, reused by every forward."""
 
-    def __init__(self, timeout_s: float = 60.0, name: str = "dbo"):
+    def __init__(
+        self, timeout_s: float = 60.0, name: str = "dbo", streams: MicroBatchStreams | None = None
+    ):
         self.timeout_s = timeout_s
+        self.streams = streams or MicroBatchStreams(torch.device("cpu"))  # CPU: no streams
         self.last_run: _DualRun | None = None
         self._stuck: _DualRun | None = None  # a run with a thread that has not reported yet
         self._jobs = [queue.SimpleQueue() for _ in range(2)]
@@ -235,7 +247,9 @@ class DualBatchThreads:
             raise RuntimeError("DualBatchThreads is closed")
         if self._stuck is not None and not self._stuck.gather(self.timeout_s):
             raise DboStall("DBO threads are still stuck in an earlier forward")
-        run = self.last_run = self._stuck = _DualRun(ctxs, ops, make_hook, self.timeout_s, inputs)
+        run = _DualRun(ctxs, ops, make_hook, self.timeout_s, self.streams, inputs)
+        self.last_run = self._stuck = run
+        self.streams.begin()
         for me, jobs in enumerate(self._jobs):
             jobs.put((me, run))
         if run.collect(self.timeout_s + GRACE_S, min(GRACE_S, self.timeout_s)):
@@ -248,6 +262,7 @@ class DualBatchThreads:
         error = run.error()
         if error is not None:
             raise error
+        self.streams.end()
         return run.outputs
 
     def close(self) -> None:

@@ -73,7 +73,10 @@ def calibrate(
     model, cfg = runner.model, runner.model.cfg
     cost = CostModel.for_model(cfg)
     layers = cfg.num_hidden_layers
-    caches = {s: KVCache(layers, s[0], s[1], model.kv_entries()) for s in SHAPES}
+    kv = runner.kv_cache  # the scratch caches sit where the real one does
+    caches = {
+        s: KVCache(layers, s[0], s[1], model.kv_entries(), kv.dtype, kv.device) for s in SHAPES
+    }
     timeline = runner.timeline
     saved, was = timeline.spans, timeline.enabled
     timeline.spans, timeline.enabled = [], True

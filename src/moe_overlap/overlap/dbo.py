@@ -22,7 +22,9 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
+from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.agreement import dbo_agree
 from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
 from moe_overlap.overlap.split import merge_outputs, split_batch, split_inputs, token_split
@@ -52,7 +54,8 @@ class DualBatchOverlap:
     ):
         self.model, self.cfg, self.group = model, cfg, group
         self.ops = build_operations(model, strategy_for(model, "dbo"))
-        self.threads = DualBatchThreads(timeout_s or _baton_timeout(group))
+        streams = MicroBatchStreams(model_placement(model)[0])  # CUDA: one per micro-batch
+        self.threads = DualBatchThreads(timeout_s or _baton_timeout(group), streams=streams)
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
     def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:

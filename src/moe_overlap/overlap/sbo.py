@@ -51,10 +51,10 @@ class CommLane:
     progresses on gloo's own thread, so launching is a plain call and the next block computes
     while the piece is in flight.
 
-    CUDA (not exercised here: no GPU): torch's NCCL backend already issues an async collective
-    on its own stream after making it wait for the current one (the alternate-stream-plus-event
-    pattern of SGLang's SBO), so the same call orders piece b after block b's down projection.
-    What is *not* done is reserving ``comm_sms`` SMs for communication (SGLang: 3 on Hopper, 32
+    CUDA (built, not yet run on a GPU): the dispatcher launches each piece on its communication
+    stream after an event on the compute stream (``distributed/streams.py: CommStream``), so
+    piece b follows block b's down projection on the GPU while block b + 1 computes, and the
+    consumer's stream waits on the piece's event. What is *not* done is reserving ``comm_sms`` SMs for communication (SGLang: 3 on Hopper, 32
     on Blackwell) and giving the down GEMM the rest: that needs a communication kernel and a
     GEMM that take an SM budget (DeepEP, DeepGEMM). ``comm_sms`` is validated and recorded
     only; it changes nothing on CPU.

@@ -18,6 +18,7 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.auto import AutoOverlap
 from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
@@ -47,7 +48,10 @@ class ModelRunner:
         self.model = model
         self.dispatcher = dispatcher
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
-        self.kv_cache = KVCache(model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries())
+        device, dtype = model_placement(model)  # the cache is kept in the model's dtype
+        self.kv_cache = KVCache(
+            model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries(), dtype, device
+        )
         self.ops = build_operations(model, strategy_for(model, "none"))
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()

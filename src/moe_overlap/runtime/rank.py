@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.device import dist_backend, local_rank, rank_device, torch_dtype
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -45,6 +46,10 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     engine (no torch.distributed at all)."""
     par = spec.parallel
     layout = layout_for(par)
+    device = rank_device(spec.device, 0 if rank is None else local_rank(rank.rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
+    backend = dist_backend(spec.device)  # the one place the backend is chosen
     if rank is None:
         me, link = 0, None
         groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
@@ -55,14 +60,14 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
             )
         if not dist.is_initialized():
             dist.init_process_group(
-                "gloo",
+                backend,
                 init_method=rank.init_method,
                 rank=rank.rank,
                 world_size=rank.world_size,
                 timeout=timedelta(seconds=rank.timeout_s),
             )
         me = rank.rank
-        groups = init_process_groups(layout, me, "gloo")
+        groups = init_process_groups(layout, me, backend)
         link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
     coords = layout.coords(me)
     model_par = ModelParallel(
@@ -74,7 +79,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
         pp_layers(spec.config.num_hidden_layers, coords.pp_rank, par.pp),
     )
     path = Path(spec.model_path) if spec.model_path else None
-    model = build_model(spec.config, path, spec.seed, model_par)
+    model = build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
     timeline = Timeline()
     groups["attn_tp"].timeline = timeline  # attention/vocabulary all-reduces and all-gathers
     dispatcher = make_dispatcher(
@@ -93,9 +98,9 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
 def serve_step(
     runner: ModelRunner, batch: ForwardBatch, overlap: OverlapConfig | None, record: bool
 ) -> tuple[torch.Tensor, list[Span] | None]:
-    """One forward; returns (logits, the timeline's spans or None)."""
+    """One forward; returns (logits on the CPU, the timeline's spans or None)."""
     runner.timeline.enabled = record
-    logits = runner.forward(batch, overlap)
+    logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
     return logits, (runner.timeline.take() if record else None)
 
 
@@ -105,13 +110,15 @@ def probe_all_to_all(
     """Seconds of each of ``repeats`` all-to-alls sending ``num_bytes`` from this rank, spread
     evenly over the ranks (the share to itself never crosses the link)."""
     rows = max(group.size, num_bytes // 4 // 1024 // group.size * group.size)
-    x = torch.zeros(rows, 1024)
+    x = torch.zeros(rows, 1024, device=group.device)
     splits = [rows // group.size] * group.size
     times = []
     for _ in range(repeats):
         group.barrier()
         start = time.perf_counter()
         group.all_to_all(x, splits, splits, p2p=p2p)
+        if x.is_cuda:  # the wait above only ordered the stream
+            torch.cuda.synchronize(x.device)
         if link is not None:  # the dispatcher's link model: queued, latency + bytes / rate
             link.sleep_until(link.reserve(start, x.numel() * 4 * (group.size - 1) // group.size))
         times.append(time.perf_counter() - start)

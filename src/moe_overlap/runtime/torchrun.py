@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.device import dist_backend
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -44,7 +45,8 @@ class TorchrunExecutor(Executor):
         self.rank, self.num_ranks = int(os.environ["RANK"]), world
         self.num_dp, self.parallel = par.attn_dp, par
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+            backend = dist_backend(spec.device)  # NCCL for CUDA tensors, gloo for the rest
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         rank = RankSpec(self.rank, world, "env://", timeout_s, link)
         self.runner = build_rank_runner(spec, rank)
         self.is_driver = self.rank == 0

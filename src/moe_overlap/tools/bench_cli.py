@@ -16,7 +16,7 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
-from moe_overlap.tools.cli_args import add_link_arg, add_model_args
+from moe_overlap.tools.cli_args import add_device_args, add_link_arg, add_model_args, device_kwargs
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
 from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
@@ -34,7 +34,8 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     spec = parse_link(args.link)
     cfg = ModelConfig.from_hf(args.config or PROBE_CONFIG)
-    with LLM(config=cfg, ep=args.ep, link=args.link, timeout_s=args.timeout) as llm:
+    kw = dict(ep=args.ep, link=args.link, timeout_s=args.timeout, **device_kwargs(args))
+    with LLM(config=cfg, **kw) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
         max(ts) for ts in zip(*per_rank, strict=True)
@@ -84,6 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         **layout_kwargs(args),
         link=args.link,
         timeout_s=args.timeout,
+        **device_kwargs(args),
         max_num_seqs=slots,
         max_model_len=longest,
     ) as llm:
@@ -136,6 +138,7 @@ def add_bench_commands(sub) -> None:
     )
     probe.add_argument("--ep", type=int, default=2, help="ranks (default 2)")
     add_link_arg(probe)
+    add_device_args(probe)
     probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
     probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
     probe.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
@@ -159,6 +162,7 @@ def add_bench_commands(sub) -> None:
     add_layout_args(bench)
     bench.set_defaults(ep=2)  # the bench's default layout: pure EP over two ranks
     add_link_arg(bench)
+    add_device_args(bench)
     bench.add_argument(
         "--workload",
         default="uniform:30-3072",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from moe_overlap.core.device import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES
 from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
@@ -51,8 +52,18 @@ def add_link_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICES, default="cpu", help=DEVICE_HELP)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help=DTYPE_HELP)
+
+
+def device_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_layout_args(p)
+    add_device_args(p)
     add_link_arg(p)
     p.add_argument(
         "--timeout",
@@ -236,6 +247,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         overlap=overlap_from_args(args),
         link=args.link,
         timeout_s=args.timeout,
+        **device_kwargs(args),
     )
 
 

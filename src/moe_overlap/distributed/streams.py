@@ -1,0 +1,121 @@
+"""CUDA streams for communication and for DBO's micro-batches; on CPU every call is a no-op.
+
+On CUDA an async collective runs the way SGLang and DeepEP run it: the communication stream
+waits on the compute stream (an event), the collective and a modelled link's delay run there,
+an event is recorded after them, and the consumer's stream waits on that event. The host never
+waits in between. On CPU gloo's own threads carry the collective, and nothing here acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_SLEEP_PROBE_CYCLES = 20_000_000
+
+
+class CommStream:
+    """One rank's communication stream (one NIC: transfers on it queue in order)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if on_gpu else None
+        self._cycles_per_s: float | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.stream is not None
+
+    @contextmanager
+    def launch(self) -> Iterator[None]:
+        """Run the block on the communication stream, after what the caller's stream queued."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def delay(self, seconds: float) -> None:
+        """Hold the communication stream (neither the host nor the compute stream) for
+        ``seconds``: a modelled link's transfer time. Call inside ``launch``."""
+        if self.stream is None or seconds <= 0:
+            return
+        torch.cuda._sleep(int(seconds * self.cycles_per_s()))
+
+    def done(self) -> torch.cuda.Event | None:
+        """An event after everything queued on the communication stream (None on CPU)."""
+        return None if self.stream is None else self.stream.record_event()
+
+    def cycles_per_s(self) -> float:
+        """GPU clock cycles per second of ``torch.cuda._sleep``, measured once."""
+        if self._cycles_per_s is None:
+            with torch.cuda.device(self.device):
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                torch.cuda._sleep(1000)  # warm up
+                start.record()
+                torch.cuda._sleep(_SLEEP_PROBE_CYCLES)
+                end.record()
+                end.synchronize()
+                self._cycles_per_s = _SLEEP_PROBE_CYCLES / (start.elapsed_time(end) / 1e3)
+        return self._cycles_per_s
+
+
+def consume(event: torch.cuda.Event | None, tensor: torch.Tensor) -> torch.Tensor:
+    """Make the caller's stream wait (on the GPU) for ``event`` before it uses ``tensor``, and
+    tell the allocator ``tensor`` is used there. Returns ``tensor``; no-op without an event."""
+    if event is not None:
+        stream = torch.cuda.current_stream(tensor.device)
+        stream.wait_event(event)
+        tensor.record_stream(stream)
+    return tensor
+
+
+class MicroBatchStreams:
+    """DBO on CUDA (vLLM's ``UBatchContext``): each micro-batch launches its compute on its own
+    stream; a handover at a yield records an event that the next holder's stream waits on, so
+    the GPU runs the segments in baton order, as the host does, while the all-to-alls run on
+    the communication stream. ``begin`` and ``end`` join the caller's stream at both ends."""
+
+    def __init__(self, device: torch.device, count: int = 2):
+        device = torch.device(device)
+        self.device = device
+        self.streams = (
+            [torch.cuda.Stream(device) for _ in range(count)] if device.type == "cuda" else None
+        )
+        self._handed: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        """On the caller's thread: every micro-batch stream starts after the caller's work."""
+        if self.streams is not None:
+            caller = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                s.wait_stream(caller)
+            self._handed = None
+
+    @contextmanager
+    def on(self, i: int) -> Iterator[None]:
+        """Micro-batch ``i``'s thread launches on its own stream inside this block."""
+        if self.streams is None:
+            yield
+            return
+        with torch.cuda.stream(self.streams[i]):
+            yield
+
+    def hand_over(self, i: int) -> None:
+        if self.streams is not None:
+            self._handed = self.streams[i].record_event()
+
+    def take_over(self, i: int) -> None:
+        if self.streams is not None and self._handed is not None:
+            self.streams[i].wait_event(self._handed)
+
+    def end(self) -> None:
+        """On the caller's thread: its stream continues after both micro-batches."""
+        if self.streams is not None:
+            caller = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                caller.wait_stream(s)
