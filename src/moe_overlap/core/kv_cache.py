@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -26,6 +28,9 @@ class KVCache:
         self.max_len = max_len
         self.device = torch.device(device)  # where a forward's index tensors must live
         self.dtype = dtype
+        # PD multiplexing stores from two threads: a buffer may grow (be replaced) under one
+        # while the other writes, so writes and growth take turns
+        self._lock = threading.Lock()
         self.layers = [
             {
                 name: torch.zeros(0, 0, *shape, dtype=dtype, device=device)
@@ -48,9 +53,10 @@ class KVCache:
         if top > self.num_slots:
             raise IndexError(f"slot {top - 1} is outside the KV cache's {self.num_slots} slots")
         buffers = self.layers[layer]
-        for name, values in new.items():
-            buf = self._reserve(buffers, name, top, end)
-            buf[slots, positions] = values
+        with self._lock:
+            for name, values in new.items():
+                buf = self._reserve(buffers, name, top, end)
+                buf[slots, positions] = values
 
     def sequence(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
         """One sequence's entries ``[0, length)`` (a view, no copy)."""

@@ -21,11 +21,12 @@ from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig, check_model_fits
-from moe_overlap.dispatch.factory import resolve_backend
 from moe_overlap.distributed.layout import layout_for
 from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.engine.detokenize import TextStream
+from moe_overlap.engine.layout_checks import check_layout, check_pdmux
 from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, check_method
+from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS, PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.tokenizer import load_tokenizer
@@ -54,6 +55,8 @@ class LLM:
         ep: int = 1,
         enable_dp_attention: bool = False,
         pp: int = 1,
+        enable_pdmux: bool = False,
+        pdmux_prefill_splits: int = DEFAULT_PREFILL_SPLITS,
         load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -86,7 +89,8 @@ class LLM:
         if isinstance(overlap, str):
             overlap = OverlapConfig(mode=overlap)
         link_spec = _parse_link(link)
-        _check_layout(par, overlap, link_spec)
+        check_layout(par, overlap, link_spec)
+        check_pdmux(enable_pdmux, pdmux_prefill_splits, par, overlap)
         max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config, self.seed, self.max_len = cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
@@ -101,6 +105,7 @@ class LLM:
             device=device,
             dtype=dtype,
         )
+        spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(timeout_s))
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
@@ -110,6 +115,9 @@ class LLM:
             max_num_batched_tokens,
             cfg.eos_token_id,
             load_balance_method,
+            PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, max_num_batched_tokens)
+            if enable_pdmux
+            else None,
         )
         self._next_id = 0
 
@@ -166,7 +174,8 @@ class LLM:
         """Run one forward of every running request; return those that got a token (the
         finished ones have ``finish_reason`` set and have left the scheduler)."""
         step = self.scheduler.schedule()
-        self.scheduler.update(step, self.executor.run(step.batches))
+        logits = self.executor.run(step.batches, prefill=step.prefill)
+        self.scheduler.update(step, logits, self.executor.last_prefill)
         return [req for entries in step.scheduled for req, _ in entries if not req.in_prefill]
 
     def make_request(
@@ -252,22 +261,3 @@ def _parse_link(link: object) -> LinkSpec:
         return parse_link(link)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
-
-def _check_layout(par: ParallelConfig, overlap: OverlapConfig, link: LinkSpec) -> None:
-    """The reference systems' refusals, each with the fix."""
-    resolve_backend(overlap.moe_a2a_backend, par)
-    if overlap.mode == "auto" and par.pp > 1:
-        raise ConfigError(
-            f"--overlap auto with --pp {par.pp}: auto calibrates on whole forwards, which a "
-            "pipeline stage does not run; choose tbo, sbo or dbo (they run inside each stage)"
-        )
-    if overlap.mode == "dbo" and par.replica_size == 1:
-        raise ConfigError(
-            "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"
-        )
-    if par.replica_size == 1 and link.kind != "none":
-        raise ConfigError(
-            f"--link {link.spec} needs more than one rank (--ep or --tp > 1): one process has "
-            "no link to emulate"
-        )

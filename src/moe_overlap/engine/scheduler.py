@@ -18,6 +18,7 @@ from moe_overlap.engine.load_balance import (
     check_method,
     choose_group,
 )
+from moe_overlap.engine.pdmux import PrefillSlice, PrefillWaves
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.sampling import sample
 
@@ -26,6 +27,7 @@ from moe_overlap.engine.sampling import sample
 class Step:
     batches: list[ForwardBatch]  # one per rank; an idle rank gets an empty batch
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
+    prefill: PrefillSlice | None = None  # --enable-pdmux: the split prefill beside it
 
 
 class Scheduler:
@@ -37,6 +39,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
         load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
+        pdmux: PrefillWaves | None = None,
     ):
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
@@ -47,6 +50,8 @@ class Scheduler:
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
+        self.pdmux = pdmux  # prompts go whole, in layer ranges, beside the decode steps
+        self.deferred: list[tuple[int, int]] = []  # (rank, slot) an aborted wave still writes
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -58,7 +63,10 @@ class Scheduler:
         for rank, running in enumerate(self.running):
             for req in [r for r in running if r.request_id in ids]:
                 running.remove(req)
-                self.slots[rank].release(req.slot)
+                if self.pdmux is not None and self.pdmux.in_wave(req):
+                    self.deferred.append((rank, req.slot))  # freed when the wave ends
+                else:
+                    self.slots[rank].release(req.slot)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -70,36 +78,62 @@ class Scheduler:
             budget, seqs = self.budget, []
             # decode tokens first (they are cheap and keep latency low), then prompt chunks
             for req in sorted(rank_requests, key=lambda r: r.in_prefill):
-                if budget == 0:
-                    break
+                if budget == 0 or (self.pdmux is not None and req.in_prefill):
+                    break  # under pdmux prompts go in waves
                 tokens = req.next_input(budget)
                 seqs.append((req, tokens))
                 budget -= len(tokens)
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(_make_batch(seqs))
-        return Step(batches, scheduled)
+        prefill = self.pdmux.next_slice(self.running, _make_batch) if self.pdmux else None
+        return Step(batches, scheduled, prefill)
 
-    def update(self, step: Step, logits: list[torch.Tensor]) -> list[Request]:
-        """Consume each rank's logits; return the requests that finished."""
-        finished = []
+    def update(
+        self,
+        step: Step,
+        logits: list[torch.Tensor],
+        prefill_logits: list[torch.Tensor] | None = None,
+    ) -> list[Request]:
+        """Consume each rank's logits (and a finished prefill wave's); return the requests
+        that finished."""
+        finished: list[Request] = []
         for rank, (entries, rank_logits) in enumerate(zip(step.scheduled, logits, strict=True)):
-            row = 0
-            for req, n in entries:
-                rows = n if _wants_all_logits(req) else 1
-                if _wants_all_logits(req):
-                    req.logit_chunks.append(rank_logits[row : row + rows].clone())
-                last = rank_logits[row + rows - 1]
-                row += rows
-                req.num_computed += n
-                if req.in_prefill:
-                    continue  # a middle prompt chunk: nothing to sample yet
-                req.output_ids.append(sample(last, req.params, req.generator))
-                req.finish_reason = self._finish_reason(req)
-                if req.finish_reason:
-                    self.running[rank].remove(req)
-                    self.slots[rank].release(req.slot)
-                    finished.append(req)
+            self._consume(rank, entries, rank_logits, finished)
+        if step.prefill is not None and step.prefill.last:
+            for rank, members in enumerate(self.pdmux.finish()):
+                wave = [(r, r.prompt_len) for r in members]
+                self._consume(rank, wave, prefill_logits[rank], finished)
+            for rank, slot in self.deferred:
+                self.slots[rank].release(slot)
+            self.deferred = []
         return finished
+
+    def _consume(
+        self,
+        rank: int,
+        entries: list[tuple[Request, int]],
+        rank_logits: torch.Tensor,
+        finished: list[Request],
+    ) -> None:
+        row = 0
+        for req, n in entries:
+            rows = n if _wants_all_logits(req) else 1
+            if req not in self.running[rank]:  # aborted while its prefill wave ran
+                row += rows
+                continue
+            if _wants_all_logits(req):
+                req.logit_chunks.append(rank_logits[row : row + rows].clone())
+            last = rank_logits[row + rows - 1]
+            row += rows
+            req.num_computed += n
+            if req.in_prefill:
+                continue  # a middle prompt chunk: nothing to sample yet
+            req.output_ids.append(sample(last, req.params, req.generator))
+            req.finish_reason = self._finish_reason(req)
+            if req.finish_reason:
+                self.running[rank].remove(req)
+                self.slots[rank].release(req.slot)
+                finished.append(req)
 
     def _finish_reason(self, req: Request) -> str | None:
         token = req.output_ids[-1]

@@ -23,6 +23,8 @@ class Executor(ABC):
     num_dp: int
     is_driver: bool = True  # False on torchrun ranks > 0, which only serve rank 0's steps
     last_spans: list[list[Span] | None]  # per rank, the spans of the last recorded step
+    # per data-parallel group, the logits of the prefill wave whose last range just ran
+    last_prefill: list[torch.Tensor] | None = None
 
     @abstractmethod
     def run(
@@ -30,11 +32,13 @@ class Executor(ABC):
         batches: list[ForwardBatch],
         overlap: OverlapConfig | None = None,
         record: bool = False,
+        prefill=None,
     ) -> list[torch.Tensor]:
         """Each attention-DP group's logits for its batch (``batches[d]`` runs on group d's
         ranks). ``overlap``
         overrides the engine's scheme for this step; with ``record`` each rank's timeline
-        spans land in ``last_spans``."""
+        spans land in ``last_spans``. ``prefill`` (a ``PrefillSlice``, ``--enable-pdmux``)
+        runs beside the batches; after its last range its logits land in ``last_prefill``."""
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""

@@ -8,7 +8,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.runtime.executor import Executor
-from moe_overlap.runtime.rank import build_rank_runner, serve_step
+from moe_overlap.runtime.rank import build_rank_runner, prefill_message, serve_step
 
 
 class LocalExecutor(Executor):
@@ -23,9 +23,11 @@ class LocalExecutor(Executor):
         batches: list[ForwardBatch],
         overlap: OverlapConfig | None = None,
         record: bool = False,
+        prefill=None,
     ) -> list[torch.Tensor]:
-        logits, spans = serve_step(self.runner, batches[0], overlap, record)
-        self.last_spans = [spans]
+        wave = prefill_message(prefill, 0)
+        logits, spans, wave_logits = serve_step(self.runner, batches[0], overlap, record, wave)
+        self.last_spans, self.last_prefill = [spans], [wave_logits]
         return [logits]
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from moe_overlap.model.loader import build_model
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.runtime.pipeline import PipelineStage
+from moe_overlap.runtime.prefill_lane import PrefillLane
 
 
 @dataclass
@@ -92,16 +93,50 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     )
     if par.pp > 1:
         runner.pipeline = PipelineStage(runner, groups["pp"])
+    if spec.pdmux_splits:  # the prefill lane's MoE gets process groups of its own
+        lane_groups = groups if rank is None else init_process_groups(layout, me, backend)
+        lane_dispatcher = make_dispatcher(
+            spec.overlap.moe_a2a_backend,
+            spec.config.num_experts,
+            par,
+            lane_groups,
+            coords,
+            link,
+            timeline,
+        )
+        runner.prefill_lane = PrefillLane(runner, lane_dispatcher)
     return runner
 
 
 def serve_step(
-    runner: ModelRunner, batch: ForwardBatch, overlap: OverlapConfig | None, record: bool
-) -> tuple[torch.Tensor, list[Span] | None]:
-    """One forward; returns (logits on the CPU, the timeline's spans or None)."""
+    runner: ModelRunner,
+    batch: ForwardBatch,
+    overlap: OverlapConfig | None,
+    record: bool,
+    prefill: tuple | None = None,
+) -> tuple[torch.Tensor, list[Span] | None, torch.Tensor | None]:
+    """One forward, and with ``prefill`` = ``(batch dict, first layer, end layer, wave)`` a
+    range of a split prefill on the prefill lane at the same time. Returns the logits on the
+    CPU, the timeline's spans or None, and the prefill's logits after its last range."""
     runner.timeline.enabled = record
+    running = None
+    if prefill is not None:
+        wave_batch, start, stop, wave = prefill
+        running = runner.prefill_lane.start(
+            ForwardBatch.from_dict(wave_batch), range(start, stop), wave
+        )
     logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
-    return logits, (runner.timeline.take() if record else None)
+    wave_logits = running.result() if running is not None else None
+    spans = runner.timeline.take() if record else None
+    return logits, spans, None if wave_logits is None else wave_logits.cpu()
+
+
+def prefill_message(prefill, group: int) -> tuple | None:
+    """The part of a step's ``PrefillSlice`` that ranks of data-parallel ``group`` run."""
+    if prefill is None:
+        return None
+    layers = prefill.layers
+    return (prefill.batches[group].to_dict(), layers.start, layers.stop, prefill.wave)
 
 
 def probe_all_to_all(

@@ -29,7 +29,7 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.netns import NetnsLink
 from moe_overlap.runtime.executor import Executor
-from moe_overlap.runtime.rank import RankSpec
+from moe_overlap.runtime.rank import RankSpec, prefill_message
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 _DEATH_GRACE_S = 1.0  # after a rank's error, for a peer's death (its cause) to show
@@ -54,6 +54,10 @@ def _sigint_held() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
         if caught:
             previous(*caught[0])
+
+
+def _tensor(array) -> torch.Tensor | None:
+    return None if array is None else torch.from_numpy(np.asarray(array))
 
 
 def _free_port() -> int:
@@ -112,19 +116,20 @@ class SpawnedExecutor(Executor):
         batches: list[ForwardBatch],
         overlap: OverlapConfig | None = None,
         record: bool = False,
+        prefill=None,
     ) -> list[torch.Tensor]:
         dicts = [b.to_dict() for b in batches]
         par = self.parallel
-        replies = self._request(
-            [("step", dicts[par.batch_of(r)], overlap, record) for r in range(self.num_ranks)]
-        )
-        self.last_spans = [spans for _, spans in replies]
+        msgs = []
+        for r in range(self.num_ranks):
+            group = par.batch_of(r)
+            msgs.append(("step", dicts[group], overlap, record, prefill_message(prefill, group)))
+        replies = self._request(msgs)
+        self.last_spans = [spans for _, spans, _ in replies]
         # one rank of each group (attention-TP rank 0 of its last stage) answers for it
-        return [
-            torch.from_numpy(np.asarray(logits))
-            for r, (logits, _) in enumerate(replies)
-            if par.answers(r)
-        ]
+        answers = [reply for r, reply in enumerate(replies) if par.answers(r)]
+        self.last_prefill = [_tensor(wave) for _, _, wave in answers]
+        return [_tensor(logits) for logits, _, _ in answers]
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)

@@ -21,7 +21,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.runtime.executor import Executor
-from moe_overlap.runtime.rank import RankSpec, build_rank_runner, serve_step
+from moe_overlap.runtime.rank import RankSpec, build_rank_runner, prefill_message, serve_step
 
 
 def launched_by_torchrun() -> bool:
@@ -58,10 +58,14 @@ class TorchrunExecutor(Executor):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _step(self, batch: dict, overlap: OverlapConfig | None, record: bool) -> list | None:
-        logits, spans = serve_step(self.runner, ForwardBatch.from_dict(batch), overlap, record)
+    def _step(self, dicts: list[dict], overlap, record: bool, prefill) -> list | None:
+        group = self.parallel.batch_of(self.rank)
+        batch = ForwardBatch.from_dict(dicts[group])
+        wave = prefill_message(prefill, group)
+        logits, spans, wave_logits = serve_step(self.runner, batch, overlap, record, wave)
         replies = [None] * self.num_ranks if self.is_driver else None
-        dist.gather_object((logits.numpy(), spans), replies, dst=0)
+        wave_logits = None if wave_logits is None else wave_logits.numpy()
+        dist.gather_object((logits.numpy(), spans, wave_logits), replies, dst=0)
         return replies
 
     def run(
@@ -69,17 +73,16 @@ class TorchrunExecutor(Executor):
         batches: list[ForwardBatch],
         overlap: OverlapConfig | None = None,
         record: bool = False,
+        prefill=None,
     ) -> list[torch.Tensor]:
         dicts = [b.to_dict() for b in batches]
-        self._broadcast(("step", dicts, overlap, record))
-        replies = self._step(dicts[0], overlap, record)
-        self.last_spans = [spans for _, spans in replies]
+        self._broadcast(("step", dicts, overlap, record, prefill))
+        replies = self._step(dicts, overlap, record, prefill)
+        self.last_spans = [spans for _, spans, _ in replies]
         # one rank of each group (attention-TP rank 0 of its last stage) answers for it
-        return [
-            torch.from_numpy(np.asarray(logits))
-            for r, (logits, _) in enumerate(replies)
-            if self.parallel.answers(r)
-        ]
+        answers = [reply for r, reply in enumerate(replies) if self.parallel.answers(r)]
+        self.last_prefill = [None if w is None else torch.from_numpy(w) for _, _, w in answers]
+        return [torch.from_numpy(np.asarray(logits)) for logits, _, _ in answers]
 
     def end_generate(self) -> None:
         self._broadcast(("end",))
@@ -91,7 +94,7 @@ class TorchrunExecutor(Executor):
             if msg[0] != "step":
                 self.closed = msg[0] == "stop"
                 return
-            self._step(msg[1][self.parallel.batch_of(self.rank)], msg[2], msg[3])
+            self._step(*msg[1:])
 
     def close(self) -> None:
         if self.closed:

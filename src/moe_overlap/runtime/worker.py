@@ -1,7 +1,7 @@
 """The body of one spawned rank process: ``python -m moe_overlap.runtime.worker FD``.
 
 It joins the group, builds its shard, and serves the driver's messages over the socket FD:
-``("step", batch, overlap, record)``, ``("probe", ...)`` and ``("stop",)``.
+``("step", batch, overlap, record, prefill)``, ``("probe", ...)`` and ``("stop",)``.
 """
 
 from __future__ import annotations
@@ -42,10 +42,14 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 link = runner.dispatcher.link
                 conn.send(("ok", probe_all_to_all(runner.group, *msg[1:], link=link)))
             else:
-                _, batch, overlap, record = msg
-                logits, spans = serve_step(runner, ForwardBatch.from_dict(batch), overlap, record)
-                leader = spec.parallel.answers(rank.rank)  # its group's logits, once
-                conn.send(("ok", (logits.numpy() if leader else None, spans)))
+                _, batch, overlap, record, wave = msg
+                logits, spans, wave_logits = serve_step(
+                    runner, ForwardBatch.from_dict(batch), overlap, record, wave
+                )
+                if not spec.parallel.answers(rank.rank):  # its group's logits, once
+                    logits = wave_logits = None
+                wave_logits = None if wave_logits is None else wave_logits.numpy()
+                conn.send(("ok", (None if logits is None else logits.numpy(), spans, wave_logits)))
     except EOFError:
         pass  # the driver went away; just exit
     except BaseException as exc:  # report anything, then die: the driver stops every rank

@@ -18,6 +18,7 @@ from moe_overlap.core.overlap_config import (
     OverlapConfig,
 )
 from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 
 
@@ -201,6 +202,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=512,
         help="DBO runs on prefill batches of at least this many tokens (default 512)",
     )
+    o.add_argument(
+        "--enable-pdmux",
+        action="store_true",
+        help="PD multiplexing (SGLang): prompts are prefilled whole, a range of layers per "
+        "step, on a lane of their own beside the decode batch, so long prompts do not stall "
+        "running decodes; not with --pp, tbo, dbo or auto, and needs attention TP 1",
+    )
+    o.add_argument(
+        "--pdmux-prefill-splits",
+        type=int,
+        default=DEFAULT_PREFILL_SPLITS,
+        help="with --enable-pdmux: layer ranges a prefill is cut into, one per step "
+        "(default %(default)s)",
+    )
 
 
 def overlap_from_args(args: argparse.Namespace) -> OverlapConfig:
@@ -241,6 +256,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         **layout_kwargs(args),
         load_balance_method=args.load_balance_method,
+        enable_pdmux=args.enable_pdmux,
+        pdmux_prefill_splits=args.pdmux_prefill_splits,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,73 @@
+"""PD multiplexing (SGLang's ``--enable-pdmux``), the driver's side: split prefill.
+
+Prompts are prefilled whole (no chunking) in waves: a wave takes each data-parallel group's
+waiting prompts, up to the token budget, and advances one layer range per step, beside that
+step's decode batch, which the ranks run at the same time on a lane of their own. A 3072-token
+prompt thus costs each decode step a range of its layers instead of all of them at once. The
+wave's logits come back with its last range; its requests then decode like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.engine.request import Request
+
+DEFAULT_PREFILL_SPLITS = 4  # layer ranges a prompt's prefill is cut into
+
+
+@dataclass
+class PrefillSlice:
+    """What one step asks the ranks' prefill lane to run."""
+
+    batches: list[ForwardBatch]  # one per data-parallel group (idle where it has none)
+    layers: range
+    wave: int  # names the ranks' saved hidden states between ranges
+    last: bool  # the final range: the logits come back
+
+
+def layer_ranges(num_layers: int, splits: int) -> list[range]:
+    """``num_layers`` cut into ``min(splits, num_layers)`` contiguous, nearly equal ranges."""
+    n = min(splits, num_layers)
+    bounds = [num_layers * k // n for k in range(n + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class PrefillWaves:
+    def __init__(self, num_layers: int, splits: int, budget: int):
+        self.ranges = layer_ranges(num_layers, splits)
+        self.budget = budget
+        self.members: list[list[Request]] | None = None  # per group, the wave in flight
+        self.batches: list[ForwardBatch] = []
+        self.index, self.count = 0, 0
+
+    def in_wave(self, req: Request) -> bool:
+        return self.members is not None and any(req in group for group in self.members)
+
+    def next_slice(self, running: list[list[Request]], make_batch) -> PrefillSlice | None:
+        """Advance the wave in flight by one range, or start one from the waiting prompts."""
+        if self.members is None:
+            members = [self._take(group) for group in running]
+            if not any(members):
+                return None
+            self.members, self.index, self.count = members, 0, self.count + 1
+            self.batches = [make_batch([(r, r.prompt_ids) for r in group]) for group in members]
+        else:
+            self.index += 1
+        last = self.index == len(self.ranges) - 1
+        return PrefillSlice(self.batches, self.ranges[self.index], self.count, last)
+
+    def finish(self) -> list[list[Request]]:
+        """The wave whose last range just ran: its requests, per group."""
+        members, self.members = self.members or [], None
+        return members
+
+    def _take(self, group: list[Request]) -> list[Request]:
+        """Whole prompts waiting in ``group``, within the token budget (at least one)."""
+        taken, tokens = [], 0
+        for req in group:
+            if req.in_prefill and (not taken or tokens + req.prompt_len <= self.budget):
+                taken.append(req)
+                tokens += req.prompt_len
+        return taken

@@ -1,0 +1,60 @@
+"""PD multiplexing on a rank: the prefill lane (SGLang's ``SPLIT_PREFILL``).
+
+The lane runs a range of a prefill wave's layers on a thread of its own while the rank's main
+thread runs the step's decode batch; on CUDA each would be a stream. Its MoE talks over a second
+set of process groups (SGLang's PD-multiplexing TP group), so its collectives never interleave
+with the decode lane's. Between steps it keeps the wave's hidden states and residual; the last
+range returns the logits.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.overlap.operations import Op, Yield, execute_operations
+from moe_overlap.overlap.strategy import layer_operations, strategy_for
+
+
+class PrefillLane:
+    def __init__(self, runner, dispatcher: Dispatcher):
+        self.runner, self.dispatcher = runner, dispatcher
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane")
+        self.saved: dict[int, dict] = {}  # wave -> hidden states and residual after its range
+        self._ops: dict[tuple[int, int], list[Op | Yield]] = {}
+
+    def ops(self, layers: range) -> list[Op | Yield]:
+        key = (layers.start, layers.stop)
+        if key not in self._ops:
+            model, plain = self.runner.model, strategy_for(self.runner.model, "none")
+            ops: list[Op | Yield] = [model.op_embed] if layers.start == 0 else []
+            for layer in model.layers[layers.start : layers.stop]:
+                ops += layer_operations(layer, plain)
+            last = layers.stop == model.cfg.num_hidden_layers
+            self._ops[key] = ops + [model.op_logits] if last else ops
+        return self._ops[key]
+
+    def start(self, batch: ForwardBatch, layers: range, wave: int):
+        """Run ``layers`` of ``wave`` on the lane's thread; ``.result()`` gives its logits on
+        the last range, else None."""
+        return self.thread.submit(self._run, batch, layers, wave)
+
+    @torch.inference_mode()
+    def _run(self, batch: ForwardBatch, layers: range, wave: int) -> torch.Tensor | None:
+        r = self.runner
+        ctx = ForwardContext(
+            batch, r.kv_cache, self.dispatcher, name="prefill", timeline=r.timeline
+        )
+        inputs = self.saved.pop(wave, None) if layers.start else None
+        out = execute_operations(ctx, self.ops(layers), inputs)
+        if "logits" in out:
+            return out["logits"]
+        self.saved = {wave: out}  # one wave at a time: an abandoned one is dropped here
+        return None
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,91 @@
+"""PD multiplexing: split prefill in layer ranges beside the decode steps, on a lane of its own,
+exact against a run without it (one process and gloo ranks), with SGLang's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.pdmux import PrefillWaves, layer_ranges
+from moe_overlap.engine.request import Request, SamplingParams
+from moe_overlap.engine.scheduler import Scheduler
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+
+
+@pytest.mark.parametrize(
+    ("layers", "splits", "sizes"),
+    [(4, 2, [2, 2]), (3, 2, [1, 2]), (61, 4, [15, 15, 15, 16]), (2, 5, [1, 1])],
+)
+def test_layer_ranges_cover_every_layer_once(layers, splits, sizes):
+    ranges = layer_ranges(layers, splits)
+    assert [len(r) for r in ranges] == sizes
+    assert [i for r in ranges for i in r] == list(range(layers))
+
+
+def _request(i: int, n: int) -> Request:
+    return Request(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=3))
+
+
+def _pdmux_scheduler(budget: int = 64) -> Scheduler:
+    return Scheduler(1, 4, 128, budget, pdmux=PrefillWaves(4, 2, budget))
+
+
+def test_a_wave_runs_beside_the_decodes_one_range_per_step():
+    sched = _pdmux_scheduler()
+    sched.add(_request(0, 5))
+    first = sched.schedule()  # a wave starts: layers 0-1 of the prompt, no decode yet
+    assert first.prefill.layers == range(0, 2) and not first.prefill.last
+    assert first.batches[0].num_tokens == 0
+    sched.update(first, [torch.zeros(0, 8)], None)
+    second = sched.schedule()
+    assert second.prefill.layers == range(2, 4) and second.prefill.last
+    sched.update(second, [torch.zeros(0, 8)], [torch.randn(1, 8)])  # the first token
+    sched.add(_request(1, 40))
+    third = sched.schedule()  # request 0 decodes while request 1's wave starts
+    assert third.batches[0].num_tokens == 1 and third.prefill.batches[0].num_tokens == 40
+
+
+def test_waves_take_whole_prompts_within_the_budget():
+    sched = _pdmux_scheduler(budget=50)
+    for i, n in enumerate([30, 30, 10]):
+        sched.add(_request(i, n))
+    step = sched.schedule()
+    assert step.prefill.batches[0].extend_lens == [30, 10]  # the second 30 waits
+
+
+def test_an_aborted_wave_member_keeps_its_slot_until_the_wave_ends():
+    sched = _pdmux_scheduler()
+    req = _request(0, 5)
+    sched.add(req)
+    step = sched.schedule()
+    sched.abort([req])
+    assert len(sched.slots[0]) == 3  # still written by the wave's next range
+    sched.update(step, [torch.zeros(0, 8)], None)
+    last = sched.schedule()
+    sched.update(last, [torch.zeros(0, 8)], [torch.randn(1, 8)])
+    assert len(sched.slots[0]) == 4 and not req.output_ids
+
+
+@pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", {}), ("deepseek_v3", {"ep": 2})])
+def test_pdmux_matches_a_run_without_it(family, layout):
+    cfg = ModelConfig(**TINY[family])
+    base = reference(cfg)
+    with LLM(config=cfg, enable_pdmux=True, pdmux_prefill_splits=2, **layout, **KW) as llm:
+        for case, prompts in CASES.items():
+            assert_same(base[case], llm.generate(prompts, PARAMS, return_logits=True))
+
+
+REFUSALS = [
+    (dict(pp=2), "--enable-pdmux does not combine with --pp"),
+    (dict(ep=2, overlap="tbo"), "--enable-pdmux does not combine with overlap tbo"),
+    (dict(tp=2), "--enable-pdmux needs attention TP 1, not 2"),
+    (dict(pdmux_prefill_splits=0), "--pdmux-prefill-splits=0 must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(("kw", "message"), REFUSALS)
+def test_pdmux_refusals_name_the_flags(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(config=ModelConfig(**TINY["qwen3_moe"]), enable_pdmux=True, **kw)
