@@ -61,9 +61,10 @@ def _alive(llm):
     return [p.proc.poll() is None for p in llm.executor.procs]
 
 
-def test_killed_rank_stops_everything_with_its_name():
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["ep2", "pp2-stage"])
+def test_killed_rank_stops_everything_with_its_name(layout):
     cfg = ModelConfig(**{**TINY["qwen3_moe"], "max_position_embeddings": 4096})
-    llm = LLM(config=cfg, ep=2, timeout_s=10, **KW)
+    llm = LLM(config=cfg, timeout_s=10, **layout, **KW)
     victim = llm.executor.procs[1].proc
     killer = threading.Timer(1.0, victim.kill)
     killer.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from statistics import median
 
@@ -19,7 +18,7 @@ from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
 from moe_overlap.tools.cli_args import add_device_args, add_link_arg, add_model_args, device_kwargs
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
-from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
+from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
@@ -104,28 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
     )
     console.print(bench_table(report, title))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "model": args.model or args.config,
-                    **layout_kwargs(args),
-                    "link": args.link,
-                    **report.to_json(),
-                },
-                indent=2,
-            )
-        )
-    if args.trace:
-        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(report.recording, args.trace)
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot_timelines(report.recording, args.plot)
-    for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
-        if path:
-            console.print(f"{what}: {path}")
+    payload = {"model": args.model or args.config, **layout_kwargs(args), "link": args.link}
+    write_outputs(console, report.recording, args, payload | report.to_json())
     return 0
 
 

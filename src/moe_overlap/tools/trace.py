@@ -123,3 +123,21 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_outputs(console, recording: Recording, args, payload: dict) -> None:
+    """What ``--json``, ``--trace`` and ``--plot`` ask for (the bench's and the plan's), each
+    in its own folder made on demand, then where each went."""
+    outputs = (("results", args.json), ("trace", args.trace), ("timeline", args.plot))
+    for _, path in outputs:
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    if args.trace:
+        write_chrome_trace(recording, args.trace)
+    if args.plot:
+        plot_timelines(recording, args.plot)
+    for what, path in outputs:
+        if path:
+            console.print(f"{what}: {path}")
