@@ -4,8 +4,10 @@ inside each stage, tied embeddings and SGLang's refusals (a stage that dies: tes
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.model.tensor_parallel import pp_layers
@@ -61,3 +63,15 @@ def test_pipeline_refusals_name_the_flags():
         LLM(config=cfg, ep=2, pp=2)
     with pytest.raises(ConfigError, match="--overlap auto with --pp 2"):
         LLM(config=cfg, pp=2, overlap="auto")
+
+
+def test_stages_work_on_different_micro_batches_at_once():
+    """Stage 0 starts micro-batch 1 before stage 1 is done with micro-batch 0, so the stages
+    compute at the same time (the ranks' timelines share one clock on this machine)."""
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    with LLM(config=cfg, pp=2, **KW) as llm:
+        batch = ForwardBatch(torch.tensor([(3 * i) % 80 for i in range(40)]), [0], [0], [40])
+        llm.executor.run([batch], record=True)
+        first, second = llm.executor.last_spans
+    span = {(rank, s.track): s for rank, spans in enumerate((first, second)) for s in spans}
+    assert span[(0, "pp mb1")].start < span[(1, "pp mb0")].end

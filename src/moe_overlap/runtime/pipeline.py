@@ -28,9 +28,11 @@ class PipelineStage:
     def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None) -> torch.Tensor:
         plan = plan_even_tokens(batch, self.pp.size)
         sends, logits = [], []
-        for child in split_batch(batch, plan):
-            inputs = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
-            out = self.runner.forward_stage(child, overlap, inputs)
+        timeline = self.runner.timeline
+        for i, child in enumerate(split_batch(batch, plan)):
+            with timeline.span(f"pp mb{i}", f"stage {self.pp.rank}, micro-batch {i}"):
+                inputs = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
+                out = self.runner.forward_stage(child, overlap, inputs)
             if self.last:
                 logits.append(out["logits"])
             else:
