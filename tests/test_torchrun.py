@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from tests.dist_utils import free_port
 
@@ -14,7 +16,7 @@ SCRIPT = """
 import json, os
 from moe_overlap import LLM, ModelConfig, SamplingParams
 cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
-with LLM(config=cfg, ep=2, overlap="tbo") as llm:
+with LLM(config=cfg, overlap="tbo", **LAYOUT) as llm:
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
     with open(f"{OUT}/rank{os.environ['RANK']}.json", "w") as f:
         json.dump([o.token_ids for o in outs], f)
@@ -40,9 +42,13 @@ def _torchrun(script, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
-def test_torchrun_two_ranks_match_one_process(tmp_path):
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["ep2", "pp2"])
+def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
+    """Under pp2 the last stage (rank 1) answers for its group, through rank 0's gather."""
     script = tmp_path / "run.py"
-    script.write_text(f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\n{SCRIPT}")
+    script.write_text(
+        f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\nLAYOUT = {layout!r}\n{SCRIPT}"
+    )
     proc = _torchrun(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
