@@ -1,7 +1,8 @@
 """PD multiplexing on a rank: the prefill lane (SGLang's ``SPLIT_PREFILL``).
 
 The lane runs a range of a prefill wave's layers on a thread of its own while the rank's main
-thread runs the step's decode batch; on CUDA each would be a stream. Its MoE talks over a second
+thread runs the step's decode batch; on CUDA the lane also launches on a stream of its own,
+joined to the caller's stream at both ends (not yet run on a GPU). Its MoE talks over a second
 set of process groups (SGLang's PD-multiplexing TP group), so its collectives never interleave
 with the decode lane's. Between steps it keeps the wave's hidden states and residual; the last
 range returns the logits.
@@ -16,6 +17,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, execute_operations
 from moe_overlap.overlap.strategy import layer_operations, strategy_for
 
@@ -23,6 +25,7 @@ from moe_overlap.overlap.strategy import layer_operations, strategy_for
 class PrefillLane:
     def __init__(self, runner, dispatcher: Dispatcher):
         self.runner, self.dispatcher = runner, dispatcher
+        self.stream = MicroBatchStreams(runner.kv_cache.device, count=1)  # no-op on CPU
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane")
         self.saved: dict[int, dict] = {}  # wave -> hidden states and residual after its range
         self._ops: dict[tuple[int, int], list[Op | Yield]] = {}
@@ -39,9 +42,15 @@ class PrefillLane:
         return self._ops[key]
 
     def start(self, batch: ForwardBatch, layers: range, wave: int):
-        """Run ``layers`` of ``wave`` on the lane's thread; ``.result()`` gives its logits on
-        the last range, else None."""
+        """Run ``layers`` of ``wave`` on the lane's thread; ``finish`` waits for it."""
+        self.stream.begin()
         return self.thread.submit(self._run, batch, layers, wave)
+
+    def finish(self, running) -> torch.Tensor | None:
+        """The logits of the range ``start`` returned, after its last range (else None)."""
+        logits = running.result()
+        self.stream.end()
+        return logits
 
     @torch.inference_mode()
     def _run(self, batch: ForwardBatch, layers: range, wave: int) -> torch.Tensor | None:
@@ -50,7 +59,8 @@ class PrefillLane:
             batch, r.kv_cache, self.dispatcher, name="prefill", timeline=r.timeline
         )
         inputs = self.saved.pop(wave, None) if layers.start else None
-        out = execute_operations(ctx, self.ops(layers), inputs)
+        with self.stream.on(0):
+            out = execute_operations(ctx, self.ops(layers), inputs)
         if "logits" in out:
             return out["logits"]
         self.saved = {wave: out}  # one wave at a time: an abandoned one is dropped here

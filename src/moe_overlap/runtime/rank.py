@@ -126,7 +126,7 @@ def serve_step(
             ForwardBatch.from_dict(wave_batch), range(start, stop), wave
         )
     logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
-    wave_logits = running.result() if running is not None else None
+    wave_logits = runner.prefill_lane.finish(running) if running is not None else None
     spans = runner.timeline.take() if record else None
     return logits, spans, None if wave_logits is None else wave_logits.cpu()
 
