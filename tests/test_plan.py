@@ -15,10 +15,20 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.overlap.strategy import STRATEGIES
-from moe_overlap.planner.calibration import shape_batch
+from moe_overlap.planner.calibration import (
+    TINY,
+    TWO_PASSES,
+    PassSample,
+    Sample,
+    calibration_batches,
+    decode_batch,
+    fit_cluster,
+    prefill_batch,
+)
 from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
+from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import mode_config, run_bench
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.plan_cli import calibrate_this
@@ -157,8 +167,55 @@ def test_calibrated_plan_tracks_the_bench_on_this_machine() -> None:
     with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
         report = run_bench(llm.executor, workload, modes, 3, spec.cfg.vocab_size, progress=False)
     p = Planner(spec, cluster, layout)
-    batches = [shape_batch(1, 512)] * 2
+    batches = [prefill_batch(1, 512)] * 2
     for mode in modes:
         predicted = p.plan(mode, mode_config(mode), batches).seconds
         measured = report.results[mode].median
         assert abs(predicted - measured) / measured < 0.35, (mode, predicted, measured)
+
+
+def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
+    """Samples made by a known cluster's plans: the fit returns its numbers, fixed costs
+    included (the instability that made decode plans useless was a fit trading them off)."""
+    spec = load_model_spec("configs/qwen3-moe-bench.json")
+    layout = make_layout(None, None, 2, False)
+    truth = Cluster(
+        name="truth", nodes=2, gpus_per_node=1, gemm_tflops_bf16=0.04, gemm_efficiency=1.0,
+        attention_efficiency=1.0, attention_tflops=0.02, kv_read_gbps=5.0, hbm_gbps=1e15,
+        intra_node_a2a_gbps=0.0375, inter_node_a2a_gbps=0.0375, a2a_latency_us=150.0,
+        op_overhead_us=450.0, seq_overhead_us=40.0, decode_seq_overhead_us=60.0,
+        forward_overhead_us=15000.0, activation_bytes=4, attention_full_rectangle_with_prefix=True,
+    )  # fmt: skip
+    p = Planner(spec, truth, layout)
+    samples = []
+    for b in calibration_batches(spec.cfg.vocab_size):
+        plan = p.plan("none", mode_config("none"), [b] * 2, record=True)
+        spans = [s for s in plan.spans[0] if s.track == "comm"]  # labelled "... 0.52 MB"
+        transfers = tuple((float(s.name.split()[-2]) * 1e6, s.end - s.start) for s in spans)
+        samples.append(Sample(b, plan.seconds, plan.t_comm, transfers))
+    tiny = decode_batch(*TINY)
+    none, two = (
+        p.plan(m, c, [tiny] * 2).seconds for m, c in (("n", mode_config("none")), ("t", TWO_PASSES))
+    )
+    fitted = fit_cluster(spec, layout, samples, [PassSample(tiny, none, two)])
+    for name in ("gemm_tflops_bf16", "attention_tflops", "kv_read_gbps", "op_overhead_us",
+                 "forward_overhead_us", "decode_seq_overhead_us"):  # fmt: skip
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
+    # the spans name their bytes to 0.01 MB, so the link's latency is only roughly recovered
+    assert fitted.a2a_latency_us == pytest.approx(truth.a2a_latency_us, abs=50)
+
+
+def test_decode_sweep_finds_where_overlap_starts_to_pay() -> None:
+    slow_ops = dataclasses.replace(FLAT, op_overhead_us=500.0, inter_node_a2a_gbps=0.01)
+    p = planner(slow_ops)
+    configs = {m: mode_config(m) for m in ("none", "dbo")}
+
+    def batches_for(bs: int) -> list[ForwardBatch]:
+        return [batch([1] * bs, prefix=64, decode=True)] * 2
+
+    points = decode_sweep(p, configs, batches_for, sizes=(1, 4, 16, 64, 256))
+    at = crossover(p, configs, batches_for, points, "dbo")
+    assert at is not None and 1 < at <= 256
+    sweep = lambda bs: decode_sweep(p, configs, batches_for, (bs,))[0].speedup("dbo")  # noqa: E731
+    assert sweep(at) > 1 >= sweep(at - 1)  # the exact size, not the swept grid's
+    assert points[0].speedup("dbo") < 1 < points[-1].speedup("dbo")

@@ -28,12 +28,14 @@ _POSITIVE = (
     "intra_node_a2a_gbps",
     "inter_node_a2a_gbps",
     "allreduce_gbps",
+    "kv_read_gbps",
     "activation_bytes",
 )
 _NON_NEGATIVE = (
     "a2a_latency_us",
     "op_overhead_us",
     "seq_overhead_us",
+    "decode_seq_overhead_us",
     "forward_overhead_us",
     "comm_sm_share",
 )
@@ -56,8 +58,12 @@ class Cluster:
     gemm_tflops_fp8: float = 0.0  # 0: no FP8 GEMMs; FP8 weights then run at the BF16 rate
     hbm_efficiency: float = 1.0
     allreduce_gbps: float = 0.0  # 0: the intra-node all-to-all rate
+    kv_read_gbps: float = 0.0  # 0: the HBM rate (a CPU reads a cache slower than it streams)
     op_overhead_us: float = 0.0  # per operation of one micro-batch (launches, small kernels)
-    seq_overhead_us: float = 0.0  # per sequence per attention op (host loops over sequences)
+    seq_overhead_us: float = 0.0  # per prefill sequence per attention op (a host loop; decode
+    # batches its sequences in one call)
+    decode_seq_overhead_us: float = 0.0  # per decode sequence per attention op (on a CPU, small
+    # GEMMs and the padded decode path cost more per token than prefill's FLOPs say)
     forward_overhead_us: float = 0.0  # per forward (scheduling, logits back to the driver)
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight
     activation_bytes: int = 2  # bytes per element sent in an all-to-all
@@ -77,7 +83,7 @@ class Cluster:
                 raise ConfigError(f"cluster {self.name}: {name}={value!r} must be an integer >= 1")
         for name in _POSITIVE:
             value = getattr(self, name)
-            if name in ("gemm_tflops_fp8", "allreduce_gbps") and value == 0:
+            if name in ("gemm_tflops_fp8", "allreduce_gbps", "kv_read_gbps") and value == 0:
                 continue
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"cluster {self.name}: {name}={value!r} must be positive")
@@ -105,6 +111,10 @@ class Cluster:
     @property
     def hbm_bytes_per_s(self) -> float:
         return self.hbm_gbps * 1e9 * self.hbm_efficiency
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        return self.kv_read_gbps * 1e9 if self.kv_read_gbps else self.hbm_bytes_per_s
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -27,6 +27,7 @@ class Work:
     tokens: int  # tokens through attention on this rank
     moe_tokens: float  # tokens this rank routes (attention TP scatters them)
     pieces: int  # sequences (or pieces of them)
+    prefill_pieces: int  # of them not decoding (attention loops over these one by one)
     decode_tokens: int
     pairs: float  # query-key pairs attention computes
     keys: int  # cached keys read
@@ -42,7 +43,8 @@ class Work:
             keys += prefix + n
             decode += n if dec else 0
         t = batch.num_tokens
-        return cls(t, t / attn_tp, batch.num_seqs, decode, pairs, keys)
+        prefill = sum(not d for d in batch.is_decode)
+        return cls(t, t / attn_tp, batch.num_seqs, prefill, decode, pairs, keys)
 
 
 @dataclass
@@ -125,8 +127,9 @@ class CostModel:
         out = {
             "attn_prepare": prepare,
             "attn_core": core
-            + kv_per_key * w.keys / self.hbm
-            + w.pieces * cl.seq_overhead_us * 1e-6,
+            + kv_per_key * w.keys / cl.kv_bytes_per_s
+            + w.prefill_pieces * cl.seq_overhead_us * 1e-6
+            + w.decode_tokens * cl.decode_seq_overhead_us * 1e-6,
             "gate": self._t(
                 2 * w.moe_tokens * h * c.num_experts, h * c.num_experts, w.moe_tokens * row
             ),

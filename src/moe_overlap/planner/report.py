@@ -6,6 +6,7 @@ from rich.table import Table
 
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.planner.plan import ModePlan
+from moe_overlap.planner.sweep import SweepPoint
 
 
 def flags_for(cfg: OverlapConfig) -> str:
@@ -93,3 +94,22 @@ def plan_json(plans: dict[str, ModePlan], tokens: int, workload: str) -> dict:
         "limit_s": none.limit,
         "modes": modes,
     }
+
+
+def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
+    """Per decode batch size: none's predicted ms and each overlapped mode's speed-up."""
+    modes = [m for m in points[0].seconds if m != "none"]
+    table = Table(title=title, title_justify="left")
+    table.add_column("batch/rank", justify="right")
+    table.add_column("none ms", justify="right")
+    for m in modes:
+        table.add_column(m, justify="right")
+    for p in points:
+        cells = [f"{p.speedup(m):.2f}x" for m in modes]
+        table.add_row(str(p.batch_size), f"{p.seconds['none'] * 1e3:.2f}", *cells)
+    table.caption = (
+        f"predicted decode step, {context} tokens of context per sequence; speed-up over none "
+        "with every mode forced to split (vote thresholds at 1)"
+    )
+    table.caption_justify = "left"
+    return table

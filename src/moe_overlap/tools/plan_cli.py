@@ -1,7 +1,8 @@
 """``moe-overlap plan``: predict every overlap mode on a cluster, from a config.json alone.
 
-``--cluster this`` first measures this machine (the engine's ranks over ``--link``, a few
-no-overlap forwards and one tiny overlapped pair; see ``planner/calibration.py``).
+``--cluster this`` first measures this machine (the engine's ranks over ``--link``: no-overlap
+forwards of prefill and decode shapes, and a tiny decode with and without two micro-batches;
+see ``planner/calibration.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.llm import LLM
-from moe_overlap.planner.calibration import SHAPES, Sample, fit_cluster, shape_batch
+from moe_overlap.planner.calibration import (
+    TINY,
+    TWO_PASSES,
+    PassSample,
+    Sample,
+    calibration_batches,
+    decode_batch,
+    fit_cluster,
+)
 from moe_overlap.planner.cluster import Cluster, load_cluster, presets
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout, load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
-from moe_overlap.planner.report import plan_json, plan_table, recommend
+from moe_overlap.planner.report import plan_json, plan_table, recommend, sweep_table
+from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
 from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
@@ -46,40 +56,39 @@ def _sample(executor, batch, ranks: int, repeat: int) -> Sample:
     return Sample(batch, median(walls), median(comms), tuple(transfers))
 
 
-def _wall(executor, batches, cfg, repeat: int) -> float:
-    times = []
+def _paired_walls(executor, batches, cfg, repeat: int) -> tuple[float, float]:
+    """Median walls with no overlap and with ``cfg``, run in turns so drift hits both."""
+    none, other = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
-        executor.run(batches, cfg)
-        times.append(time.perf_counter() - start)
-    return median(times)
+        for cfg_i, times in ((NONE, none), (cfg, other)):
+            start = time.perf_counter()
+            executor.run(batches, cfg_i)
+            times.append(time.perf_counter() - start)
+    return median(none), median(other)
 
 
 def calibrate_this(spec: ModelSpec, layout: PlanLayout, link: str, repeat: int) -> Cluster:
     """This machine's ranks and link as a Cluster (a run of a few seconds per shape)."""
-    longest = max(s[1] for s in SHAPES) + 1
+    batches = calibration_batches(spec.cfg.vocab_size)
     with LLM(
         config=spec.cfg,
         ep=layout.ep,
         link=link,
-        max_num_seqs=max(s[0] for s in SHAPES),
-        max_model_len=longest,
+        max_num_seqs=max(b.num_seqs for b in batches),
+        max_model_len=max(max(b.prefix_lens) + max(b.extend_lens) for b in batches) + 1,
     ) as llm:
         ex = llm.executor
-        samples = []
-        for seqs, tokens in SHAPES:
-            batch = shape_batch(seqs, tokens)
+        tiny = [decode_batch(*TINY, spec.cfg.vocab_size)] * layout.world
+        ex.run(tiny, TWO_PASSES)  # warm
+        passes = [
+            PassSample(tiny[0], *_paired_walls(ex, tiny, TWO_PASSES, repeat + 1)) for _ in range(3)
+        ]
+        samples = []  # decode first: a long prefill widens the cache and slows decode reads
+        for batch in batches:
             ex.run([batch] * layout.world, NONE)  # warm
-            samples.append(_sample(ex, batch, layout.world, repeat))
-        tiny = [shape_batch(1, 2)] * layout.world
-        two = mode_config("tbo+two-chunk")
-        _wall(ex, tiny, two, 1)
-        extra = _wall(ex, tiny, two, 3 * repeat) - _wall(ex, tiny, NONE, 3 * repeat)
-    cluster = fit_cluster(spec, layout, samples, 0.0)
-    moe_layers = sum(spec.cfg.is_moe_layer(i) for i in range(spec.cfg.num_hidden_layers))
-    # the second pass also pays its own all-to-alls' latency and the agreement's
-    extra -= (2 * moe_layers + 1) * cluster.a2a_latency_us * 1e-6
-    return fit_cluster(spec, layout, samples, max(extra, 0.0))
+            quick = all(batch.is_decode)  # decode steps are short: repeat them more
+            samples.append(_sample(ex, batch, layout.world, 2 * repeat if quick else repeat))
+    return fit_cluster(spec, layout, samples, passes)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -133,7 +142,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
         if path:
             console.print(f"{what}: {path}")
+    if args.decode_sweep:
+        print_decode_sweep(console, planner, configs, layout, spec, args)
     return 0
+
+
+def print_decode_sweep(console, planner, configs, layout, spec, args) -> None:
+    """Decode batch sizes 1..1024 per DP group at ``--decode-sweep`` tokens of context: each
+    mode's speed-up, and the batch size from which it beats none."""
+    ctx = args.decode_sweep
+
+    def batches_for(bs: int) -> list:
+        workload = parse_workload(f"decode:{bs}:{ctx}", layout.dp_groups, args.seed)
+        group = make_batches(workload, spec.cfg.vocab_size, args.seed)
+        return [group[layout.group_of(r)] for r in range(layout.world)]
+
+    points = decode_sweep(planner, configs, batches_for)
+    console.print(sweep_table(points, ctx, f"decode sweep on {planner.cluster.name}"))
+    for mode in (m for m in configs if m != "none"):
+        bs = crossover(planner, configs, batches_for, points, mode)
+        if bs is None:
+            console.print(f"{mode}: never beats none up to {points[-1].batch_size} per rank")
+            continue
+        flag = " (--dbo-decode-token-threshold {bs})" if configs[mode].mode == "dbo" else ""
+        console.print(f"{mode} beats none from {bs} decode tokens per rank{flag.format(bs=bs)}")
 
 
 def add_plan_command(sub) -> None:
@@ -173,7 +205,14 @@ def add_plan_command(sub) -> None:
     )
     plan.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     plan.add_argument(
-        "--repeat", type=int, default=2, help="--cluster this: forwards per calibration shape"
+        "--repeat", type=int, default=3, help="--cluster this: forwards per calibration shape"
+    )
+    plan.add_argument(
+        "--decode-sweep",
+        type=int,
+        metavar="CTX",
+        help="also sweep decode batch sizes 1..1024 per rank at CTX tokens of context and print "
+        "where each mode starts to beat none (DBO's --dbo-decode-token-threshold)",
     )
     plan.add_argument("--json", metavar="PATH", help="write the plan in the bench's JSON shape")
     plan.add_argument("--trace", metavar="PATH", help="write the predicted timelines as a trace")
