@@ -8,10 +8,8 @@ see ``planner/calibration.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
-from pathlib import Path
 from statistics import median
 
 from rich.console import Console
@@ -34,7 +32,7 @@ from moe_overlap.planner.report import plan_json, plan_table, recommend, sweep_t
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
-from moe_overlap.tools.trace import plot_timelines, write_chrome_trace
+from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
 
 _MB = re.compile(r"(\d+(?:\.\d+)?) MB")
@@ -127,21 +125,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best, sentence = recommend(plans, configs)
     console.print(f"recommended: {sentence}")
     console.print(f"planned in {elapsed:.2f} s")
-    if args.json:
-        out = {"model": args.config, "cluster": cluster.to_json(), "ep": layout.ep}
-        out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    out = {"model": args.config, "cluster": cluster.to_json(), "ep": layout.ep}
+    out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
     recording = {m: p.spans for m, p in plans.items() if p.spans is not None}
-    if args.trace:
-        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(recording, args.trace)
-    if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot_timelines(recording, args.plot)
-    for what, path in (("results", args.json), ("trace", args.trace), ("timeline", args.plot)):
-        if path:
-            console.print(f"{what}: {path}")
+    write_outputs(console, recording, args, out)
     if args.decode_sweep:
         print_decode_sweep(console, planner, configs, layout, spec, args)
     return 0
