@@ -89,3 +89,18 @@ REFUSALS = [
 def test_pdmux_refusals_name_the_flags(kw, message):
     with pytest.raises(ConfigError, match=message):
         LLM(config=ModelConfig(**TINY["qwen3_moe"]), enable_pdmux=True, **kw)
+
+
+def test_a_waves_first_token_is_reported_by_step():
+    """The token sampled from a wave's last range reaches ``LLM.step``'s callers (the server's
+    streams) like any other, and a one-token request finishes there."""
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    with LLM(config=cfg, **KW) as llm:
+        expected = llm.generate([[4, 5, 6]], one)[0].token_ids
+    with LLM(config=cfg, enable_pdmux=True, pdmux_prefill_splits=2, **KW) as llm:
+        assert llm.generate([[4, 5, 6]], one)[0].token_ids == expected
+        req = llm.make_request("prompt", [4, 5, 6], SamplingParams(max_new_tokens=3))
+        llm.scheduler.add(req)
+        got = [llm.step() for _ in range(2)]  # the wave's two ranges
+        assert got == [[], [req]] and len(req.output_ids) == 1

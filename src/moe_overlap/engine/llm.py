@@ -177,7 +177,7 @@ class LLM:
         run = self.executor.run  # (tests and the bench override run without a prefill)
         logits = run(step.batches, prefill=step.prefill) if step.prefill else run(step.batches)
         self.scheduler.update(step, logits, self.executor.last_prefill)
-        return [req for entries in step.scheduled for req, _ in entries if not req.in_prefill]
+        return step.sampled  # a prefill wave's requests get their first token with its last range
 
     def make_request(
         self, where: str, prompt: str | Sequence[int], params: SamplingParams, return_logits=False

@@ -7,7 +7,7 @@ prompt chunks up to a per-rank token budget. A request stays on the rank whose K
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class Step:
     batches: list[ForwardBatch]  # one per rank; an idle rank gets an empty batch
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
     prefill: PrefillSlice | None = None  # --enable-pdmux: the split prefill beside it
+    sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
 
 
 class Scheduler:
@@ -98,11 +99,11 @@ class Scheduler:
         that finished."""
         finished: list[Request] = []
         for rank, (entries, rank_logits) in enumerate(zip(step.scheduled, logits, strict=True)):
-            self._consume(rank, entries, rank_logits, finished)
+            self._consume(step, rank, entries, rank_logits, finished)
         if step.prefill is not None and step.prefill.last:
             for rank, members in enumerate(self.pdmux.finish()):
                 wave = [(r, r.prompt_len) for r in members]
-                self._consume(rank, wave, prefill_logits[rank], finished)
+                self._consume(step, rank, wave, prefill_logits[rank], finished)
             for rank, slot in self.deferred:
                 self.slots[rank].release(slot)
             self.deferred = []
@@ -110,6 +111,7 @@ class Scheduler:
 
     def _consume(
         self,
+        step: Step,
         rank: int,
         entries: list[tuple[Request, int]],
         rank_logits: torch.Tensor,
@@ -129,6 +131,7 @@ class Scheduler:
             if req.in_prefill:
                 continue  # a middle prompt chunk: nothing to sample yet
             req.output_ids.append(sample(last, req.params, req.generator))
+            step.sampled.append(req)
             req.finish_reason = self._finish_reason(req)
             if req.finish_reason:
                 self.running[rank].remove(req)
