@@ -33,7 +33,9 @@ BF16 = dict(dtype="bfloat16", **KW)
 def _run(llm: LLM, overlap: OverlapConfig | None = None) -> dict:
     if overlap is not None:
         step = llm.executor.run
-        llm.executor.run = lambda batches, _=None, record=False: step(batches, overlap, record)
+        llm.executor.run = lambda batches, _=None, record=False, prefill=None: step(
+            batches, overlap, record, prefill
+        )
     return {case: llm.generate(p, PARAMS, return_logits=True) for case, p in CASES.items()}
 
 

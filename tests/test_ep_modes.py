@@ -61,7 +61,9 @@ def _run_in(monkeypatch, llm: LLM, mode: str) -> None:
         monkeypatch.setattr(
             llm.executor,
             "run",
-            lambda batches, _=None, record=False: step(batches, MODES[mode], record),
+            lambda batches, _=None, record=False, prefill=None: step(
+                batches, MODES[mode], record, prefill
+            ),
         )
 
 

@@ -64,7 +64,9 @@ def test_layout_matches_one_process(engine, mode, monkeypatch):
     monkeypatch.setattr(
         llm.executor,
         "run",
-        lambda batches, _=None, record=False: step(batches, MODES[mode], record),
+        lambda batches, _=None, record=False, prefill=None: step(
+            batches, MODES[mode], record, prefill
+        ),
     )
     assert_same(_reference(family), llm.generate(PROMPTS, PARAMS, return_logits=True))
 

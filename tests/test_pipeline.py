@@ -50,7 +50,11 @@ def test_pipeline_matches_one_process(case, monkeypatch):
         step = llm.executor.run
         for overlap in MODES.values():
             monkeypatch.setattr(
-                llm.executor, "run", lambda b, _=None, record=False, o=overlap: step(b, o, record)
+                llm.executor,
+                "run",
+                lambda b, _=None, record=False, prefill=None, o=overlap: step(
+                    b, o, record, prefill
+                ),
             )
             assert_same(base, llm.generate(PROMPTS, PARAMS, return_logits=True))
 

@@ -31,7 +31,9 @@ def test_every_mode_on_nccl_matches_one_process(family):
     with LLM(config=cfg, device="cuda", ep=GPUS, **KW) as llm:
         step = llm.executor.run
         for overlap in MODES.values():
-            llm.executor.run = lambda b, _=None, record=False, o=overlap: step(b, o, record)
+            llm.executor.run = lambda b, _=None, record=False, prefill=None, o=overlap: step(
+                b, o, record, prefill
+            )
             for case, prompts in CASES.items():
                 assert_same(base[case], llm.generate(prompts, PARAMS, return_logits=True))
 

@@ -20,10 +20,7 @@ def shares(rows: int, ranks: int) -> list[int]:
 class ScatteredDispatcher(Dispatcher):
     def __init__(self, inner: Dispatcher, attn_tp: Group):
         self.inner, self.attn_tp = inner, attn_tp
-        self.name, self.num_experts = inner.name, inner.num_experts
-
-    def __getattr__(self, name: str):  # the inner backend's link, group, timeline
-        return getattr(self.inner, name)
+        self.name, self.num_experts, self.link = inner.name, inner.num_experts, inner.link
 
     def dispatch_a(
         self,

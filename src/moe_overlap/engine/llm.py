@@ -174,8 +174,7 @@ class LLM:
         """Run one forward of every running request; return those that got a token (the
         finished ones have ``finish_reason`` set and have left the scheduler)."""
         step = self.scheduler.schedule()
-        run = self.executor.run  # (tests and the bench override run without a prefill)
-        logits = run(step.batches, prefill=step.prefill) if step.prefill else run(step.batches)
+        logits = self.executor.run(step.batches, prefill=step.prefill)
         self.scheduler.update(step, logits, self.executor.last_prefill)
         return step.sampled  # a prefill wave's requests get their first token with its last range
 

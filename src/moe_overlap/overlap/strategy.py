@@ -132,12 +132,18 @@ def layer_operations(
 
 
 def build_operations(
-    model: MoeForCausalLM, strategy: Strategy, own: Mapping[str, SchemeOp] | None = None
+    model: MoeForCausalLM,
+    strategy: Strategy,
+    own: Mapping[str, SchemeOp] | None = None,
+    layers: range | None = None,
 ) -> list[Op | Yield]:
-    """The whole forward (of this pipeline stage) as ops with yields: the embedding on the first
-    stage, each layer per the strategy, the logits on the last (an earlier stage ends with its
-    last layer's ``hidden_states`` and ``residual``, which the next stage starts from)."""
-    ops: list[Op | Yield] = [model.op_embed] if model.is_first else []
-    for layer in model.layers:
+    """The whole forward (of this pipeline stage, or of ``layers`` only) as ops with yields: the
+    embedding before layer 0, each layer per the strategy, the logits after the last layer (an
+    earlier part ends with its last layer's ``hidden_states`` and ``residual``, which the next
+    part starts from)."""
+    chosen = [x for x in model.layers if layers is None or x.layer_id in layers]
+    ops: list[Op | Yield] = [model.op_embed] if chosen[0].layer_id == 0 else []
+    for layer in chosen:
         ops += layer_operations(layer, strategy, own)
-    return ops + [model.op_logits] if model.is_last else ops
+    last = chosen[-1].layer_id == model.cfg.num_hidden_layers - 1
+    return ops + [model.op_logits] if last else ops

@@ -197,6 +197,5 @@ class SimModel:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.layers = [SimLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
-        self.is_first = self.is_last = True  # the whole model: one pipeline stage
         self.op_embed = _compute(-1, "embed")
         self.op_logits = _compute(cfg.num_hidden_layers, "logits")

@@ -19,7 +19,7 @@ from moe_overlap.core.context import ForwardContext
 from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, execute_operations
-from moe_overlap.overlap.strategy import layer_operations, strategy_for
+from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
 class PrefillLane:
@@ -33,12 +33,8 @@ class PrefillLane:
     def ops(self, layers: range) -> list[Op | Yield]:
         key = (layers.start, layers.stop)
         if key not in self._ops:
-            model, plain = self.runner.model, strategy_for(self.runner.model, "none")
-            ops: list[Op | Yield] = [model.op_embed] if layers.start == 0 else []
-            for layer in model.layers[layers.start : layers.stop]:
-                ops += layer_operations(layer, plain)
-            last = layers.stop == model.cfg.num_hidden_layers
-            self._ops[key] = ops + [model.op_logits] if last else ops
+            model = self.runner.model
+            self._ops[key] = build_operations(model, strategy_for(model, "none"), layers=layers)
         return self._ops[key]
 
     def start(self, batch: ForwardBatch, layers: range, wave: int):
@@ -65,6 +61,3 @@ class PrefillLane:
             return out["logits"]
         self.saved = {wave: out}  # one wave at a time: an abandoned one is dropped here
         return None
-
-    def close(self) -> None:
-        self.thread.shutdown(wait=False, cancel_futures=True)

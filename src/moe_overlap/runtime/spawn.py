@@ -120,11 +120,13 @@ class SpawnedExecutor(Executor):
     ) -> list[torch.Tensor]:
         dicts = [b.to_dict() for b in batches]
         par = self.parallel
-        msgs = []
-        for r in range(self.num_ranks):
-            group = par.batch_of(r)
-            msgs.append(("step", dicts[group], overlap, record, prefill_message(prefill, group)))
-        replies = self._request(msgs)
+        waves = [prefill_message(prefill, g) for g in range(len(batches))]
+        replies = self._request(
+            [
+                ("step", dicts[g], overlap, record, waves[g])
+                for g in map(par.batch_of, range(self.num_ranks))
+            ]
+        )
         self.last_spans = [spans for _, spans, _ in replies]
         # one rank of each group (attention-TP rank 0 of its last stage) answers for it
         answers = [reply for r, reply in enumerate(replies) if par.answers(r)]
