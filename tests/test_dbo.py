@@ -178,8 +178,8 @@ def _spy_dbo_steps(llm) -> list[list[bool]]:
     """Per step, which ranks ran DBO (their timelines hold 'dbo segment' spans)."""
     steps, run = [], llm.executor.run
 
-    def recording(batches, overlap=None, record=False):
-        logits = run(batches, overlap, record=True)
+    def recording(batches, overlap=None, record=False, prefill=None):
+        logits = run(batches, overlap, record=True, prefill=prefill)
         steps.append(
             [any(s.name.startswith("dbo") for s in spans) for spans in llm.executor.last_spans]
         )
