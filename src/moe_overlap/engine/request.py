@@ -80,7 +80,7 @@ class RequestOutput:
     text: str | None = None  # the output as text (None when the model has no tokenizer)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity, not field by field
 class Request:
     request_id: int
     prompt_ids: list[int]

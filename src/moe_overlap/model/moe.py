@@ -98,15 +98,66 @@ class ExpertBank(nn.Module):
         """Write the rows of local experts ``experts`` (a contiguous range) into ``out``.
 
         Same rows and arithmetic as ``forward``, so running the experts block by block (SBO)
-        gives bit-identical outputs.
+        gives bit-identical outputs: the path (batched or per expert) and the padded height
+        depend on every expert's count, not on the block's.
         """
-        ends = list(accumulate(tokens_per_expert))
+        ends = list(accumulate(tokens_per_expert, initial=0))
+        rows = slice(ends[experts.start], ends[experts.stop])
+        if rows.start == rows.stop:
+            return
+        height = max(tokens_per_expert)
+        if _batched_pays(tokens_per_expert, height):
+            counts = tokens_per_expert[experts.start : experts.stop]
+            out[rows] = self._padded(x[rows], counts, height, experts)
+            return
         for e in experts:
-            start, end = ends[e] - tokens_per_expert[e], ends[e]
+            start, end = ends[e], ends[e + 1]
             if start == end:
                 continue
             gate, up = F.linear(x[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
             out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def _padded(
+        self, x: torch.Tensor, counts: list[int], height: int, experts: range
+    ) -> torch.Tensor:
+        """The experts' rows as one batched matmul per projection: each expert's rows padded
+        with zeros to ``height`` (zero rows stay zero through SiLU and are dropped)."""
+        n = len(counts)
+        if all(c == height for c in counts):
+            padded, where = x, None
+        else:
+            where = _padded_positions(counts, height, x.device)
+            padded = x.new_zeros(n * height, x.shape[1]).index_copy_(0, where, x)
+        block = slice(experts.start, experts.stop)
+        gate_up = torch.bmm(padded.view(n, height, -1), self.gate_up_proj[block].transpose(1, 2))
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down_proj[block].transpose(1, 2)).flatten(0, 1)
+        return y if where is None else y[where]
+
+
+# When one batched matmul over every expert (each padded to the fullest) beats a matmul per
+# expert, measured on a 2-core CPU with 8 experts of 512 x 1024, evenly loaded: 3.1x faster at 4
+# rows per expert, 1.6x at 64, 1.5x at 128, 0.9x at 256 (a GPU's loop pays a launch per expert
+# on top). Above 64 rows the padding must stay small.
+_BATCHED_ANY_ROWS = 64
+_BATCHED_EVEN_ROWS = 192
+_BATCHED_MAX_PADDING = 1.25
+
+
+def _batched_pays(counts: list[int], height: int) -> bool:
+    """Pad and batch when every expert is small, or evenly loaded and not large."""
+    if height <= _BATCHED_ANY_ROWS:
+        return True
+    padded = height * len(counts)
+    return height <= _BATCHED_EVEN_ROWS and padded <= _BATCHED_MAX_PADDING * sum(counts)
+
+
+def _padded_positions(counts: list[int], height: int, device: torch.device) -> torch.Tensor:
+    """Row i of expert e (in ``counts``' order) goes to padded row ``e * height + i``."""
+    sizes = torch.tensor(counts, device=device)
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes)
+    first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return expert * height + torch.arange(expert.numel(), device=device) - first
 
 
 class SparseMoeBlock(nn.Module):
