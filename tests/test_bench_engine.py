@@ -38,12 +38,17 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "engine.json"
     argv = ["--config", "configs/qwen3-moe-tiny.json", "--compare-hf", *TINY_CASES]
-    assert run_bench_engine([*argv, "--threads", "1", "--json", str(out)]) == 0
+    assert run_bench_engine([*argv, "--threads", "1", "--breakdown", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     names = ["prefill 1x24", "prefill 3x8", "decode batch 2", "decode batch 5"]
-    for name in [*names, "ours tok/s", "HF tok/s", "ours/HF", "same tokens"]:
+    for name in [*names, "ours tok/s", "HF tok/s", "ours/HF", "same tokens", "Where the time"]:
         assert name in table
     report = json.loads(out.read_text())
+    assert report["matmul_peak_gflops"] > 0
+    for case in report["cases"]:  # each engine's profiled run, split into parts of its wall
+        for split in (case["ours_breakdown"], case["hf_breakdown"]):
+            parts = split["matmul_s"] + split["attention_s"] + split["other_ops_s"]
+            assert split["matmul_s"] > 0 and 0 < parts <= split["wall_s"]
     assert report["threads"] == 1 and [c["name"] for c in report["cases"]] == names
     assert [c["tokens"] for c in report["cases"]] == [24, 24, 6, 15]
     for case in report["cases"]:

@@ -22,6 +22,12 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import SamplingParams
 from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.tools.engine_profile import (
+    Breakdown,
+    breakdown_table,
+    peak_matmul_gflops,
+    profiled,
+)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class CaseResult:
     same_tokens: str | None = None  # sequences whose greedy tokens agree, "k/n"
     ours_times: list[float] = field(default_factory=list)  # every repeat, seconds
     hf_times: list[float] = field(default_factory=list)
+    ours_breakdown: Breakdown | None = None  # with --breakdown: one profiled run's split
+    hf_breakdown: Breakdown | None = None
 
 
 def parse_prefill(text: str) -> list[tuple[int, int]]:
@@ -120,9 +128,12 @@ def load_hf(model_dir: Path):
     return model.eval()
 
 
-def bench_case(case: Case, model_dir: Path, hf, vocab: int, seed: int, repeats: int):
+def bench_case(
+    case: Case, model_dir: Path, hf, vocab: int, seed: int, repeats: int, breakdown: bool = False
+):
     """Time ``case`` ``repeats`` times for each engine, alternating; the best time counts
-    (on a shared machine the slower runs measure the neighbours, not the engine)."""
+    (on a shared machine the slower runs measure the neighbours, not the engine). With
+    ``breakdown``, one more run of each engine under the profiler says where the time went."""
     prompts = prompts_for(case, vocab, seed)
     ours, theirs, ours_out, hf_out = [], [], None, None
     # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
@@ -133,9 +144,12 @@ def bench_case(case: Case, model_dir: Path, hf, vocab: int, seed: int, repeats: 
             if hf is not None:
                 t, hf_out = timed(lambda: run_hf(hf, case, prompts))
                 theirs.append(t)
+        ours_split = profiled(lambda: run_ours(llm, case, prompts)) if breakdown else None
+    hf_split = profiled(lambda: run_hf(hf, case, prompts)) if breakdown and hf else None
     ours_s = min(ours)
     result = CaseResult(case.name, case.kind, case.tokens, ours_s, case.tokens / ours_s)
     result.ours_times, result.hf_times = ours, theirs
+    result.ours_breakdown, result.hf_breakdown = ours_split, hf_split
     if hf is not None:
         result.hf_s = min(theirs)
         result.hf_tok_s = case.tokens / result.hf_s
@@ -182,12 +196,25 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         hf = load_hf(Path(tmp)) if args.compare_hf else None
         results = []
         for case in cases:
-            results.append(bench_case(case, Path(tmp), hf, cfg.vocab_size, args.seed, args.repeats))
+            results.append(
+                bench_case(
+                    case, Path(tmp), hf, cfg.vocab_size, args.seed, args.repeats, args.breakdown
+                )
+            )
     title = (
         f"{Path(args.config).stem}, one process, {args.threads} threads, fp32, best of "
         f"{args.repeats}; tokens/s: prompt tokens (prefill), generated tokens (decode)"
     )
     console.print(results_table(results, title))
+    peak = peak_matmul_gflops() if args.breakdown else None
+    if args.breakdown:
+        rows = [
+            (r.name, engine, split)
+            for r in results
+            for engine, split in (("ours", r.ours_breakdown), ("transformers", r.hf_breakdown))
+            if split is not None
+        ]
+        console.print(breakdown_table(rows, peak))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         report = {
@@ -195,6 +222,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
             "threads": args.threads,
             "repeats": args.repeats,
             "torch": torch.__version__,
+            "matmul_peak_gflops": peak,
             "cases": [asdict(r) for r in results],
         }
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -232,4 +260,10 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per case; the best counts")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="profile one more run of each case per engine: time in matrix multiplies (and "
+        "their GFLOPS against this CPU's peak), attention, other operators and outside them",
+    )
     p.set_defaults(func=cmd_bench_engine)

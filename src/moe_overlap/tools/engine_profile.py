@@ -1,0 +1,91 @@
+"""Where an engine's time goes: one profiled run split into matrix multiplies, attention,
+the other operators and the time outside any operator (Python, scheduling, sampling), with the
+matrix multiplies' throughput beside this CPU's peak, measured in the same run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
+
+# operators whose own time is a matrix multiply (transformers' experts call _grouped_mm, which
+# on CPU runs mm per expert: both are counted, each for its own time)
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm"}
+
+
+@dataclass
+class Breakdown:
+    wall_s: float
+    matmul_s: float
+    attention_s: float
+    other_ops_s: float
+    matmul_gflops: float  # achieved by the matrix multiplies whose FLOPs torch counts
+
+    @property
+    def outside_ops_s(self) -> float:
+        return max(0.0, self.wall_s - self.matmul_s - self.attention_s - self.other_ops_s)
+
+
+def profiled(run: Callable[[], object]) -> Breakdown:
+    """Run ``run`` once under the profiler and split its wall time by operator kind."""
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        run()
+    wall = time.perf_counter() - start
+    matmul = attention = other = flops = counted = 0.0
+    for event in prof.key_averages():
+        own = event.self_cpu_time_total / 1e6
+        if event.key in MATMULS:
+            matmul += own
+            if event.flops:  # torch counts mm's and bmm's FLOPs, not _grouped_mm's
+                flops, counted = flops + event.flops, counted + own
+        elif "scaled_dot_product" in event.key:
+            attention += own
+        else:
+            other += own
+    gflops = flops / counted / 1e9 if counted else 0.0
+    return Breakdown(wall, matmul, attention, other, gflops)
+
+
+def peak_matmul_gflops(size: int = 1536, repeats: int = 5) -> float:
+    """This CPU's fp32 matrix-multiply throughput on a large square product (best of
+    ``repeats``), the ceiling any engine's matrix multiplies can reach here."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def breakdown_table(rows: list[tuple[str, str, Breakdown]], peak: float) -> Table:
+    """One row per (case, engine): seconds and shares of the profiled run."""
+    table = Table(
+        title=f"Where the time goes (one profiled run each; this CPU's fp32 matmul peak "
+        f"{peak:.0f} GFLOPS)",
+        title_justify="left",
+    )
+    columns = ("case", "engine", "wall s", "matmul", "attn", "other ops", "outside", "GFLOPS")
+    for col in columns:
+        left = col in ("case", "engine")
+        table.add_column(col, justify="left" if left else "right", no_wrap=left)
+    for case, engine, b in rows:
+        parts = (b.matmul_s, b.attention_s, b.other_ops_s, b.outside_ops_s)
+        table.add_row(
+            case,
+            "HF" if engine == "transformers" else engine,
+            f"{b.wall_s:.3f}",
+            *(f"{part / b.wall_s:.0%}" for part in parts),
+            f"{b.matmul_gflops:.0f}",
+        )
+    table.caption = (
+        "shares of the wall time: matrix multiplies, attention, other operators, outside any "
+        "operator (Python, scheduling); GFLOPS: the matrix multiplies' own throughput"
+    )
+    return table
