@@ -61,7 +61,7 @@ class CaseResult:
     same_tokens: str | None = None  # sequences whose greedy tokens agree, "k/n"
     ours_times: list[float] = field(default_factory=list)  # every repeat, seconds
     hf_times: list[float] = field(default_factory=list)
-    ours_breakdown: Breakdown | None = None  # with --breakdown: one profiled run's split
+    ours_breakdown: Breakdown | None = None  # with --breakdown: the fastest profiled run
     hf_breakdown: Breakdown | None = None
 
 
@@ -133,7 +133,7 @@ def bench_case(
 ):
     """Time ``case`` ``repeats`` times for each engine, alternating; the best time counts
     (on a shared machine the slower runs measure the neighbours, not the engine). With
-    ``breakdown``, one more run of each engine under the profiler says where the time went."""
+    ``breakdown``, three more runs of each engine under the profiler say where the time went."""
     prompts = prompts_for(case, vocab, seed)
     ours, theirs, ours_out, hf_out = [], [], None, None
     # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
@@ -263,7 +263,8 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--breakdown",
         action="store_true",
-        help="profile one more run of each case per engine: time in matrix multiplies (and "
-        "their GFLOPS against this CPU's peak), attention, other operators and outside them",
+        help="profile 3 more runs of each case per engine (the fastest counts): the time in "
+        "matrix multiplies (and their GFLOPS against this CPU's peak), attention, other "
+        "operators and outside any operator",
     )
     p.set_defaults(func=cmd_bench_engine)
