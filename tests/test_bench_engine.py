@@ -46,9 +46,11 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["matmul_peak_gflops"] > 0
     for case in report["cases"]:  # each engine's profiled run, split into parts of its wall
-        for split in (case["ours_breakdown"], case["hf_breakdown"]):
+        for split, times in ((case["ours_breakdown"], case["ours_times"]),
+                             (case["hf_breakdown"], case["hf_times"])):  # fmt: skip
             parts = split["matmul_s"] + split["attention_s"] + split["other_ops_s"]
-            assert split["matmul_s"] > 0 and 0 < parts <= split["wall_s"]
+            assert split["matmul_s"] > 0 and 0 < parts <= split["profiled_wall_s"]
+            assert split["wall_s"] == min(times)
     assert report["threads"] == 1 and [c["name"] for c in report["cases"]] == names
     assert [c["tokens"] for c in report["cases"]] == [24, 24, 6, 15]
     for case in report["cases"]:

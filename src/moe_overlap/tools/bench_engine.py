@@ -144,8 +144,12 @@ def bench_case(
             if hf is not None:
                 t, hf_out = timed(lambda: run_hf(hf, case, prompts))
                 theirs.append(t)
-        ours_split = profiled(lambda: run_ours(llm, case, prompts)) if breakdown else None
-    hf_split = profiled(lambda: run_hf(hf, case, prompts)) if breakdown and hf else None
+        ours_split = None
+        if breakdown:
+            ours_split = profiled(lambda: run_ours(llm, case, prompts), min(ours))
+    hf_split = None
+    if breakdown and hf is not None:
+        hf_split = profiled(lambda: run_hf(hf, case, prompts), min(theirs))
     ours_s = min(ours)
     result = CaseResult(case.name, case.kind, case.tokens, ours_s, case.tokens / ours_s)
     result.ours_times, result.hf_times = ours, theirs
