@@ -1,6 +1,7 @@
-"""Where an engine's time goes: one profiled run split into matrix multiplies, attention,
-the other operators and the time outside any operator (Python, scheduling, sampling), with the
-matrix multiplies' throughput beside this CPU's peak, measured in the same run."""
+"""Where an engine's time goes: a profiled run split into matrix multiplies, attention, the
+other operators and the time outside any operator (Python, scheduling, sampling, and the
+profiler's own cost per operator), with the matrix multiplies' throughput beside this CPU's
+peak, measured in the same run."""
 
 from __future__ import annotations
 
@@ -28,15 +29,14 @@ class Breakdown:
 
     @property
     def outside_ops_s(self) -> float:
-        return max(0.0, self.wall_s - self.matmul_s - self.attention_s - self.other_ops_s)
+        """The profiled run's time outside any operator (the profiler's own cost included)."""
+        return max(0.0, self.profiled_wall_s - self.matmul_s - self.attention_s - self.other_ops_s)
 
 
 def profiled(run: Callable[[], object], wall_s: float, repeats: int = 3) -> Breakdown:
-    """Split ``wall_s``, the best time of ``run`` without the profiler, by operator kind: the
-    operators' own times come from the fastest of ``repeats`` profiled runs (on a shared machine
-    the slower runs measure the neighbours). The profiler's own cost per operator lands in the
-    profiled wall time, not in the operators, so "outside any operator" is ``wall_s`` minus them.
-    """
+    """The fastest of ``repeats`` profiled runs of ``run`` (on a shared machine the slower runs
+    measure the neighbours), split by operator kind, beside ``wall_s``, the best time of ``run``
+    without the profiler."""
     fastest = min((_profiled_once(run) for _ in range(repeats)), key=lambda b: b.profiled_wall_s)
     fastest.wall_s = wall_s
     return fastest
@@ -78,25 +78,28 @@ def peak_matmul_gflops(size: int = 1536, repeats: int = 5) -> float:
 def breakdown_table(rows: list[tuple[str, str, Breakdown]], peak: float) -> Table:
     """One row per (case, engine): seconds and shares of the profiled run."""
     table = Table(
-        title=f"Where the time goes (each engine's best unprofiled time, split by the fastest of 3 profiled runs; this CPU's fp32 matmul peak "
+        title=f"Where the time goes: the fastest of 3 profiled runs (this CPU's fp32 matmul peak "
         f"{peak:.0f} GFLOPS)",
         title_justify="left",
     )
-    columns = ("case", "engine", "wall s", "matmul", "attn", "other ops", "outside", "GFLOPS")
+    columns = ("case", "engine", "best s", "prof s", "mm", "attn", "other", "outside")
     for col in columns:
         left = col in ("case", "engine")
         table.add_column(col, justify="left" if left else "right", no_wrap=left)
+    table.add_column("GFLOPS", justify="right")
     for case, engine, b in rows:
         parts = (b.matmul_s, b.attention_s, b.other_ops_s, b.outside_ops_s)
         table.add_row(
             case,
             "HF" if engine == "transformers" else engine,
             f"{b.wall_s:.3f}",
-            *(f"{part / b.wall_s:.0%}" for part in parts),
+            f"{b.profiled_wall_s:.3f}",
+            *(f"{part / b.profiled_wall_s:.0%}" for part in parts),
             f"{b.matmul_gflops:.0f}",
         )
     table.caption = (
-        "shares of the wall time: matrix multiplies, attention, other operators, outside any "
-        "operator (Python, scheduling); GFLOPS: the matrix multiplies' own throughput"
+        "best s: the best time without the profiler; shares of the profiled run (prof s): mm, matrix "
+        "multiplies, attention, other operators, outside any operator (Python, scheduling, the "
+        "profiler's own cost per operator); GFLOPS: the matrix multiplies' own throughput"
     )
     return table
