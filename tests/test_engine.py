@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.model.layers import AttentionPlan
 from tests.helpers import TINY
 
 PROMPTS = [[1, 5, 9, 13, 2, 8, 30, 31, 40, 41, 7, 3, 60], [4, 4, 2], [9] * 21, [70, 12]]
@@ -103,3 +105,35 @@ def test_bad_prompt_is_refused_and_engine_stays_usable(prompt, match):
 def test_bad_sampling_params(kw, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kw)
+
+
+def test_prompts_of_one_length_attend_in_one_group_and_equal_one_by_one(config):
+    # three 8-token prompts share one attention call per layer (and, chunked by 6, groups of
+    # equal prefix), around a 2-token one that attends on its own
+    prompts = [list(range(1, 9)), [3] * 8, [4, 5], list(range(20, 28))]
+    for budget in (None, 6):
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        together = run(config, prompts, **kw)
+        for prompt, out in zip(prompts, together, strict=True):
+            alone = run(config, [prompt])[0]
+            assert alone.token_ids == out.token_ids
+            assert torch.allclose(alone.prompt_logits, out.prompt_logits, atol=1e-5, rtol=0)
+
+
+def test_attention_plan_groups_extends_by_prefix_and_length():
+    # sequences: fresh 3, decode, fresh 3, 2 after a prefix of 4, fresh 2
+    batch = ForwardBatch(
+        torch.zeros(11, dtype=torch.long),
+        slots=[5, 1, 6, 2, 9],
+        prefix_lens=[0, 7, 0, 4, 0],
+        extend_lens=[3, 1, 3, 2, 2],
+        is_decode=[False, True, False, False, False],
+    )
+    plan = AttentionPlan.of(batch)
+    groups = {(g.prefix, g.new): g for g in plan.extends}
+    assert sorted(groups) == [(0, 2), (0, 3), (4, 2)]
+    fresh3 = groups[(0, 3)]
+    assert fresh3.slots == slice(5, 7) and fresh3.rows.tolist() == [0, 1, 2, 4, 5, 6]
+    assert groups[(4, 2)].rows == slice(7, 9) and groups[(4, 2)].slots == slice(2, 3)
+    assert plan.decode_rows.tolist() == [3] and plan.decode_lens.tolist() == [8]
+    assert not plan.all_decode

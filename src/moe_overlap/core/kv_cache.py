@@ -58,10 +58,6 @@ class KVCache:
                 buf = self._reserve(buffers, name, top, end)
                 buf[slots, positions] = values
 
-    def sequence(self, layer: int, name: str, slot: int, length: int) -> torch.Tensor:
-        """One sequence's entries ``[0, length)`` (a view, no copy)."""
-        return self.layers[layer][name][slot, :length]
-
     def gather(
         self, layer: int, name: str, slots: torch.Tensor | slice, length: int
     ) -> torch.Tensor:

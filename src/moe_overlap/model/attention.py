@@ -67,9 +67,10 @@ class GQAttention(nn.Module):
                 out = dec
             else:
                 out[plan.decode_rows] = dec
-        for slot, prefix, rows in plan.extends:
-            length = prefix + rows.stop - rows.start
-            keys = cache.sequence(layer, "k", slot, length)
-            values = cache.sequence(layer, "v", slot, length)
-            out[rows] = causal_attention(q[rows], keys, values, prefix, scale)
+        for group in plan.extends:
+            keys = cache.gather(layer, "k", group.slots, group.length)
+            values = cache.gather(layer, "v", group.slots, group.length)
+            q_group = q[group.rows].unflatten(0, (-1, group.new))
+            attended = causal_attention(q_group, keys, values, group.prefix, scale)
+            out[group.rows] = attended.flatten(0, 1)
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))

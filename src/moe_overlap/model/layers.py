@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +82,27 @@ class GatedMLP(nn.Module):
 
 
 @dataclass
+class ExtendGroup:
+    """Sequences that extend by the same ``new`` tokens after the same ``prefix`` cached ones:
+    one batched attention call with one causal mask."""
+
+    prefix: int
+    new: int
+    slots: torch.Tensor | slice  # their cache slots, a slice when consecutive (no copy)
+    rows: torch.Tensor | slice  # their token rows, sequence after sequence
+
+    @property
+    def length(self) -> int:
+        return self.prefix + self.new
+
+
+@dataclass
 class AttentionPlan:
     """Where one forward's tokens go in the KV cache and how attention runs over them.
 
     Sequences with one new token (decode steps) attend in one batched call over their cached
-    rows padded to the longest; longer extends (prefill chunks) take the fused causal path,
-    one call each.
+    rows padded to the longest; longer extends (prefill chunks) in one call per group of
+    equal prefix and length (a batch of fresh prompts of one length is one call).
     """
 
     slots: torch.Tensor  # [T] the cache slot of every new token
@@ -94,24 +110,39 @@ class AttentionPlan:
     decode_slots: torch.Tensor | slice  # [B], or a slice when they are consecutive (no copy)
     decode_lens: torch.Tensor  # [B] keys each of them attends over
     decode_max_len: int
-    extends: list[tuple[int, int, slice]]  # (slot, prefix_len, rows) of longer sequences
+    extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
 
     @classmethod
     def of(cls, batch: ForwardBatch, device: torch.device | str = "cpu") -> AttentionPlan:
         """The plan of ``batch``, its index tensors on ``device`` (the KV cache's)."""
-        rows, slots, lens, extends = [], [], [], []
+        rows, slots, lens = [], [], []
+        groups: dict[tuple[int, int], list[tuple[int, slice]]] = {}
         for slot, prefix, span in batch.per_sequence():
             if span.stop - span.start == 1:
                 rows.append(span.start)
                 slots.append(slot)
                 lens.append(prefix + 1)
             else:
-                extends.append((slot, prefix, span))
+                groups.setdefault((prefix, span.stop - span.start), []).append((slot, span))
 
         def longs(items: list[int]) -> torch.Tensor:
             return torch.tensor(items, dtype=torch.long, device=device)
 
+        def token_rows(spans: list[slice]) -> torch.Tensor | slice:
+            if all(a.stop == b.start for a, b in itertools.pairwise(spans)):
+                return slice(spans[0].start, spans[-1].stop)
+            return longs([i for span in spans for i in range(span.start, span.stop)])
+
+        extends = [
+            ExtendGroup(
+                prefix,
+                new,
+                _as_slice([slot for slot, _ in members]) or longs([slot for slot, _ in members]),
+                token_rows([span for _, span in members]),
+            )
+            for (prefix, new), members in groups.items()
+        ]
         return cls(
             slots=longs(batch.slots).repeat_interleave(longs(batch.extend_lens)),
             decode_rows=longs(rows),
@@ -133,25 +164,26 @@ def _as_slice(items: list[int]) -> slice | None:
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
-    """Attention of ``q [new, heads, d]`` over a sequence's cached ``k/v [len, kv_heads, d]``.
+    """Attention of ``q [n, new, heads, d]`` over ``n`` sequences' cached
+    ``k/v [n, length, kv_heads, d]``; returns ``[n, new, heads, v_dim]``.
 
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
     causal mask aligned to the lower right, as a boolean mask (what torch's ``CausalBias``
     materialises on CPU anyway, without importing its dynamo machinery into every rank);
     GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
     """
-    new, length = q.shape[0], k.shape[0]
+    new, length = q.shape[1], k.shape[1]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         attn_mask=_lower_right_causal(new, length, q.device) if prefix_len else None,
         is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        enable_gqa=q.shape[2] != k.shape[2],
     )
-    return out[0].transpose(0, 1)
+    return out.transpose(1, 2)
 
 
 def _lower_right_causal(new: int, length: int, device: torch.device) -> torch.Tensor:

@@ -91,13 +91,14 @@ class MLAttention(nn.Module):
                 out = dec
             else:
                 out[plan.decode_rows] = dec
-        for slot, prefix, rows in plan.extends:
-            length = prefix + rows.stop - rows.start
+        for group in plan.extends:
             keys, values = self._expand(
-                cache.sequence(layer, "latent", slot, length),
-                cache.sequence(layer, "k_pe", slot, length),
+                cache.gather(layer, "latent", group.slots, group.length),
+                cache.gather(layer, "k_pe", group.slots, group.length),
             )
-            out[rows] = causal_attention(q[rows], keys, values, prefix, self.scale)
+            q_group = q[group.rows].unflatten(0, (-1, group.new))
+            attended = causal_attention(q_group, keys, values, group.prefix, self.scale)
+            out[group.rows] = attended.flatten(0, 1)
         # explicit width: an idle micro-batch has zero tokens, and reshape(0, -1) is ambiguous
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))
 
