@@ -135,5 +135,6 @@ def test_attention_plan_groups_extends_by_prefix_and_length():
     fresh3 = groups[(0, 3)]
     assert fresh3.slots == slice(5, 7) and fresh3.rows.tolist() == [0, 1, 2, 4, 5, 6]
     assert groups[(4, 2)].rows == slice(7, 9) and groups[(4, 2)].slots == slice(2, 3)
-    assert plan.decode_rows.tolist() == [3] and plan.decode_lens.tolist() == [8]
+    assert plan.decode_rows.tolist() == [3] and plan.decode_max_len == 8
+    assert plan.decode_lens is None  # one decode length: no mask
     assert not plan.all_decode

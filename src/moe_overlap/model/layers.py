@@ -108,7 +108,7 @@ class AttentionPlan:
     slots: torch.Tensor  # [T] the cache slot of every new token
     decode_rows: torch.Tensor  # [B] the token row of each one-token sequence
     decode_slots: torch.Tensor | slice  # [B], or a slice when they are consecutive (no copy)
-    decode_lens: torch.Tensor  # [B] keys each of them attends over
+    decode_lens: torch.Tensor | None  # [B] keys each attends over; None: all decode_max_len
     decode_max_len: int
     extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
@@ -147,7 +147,7 @@ class AttentionPlan:
             slots=longs(batch.slots).repeat_interleave(longs(batch.extend_lens)),
             decode_rows=longs(rows),
             decode_slots=_as_slice(slots) or longs(slots),
-            decode_lens=longs(lens),
+            decode_lens=longs(lens) if len(set(lens)) > 1 else None,  # equal: no mask
             decode_max_len=max(lens, default=0),
             extends=extends,
             all_decode=not extends,
@@ -191,22 +191,25 @@ def _lower_right_causal(new: int, length: int, device: torch.device) -> torch.Te
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """One new token per sequence: ``q [B, heads, d]`` over padded ``k/v [B, L, kv_heads, d]``,
-    sequence b seeing its first ``lens[b]`` keys. Returns ``[B, heads, v_dim]``.
+    sequence b seeing its first ``lens[b]`` keys (all ``L`` when ``lens`` is None: no mask, the
+    faster kernel). Returns ``[B, heads, v_dim]``.
 
     The query heads sharing a KV head attend as that head's queries (``[B, kv_heads, group,
     d]``): no repeated K/V, and SDPA's fused path with a key-padding mask.
     """
     b, heads, d = q.shape
     kv_heads = k.shape[2]
-    mask = torch.arange(k.shape[1], device=k.device) < lens[:, None]
+    mask = None
+    if lens is not None:
+        mask = (torch.arange(k.shape[1], device=k.device) < lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.reshape(b, kv_heads, heads // kv_heads, d),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
     )
     return out.reshape(b, heads, v.shape[-1])
