@@ -62,7 +62,7 @@ def _profiled_once(run: Callable[[], object]) -> Breakdown:
     return Breakdown(wall, wall, matmul, attention, other, gflops)
 
 
-def peak_matmul_gflops(size: int = 1536, repeats: int = 5) -> float:
+def peak_matmul_gflops(size: int = 1536, repeats: int = 20) -> float:
     """This CPU's fp32 matrix-multiply throughput on a large square product (best of
     ``repeats``), the ceiling any engine's matrix multiplies can reach here."""
     a, b = torch.randn(size, size), torch.randn(size, size)
