@@ -18,6 +18,8 @@ from moe_overlap.overlap.predict import (
     StepStats,
     choose,
     corrected,
+    explorations,
+    explore,
     raw_times,
 )
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
@@ -85,6 +87,46 @@ def test_correction_moves_a_factor_towards_what_was_measured():
     assert cal.factor["tbo2"] <= 0.7 * 1.3 + 0.3 * 4.0 + 1e-9
     corrected(cal, "none", 0.0, 1.0)  # nothing to learn from a zero prediction
     assert cal.factor["none"] == 1.0
+
+
+NEAR = Choice("none", {"none": 1.0, "sbo": 1.1, "tbo2": 1.2, "tbo3": 1.3, "dbo": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("choice", "forward", "expected"),
+    [
+        (NEAR, 1, "none"),  # the calibrating forward never explores
+        (NEAR, 2, "dbo"),  # first try: the nearest (dbo ties with none, within any margin)
+        (NEAR, 3, "none"),  # not an exploring forward
+        (NEAR, 4, "sbo"),  # second try: the next nearest
+        (NEAR, 8, "tbo2"),  # third
+        (NEAR, 16, "dbo"),  # fourth: the turns wrap round (tbo3 is 30% off: never tried)
+        (NEAR, 17, "none"),
+        (NEAR, 32, "sbo"),
+        (Choice("tbo2", {"none": 2.0, "tbo2": 1.0, "tbo3": 1.5}), 2, "tbo2"),  # none far off
+        (Choice("tbo2", {"tbo2": 1.0}), 2, "tbo2"),  # nothing else fits this step
+        (Choice("none", {}), 2, "none"),  # nothing allowed fits: stays none
+        (
+            Choice("sbo", {"none": 1.2, "sbo": 1.0, "tbo2": 1.25}),
+            2,
+            "none",
+        ),  # nearest first, none included
+    ],
+)
+def test_exploration_table(choice, forward, expected):
+    ran = explore(choice, forward)
+    assert ran.mode == expected
+    assert ran.explored == (expected != choice.mode)
+    assert ran.predicted == choice.predicted  # exploring changes what runs, not the prediction
+
+
+def test_exploration_is_rare_and_its_measurement_counts_more():
+    assert [f for f in range(1, 65) if explore(NEAR, f).explored] == [2, 4, 8, 16, 32, 48, 64]
+    assert explorations(1) == 0 and explorations(8) == 3 and explorations(48) == 6
+    assert "exploring" in explore(NEAR, 2).describe()
+    cal = link(1e8, tbo2=2.0)  # measured slow once; an explored forward shows 1.0
+    corrected(cal, "tbo2", 0.1, 0.1, weight=0.5)
+    assert cal.factor["tbo2"] == pytest.approx(1.5)
 
 
 def test_allowed_modes_restrict_the_choice():
