@@ -167,3 +167,5 @@ def test_auto_decides_alike_on_every_rank_and_records_why(forced_overlap_engine)
         assert decisions[0] == decisions[1] and len(decisions[0]) == 1
         chosen, times = decisions[0][0].removeprefix("auto: ").split(" ", 1)
         assert chosen in overlap.auto_modes and f"{chosen} " in times
+        predicted = [float(t.split()[-1]) for t in times.split(": ")[1].rstrip(")").split(", ")]
+        assert len(predicted) >= 2 and min(predicted) >= 0 < max(predicted)  # factors stay > 0

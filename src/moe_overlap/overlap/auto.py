@@ -81,7 +81,8 @@ class AutoOverlap:
         step = self.agree(batch)
         cal = self.calibration
         if self.last is not None:
-            corrected(cal, *self.last, step.slowest_last_s)
+            mode, raw, weight = self.last
+            corrected(cal, mode, raw, step.slowest_last_s, weight=weight)
         choice = choose(cal, step.stats, self.group.size, self.cfg.auto_modes)
         choice = explore(choice, self.steps + 1)  # steps: auto forwards so far, alike everywhere
         self.last_choice = choice

@@ -157,6 +157,7 @@ def corrected(
     mode: str,
     predicted_raw: float,
     measured: float,
+    *,
     weight: float = CORRECT_WEIGHT,
 ) -> None:
     """Move ``mode``'s factor ``weight`` of the way towards what a measured forward showed
