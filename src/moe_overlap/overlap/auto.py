@@ -79,6 +79,7 @@ class AutoOverlap:
             self.calibration = self._calibrate(runner)
         start = time.perf_counter()
         step = self.agree(batch)
+        runner.timeline.add("mb0 wait", "auto agreement", start, time.perf_counter())
         cal = self.calibration
         if self.last is not None:
             mode, raw, weight = self.last
