@@ -32,7 +32,7 @@ from moe_overlap.core.overlap_config import AUTO_MODES
 CANDIDATES = AUTO_MODES  # ties go to the earlier, simpler one
 MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
 MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
-EXPLORE_MARGIN = 0.25  # try a mode predicted at most this much slower than the chosen one
+EXPLORE_MARGIN = 0.15  # try a mode predicted at most this much slower than the chosen one
 EXPLORE_FIRST = (2, 4, 8)  # soon after calibration, then every EXPLORE_EVERY-th forward
 EXPLORE_EVERY = 16  # a wrong try costs at most EXPLORE_MARGIN / EXPLORE_EVERY on average
 CORRECT_WEIGHT = 0.3  # how far one measured forward moves the executed mode's factor
