@@ -13,6 +13,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.overlap.predict import (
     CANDIDATES,
+    EXPLORE_WEIGHT,
     Calibration,
     Choice,
     StepStats,
@@ -99,11 +100,13 @@ NEAR = Choice("none", {"none": 1.0, "sbo": 1.05, "tbo2": 1.1, "tbo3": 1.2, "dbo"
         (NEAR, 2, "dbo"),  # first try: the nearest (dbo ties with none, within any margin)
         (NEAR, 3, "none"),  # not an exploring forward
         (NEAR, 4, "sbo"),  # second try: the next nearest
-        (NEAR, 8, "tbo2"),  # third
-        (NEAR, 16, "dbo"),  # fourth: the turns wrap round (tbo3, 20% off, is never tried)
+        (NEAR, 8, "tbo2"),  # third (tbo3 would be the fourth early try)
+        (NEAR, 16, "dbo"),  # fourth: the turns wrap round (tbo3, 20% off, only early)
         (NEAR, 17, "none"),
         (NEAR, 32, "sbo"),
         (Choice("tbo2", {"none": 2.0, "tbo2": 1.0, "tbo3": 1.5}), 2, "tbo2"),  # none far off
+        (Choice("dbo", {"dbo": 1.0, "tbo3": 1.2}), 2, "tbo3"),  # a first try looks 25% out
+        (Choice("dbo", {"dbo": 1.0, "tbo3": 1.2}), 16, "dbo"),  # a later one 15%
         (Choice("tbo2", {"tbo2": 1.0}), 2, "tbo2"),  # nothing else fits this step
         (Choice("none", {}), 2, "none"),  # nothing allowed fits: stays none
         (
@@ -125,8 +128,8 @@ def test_exploration_is_rare_and_its_measurement_counts_more():
     assert explorations(1) == 0 and explorations(8) == 3 and explorations(48) == 6
     assert "exploring" in explore(NEAR, 2).describe()
     cal = link(1e8, tbo2=2.0)  # measured slow once; an explored forward shows 1.0
-    corrected(cal, "tbo2", 0.1, 0.1, weight=0.5)
-    assert cal.factor["tbo2"] == pytest.approx(1.5)
+    corrected(cal, "tbo2", 0.1, 0.1, weight=EXPLORE_WEIGHT)
+    assert cal.factor["tbo2"] == pytest.approx(1.0)
 
 
 def test_allowed_modes_restrict_the_choice():

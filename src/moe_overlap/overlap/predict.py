@@ -19,7 +19,7 @@ Each mode's prediction is then scaled by its own factor, measured at calibration
 online from measured forwards, which absorbs what the formulas leave out (bubbles, uneven cuts,
 thread hand-offs). Only the executed mode's factor learns, so a mode measured slow once (at
 calibration, say) would never be tried again: on a few set forwards (``explores``) the modes
-predicted within ``EXPLORE_MARGIN`` of the chosen one take turns instead (``explore``), and the
+predicted nearly as fast as the chosen one take turns instead (``explore``), and the
 measured time corrects the explored mode's factor.
 """
 
@@ -34,9 +34,10 @@ MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
 MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
 EXPLORE_MARGIN = 0.15  # try a mode predicted at most this much slower than the chosen one
 EXPLORE_FIRST = (2, 4, 8)  # soon after calibration, then every EXPLORE_EVERY-th forward
+EARLY_MARGIN = 0.25  # the first tries look further: a calibration can be this far off
 EXPLORE_EVERY = 16  # a wrong try costs at most EXPLORE_MARGIN / EXPLORE_EVERY on average
 CORRECT_WEIGHT = 0.3  # how far one measured forward moves the executed mode's factor
-EXPLORE_WEIGHT = 0.5  # an explored mode is measured rarely: each try counts more
+EXPLORE_WEIGHT = 1.0  # an explored mode's factor is what its try measured
 
 
 @dataclass
@@ -132,12 +133,17 @@ def explorations(forward: int) -> int:
     return sum(f <= forward for f in EXPLORE_FIRST) + forward // EXPLORE_EVERY
 
 
-def explore(choice: Choice, forward: int, margin: float = EXPLORE_MARGIN) -> Choice:
+def explore(choice: Choice, forward: int) -> Choice:
     """What forward number ``forward`` runs: ``choice``, except on an exploring forward (one
     of ``EXPLORE_FIRST`` or a multiple of ``EXPLORE_EVERY``), where the other modes predicted
-    within ``margin`` of the chosen one take turns, nearest first. A pure function of values
-    every rank holds alike, so every rank explores the same mode with no collective."""
-    if forward not in EXPLORE_FIRST and (forward <= 0 or forward % EXPLORE_EVERY):
+    within ``EARLY_MARGIN`` (the first tries) or ``EXPLORE_MARGIN`` of the chosen one take
+    turns, nearest first. A pure function of values every rank holds alike, so every rank
+    explores the same mode with no collective."""
+    if forward in EXPLORE_FIRST:
+        margin = EARLY_MARGIN
+    elif forward > 0 and forward % EXPLORE_EVERY == 0:
+        margin = EXPLORE_MARGIN
+    else:
         return choice
     best = choice.predicted.get(choice.mode)
     if best is None:
