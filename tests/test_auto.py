@@ -13,11 +13,14 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.overlap.predict import (
     CANDIDATES,
+    EXPLORE_WEIGHT,
     Calibration,
     Choice,
     StepStats,
     choose,
     corrected,
+    explorations,
+    explore,
     raw_times,
 )
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
@@ -87,6 +90,48 @@ def test_correction_moves_a_factor_towards_what_was_measured():
     assert cal.factor["none"] == 1.0
 
 
+NEAR = Choice("none", {"none": 1.0, "sbo": 1.05, "tbo2": 1.1, "tbo3": 1.2, "dbo": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("choice", "forward", "expected"),
+    [
+        (NEAR, 1, "none"),  # the calibrating forward never explores
+        (NEAR, 2, "dbo"),  # first try: the nearest (dbo ties with none, within any margin)
+        (NEAR, 3, "none"),  # not an exploring forward
+        (NEAR, 4, "sbo"),  # second try: the next nearest
+        (NEAR, 8, "tbo2"),  # third (tbo3 would be the fourth early try)
+        (NEAR, 16, "dbo"),  # fourth: the turns wrap round (tbo3, 20% off, only early)
+        (NEAR, 17, "none"),
+        (NEAR, 32, "sbo"),
+        (Choice("tbo2", {"none": 2.0, "tbo2": 1.0, "tbo3": 1.5}), 2, "tbo2"),  # none far off
+        (Choice("dbo", {"dbo": 1.0, "tbo3": 1.2}), 2, "tbo3"),  # a first try looks 25% out
+        (Choice("dbo", {"dbo": 1.0, "tbo3": 1.2}), 16, "dbo"),  # a later one 15%
+        (Choice("tbo2", {"tbo2": 1.0}), 2, "tbo2"),  # nothing else fits this step
+        (Choice("none", {}), 2, "none"),  # nothing allowed fits: stays none
+        (
+            Choice("sbo", {"none": 1.1, "sbo": 1.0, "tbo2": 1.14}),
+            2,
+            "none",
+        ),  # nearest first, none included
+    ],
+)
+def test_exploration_table(choice, forward, expected):
+    ran = explore(choice, forward)
+    assert ran.mode == expected
+    assert ran.explored == (expected != choice.mode)
+    assert ran.predicted == choice.predicted  # exploring changes what runs, not the prediction
+
+
+def test_exploration_is_rare_and_its_measurement_counts_more():
+    assert [f for f in range(1, 65) if explore(NEAR, f).explored] == [2, 4, 8, 16, 32, 48, 64]
+    assert explorations(1) == 0 and explorations(8) == 3 and explorations(48) == 6
+    assert "exploring" in explore(NEAR, 2).describe()
+    cal = link(1e8, tbo2=2.0)  # measured slow once; an explored forward shows 1.0
+    corrected(cal, "tbo2", 0.1, 0.1, weight=EXPLORE_WEIGHT)
+    assert cal.factor["tbo2"] == pytest.approx(1.0)
+
+
 def test_allowed_modes_restrict_the_choice():
     cal, step = link(1e12), stats()  # a fast link: none would win
     assert choose(cal, step, 2, ("none", "sbo")).mode == "none"
@@ -125,3 +170,5 @@ def test_auto_decides_alike_on_every_rank_and_records_why(forced_overlap_engine)
         assert decisions[0] == decisions[1] and len(decisions[0]) == 1
         chosen, times = decisions[0][0].removeprefix("auto: ").split(" ", 1)
         assert chosen in overlap.auto_modes and f"{chosen} " in times
+        predicted = [float(t.split()[-1]) for t in times.split(": ")[1].rstrip(")").split(", ")]
+        assert len(predicted) >= 2 and min(predicted) >= 0 < max(predicted)  # factors stay > 0

@@ -15,7 +15,9 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.loader import build_model
+from moe_overlap.overlap import split
 from moe_overlap.overlap.agreement import tbo_agree, tbo_local_vote
+from moe_overlap.overlap.split import Piece, block_queries, child_rows
 from moe_overlap.overlap.strategy import STRATEGIES, Strategy
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 from moe_overlap.runtime.model_runner import ModelRunner
@@ -52,6 +54,41 @@ def test_tbo_matches_no_overlap(family, case):
             assert a.token_ids == b.token_ids
             assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4
             assert torch.isfinite(b.prompt_logits).all()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "lens", "plan", "block", "expected"),
+    [
+        # a piece from position 0 stays whole; the later piece of the cut sequence is blocked
+        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 3, [[4], [3, 3]]),
+        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 4, [[4], [3, 3]]),  # near-equal
+        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 6, [[4], [6]]),  # fits one block
+        ([5, 0], [7, 3], [[Piece(0, 0, 7)], [Piece(1, 0, 3)]], 2, [[1, 2, 2, 2], [3]]),  # cached
+    ],
+)
+def test_query_blocks_keep_every_token_once_in_order(prefix, lens, plan, block, expected):
+    batch = ForwardBatch(torch.arange(sum(lens)), list(range(len(lens))), prefix, lens)
+    blocked = block_queries(batch, plan, block)
+    assert [[p.length for p in child] for child in blocked] == expected
+    for before, after in zip(child_rows(batch, plan), child_rows(batch, blocked), strict=True):
+        assert torch.equal(before, after)  # the same tokens in the same order
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_blocked_queries_are_exact(family, monkeypatch):
+    monkeypatch.setattr(split, "QUERY_BLOCK", 4)  # the tiny cases' pieces are a few tokens
+    cfg = ModelConfig(**TINY[family])
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    prompts = CASES["single-long"] + CASES["mixed-batch"]
+    kw = dict(seed=0, max_num_batched_tokens=40)
+    with LLM(config=cfg, **kw) as llm:
+        base = llm.generate(prompts, params, return_logits=True)
+    for overlap in MODES[2:]:
+        with LLM(config=cfg, overlap=overlap, **kw) as llm:
+            got = llm.generate(prompts, params, return_logits=True)
+        for a, b in zip(base, got, strict=True):
+            assert a.token_ids == b.token_ids
+            assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4
 
 
 def test_overlap_flags_are_validated():

@@ -143,7 +143,10 @@ class AllToAllDispatcher(Dispatcher):
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         counts = counts.view(self.ep, self.local)  # rows for each rank's local experts
         # recv_counts[p, e]: rows rank p sends to my local expert e
+        start = time.perf_counter()
         recv_counts = self.group.all_to_all(counts.contiguous(), [1] * self.ep, [1] * self.ep)
+        if self.timeline is not None:  # a blocking exchange: the ranks meet here
+            self.timeline.add(f"{owner} wait", "counts exchange", start, time.perf_counter())
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
         state.counts, state.recv_counts, state.send, state.recv = counts, recv_counts, send, recv

@@ -5,7 +5,10 @@ One all-reduce per forward, the agreement every overlapped forward already pays,
 rank's work (FLOPs, tokens, sequences), its TBO vote and how long its previous forward took; from
 the same table and the same calibration every rank predicts the same times (predict.py), picks
 the same mode, derives TBO's and DBO's own agreement from it, and corrects the executed mode's
-factor from the measured time. The first forward calibrates (calibrate.py).
+factor from the measured time. On a few set forwards a mode predicted nearly as fast runs
+instead, so that its factor is measured again (``predict.explore``: the forward's number and
+the shared predictions decide it, so it needs no collective). The first forward calibrates
+(calibrate.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ from moe_overlap.overlap.agreement import dbo_decide, tbo_decide, tbo_local_vote
 from moe_overlap.overlap.calibrate import calibrate
 from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
-from moe_overlap.overlap.predict import Calibration, Choice, StepStats, choose, corrected, raw_times
+from moe_overlap.overlap.predict import (
+    CORRECT_WEIGHT,
+    EXPLORE_WEIGHT,
+    Calibration,
+    Choice,
+    StepStats,
+    choose,
+    corrected,
+    explore,
+    raw_times,
+)
 from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.split import CostModel, whole
 from moe_overlap.overlap.tbo import TwoBatchOverlap
@@ -52,7 +65,7 @@ class AutoOverlap:
         }
         self.dbo = DualBatchOverlap(model, dataclasses.replace(cfg, mode="dbo"), group)
         self.calibration: Calibration | None = None
-        self.last: tuple[str, float] | None = None  # the executed mode and its raw prediction
+        self.last: tuple[str, float, float] | None = None  # executed mode, raw prediction, weight
         self.last_s = 0.0  # how long this rank's previous auto forward took
         self.last_choice: Choice | None = None
         self.steps = 0
@@ -66,12 +79,16 @@ class AutoOverlap:
             self.calibration = self._calibrate(runner)
         start = time.perf_counter()
         step = self.agree(batch)
+        runner.timeline.add("mb0 wait", "auto agreement", start, time.perf_counter())
         cal = self.calibration
         if self.last is not None:
-            corrected(cal, *self.last, step.slowest_last_s)
+            mode, raw, weight = self.last
+            corrected(cal, mode, raw, step.slowest_last_s, weight=weight)
         choice = choose(cal, step.stats, self.group.size, self.cfg.auto_modes)
+        choice = explore(choice, self.steps + 1)  # steps: auto forwards so far, alike everywhere
         self.last_choice = choice
-        self.last = (choice.mode, raw_times(cal, step.stats)[choice.mode])
+        weight = EXPLORE_WEIGHT if choice.explored else CORRECT_WEIGHT
+        self.last = (choice.mode, raw_times(cal, step.stats)[choice.mode], weight)
         split = step.stats.dbo_split
         out = self._run(choice.mode, batch, runner, step.tbo_decode, split)
         self.last_s = time.perf_counter() - start

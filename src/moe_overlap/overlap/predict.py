@@ -17,7 +17,10 @@ the slowest rank's compute sets the pace:
 
 Each mode's prediction is then scaled by its own factor, measured at calibration and corrected
 online from measured forwards, which absorbs what the formulas leave out (bubbles, uneven cuts,
-thread hand-offs).
+thread hand-offs). Only the executed mode's factor learns, so a mode measured slow once (at
+calibration, say) would never be tried again: on a few set forwards (``explores``) the modes
+predicted nearly as fast as the chosen one take turns instead (``explore``), and the
+measured time corrects the explored mode's factor.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from moe_overlap.core.overlap_config import AUTO_MODES
 CANDIDATES = AUTO_MODES  # ties go to the earlier, simpler one
 MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
 MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
+EXPLORE_MARGIN = 0.15  # try a mode predicted at most this much slower than the chosen one
+EXPLORE_FIRST = (2, 4, 8)  # soon after calibration, then every EXPLORE_EVERY-th forward
+EARLY_MARGIN = 0.25  # the first tries look further: a calibration can be this far off
+EXPLORE_EVERY = 16  # a wrong try costs at most EXPLORE_MARGIN / EXPLORE_EVERY on average
+CORRECT_WEIGHT = 0.3  # how far one measured forward moves the executed mode's factor
+EXPLORE_WEIGHT = 1.0  # an explored mode's factor is what its try measured
 
 
 @dataclass
@@ -61,10 +70,12 @@ class StepStats:
 class Choice:
     mode: str
     predicted: dict[str, float]  # seconds, factors applied, feasible modes only
+    explored: bool = False  # run to measure it, not because it was predicted fastest
 
     def describe(self) -> str:
         times = ", ".join(f"{m} {t * 1e3:.0f}" for m, t in self.predicted.items())
-        return f"{self.mode} (predicted ms: {times})"
+        why = "exploring; " if self.explored else ""
+        return f"{self.mode} ({why}predicted ms: {times})"
 
 
 def feasible(stats: StepStats, ep: int) -> list[str]:
@@ -117,9 +128,47 @@ def choose(
     return Choice(best, predicted)
 
 
-def corrected(cal: Calibration, mode: str, predicted_raw: float, measured: float) -> None:
-    """Move ``mode``'s factor towards what a measured forward showed (every rank alike)."""
+def explorations(forward: int) -> int:
+    """How many of forwards 1 .. ``forward`` (counted from auto's first) explore."""
+    return sum(f <= forward for f in EXPLORE_FIRST) + forward // EXPLORE_EVERY
+
+
+def explore(choice: Choice, forward: int) -> Choice:
+    """What forward number ``forward`` runs: ``choice``, except on an exploring forward (one
+    of ``EXPLORE_FIRST`` or a multiple of ``EXPLORE_EVERY``), where the other modes predicted
+    within ``EARLY_MARGIN`` (the first tries) or ``EXPLORE_MARGIN`` of the chosen one take
+    turns, nearest first. A pure function of values every rank holds alike, so every rank
+    explores the same mode with no collective."""
+    if forward in EXPLORE_FIRST:
+        margin = EARLY_MARGIN
+    elif forward > 0 and forward % EXPLORE_EVERY == 0:
+        margin = EXPLORE_MARGIN
+    else:
+        return choice
+    best = choice.predicted.get(choice.mode)
+    if best is None:
+        return choice
+    near = sorted(
+        (m for m, t in choice.predicted.items() if m != choice.mode and t <= best * (1 + margin)),
+        key=lambda m: (choice.predicted[m], CANDIDATES.index(m)),
+    )
+    if not near:
+        return choice
+    turn = near[(explorations(forward) - 1) % len(near)]
+    return Choice(turn, choice.predicted, explored=True)
+
+
+def corrected(
+    cal: Calibration,
+    mode: str,
+    predicted_raw: float,
+    measured: float,
+    *,
+    weight: float = CORRECT_WEIGHT,
+) -> None:
+    """Move ``mode``'s factor ``weight`` of the way towards what a measured forward showed
+    (every rank alike)."""
     if predicted_raw <= 0 or measured <= 0:
         return
     ratio = min(max(measured / predicted_raw, 0.25), 4.0)
-    cal.factor[mode] = 0.7 * cal.factor[mode] + 0.3 * ratio
+    cal.factor[mode] = (1 - weight) * cal.factor[mode] + weight * ratio
