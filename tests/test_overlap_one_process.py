@@ -14,10 +14,9 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.distributed.groups import Group
+from moe_overlap.model import layers
 from moe_overlap.model.loader import build_model
-from moe_overlap.overlap import split
 from moe_overlap.overlap.agreement import tbo_agree, tbo_local_vote
-from moe_overlap.overlap.split import Piece, block_queries, child_rows
 from moe_overlap.overlap.strategy import STRATEGIES, Strategy
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 from moe_overlap.runtime.model_runner import ModelRunner
@@ -56,27 +55,24 @@ def test_tbo_matches_no_overlap(family, case):
             assert torch.isfinite(b.prompt_logits).all()
 
 
-@pytest.mark.parametrize(
-    ("prefix", "lens", "plan", "block", "expected"),
-    [
-        # a piece from position 0 stays whole; the later piece of the cut sequence is blocked
-        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 3, [[4], [3, 3]]),
-        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 4, [[4], [3, 3]]),  # near-equal
-        ([0], [10], [[Piece(0, 0, 4)], [Piece(0, 4, 6)]], 6, [[4], [6]]),  # fits one block
-        ([5, 0], [7, 3], [[Piece(0, 0, 7)], [Piece(1, 0, 3)]], 2, [[1, 2, 2, 2], [3]]),  # cached
-    ],
-)
-def test_query_blocks_keep_every_token_once_in_order(prefix, lens, plan, block, expected):
-    batch = ForwardBatch(torch.arange(sum(lens)), list(range(len(lens))), prefix, lens)
-    blocked = block_queries(batch, plan, block)
-    assert [[p.length for p in child] for child in blocked] == expected
-    for before, after in zip(child_rows(batch, plan), child_rows(batch, blocked), strict=True):
-        assert torch.equal(before, after)  # the same tokens in the same order
+@pytest.mark.parametrize(("prefix", "new", "block"), [(5, 10, 3), (5, 10, 4), (1, 7, 2), (9, 6, 6)])
+def test_query_blocks_attend_like_one_masked_call(prefix, new, block, monkeypatch):
+    monkeypatch.setattr(layers, "QUERY_BLOCK", block)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, new, 4, 8, generator=gen)
+    k, v = (torch.randn(2, prefix + new, 2, 8, generator=gen) for _ in range(2))
+    got = layers.causal_attention(q, k, v, prefix, scale=0.3)
+    # the reference: every query row over its own keys 0 .. prefix + i, written out
+    scores = torch.einsum("nqhd,nkhd->nhqk", q, k.repeat_interleave(2, dim=2)) * 0.3
+    visible = torch.arange(prefix + new)[None, :] <= prefix + torch.arange(new)[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    want = torch.einsum("nhqk,nkhd->nqhd", weights, v.repeat_interleave(2, dim=2))
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_blocked_queries_are_exact(family, monkeypatch):
-    monkeypatch.setattr(split, "QUERY_BLOCK", 4)  # the tiny cases' pieces are a few tokens
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 4)  # the tiny cases' pieces are a few tokens
     cfg = ModelConfig(**TINY[family])
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     prompts = CASES["single-long"] + CASES["mixed-batch"]

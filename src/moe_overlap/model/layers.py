@@ -161,6 +161,13 @@ def _as_slice(items: list[int]) -> slice | None:
     return None
 
 
+# A query block's share of a chunk that attends over a prefix: SDPA's masked path works through
+# every (query, key) pair of its rectangle, so a long chunk attends block by block, each over the
+# keys up to its own end (measured on CPU: a 3072-token sequence cut in three cost 25% more
+# attention than one causal call unblocked, 8% in blocks of 256, which beat 128 and 512).
+QUERY_BLOCK = 256
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
@@ -168,12 +175,28 @@ def causal_attention(
     ``k/v [n, length, kv_heads, d]``; returns ``[n, new, heads, v_dim]``.
 
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
-    causal mask aligned to the lower right, as a boolean mask (what torch's ``CausalBias``
-    materialises on CPU anyway, without importing its dynamo machinery into every rank);
-    GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
+    causal mask aligned to the lower right. With no prefix that is SDPA's own causal path; after
+    a prefix, a boolean mask (what torch's ``CausalBias`` materialises on CPU anyway, without
+    importing its dynamo machinery into every rank), over blocks of at most ``QUERY_BLOCK``
+    queries. GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
     """
     new, length = q.shape[1], k.shape[1]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
+    if not prefix_len or new <= QUERY_BLOCK:
+        return _attend(q, k, v, prefix_len, scale)
+    parts = -(-new // QUERY_BLOCK)  # near-equal blocks of at most QUERY_BLOCK queries
+    bounds = [new * i // parts for i in range(parts + 1)]
+    blocks = [
+        _attend(q[:, a:b], k[:, : prefix_len + b], v[:, : prefix_len + b], prefix_len + a, scale)
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return torch.cat(blocks, dim=1)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+) -> torch.Tensor:
+    new, length = q.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),

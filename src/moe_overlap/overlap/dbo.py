@@ -27,13 +27,7 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.agreement import dbo_agree
 from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
-from moe_overlap.overlap.split import (
-    block_queries,
-    merge_outputs,
-    split_batch,
-    split_inputs,
-    token_split,
-)
+from moe_overlap.overlap.split import merge_outputs, split_batch, split_inputs, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
@@ -75,7 +69,7 @@ class DualBatchOverlap:
     ) -> dict:
         """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
         rank, with tokens on both sides)."""
-        plan = block_queries(batch, token_split(batch.extend_lens, [split_point]))
+        plan = token_split(batch.extend_lens, [split_point])
         ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(split_batch(batch, plan))]
         outputs = self.threads.run(ctxs, self.ops, receive_hook, split_inputs(batch, plan, inputs))
         self.num_overlapped += 1

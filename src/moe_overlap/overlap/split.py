@@ -23,10 +23,6 @@ class Piece:
 
 
 Plan = list[list[Piece]]
-# a cut sequence's later piece attends over its prefix through a masked SDPA call, which works
-# through every (query, key) pair of the piece's rectangle: blocks of this many queries keep
-# the wasted upper-right triangles small (measured on CPU: 256 beats 128 and 512)
-QUERY_BLOCK = 256
 
 
 def balanced_seq_split(lens: list[int]) -> int:
@@ -169,32 +165,6 @@ def plan_even_tokens(batch: ForwardBatch, parts: int, cost: CostModel | None = N
     if cost is not None and total >= parts:
         return token_split(batch.extend_lens, time_balanced_cuts(batch, cost, parts))
     return token_split(batch.extend_lens, [total * k // parts for k in range(1, parts)])
-
-
-def block_queries(batch: ForwardBatch, plan: Plan, block: int | None = None) -> Plan:
-    """``plan`` with every piece that has a prefix cut into consecutive pieces of about
-    ``block`` tokens. Each piece attends on its own (one causal call per sequence entry), over
-    the keys up to its own end; the child's KV is stored before any of its pieces attend, so
-    this is the same attention with less masked waste. Pieces from position 0 stay whole
-    (they take SDPA's causal path). ``block`` defaults to ``QUERY_BLOCK``."""
-    block = QUERY_BLOCK if block is None else block
-    if block < 2:
-        raise ValueError(f"query block must be >= 2 tokens, got {block}")
-    out: Plan = []
-    for child in plan:
-        pieces = []
-        for p in child:
-            n = p.length
-            if batch.prefix_lens[p.seq] + p.start == 0 or n <= block:
-                pieces.append(p)
-                continue
-            parts = -(-n // block)  # near-equal parts of at most ``block`` tokens
-            bounds = [n * k // parts for k in range(parts + 1)]
-            pieces += [
-                Piece(p.seq, p.start + a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)
-            ]
-        out.append(pieces)
-    return out
 
 
 def split_batch(batch: ForwardBatch, plan: Plan) -> list[ForwardBatch]:

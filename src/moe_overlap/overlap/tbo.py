@@ -13,7 +13,6 @@ from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.split import (
     CostModel,
-    block_queries,
     merge_outputs,
     plan_even_tokens,
     plan_two_batch,
@@ -41,10 +40,8 @@ class TwoBatchOverlap:
         if batch.mode == ForwardMode.IDLE:
             return [[] for _ in range(n)]
         if n == 2:
-            plan = plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
-        else:
-            plan = plan_even_tokens(batch, n, self.cost)
-        return block_queries(batch, plan)
+            return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
+        return plan_even_tokens(batch, n, self.cost)
 
     def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
