@@ -15,18 +15,18 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.overlap.strategy import STRATEGIES
-from moe_overlap.planner.calibration import (
-    TINY,
+from moe_overlap.planner.calibration import fit_cluster
+from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
+from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.measurements import (
+    PAIRS,
     TWO_PASSES,
     PassSample,
     Sample,
     calibration_batches,
     decode_batch,
-    fit_cluster,
     prefill_batch,
 )
-from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
-from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import mode_config, run_bench
@@ -182,9 +182,10 @@ def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
     truth = Cluster(
         name="truth", nodes=2, gpus_per_node=1, gemm_tflops_bf16=0.04, gemm_efficiency=1.0,
         attention_efficiency=1.0, attention_tflops=0.02, kv_read_gbps=5.0, hbm_gbps=1e15,
-        intra_node_a2a_gbps=0.0375, inter_node_a2a_gbps=0.0375, a2a_latency_us=150.0,
+        intra_node_a2a_gbps=0.375, inter_node_a2a_gbps=0.375, a2a_latency_us=150.0,
         op_overhead_us=450.0, seq_overhead_us=40.0, decode_seq_overhead_us=60.0,
         forward_overhead_us=15000.0, activation_bytes=4, attention_full_rectangle_with_prefix=True,
+        expert_overhead_us=300.0, switch_overhead_us=250.0, a2a_bytes_factor=1.2,
     )  # fmt: skip
     p = Planner(spec, truth, layout)
     samples = []
@@ -193,13 +194,16 @@ def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
         spans = [s for s in plan.spans[0] if s.track == "comm"]  # labelled "... 0.52 MB"
         transfers = tuple((float(s.name.split()[-2]) * 1e6, s.end - s.start) for s in spans)
         samples.append(Sample(b, plan.seconds, plan.t_comm, transfers))
-    tiny = decode_batch(*TINY)
-    none, two = (
-        p.plan(m, c, [tiny] * 2).seconds for m, c in (("n", mode_config("none")), ("t", TWO_PASSES))
-    )
-    fitted = fit_cluster(spec, layout, samples, [PassSample(tiny, none, two)])
+    passes = []
+    for mode, shape in PAIRS:
+        pair = [decode_batch(*shape)] * 2
+        none = p.plan("none", mode_config("none"), pair).seconds
+        two = p.plan(mode, TWO_PASSES[mode], pair).seconds
+        passes.append(PassSample(pair[0], none, two, mode))
+    fitted = fit_cluster(spec, layout, samples, passes)
     for name in ("gemm_tflops_bf16", "attention_tflops", "kv_read_gbps", "op_overhead_us",
-                 "forward_overhead_us", "decode_seq_overhead_us"):  # fmt: skip
+                 "forward_overhead_us", "decode_seq_overhead_us", "expert_overhead_us",
+                 "switch_overhead_us", "a2a_bytes_factor"):  # fmt: skip
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
     # the spans name their bytes to 0.01 MB, so the link's latency is only roughly recovered
     assert fitted.a2a_latency_us == pytest.approx(truth.a2a_latency_us, abs=50)

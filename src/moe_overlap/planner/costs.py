@@ -100,6 +100,7 @@ class CostModel:
         row = c.hidden_size * per_elem
         if ep == 1:
             return [0.0, 0.0]
+        row *= cl.a2a_bytes_factor
         if cl.a2a_dedup:
             nodes = ep // per_node
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
@@ -137,7 +138,9 @@ class CostModel:
             "dispatch_b": self._t(0, 0, 2 * received * row),
             "experts": self._t(
                 2 * received * expert_w, experts_active * expert_w, 3 * received * row
-            ),
+            )
+            + experts_active * cl.expert_overhead_us * 1e-6,
+            "switch": cl.switch_overhead_us * 1e-6,
             "combine_a": self._t(0, 0, 2 * received * row),
             "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "shared_experts": self._t(

@@ -26,7 +26,13 @@ from moe_overlap.overlap.tbo import TwoBatchOverlap
 from moe_overlap.planner.cluster import Cluster
 from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
-from moe_overlap.planner.simulate import RankClocks, SimContext, SimModel, sbo_sim_ops
+from moe_overlap.planner.simulate import (
+    RankClocks,
+    SimContext,
+    SimModel,
+    sbo_sim_ops,
+    with_switches,
+)
 
 AUTO_CANDIDATES = {
     "none": OverlapConfig("none"),
@@ -70,7 +76,8 @@ class Planner:
         if key not in self._ops:
             own = sbo_sim_ops(blocks) if scheme == "sbo" else None
             strategy = strategy_for(self.model, scheme)
-            self._ops[key] = build_operations(self.model, strategy, own)
+            ops = build_operations(self.model, strategy, own)
+            self._ops[key] = with_switches(ops) if scheme == "dbo" else ops
         return self._ops[key]
 
     def plan(
