@@ -25,11 +25,10 @@ from moe_overlap.planner.measurements import (
     Sample,
     calibration_batches,
     decode_batch,
-    prefill_batch,
 )
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.sweep import crossover, decode_sweep
-from moe_overlap.tools.bench import mode_config, run_bench
+from moe_overlap.tools.bench import make_batches, mode_config, run_bench
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.plan_cli import calibrate_this
 from moe_overlap.tools.workloads import parse_workload
@@ -162,16 +161,18 @@ def test_calibrated_plan_tracks_the_bench_on_this_machine() -> None:
     layout = make_layout(None, None, 2, False)
     link = "model:200mbit,50us"
     cluster = calibrate_this(spec, layout, link, repeat=1)
-    workload = parse_workload("single-long:512", 2)
-    modes = ["none", "tbo+two-chunk"]
-    with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
-        report = run_bench(llm.executor, workload, modes, 3, spec.cfg.vocab_size, progress=False)
     p = Planner(spec, cluster, layout)
-    batches = [prefill_batch(1, 512)] * 2
-    for mode in modes:
-        predicted = p.plan(mode, mode_config(mode), batches).seconds
-        measured = report.results[mode].median
-        assert abs(predicted - measured) / measured < 0.35, (mode, predicted, measured)
+    cases = (("single-long:512", ["none", "tbo+two-chunk"]), ("decode:32:256", ["none", "tbo"]))
+    with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
+        for spec_text, modes in cases:
+            workload = parse_workload(spec_text, 2)
+            vocab = spec.cfg.vocab_size
+            report = run_bench(llm.executor, workload, modes, 3, vocab, progress=False)
+            batches = make_batches(workload, vocab, 0)  # what the bench ran, rank by rank
+            for mode in modes:
+                predicted = p.plan(mode, mode_config(mode), batches).seconds
+                measured = report.results[mode].median
+                assert abs(predicted - measured) / measured < 0.35, (mode, predicted, measured)
 
 
 def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:

@@ -135,3 +135,14 @@ def test_compare_bench_prints_each_modes_error(tmp_path, capsys) -> None:
     assert "bench ran workload 'single-long:3072'" in capsys.readouterr().err
     assert main([*argv, "--compare-bench", str(tmp_path / "plan.json")]) != 0
     assert "that file is a plan" in capsys.readouterr().err
+
+
+def test_both_ranks_links_carry_the_larger_direction_as_the_engine_sends() -> None:
+    """EP 2, ranks of 300 and 100 tokens: each rank's link carries max(sent, received) rows
+    off-rank, 300 x top-2 / 2 on both (the engine's ``off_rank``), not an average."""
+    even = dataclasses.replace(TRUTH, a2a_bytes_factor=1.0)
+    costs = Planner(SPEC, even, LAYOUT).costs.micro_batch(
+        [decode_batch(300, 8), decode_batch(100, 8)]
+    )
+    row = SPEC.cfg.hidden_size * even.activation_bytes
+    assert [sum(b) for b in costs.a2a_bytes] == pytest.approx([300 * row, 300 * row])

@@ -1,16 +1,20 @@
 """``--cluster this``: this machine's numbers, fitted from a short measured run.
 
-The measurements (``tools/plan_cli.py`` runs them over the engine's ranks and link) are
-no-overlap forwards of prefill and decode shapes, each with its median wall time and its
-all-to-all spans, and tiny forwards with and without two micro-batches. The fit goes in steps,
-fixed costs first, so that no rate can buy a fixed cost or the other way round:
+The measurements (``planner/measurements.py`` names them, ``tools/plan_cli.py`` runs them over
+the engine's ranks and link) are no-overlap forwards of prefill and decode shapes, each with its
+median wall time and its all-to-all spans, and decode pairs with and without two
+micro-batches. The fit goes in steps, fixed costs first, so that no rate can buy a fixed cost
+or the other way round:
 
-1. the link: every all-to-all span, ``latency + bytes / rate``;
-2. one more micro-batch pass (its op overheads): the tiny pairs' difference, less what the
-   plan itself says the second pass costs beyond its overheads (agreement, latencies);
-3. the rates and the per-forward cost: the compute time of every shape (wall less all-to-all,
-   less one pass) over its features, which the planner gives on a unit cluster (GEMM FLOPs,
-   attention FLOPs, cached keys read, prefill and decode sequence passes, 1).
+1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing: the bytes the
+   all-to-alls carried over what even routing carries (per shape, and their median);
+2. what a second micro-batch costs: per op, per active expert, and per DBO hand-over, from
+   the pairs' measured extra less what the plan adds beyond these costs (agreement,
+   latencies, the communication it hides), repeated until they settle;
+3. the rates and the per-forward cost: every shape's wall less the plan's all-to-all time for
+   it (with its own routing) and less step 2's costs, over its features, which the planner
+   gives on a unit cluster (GEMM FLOPs, attention FLOPs, cached keys read, prefill and decode
+   sequence passes, 1).
 
 Fits are non-negative and weighted by relative error: a 30 ms decode step counts as much as a
 300 ms prefill.

@@ -88,7 +88,8 @@ class CostModel:
 
     def a2a_bytes(self, moe_tokens: float, received: float) -> list[float]:
         """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
-        max(sent, received) rows off-rank, or with ``a2a_dedup`` one copy per GPU (NVLink)
+        max(sent, received) rows off-rank (``received``: rows routed to this rank's experts
+        from every rank, itself included), or with ``a2a_dedup`` one copy per GPU (NVLink)
         and per node (RDMA) a token reaches. FP8 models on FP8 GPUs dispatch FP8 rows with a
         scale per 128 (DeepEP, SGLang) and combine in BF16: on average ``(1 + 1/32 + 2) / 2``
         bytes per element."""
@@ -106,7 +107,9 @@ class CostModel:
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
             nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
-        rows = max(k * moe_tokens, received) * (ep - 1) / ep
+        sent_off = k * moe_tokens * (ep - 1) / ep
+        received_off = received - k * moe_tokens / ep
+        rows = max(sent_off, received_off)
         inside = (per_node - 1) / (ep - 1)
         return [rows * inside * row, rows * (1 - inside) * row]
 
