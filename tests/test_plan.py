@@ -187,6 +187,7 @@ def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
         op_overhead_us=450.0, seq_overhead_us=40.0, decode_seq_overhead_us=60.0,
         forward_overhead_us=15000.0, activation_bytes=4, attention_full_rectangle_with_prefix=True,
         expert_overhead_us=300.0, switch_overhead_us=250.0, a2a_bytes_factor=1.2,
+        overheads_beyond_first=True,
     )  # fmt: skip
     p = Planner(spec, truth, layout)
     samples = []

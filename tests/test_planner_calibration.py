@@ -35,6 +35,7 @@ TRUTH = dataclasses.replace(
     inter_node_a2a_gbps=0.375, a2a_latency_us=100.0, op_overhead_us=300.0,
     expert_overhead_us=400.0, switch_overhead_us=200.0, a2a_bytes_factor=1.25,
     hbm_gbps=1e15, forward_overhead_us=5000.0, attention_full_rectangle_with_prefix=True,
+    overheads_beyond_first=True,
 )  # fmt: skip
 
 
@@ -63,7 +64,9 @@ def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> N
     refitted = fit_cluster(SPEC, LAYOUT, *again)
     for name in ("expert_overhead_us", "switch_overhead_us", "op_overhead_us", "a2a_bytes_factor",
                  "gemm_tflops_bf16", "forward_overhead_us"):  # fmt: skip
-        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=0.05), name
+        # DBO's hand-overs are a small part of its pair (spans name bytes to 0.01 MB only)
+        rel = 0.1 if name == "switch_overhead_us" else 0.05
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=rel), name
         assert getattr(refitted, name) == pytest.approx(getattr(fitted, name), rel=1e-6), name
     with pytest.raises(
         ConfigError, match="link='model:300mbit,50us', this plan has 'model:1gbit,50us'"
@@ -102,8 +105,14 @@ def test_each_micro_batch_pays_its_experts_and_dbo_its_hand_overs() -> None:
     assert extra(with_experts, "tbo") - extra(base, "tbo") == pytest.approx(0.016, rel=0.05)
     with_switch = dataclasses.replace(base, switch_overhead_us=1000.0)
     stages = sum(1 for op in Planner(SPEC, base, LAYOUT).ops("dbo") if repr(op) == "YIELD")
-    assert extra(with_switch, "dbo") - extra(base, "dbo") == pytest.approx(2 * stages * 1e-3)
+    # the second thread's turns: the first micro-batch's costs are in the fitted rates
+    assert extra(with_switch, "dbo") - extra(base, "dbo") == pytest.approx(stages * 1e-3)
     assert extra(with_switch, "tbo") == pytest.approx(extra(base, "tbo"))  # DBO's threads only
+    none = mode_config("none")
+    for cluster in (with_experts, with_switch):  # no second micro-batch, none of these costs
+        assert Planner(SPEC, cluster, LAYOUT).plan("none", none, batches).seconds == pytest.approx(
+            Planner(SPEC, base, LAYOUT).plan("none", none, batches).seconds
+        )
 
 
 def bench_json(path, workload: str, medians: dict[str, float]) -> str:

@@ -159,7 +159,7 @@ def fit_cluster(
         own = link | {"a2a_bytes_factor": factor or link["a2a_bytes_factor"]}
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
         comm.append(link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds)
-    in_none = [_overhead_seconds(spec, layout, s.batch) for s in samples]
+    in_none = [[0.0] * len(OVERHEADS) for _ in samples]  # the first pass pays none of them
     kinds = {_key(p): p for p in passes}  # one pass per (mode, shape) stands for its repeats
     in_pair = [_pair_overhead_seconds(spec, layout, p) for p in kinds.values()]
     measured = [_median([p.two_s - p.none_s for p in passes if _key(p) == k]) for k in kinds]
@@ -188,6 +188,7 @@ def fit_cluster(
             forward_overhead_us=forward * 1e6,
             activation_bytes=4,
             attention_full_rectangle_with_prefix=True,
+            overheads_beyond_first=True,
             sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
             f"{DECODE_SHAPES}, decode {TINY} and {MID} with and without two micro-batches"},
             **link,
@@ -224,7 +225,9 @@ def _overhead_seconds(spec, layout, batch, mode: str = "none") -> list[float]:
     """Per overhead in ``OVERHEADS``, the plan's seconds with it at 1 s and all else free."""
     out = []
     for name in OVERHEADS:
-        cluster = dataclasses.replace(UNIT, nodes=layout.world, **{name: 1e6})
+        cluster = dataclasses.replace(
+            UNIT, nodes=layout.world, overheads_beyond_first=True, **{name: 1e6}
+        )
         cfg = TWO_PASSES[mode] if mode != "none" else OverlapConfig()
         out.append(Planner(spec, cluster, layout).plan(mode, cfg, [batch] * layout.world).seconds)
     return out

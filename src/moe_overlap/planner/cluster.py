@@ -71,6 +71,9 @@ class Cluster:
     expert_overhead_us: float = 0.0  # per active local expert per micro-batch (a CPU loops
     # over its experts: each one's calls and weights again for every micro-batch)
     switch_overhead_us: float = 0.0  # DBO: per stage, handing the turn to the other thread
+    # the three overheads above are what each micro-batch after the first adds (fitted on this
+    # machine from pairs; the first pass's fixed costs are inside its fitted rates)
+    overheads_beyond_first: bool = False
     a2a_bytes_factor: float = 1.0  # bytes on a rank's link relative to even routing (the
     # engine sends max(sent, received) rows off-rank; uneven routing makes that larger)
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight

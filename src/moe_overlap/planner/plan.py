@@ -68,6 +68,10 @@ class Planner:
     def __init__(self, spec: ModelSpec, cluster: Cluster, layout: PlanLayout):
         self.spec, self.cluster, self.layout = spec, cluster, layout
         self.costs = CostModel(spec, cluster, layout)
+        self.first_costs = self.costs  # the first micro-batch's (and none's)
+        if cluster.overheads_beyond_first:
+            free = dict(op_overhead_us=0.0, expert_overhead_us=0.0, switch_overhead_us=0.0)
+            self.first_costs = CostModel(spec, dataclasses.replace(cluster, **free), layout)
         self.model = SimModel(spec.cfg)
         self._ops: dict[str, list] = {}
 
@@ -144,7 +148,9 @@ class Planner:
         if agree:  # the one small all-reduce every overlapped forward pays
             clocks.barrier(self.cluster.a2a_latency_us * 1e-6)
         ctxs = [
-            SimContext(f"mb{i}", clocks, self.costs.micro_batch(children))
+            SimContext(
+                f"mb{i}", clocks, (self.costs if i else self.first_costs).micro_batch(children)
+            )
             for i, children in enumerate(micro)
         ]
         execute_overlapped(ctxs, [ops] * len(ctxs), delta)
