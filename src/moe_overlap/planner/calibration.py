@@ -8,11 +8,11 @@ or the other way round:
 
 1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing: the bytes the
    all-to-alls carried over what even routing carries (per shape, and their median);
-2. what a second micro-batch costs: per op, per active expert, and per DBO hand-over, from
-   the pairs' measured extra less what the plan adds beyond these costs (agreement,
-   latencies, the communication it hides), repeated until they settle;
+2. what each micro-batch after the first costs: per op, per active expert, and per DBO
+   hand-over, from the pairs' measured extra less what the plan adds beyond these costs
+   (agreement, latencies, the communication it hides), repeated until they settle;
 3. the rates and the per-forward cost: every shape's wall less the plan's all-to-all time for
-   it (with its own routing) and less step 2's costs, over its features, which the planner
+   it (with its own routing), over its features, which the planner
    gives on a unit cluster (GEMM FLOPs, attention FLOPs, cached keys read, prefill and decode
    sequence passes, 1).
 
