@@ -26,7 +26,7 @@ for w in decode:64:512 uniform:30-3072:2048 single-long:3072; do
   if [ ! -f "$out/calibration.json" ]; then
     flock "$lock" nice -n -10 "$py" -m moe_overlap.tools.cli plan --config "$config" \
       --cluster this --ep 2 --link "$link" --workload "$w" --modes "${modes[$w]}" \
-      --calibration "$out/calibration.json" > /dev/null
+      --calibration "$out/calibration.json" > "$out/calibration.txt"
   fi
   "$py" -m moe_overlap.tools.cli plan --config "$config" --cluster this --ep 2 --link "$link" \
     --workload "$w" --modes "${modes[$w]}" --calibration "$out/calibration.json" \
