@@ -149,29 +149,24 @@ def fit_cluster(
         a2a_latency_us=latency * 1e6,
         a2a_bytes_factor=bytes_factor(spec, layout, samples),
     )
-    rows = [[*features(spec, layout, s.batch), 1.0] for s in samples]
-    # what the all-to-alls add to each forward as the plan will time them (free compute): the
-    # rest of the wall is compute, whatever the spans say (a rank late to an all-to-all makes
-    # the other's span longer; the plan counts that wait as the late rank's compute)
-    # the rest of the wall is compute, with each shape's own routing (its measured bytes)
-    comm = []
+    # the all-to-alls' time as the plan will time it, with each shape's own routing (its
+    # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to
+    # an all-to-all makes the other's span longer; the plan counts that as its compute)
+    computes = []
     for s, factor in zip(samples, bytes_factors(spec, layout, samples), strict=True):
         own = link | {"a2a_bytes_factor": factor or link["a2a_bytes_factor"]}
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
-        comm.append(link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds)
-    in_none = [[0.0] * len(OVERHEADS) for _ in samples]  # the first pass pays none of them
+        comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds
+        computes.append(s.wall_s - comm)
+    rows = [[*features(spec, layout, s.batch), 1.0] for s in samples]
+    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
+        rows, computes, required=(0, 1)
+    )
     kinds = {_key(p): p for p in passes}  # one pass per (mode, shape) stands for its repeats
     in_pair = [_pair_overhead_seconds(spec, layout, p) for p in kinds.values()]
     measured = [_median([p.two_s - p.none_s for p in passes if _key(p) == k]) for k in kinds]
     overheads = [0.0] * len(OVERHEADS)
     for step in range(8):  # overheads: the measured extra less what the plan adds beyond them
-        computes = [
-            s.wall_s - c - _dot(overheads, units)
-            for s, c, units in zip(samples, comm, in_none, strict=True)
-        ]
-        per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
-            rows, computes, required=(0, 1)
-        )
         cluster = Cluster(
             name="this",
             description=f"this machine: {layout.world} ranks, calibrated by a short run",
@@ -188,7 +183,7 @@ def fit_cluster(
             forward_overhead_us=forward * 1e6,
             activation_bytes=4,
             attention_full_rectangle_with_prefix=True,
-            overheads_beyond_first=True,
+            overheads_beyond_first=True,  # the first pass's fixed costs are in the fit above
             sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
             f"{DECODE_SHAPES}, decode {TINY} and {MID} with and without two micro-batches"},
             **link,
