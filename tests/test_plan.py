@@ -15,21 +15,20 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.overlap.strategy import STRATEGIES
-from moe_overlap.planner.calibration import (
-    TINY,
+from moe_overlap.planner.calibration import fit_cluster
+from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
+from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.measurements import (
+    PAIRS,
     TWO_PASSES,
     PassSample,
     Sample,
     calibration_batches,
     decode_batch,
-    fit_cluster,
-    prefill_batch,
 )
-from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
-from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.sweep import crossover, decode_sweep
-from moe_overlap.tools.bench import mode_config, run_bench
+from moe_overlap.tools.bench import make_batches, mode_config, run_bench
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.plan_cli import calibrate_this
 from moe_overlap.tools.workloads import parse_workload
@@ -162,16 +161,18 @@ def test_calibrated_plan_tracks_the_bench_on_this_machine() -> None:
     layout = make_layout(None, None, 2, False)
     link = "model:200mbit,50us"
     cluster = calibrate_this(spec, layout, link, repeat=1)
-    workload = parse_workload("single-long:512", 2)
-    modes = ["none", "tbo+two-chunk"]
-    with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
-        report = run_bench(llm.executor, workload, modes, 3, spec.cfg.vocab_size, progress=False)
     p = Planner(spec, cluster, layout)
-    batches = [prefill_batch(1, 512)] * 2
-    for mode in modes:
-        predicted = p.plan(mode, mode_config(mode), batches).seconds
-        measured = report.results[mode].median
-        assert abs(predicted - measured) / measured < 0.35, (mode, predicted, measured)
+    cases = (("single-long:512", ["none", "tbo+two-chunk"]), ("decode:32:256", ["none", "tbo"]))
+    with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
+        for spec_text, modes in cases:
+            workload = parse_workload(spec_text, 2)
+            vocab = spec.cfg.vocab_size
+            report = run_bench(llm.executor, workload, modes, 3, vocab, progress=False)
+            batches = make_batches(workload, vocab, 0)  # what the bench ran, rank by rank
+            for mode in modes:
+                predicted = p.plan(mode, mode_config(mode), batches).seconds
+                measured = report.results[mode].median
+                assert abs(predicted - measured) / measured < 0.35, (mode, predicted, measured)
 
 
 def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
@@ -182,9 +183,11 @@ def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
     truth = Cluster(
         name="truth", nodes=2, gpus_per_node=1, gemm_tflops_bf16=0.04, gemm_efficiency=1.0,
         attention_efficiency=1.0, attention_tflops=0.02, kv_read_gbps=5.0, hbm_gbps=1e15,
-        intra_node_a2a_gbps=0.0375, inter_node_a2a_gbps=0.0375, a2a_latency_us=150.0,
+        intra_node_a2a_gbps=0.375, inter_node_a2a_gbps=0.375, a2a_latency_us=150.0,
         op_overhead_us=450.0, seq_overhead_us=40.0, decode_seq_overhead_us=60.0,
         forward_overhead_us=15000.0, activation_bytes=4, attention_full_rectangle_with_prefix=True,
+        expert_overhead_us=300.0, switch_overhead_us=250.0, a2a_bytes_factor=1.2,
+        overheads_beyond_first=True,
     )  # fmt: skip
     p = Planner(spec, truth, layout)
     samples = []
@@ -193,13 +196,16 @@ def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
         spans = [s for s in plan.spans[0] if s.track == "comm"]  # labelled "... 0.52 MB"
         transfers = tuple((float(s.name.split()[-2]) * 1e6, s.end - s.start) for s in spans)
         samples.append(Sample(b, plan.seconds, plan.t_comm, transfers))
-    tiny = decode_batch(*TINY)
-    none, two = (
-        p.plan(m, c, [tiny] * 2).seconds for m, c in (("n", mode_config("none")), ("t", TWO_PASSES))
-    )
-    fitted = fit_cluster(spec, layout, samples, [PassSample(tiny, none, two)])
+    passes = []
+    for mode, shape in PAIRS:
+        pair = [decode_batch(*shape)] * 2
+        none = p.plan("none", mode_config("none"), pair).seconds
+        two = p.plan(mode, TWO_PASSES[mode], pair).seconds
+        passes.append(PassSample(pair[0], none, two, mode))
+    fitted = fit_cluster(spec, layout, samples, passes)
     for name in ("gemm_tflops_bf16", "attention_tflops", "kv_read_gbps", "op_overhead_us",
-                 "forward_overhead_us", "decode_seq_overhead_us"):  # fmt: skip
+                 "forward_overhead_us", "decode_seq_overhead_us", "expert_overhead_us",
+                 "switch_overhead_us", "a2a_bytes_factor"):  # fmt: skip
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05), name
     # the spans name their bytes to 0.01 MB, so the link's latency is only roughly recovered
     assert fitted.a2a_latency_us == pytest.approx(truth.a2a_latency_us, abs=50)

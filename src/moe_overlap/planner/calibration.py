@@ -1,16 +1,20 @@
 """``--cluster this``: this machine's numbers, fitted from a short measured run.
 
-The measurements (``tools/plan_cli.py`` runs them over the engine's ranks and link) are
-no-overlap forwards of prefill and decode shapes, each with its median wall time and its
-all-to-all spans, and tiny forwards with and without two micro-batches. The fit goes in steps,
-fixed costs first, so that no rate can buy a fixed cost or the other way round:
+The measurements (``planner/measurements.py`` names them, ``tools/plan_cli.py`` runs them over
+the engine's ranks and link) are no-overlap forwards of prefill and decode shapes, each with its
+median wall time and its all-to-all spans, and decode pairs with and without two
+micro-batches. The fit goes in steps, fixed costs first, so that no rate can buy a fixed cost
+or the other way round:
 
-1. the link: every all-to-all span, ``latency + bytes / rate``;
-2. one more micro-batch pass (its op overheads): the tiny pairs' difference, less what the
-   plan itself says the second pass costs beyond its overheads (agreement, latencies);
-3. the rates and the per-forward cost: the compute time of every shape (wall less all-to-all,
-   less one pass) over its features, which the planner gives on a unit cluster (GEMM FLOPs,
-   attention FLOPs, cached keys read, prefill and decode sequence passes, 1).
+1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing: the bytes the
+   all-to-alls carried over what even routing carries (per shape, and their median);
+2. what each micro-batch after the first costs: per op, per active expert, and per DBO
+   hand-over, from the pairs' measured extra less what the plan adds beyond these costs
+   (agreement, latencies, the communication it hides), repeated until they settle;
+3. the rates and the per-forward cost: every shape's wall less the plan's all-to-all time for
+   it (with its own routing), over its features, which the planner
+   gives on a unit cluster (GEMM FLOPs, attention FLOPs, cached keys read, prefill and decode
+   sequence passes, 1).
 
 Fits are non-negative and weighted by relative error: a 30 ms decode step counts as much as a
 300 ms prefill.
@@ -20,20 +24,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+from moe_overlap.planner.measurements import (
+    DECODE_SHAPES,
+    MID,
+    PREFILL_SHAPES,
+    TINY,
+    TWO_PASSES,
+    PassSample,
+    Sample,
+)
 from moe_overlap.planner.plan import Planner
 
-PREFILL_SHAPES = ((1, 256), (1, 1024), (1, 2048), (2, 1024), (32, 8))  # (sequences, tokens)
-DECODE_SHAPES = ((2, 16), (4, 512), (16, 256), (64, 128), (64, 384), (32, 512))  # (seqs, context)
-TINY = (2, 16)  # the decode shape whose second pass is measured
-TWO_PASSES = OverlapConfig("tbo")  # splits TINY 1 + 1
 HUGE = 1e15  # a rate that never limits
 UNIT = Cluster(
     name="unit",
@@ -57,49 +66,6 @@ UNITS = (  # each feature: the plan's seconds with one cost at 1 per unit, the r
     dict(seq_overhead_us=1e6),
     dict(decode_seq_overhead_us=1e6),
 )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One measured no-overlap forward: every rank ran ``batch``."""
-
-    batch: ForwardBatch
-    wall_s: float
-    comm_s: float  # the slowest rank's all-to-all time in it
-    transfers: tuple[tuple[float, float], ...] = ()  # (bytes, seconds) of its all-to-alls
-
-
-@dataclass(frozen=True)
-class PassSample:
-    """The tiny batch's median walls with no overlap and with two micro-batches."""
-
-    batch: ForwardBatch
-    none_s: float
-    two_s: float
-
-
-def _ids(n: int, vocab: int) -> torch.Tensor:
-    # random tokens route about evenly, as the plan assumes (one repeated token would not)
-    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(n))
-
-
-def prefill_batch(seqs: int, tokens: int, vocab: int = 2) -> ForwardBatch:
-    n = seqs * tokens
-    return ForwardBatch(_ids(n, vocab), list(range(seqs)), [0] * seqs, [tokens] * seqs)
-
-
-def decode_batch(seqs: int, context: int, vocab: int = 2) -> ForwardBatch:
-    """One decode step over ``context`` cached tokens each (their values do not change time)."""
-    n = seqs
-    ids = _ids(n, vocab)
-    return ForwardBatch(ids, list(range(n)), [context] * n, [1] * n, is_decode=[True] * n)
-
-
-def calibration_batches(vocab: int) -> list[ForwardBatch]:
-    """Decode first: a decode step reads slower from a cache a long prefill has widened (its
-    rows grow to the longest sequence), and a bench of decode alone never widens it."""
-    decode = [decode_batch(*s, vocab) for s in DECODE_SHAPES]
-    return decode + [prefill_batch(*s, vocab) for s in PREFILL_SHAPES]
 
 
 def nnls(x: torch.Tensor, y: torch.Tensor, required: tuple[int, ...] = ()) -> torch.Tensor:
@@ -153,24 +119,54 @@ def fit_link(samples: list[Sample]) -> tuple[float, float]:
     return latency, 1 / per_byte if per_byte > 0 else HUGE
 
 
+def bytes_factors(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) -> list[float]:
+    """Per sample, the bytes its all-to-alls carried over what even routing would carry (each
+    rank's link carries max(sent, received) rows, more than the mean when the model routes
+    unevenly); None where its transfers are under 0.1 MB (named too coarsely to count)."""
+    costs = CostModel(spec, dataclasses.replace(UNIT, nodes=layout.world), layout)
+    out = []
+    for s in samples:
+        sizes = [b for b, _ in s.transfers if b >= 0.1e6]
+        even = sum(costs.micro_batch([s.batch] * layout.world).a2a_bytes[0])
+        out.append(sum(sizes) / len(sizes) / even if sizes and even > 0 else None)
+    return out
+
+
+def bytes_factor(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) -> float:
+    """The routing's factor for a workload not measured: the median over the shapes."""
+    ratios = [r for r in bytes_factors(spec, layout, samples) if r is not None]
+    return max(_median(ratios), 1e-3) if ratios else 1.0
+
+
 def fit_cluster(
     spec: ModelSpec, layout: PlanLayout, samples: list[Sample], passes: list[PassSample]
 ) -> Cluster:
-    """This machine as a Cluster, fitted in the module's three steps."""
-    return _fit_compute(spec, layout, samples, passes)
-
-
-def _fit_compute(spec, layout, samples: list[Sample], passes: list[PassSample]) -> Cluster:
+    """This machine as a Cluster, fitted in the module's steps."""
     latency, rate = fit_link(samples)
+    link = dict(
+        intra_node_a2a_gbps=rate / 1e9,
+        inter_node_a2a_gbps=rate / 1e9,
+        a2a_latency_us=latency * 1e6,
+        a2a_bytes_factor=bytes_factor(spec, layout, samples),
+    )
+    # the all-to-alls' time as the plan will time it, with each shape's own routing (its
+    # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to
+    # an all-to-all makes the other's span longer; the plan counts that as its compute)
+    computes = []
+    for s, factor in zip(samples, bytes_factors(spec, layout, samples), strict=True):
+        own = link | {"a2a_bytes_factor": factor or link["a2a_bytes_factor"]}
+        link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
+        comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds
+        computes.append(s.wall_s - comm)
     rows = [[*features(spec, layout, s.batch), 1.0] for s in samples]
-    ops = len(Planner(spec, UNIT, layout).ops("none"))
-    extra = _median([p.two_s - p.none_s for p in passes])
-    per_pass = max(extra, 0.0)
-    for _ in range(3):  # per_pass: the measured extra less what the plan adds beyond overheads
-        computes = [s.wall_s - s.comm_s - per_pass for s in samples]
-        per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
-            rows, computes, required=(0, 1)
-        )
+    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
+        rows, computes, required=(0, 1)
+    )
+    kinds = {_key(p): p for p in passes}  # one pass per (mode, shape) stands for its repeats
+    in_pair = [_pair_overhead_seconds(spec, layout, p) for p in kinds.values()]
+    measured = [_median([p.two_s - p.none_s for p in passes if _key(p) == k]) for k in kinds]
+    overheads = [0.0] * len(OVERHEADS)
+    for step in range(8):  # overheads: the measured extra less what the plan adds beyond them
         cluster = Cluster(
             name="this",
             description=f"this machine: {layout.world} ranks, calibrated by a short run",
@@ -182,31 +178,68 @@ def _fit_compute(spec, layout, samples: list[Sample], passes: list[PassSample]) 
             attention_tflops=1e-12 / max(per_attn, 1e-18),
             kv_read_gbps=1e-9 / max(per_kv, 1e-18),
             hbm_gbps=HUGE,
-            intra_node_a2a_gbps=rate / 1e9,
-            inter_node_a2a_gbps=rate / 1e9,
-            a2a_latency_us=latency * 1e6,
-            op_overhead_us=per_pass / ops * 1e6,
             seq_overhead_us=per_seq * 1e6,
             decode_seq_overhead_us=per_dec * 1e6,
             forward_overhead_us=forward * 1e6,
             activation_bytes=4,
             attention_full_rectangle_with_prefix=True,
+            overheads_beyond_first=True,  # the first pass's fixed costs are in the fit above
             sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
-            f"{DECODE_SHAPES}, decode {TINY} with and without two micro-batches"},
+            f"{DECODE_SHAPES}, decode {TINY} and {MID} with and without two micro-batches"},
+            **link,
+            **{name: o * 1e6 for name, o in zip(OVERHEADS, overheads, strict=True)},
         )  # fmt: skip
-        predicted = _median([_two_minus_none(spec, cluster, layout, p.batch) for p in passes])
-        if abs(predicted - extra) < 1e-4 * max(extra, 1e-3):
-            break
-        per_pass = max(per_pass + extra - predicted, 0.0)
-    return cluster
+        beyond = [  # per pair: the plan's extra with the overheads taken out
+            _two_minus_none(spec, cluster, layout, p) - _dot(overheads, units)
+            for p, units in zip(kinds.values(), in_pair, strict=True)
+        ]
+        targets = [max(m - b, 0.0) for m, b in zip(measured, beyond, strict=True)]
+        new = nnls(
+            torch.tensor(in_pair, dtype=torch.float64), torch.tensor(targets, dtype=torch.float64)
+        ).tolist()
+        if step == 7 or all(
+            abs(a - b) <= 1e-3 * max(b, 1e-4) for a, b in zip(new, overheads, strict=True)
+        ):
+            return cluster  # built with overheads the next step would keep
+        overheads = new
+    raise AssertionError("unreachable")
+
+
+OVERHEADS = ("op_overhead_us", "expert_overhead_us", "switch_overhead_us")
+
+
+def _key(p: PassSample) -> tuple:
+    return (p.mode, p.batch.num_seqs, p.batch.prefix_lens[0])
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _overhead_seconds(spec, layout, batch, mode: str = "none") -> list[float]:
+    """Per overhead in ``OVERHEADS``, the plan's seconds with it at 1 s and all else free."""
+    out = []
+    for name in OVERHEADS:
+        cluster = dataclasses.replace(
+            UNIT, nodes=layout.world, overheads_beyond_first=True, **{name: 1e6}
+        )
+        cfg = TWO_PASSES[mode] if mode != "none" else OverlapConfig()
+        out.append(Planner(spec, cluster, layout).plan(mode, cfg, [batch] * layout.world).seconds)
+    return out
+
+
+def _pair_overhead_seconds(spec, layout, p: PassSample) -> list[float]:
+    two = _overhead_seconds(spec, layout, p.batch, p.mode)
+    none = _overhead_seconds(spec, layout, p.batch)
+    return [t - n for t, n in zip(two, none, strict=True)]
 
 
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _two_minus_none(spec, cluster, layout, batch) -> float:
+def _two_minus_none(spec, cluster, layout, p: PassSample) -> float:
     planner = Planner(spec, cluster, layout)
-    batches = [batch] * layout.world
-    two = planner.plan("tbo", TWO_PASSES, batches).seconds
+    batches = [p.batch] * layout.world
+    two = planner.plan(p.mode, TWO_PASSES[p.mode], batches).seconds
     return two - planner.plan("none", OverlapConfig(), batches).seconds

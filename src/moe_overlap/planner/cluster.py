@@ -30,6 +30,7 @@ _POSITIVE = (
     "allreduce_gbps",
     "kv_read_gbps",
     "activation_bytes",
+    "a2a_bytes_factor",
 )
 _NON_NEGATIVE = (
     "a2a_latency_us",
@@ -37,6 +38,8 @@ _NON_NEGATIVE = (
     "seq_overhead_us",
     "decode_seq_overhead_us",
     "forward_overhead_us",
+    "expert_overhead_us",
+    "switch_overhead_us",
     "comm_sm_share",
 )
 
@@ -65,6 +68,14 @@ class Cluster:
     decode_seq_overhead_us: float = 0.0  # per decode sequence per attention op (on a CPU, small
     # GEMMs and the padded decode path cost more per token than prefill's FLOPs say)
     forward_overhead_us: float = 0.0  # per forward (scheduling, logits back to the driver)
+    expert_overhead_us: float = 0.0  # per active local expert per micro-batch (a CPU loops
+    # over its experts: each one's calls and weights again for every micro-batch)
+    switch_overhead_us: float = 0.0  # DBO: per stage, handing the turn to the other thread
+    # the three overheads above are what each micro-batch after the first adds (fitted on this
+    # machine from pairs; the first pass's fixed costs are inside its fitted rates)
+    overheads_beyond_first: bool = False
+    a2a_bytes_factor: float = 1.0  # bytes on a rank's link relative to even routing (the
+    # engine sends max(sent, received) rows off-rank; uneven routing makes that larger)
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight
     activation_bytes: int = 2  # bytes per element sent in an all-to-all
     # a chunk with a prefix computes the whole (new x keys) rectangle (CPU SDPA with a mask)

@@ -88,7 +88,8 @@ class CostModel:
 
     def a2a_bytes(self, moe_tokens: float, received: float) -> list[float]:
         """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
-        max(sent, received) rows off-rank, or with ``a2a_dedup`` one copy per GPU (NVLink)
+        max(sent, received) rows off-rank (``received``: rows routed to this rank's experts
+        from every rank, itself included), or with ``a2a_dedup`` one copy per GPU (NVLink)
         and per node (RDMA) a token reaches. FP8 models on FP8 GPUs dispatch FP8 rows with a
         scale per 128 (DeepEP, SGLang) and combine in BF16: on average ``(1 + 1/32 + 2) / 2``
         bytes per element."""
@@ -100,12 +101,15 @@ class CostModel:
         row = c.hidden_size * per_elem
         if ep == 1:
             return [0.0, 0.0]
+        row *= cl.a2a_bytes_factor
         if cl.a2a_dedup:
             nodes = ep // per_node
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
             nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
-        rows = max(k * moe_tokens, received) * (ep - 1) / ep
+        sent_off = k * moe_tokens * (ep - 1) / ep
+        received_off = received - k * moe_tokens / ep
+        rows = max(sent_off, received_off)
         inside = (per_node - 1) / (ep - 1)
         return [rows * inside * row, rows * (1 - inside) * row]
 
@@ -137,7 +141,9 @@ class CostModel:
             "dispatch_b": self._t(0, 0, 2 * received * row),
             "experts": self._t(
                 2 * received * expert_w, experts_active * expert_w, 3 * received * row
-            ),
+            )
+            + experts_active * cl.expert_overhead_us * 1e-6,
+            "switch": cl.switch_overhead_us * 1e-6,
             "combine_a": self._t(0, 0, 2 * received * row),
             "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "shared_experts": self._t(

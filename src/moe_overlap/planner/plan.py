@@ -26,7 +26,13 @@ from moe_overlap.overlap.tbo import TwoBatchOverlap
 from moe_overlap.planner.cluster import Cluster
 from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
-from moe_overlap.planner.simulate import RankClocks, SimContext, SimModel, sbo_sim_ops
+from moe_overlap.planner.simulate import (
+    RankClocks,
+    SimContext,
+    SimModel,
+    sbo_sim_ops,
+    with_switches,
+)
 
 AUTO_CANDIDATES = {
     "none": OverlapConfig("none"),
@@ -62,6 +68,10 @@ class Planner:
     def __init__(self, spec: ModelSpec, cluster: Cluster, layout: PlanLayout):
         self.spec, self.cluster, self.layout = spec, cluster, layout
         self.costs = CostModel(spec, cluster, layout)
+        self.first_costs = self.costs  # the first micro-batch's (and none's)
+        if cluster.overheads_beyond_first:
+            free = dict(op_overhead_us=0.0, expert_overhead_us=0.0, switch_overhead_us=0.0)
+            self.first_costs = CostModel(spec, dataclasses.replace(cluster, **free), layout)
         self.model = SimModel(spec.cfg)
         self._ops: dict[str, list] = {}
 
@@ -70,7 +80,8 @@ class Planner:
         if key not in self._ops:
             own = sbo_sim_ops(blocks) if scheme == "sbo" else None
             strategy = strategy_for(self.model, scheme)
-            self._ops[key] = build_operations(self.model, strategy, own)
+            ops = build_operations(self.model, strategy, own)
+            self._ops[key] = with_switches(ops) if scheme == "dbo" else ops
         return self._ops[key]
 
     def plan(
@@ -137,7 +148,9 @@ class Planner:
         if agree:  # the one small all-reduce every overlapped forward pays
             clocks.barrier(self.cluster.a2a_latency_us * 1e-6)
         ctxs = [
-            SimContext(f"mb{i}", clocks, self.costs.micro_batch(children))
+            SimContext(
+                f"mb{i}", clocks, (self.costs if i else self.first_costs).micro_batch(children)
+            )
             for i, children in enumerate(micro)
         ]
         execute_overlapped(ctxs, [ops] * len(ctxs), delta)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.planner.plan import ModePlan
 from moe_overlap.planner.sweep import SweepPoint
@@ -111,5 +112,36 @@ def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
         f"predicted decode step, {context} tokens of context per sequence; speed-up over none "
         "with every mode forced to split (vote thresholds at 1)"
     )
+    table.caption_justify = "left"
+    return table
+
+
+def compare_table(plans: dict[str, ModePlan], measured: dict, workload: str) -> Table:
+    """The plan next to a ``bench --json`` of the same workload: per mode both times and the
+    plan's error relative to the measurement (modes in only one of them are left out)."""
+    if measured.get("predicted"):
+        raise ConfigError("--compare-bench: that file is a plan (predicted), not a bench")
+    if measured.get("workload") != workload:
+        raise ConfigError(
+            f"--compare-bench: the bench ran workload {measured.get('workload')!r}, the plan "
+            f"{workload!r}: plan the same workload"
+        )
+    table = Table(title=f"plan vs bench, {workload}", title_justify="left")
+    for name in ("mode", "plan ms", "bench ms", "bench min-max", "error", "plan x", "bench x"):
+        table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
+    bench = measured["modes"]
+    for mode in (m for m in plans if m in bench):
+        p, b = plans[mode].seconds, bench[mode]["median_s"]
+        times = bench[mode].get("times_s") or [b]
+        table.add_row(
+            mode,
+            f"{p * 1e3:.1f}",
+            f"{b * 1e3:.1f}",
+            f"{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}",
+            f"{(p - b) / b:+.1%}",
+            f"{plans['none'].seconds / p:.2f}x",
+            f"{bench[mode]['speedup']:.2f}x",
+        )
+    table.caption = "error: (plan - bench) / bench, on the bench's median"
     table.caption_justify = "left"
     return table

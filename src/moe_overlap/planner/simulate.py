@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.timeline import Span
 from moe_overlap.model.decoder import DENSE_OPS, MOE_OPS
+from moe_overlap.overlap.operations import Yield
 from moe_overlap.overlap.strategy import SchemeOp
 from moe_overlap.planner.costs import CostModel, MicroBatchCost
 
@@ -166,6 +167,17 @@ def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp]:
     return {
         "experts_combine_a": SchemeOp(("experts", "combine_a"), experts_then_combine(blocks)),
     }
+
+
+def with_switches(ops: list) -> list:
+    """DBO's op list with the hand-over to the other baton thread charged after each yield."""
+    switch = _compute(-1, "switch")
+    out = []
+    for op in ops:
+        out.append(op)
+        if isinstance(op, Yield):
+            out.append(switch)
+    return out
 
 
 class SimLayer:

@@ -8,27 +8,31 @@ see ``planner/calibration.py``).
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
+from pathlib import Path
 from statistics import median
 
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.llm import LLM
-from moe_overlap.planner.calibration import (
-    TINY,
+from moe_overlap.planner.calibration import fit_cluster
+from moe_overlap.planner.cluster import Cluster, load_cluster, presets
+from moe_overlap.planner.inputs import ModelSpec, PlanLayout, load_model_spec, make_layout
+from moe_overlap.planner.measurements import (
+    PAIRS,
     TWO_PASSES,
     PassSample,
     Sample,
     calibration_batches,
     decode_batch,
-    fit_cluster,
+    measurements_from_json,
+    measurements_json,
 )
-from moe_overlap.planner.cluster import Cluster, load_cluster, presets
-from moe_overlap.planner.inputs import ModelSpec, PlanLayout, load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
-from moe_overlap.planner.report import plan_json, plan_table, recommend, sweep_table
+from moe_overlap.planner.report import compare_table, plan_json, plan_table, recommend, sweep_table
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
@@ -39,34 +43,65 @@ _MB = re.compile(r"(\d+(?:\.\d+)?) MB")
 NONE = mode_config("none")
 
 
-def _sample(executor, batch, ranks: int, repeat: int) -> Sample:
-    walls, comms, transfers = [], [], []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        executor.run([batch] * ranks, NONE, record=True)
-        walls.append(time.perf_counter() - start)
-        spans = executor.last_spans
-        comms.append(max(sum(s.end - s.start for s in rank if s.track == "comm") for rank in spans))
-        for s in spans[0]:
-            found = _MB.search(s.name) if s.track == "comm" else None
-            if found:
-                transfers.append((float(found[1]) * 1e6, s.end - s.start))
-    return Sample(batch, median(walls), median(comms), tuple(transfers))
+def _timed(executor, batches, cfg, record: bool = False) -> float:
+    start = time.perf_counter()
+    executor.run(batches, cfg, record=record)
+    return time.perf_counter() - start
 
 
-def _paired_walls(executor, batches, cfg, repeat: int) -> tuple[float, float]:
-    """Median walls with no overlap and with ``cfg``, run in turns so drift hits both."""
-    none, other = [], []
-    for _ in range(repeat):
-        for cfg_i, times in ((NONE, none), (cfg, other)):
-            start = time.perf_counter()
-            executor.run(batches, cfg_i)
-            times.append(time.perf_counter() - start)
-    return median(none), median(other)
+def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list, list]:
+    """``rounds`` rounds over every batch (no overlap, recorded) and every pair (``(mode,
+    batches)``: no overlap, then two micro-batches) in turn, so that a burst of load on this
+    shared machine hits every shape alike. Per batch a ``Sample`` (median wall and all-to-all
+    time, its all-to-alls' bytes and seconds); per pair a ``PassSample`` (median walls)."""
+    walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
+    none, two = [[] for _ in pairs], [[] for _ in pairs]
+    for _ in range(rounds):
+        for i, batch in enumerate(batches):
+            walls[i].append(_timed(executor, [batch] * ranks, NONE, record=True))
+            spans = executor.last_spans
+            comms[i].append(
+                max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
+            )
+            for s in spans[0]:
+                found = _MB.search(s.name) if s.track == "comm" else None
+                if found:
+                    transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
+        for i, (mode, pair) in enumerate(pairs):
+            none[i].append(_timed(executor, pair, NONE))
+            two[i].append(_timed(executor, pair, TWO_PASSES[mode]))
+    samples = [
+        Sample(b, median(w), median(c), tuple(t))
+        for b, w, c, t in zip(batches, walls, comms, transfers, strict=True)
+    ]
+    passes = [
+        PassSample(pair[0], median(n), median(t), mode)
+        for (mode, pair), n, t in zip(pairs, none, two, strict=True)
+    ]
+    return samples, passes
 
 
-def calibrate_this(spec: ModelSpec, layout: PlanLayout, link: str, repeat: int) -> Cluster:
-    """This machine's ranks and link as a Cluster (a run of a few seconds per shape)."""
+def calibrate_this(
+    spec: ModelSpec, layout: PlanLayout, link: str, repeat: int, saved: str | None = None
+) -> Cluster:
+    """This machine's ranks and link as a Cluster (a run of a few seconds per shape). With
+    ``saved``: the measurements in that file if it exists, else measured and written there."""
+    about = {"config": spec.name, "ep": layout.ep, "world": layout.world, "link": link}
+    if saved and Path(saved).is_file():
+        raw = json.loads(Path(saved).read_text())
+        samples, passes = measurements_from_json(raw, spec.cfg.vocab_size, about)
+        return fit_cluster(spec, layout, samples, passes)
+    samples, passes = measure_this(spec, layout, link, repeat)
+    if saved:
+        Path(saved).parent.mkdir(parents=True, exist_ok=True)
+        Path(saved).write_text(json.dumps(measurements_json(samples, passes, about)))
+    return fit_cluster(spec, layout, samples, passes)
+
+
+def measure_this(
+    spec: ModelSpec, layout: PlanLayout, link: str, repeat: int
+) -> tuple[list[Sample], list[PassSample]]:
+    """The calibration's measured forwards (``planner/calibration.py`` says which)."""
     batches = calibration_batches(spec.cfg.vocab_size)
     with LLM(
         config=spec.cfg,
@@ -76,17 +111,22 @@ def calibrate_this(spec: ModelSpec, layout: PlanLayout, link: str, repeat: int) 
         max_model_len=max(max(b.prefix_lens) + max(b.extend_lens) for b in batches) + 1,
     ) as llm:
         ex = llm.executor
-        tiny = [decode_batch(*TINY, spec.cfg.vocab_size)] * layout.world
-        ex.run(tiny, TWO_PASSES)  # warm
-        passes = [
-            PassSample(tiny[0], *_paired_walls(ex, tiny, TWO_PASSES, repeat + 1)) for _ in range(3)
+        pairs = [
+            (m, [decode_batch(*shape, spec.cfg.vocab_size)] * layout.world) for m, shape in PAIRS
         ]
-        samples = []  # decode first: a long prefill widens the cache and slows decode reads
-        for batch in batches:
-            ex.run([batch] * layout.world, NONE)  # warm
-            quick = all(batch.is_decode)  # decode steps are short: repeat them more
-            samples.append(_sample(ex, batch, layout.world, 2 * repeat if quick else repeat))
-    return fit_cluster(spec, layout, samples, passes)
+        # decode first: a long prefill widens the cache and slows decode reads
+        decode = [b for b in batches if all(b.is_decode)]
+        prefill = [b for b in batches if not all(b.is_decode)]
+        for mode, pair in pairs:  # warm every path once
+            ex.run(pair, TWO_PASSES[mode])
+        for batch in decode:
+            ex.run([batch] * layout.world, NONE)
+        # decode steps and pairs are short: more rounds
+        samples, passes = _rounds(ex, decode, layout.world, 3 * (repeat + 1), pairs)
+        for batch in prefill:
+            ex.run([batch] * layout.world, NONE)
+        samples += _rounds(ex, prefill, layout.world, repeat)[0]
+    return samples, passes
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -98,7 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "none" not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     if args.cluster == "this":
-        cluster = calibrate_this(spec, layout, args.link, args.repeat)
+        cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
         print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
         started = time.perf_counter()
     else:
@@ -129,6 +169,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
     recording = {m: p.spans for m, p in plans.items() if p.spans is not None}
     write_outputs(console, recording, args, out)
+    if args.compare_bench:
+        measured = json.loads(Path(args.compare_bench).read_text())
+        console.print(compare_table(plans, measured, workload.spec))
     if args.decode_sweep:
         print_decode_sweep(console, planner, configs, layout, spec, args)
     return 0
@@ -193,6 +236,18 @@ def add_plan_command(sub) -> None:
     plan.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     plan.add_argument(
         "--repeat", type=int, default=3, help="--cluster this: forwards per calibration shape"
+    )
+    plan.add_argument(
+        "--calibration",
+        metavar="PATH",
+        help="--cluster this: reuse the measurements in PATH if it exists, else measure and "
+        "save them there",
+    )
+    plan.add_argument(
+        "--compare-bench",
+        metavar="BENCH_JSON",
+        help="a `moe-overlap bench --json` file of the same workload: print the plan next to "
+        "it, mode by mode, with the error",
     )
     plan.add_argument(
         "--decode-sweep",

@@ -1,0 +1,108 @@
+"""What ``--cluster this`` measures: the shapes, the measured forwards, and their JSON form
+(``plan --calibration PATH`` keeps them, to plan again without measuring again)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+
+# (sequences, tokens[, cached prefix]): the chunk on a prefix times attention's whole rectangle
+PREFILL_SHAPES = ((1, 256), (1, 1024), (1, 2048), (2, 1024), (32, 8), (1, 1024, 1024))
+DECODE_SHAPES = ((2, 16), (4, 512), (16, 256), (64, 128), (64, 384), (32, 512))  # (seqs, context)
+TINY = (2, 16)  # decode shapes whose second pass is measured: a tiny one (an op's cost),
+MID = (32, 16)  # one where every micro-batch runs every local expert (an expert's cost)
+TWO_PASSES = {  # the overlapped runs measured against none: TINY split 1 + 1, MID 16 + 16
+    "tbo": OverlapConfig("tbo"),
+    "dbo": OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1),
+}
+PAIRS = (("tbo", TINY), ("tbo", MID), ("dbo", TINY))  # (mode, decode shape)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured no-overlap forward: every rank ran ``batch``."""
+
+    batch: ForwardBatch
+    wall_s: float
+    comm_s: float  # the slowest rank's all-to-all time in it
+    transfers: tuple[tuple[float, float], ...] = ()  # (bytes, seconds) of its all-to-alls
+
+
+@dataclass(frozen=True)
+class PassSample:
+    """A decode batch's median walls with no overlap and with two micro-batches (``mode``)."""
+
+    batch: ForwardBatch
+    none_s: float
+    two_s: float
+    mode: str = "tbo"
+
+
+def measurements_json(samples: list[Sample], passes: list[PassSample], about: dict) -> dict:
+    """The raw measurements (not the fit), to plan again without measuring again."""
+    return {
+        **about,
+        "samples": [[s.wall_s, s.comm_s, [list(t) for t in s.transfers]] for s in samples],
+        "passes": [
+            [p.mode, p.batch.num_seqs, p.batch.prefix_lens[0], p.none_s, p.two_s] for p in passes
+        ],
+    }
+
+
+def measurements_from_json(
+    raw: dict, vocab: int, about: dict
+) -> tuple[list[Sample], list[PassSample]]:
+    """``measurements_json``'s output back, checked against this run's config, link and ranks."""
+    for key, value in about.items():
+        if raw.get(key) != value:
+            raise ConfigError(
+                f"--calibration was measured with {key}={raw.get(key)!r}, this plan has "
+                f"{value!r}: remove the file (or pass another path) to measure again"
+            )
+    batches = calibration_batches(vocab)
+    if len(raw.get("samples", [])) != len(batches):
+        raise ConfigError(
+            f"--calibration holds {len(raw.get('samples', []))} shapes, this version measures "
+            f"{len(batches)}: remove the file to measure again"
+        )
+    samples = [
+        Sample(b, wall, comm, tuple((n, t) for n, t in transfers))
+        for b, (wall, comm, transfers) in zip(batches, raw["samples"], strict=True)
+    ]
+    passes = [
+        PassSample(decode_batch(seqs, ctx, vocab), none, two, mode)
+        for mode, seqs, ctx, none, two in raw["passes"]
+    ]
+    return samples, passes
+
+
+def _ids(n: int, vocab: int) -> torch.Tensor:
+    # random tokens route about evenly, as the plan assumes (one repeated token would not)
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def prefill_batch(seqs: int, tokens: int, prefix: int = 0, vocab: int = 2) -> ForwardBatch:
+    """``seqs`` sequences of ``tokens`` new tokens each after ``prefix`` cached ones (their
+    values do not change time)."""
+    n = seqs * tokens
+    return ForwardBatch(_ids(n, vocab), list(range(seqs)), [prefix] * seqs, [tokens] * seqs)
+
+
+def decode_batch(seqs: int, context: int, vocab: int = 2) -> ForwardBatch:
+    """One decode step over ``context`` cached tokens each (their values do not change time)."""
+    n = seqs
+    ids = _ids(n, vocab)
+    return ForwardBatch(ids, list(range(n)), [context] * n, [1] * n, is_decode=[True] * n)
+
+
+def calibration_batches(vocab: int) -> list[ForwardBatch]:
+    """Decode first: a decode step reads slower from a cache a long prefill has widened (its
+    rows grow to the longest sequence), and a bench of decode alone never widens it."""
+    decode = [decode_batch(*s, vocab) for s in DECODE_SHAPES]
+    prefill = [prefill_batch(*s, vocab=vocab) for s in PREFILL_SHAPES]
+    return decode + prefill

@@ -1,0 +1,157 @@
+"""The `this` calibration's new parts: its saved measurements, the per-expert, DBO hand-over and
+routing costs it fits, and `plan --compare-bench`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.planner.calibration import bytes_factor, fit_cluster
+from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.measurements import (
+    PAIRS,
+    TWO_PASSES,
+    PassSample,
+    Sample,
+    calibration_batches,
+    decode_batch,
+    measurements_from_json,
+    measurements_json,
+)
+from moe_overlap.planner.plan import Planner
+from moe_overlap.tools.bench import mode_config
+from moe_overlap.tools.cli import main
+from tests.test_plan import FLAT
+
+CONFIG = "configs/qwen3-moe-bench.json"
+SPEC = load_model_spec(CONFIG)
+LAYOUT = make_layout(None, None, 2, False)
+ABOUT = {"config": "qwen3-moe-bench", "ep": 2, "world": 2, "link": "model:300mbit,50us"}
+TRUTH = dataclasses.replace(
+    FLAT, gemm_tflops_bf16=0.05, attention_tflops=0.02, intra_node_a2a_gbps=0.375,
+    inter_node_a2a_gbps=0.375, a2a_latency_us=100.0, op_overhead_us=300.0,
+    expert_overhead_us=400.0, switch_overhead_us=200.0, a2a_bytes_factor=1.25,
+    hbm_gbps=1e15, forward_overhead_us=5000.0, attention_full_rectangle_with_prefix=True,
+    overheads_beyond_first=True,
+)  # fmt: skip
+
+
+def measured_by(cluster) -> tuple[list[Sample], list[PassSample]]:
+    """What a machine that is exactly ``cluster`` would measure."""
+    p = Planner(SPEC, cluster, LAYOUT)
+    samples = []
+    for b in calibration_batches(SPEC.cfg.vocab_size):
+        plan = p.plan("none", mode_config("none"), [b] * 2, record=True)
+        spans = [s for s in plan.spans[0] if s.track == "comm"]  # "... 0.52 MB"
+        transfers = tuple((float(s.name.split()[-2]) * 1e6, s.end - s.start) for s in spans)
+        samples.append(Sample(b, plan.seconds, plan.t_comm, transfers))
+    passes = []
+    for mode, shape in PAIRS:
+        pair = [decode_batch(*shape)] * 2
+        none = p.plan("none", mode_config("none"), pair).seconds
+        passes.append(PassSample(pair[0], none, p.plan(mode, TWO_PASSES[mode], pair).seconds, mode))
+    return samples, passes
+
+
+def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> None:
+    samples, passes = measured_by(TRUTH)
+    raw = json.loads(json.dumps(measurements_json(samples, passes, ABOUT)))
+    again = measurements_from_json(raw, SPEC.cfg.vocab_size, ABOUT)
+    fitted = fit_cluster(SPEC, LAYOUT, samples, passes)
+    refitted = fit_cluster(SPEC, LAYOUT, *again)
+    for name in ("expert_overhead_us", "switch_overhead_us", "op_overhead_us", "a2a_bytes_factor",
+                 "gemm_tflops_bf16", "forward_overhead_us"):  # fmt: skip
+        # DBO's hand-overs are a small part of its pair (spans name bytes to 0.01 MB only)
+        rel = 0.1 if name == "switch_overhead_us" else 0.05
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=rel), name
+        assert getattr(refitted, name) == pytest.approx(getattr(fitted, name), rel=1e-6), name
+    with pytest.raises(
+        ConfigError, match="link='model:300mbit,50us', this plan has 'model:1gbit,50us'"
+    ):
+        measurements_from_json(raw, SPEC.cfg.vocab_size, ABOUT | {"link": "model:1gbit,50us"})
+    with pytest.raises(ConfigError, match="holds 2 shapes"):
+        measurements_from_json(raw | {"samples": raw["samples"][:2]}, 1024, ABOUT)
+
+
+def test_routing_imbalance_is_the_bytes_over_even_routing() -> None:
+    samples, _ = measured_by(TRUTH)
+    assert bytes_factor(SPEC, LAYOUT, samples) == pytest.approx(1.25, rel=0.02)
+    even = Planner(SPEC, dataclasses.replace(TRUTH, a2a_bytes_factor=1.0), LAYOUT)
+    skewed = Planner(SPEC, TRUTH, LAYOUT)
+    b = [decode_batch(64, 16)] * 2
+    assert skewed.costs.micro_batch(b).a2a_bytes[0][0] == pytest.approx(
+        1.25 * even.costs.micro_batch(b).a2a_bytes[0][0]
+    )
+
+
+def test_each_micro_batch_pays_its_experts_and_dbo_its_hand_overs() -> None:
+    fast_link = dataclasses.replace(TRUTH, intra_node_a2a_gbps=1e6, inter_node_a2a_gbps=1e6)
+    batches = [decode_batch(64, 16)] * 2
+
+    def extra(cluster, mode: str) -> float:
+        p = Planner(SPEC, cluster, LAYOUT)
+        return (
+            p.plan(mode, TWO_PASSES[mode], batches).seconds
+            - p.plan("none", mode_config("none"), batches).seconds
+        )
+
+    base = dataclasses.replace(fast_link, expert_overhead_us=0.0, switch_overhead_us=0.0)
+    with_experts = dataclasses.replace(base, expert_overhead_us=1000.0)
+    # 4 layers, every one of a rank's 4 experts active in both halves of 64 sequences (and
+    # already in none): the second micro-batch runs each expert once more, 16 x 1 ms
+    assert extra(with_experts, "tbo") - extra(base, "tbo") == pytest.approx(0.016, rel=0.05)
+    with_switch = dataclasses.replace(base, switch_overhead_us=1000.0)
+    stages = sum(1 for op in Planner(SPEC, base, LAYOUT).ops("dbo") if repr(op) == "YIELD")
+    # the second thread's turns: the first micro-batch's costs are in the fitted rates
+    assert extra(with_switch, "dbo") - extra(base, "dbo") == pytest.approx(stages * 1e-3)
+    assert extra(with_switch, "tbo") == pytest.approx(extra(base, "tbo"))  # DBO's threads only
+    none = mode_config("none")
+    for cluster in (with_experts, with_switch):  # no second micro-batch, none of these costs
+        assert Planner(SPEC, cluster, LAYOUT).plan("none", none, batches).seconds == pytest.approx(
+            Planner(SPEC, base, LAYOUT).plan("none", none, batches).seconds
+        )
+
+
+def bench_json(path, workload: str, medians: dict[str, float]) -> str:
+    modes = {
+        m: {"median_s": s, "times_s": [s * 0.9, s, s * 1.2], "speedup": medians["none"] / s}
+        for m, s in medians.items()
+    }
+    path.write_text(json.dumps({"workload": workload, "modes": modes}))
+    return str(path)
+
+
+def test_compare_bench_prints_each_modes_error(tmp_path, capsys) -> None:
+    argv = ["plan", "--config", CONFIG, "--cluster", "1x8-h100", "--ep", "2",
+            "--workload", "decode:64:512", "--modes", "none,tbo",
+            "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    assert main(argv) == 0
+    planned = json.loads((tmp_path / "plan.json").read_text())["modes"]
+    bench = bench_json(tmp_path / "b.json", "decode:64:512", {"none": 0.01, "tbo": 0.02, "dbo": 1})
+    capsys.readouterr()
+    assert main([*argv, "--compare-bench", bench]) == 0
+    out = capsys.readouterr().out.split("plan vs bench")[1]
+    for mode, measured in (("none", 0.01), ("tbo", 0.02)):
+        row = next(line for line in out.splitlines() if f" {mode} " in line)
+        error = (planned[mode]["median_s"] - measured) / measured
+        assert f"{error:+.1%}" in row and f"{measured * 1e3:.1f}" in row
+    assert " dbo " not in out  # benched but not planned: left out
+    wrong = bench_json(tmp_path / "w.json", "single-long:3072", {"none": 1.0})
+    assert main([*argv, "--compare-bench", wrong]) != 0
+    assert "bench ran workload 'single-long:3072'" in capsys.readouterr().err
+    assert main([*argv, "--compare-bench", str(tmp_path / "plan.json")]) != 0
+    assert "that file is a plan" in capsys.readouterr().err
+
+
+def test_both_ranks_links_carry_the_larger_direction_as_the_engine_sends() -> None:
+    """EP 2, ranks of 300 and 100 tokens: each rank's link carries max(sent, received) rows
+    off-rank, 300 x top-2 / 2 on both (the engine's ``off_rank``), not an average."""
+    even = dataclasses.replace(TRUTH, a2a_bytes_factor=1.0)
+    costs = Planner(SPEC, even, LAYOUT).costs.micro_batch(
+        [decode_batch(300, 8), decode_batch(100, 8)]
+    )
+    row = SPEC.cfg.hidden_size * even.activation_bytes
+    assert [sum(b) for b in costs.a2a_bytes] == pytest.approx([300 * row, 300 * row])
