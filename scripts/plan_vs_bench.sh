@@ -8,7 +8,7 @@ out=${1:?usage: scripts/plan_vs_bench.sh OUT_DIR [BENCH_REPEAT]}
 repeat=${2:-10}
 py=${PYTHON:-python}
 link=model:300mbit,50us
-model=${MODEL:-/work/main/out/qwen3-moe-bench}
+model=${MODEL:-out/qwen3-moe-bench}  # `make demo` writes it
 config=configs/qwen3-moe-bench.json
 lock=/tmp/moe-bench.lock
 mkdir -p "$out"

@@ -17,6 +17,7 @@ from moe_overlap.engine.llm import LLM
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.planner.calibration import fit_cluster
 from moe_overlap.planner.cluster import Cluster, cluster_from_dict, load_cluster, presets
+from moe_overlap.planner.costs import masked_pairs
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import (
     PAIRS,
@@ -225,3 +226,10 @@ def test_decode_sweep_finds_where_overlap_starts_to_pay() -> None:
     sweep = lambda bs: decode_sweep(p, configs, batches_for, (bs,))[0].speedup("dbo")  # noqa: E731
     assert sweep(at) > 1 >= sweep(at - 1)  # the exact size, not the swept grid's
     assert points[0].speedup("dbo") < 1 < points[-1].speedup("dbo")
+
+
+def test_masked_pairs_follow_the_engines_query_blocks():
+    assert masked_pairs(1024, 100) == 100 * 1124  # one block: its rectangle
+    assert masked_pairs(100, 512) == 256 * 356 + 256 * 612  # two blocks of 256
+    rectangle, triangle = 3000 * (1000 + 3000), 3000 * (1000 + 3001 / 2)
+    assert triangle < masked_pairs(1000, 3000) < rectangle

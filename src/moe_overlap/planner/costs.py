@@ -2,17 +2,20 @@
 
 Each op's time is ``max(FLOPs / rate, bytes / HBM rate) + a fixed overhead``: GEMMs at the
 cluster's GEMM rate (FP8 weights at the FP8 rate), attention at its own rate with FLOPs that grow
-with ``new x (prefix + new)`` (the whole rectangle where the cluster says a chunk with a prefix
-computes it), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
+with the query-key pairs computed (where the cluster says a chunk with a prefix computes its
+whole rectangle, the engine's blocks of ``QUERY_BLOCK`` queries each over the keys up to its
+end), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
 activations, rows from top-k routing spread evenly over the EP ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.model.layers import QUERY_BLOCK
 from moe_overlap.planner.cluster import Cluster
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 
@@ -39,12 +42,21 @@ class Work:
             batch.prefix_lens, batch.extend_lens, batch.is_decode, strict=True
         ):
             full = rectangle and prefix > 0
-            pairs += n * (prefix + n) if full else n * (prefix + (n + 1) / 2)
+            pairs += masked_pairs(prefix, n) if full else n * (prefix + (n + 1) / 2)
             keys += prefix + n
             decode += n if dec else 0
         t = batch.num_tokens
         prefill = sum(not d for d in batch.is_decode)
         return cls(t, t / attn_tp, batch.num_seqs, prefill, decode, pairs, keys)
+
+
+def masked_pairs(prefix: int, new: int) -> int:
+    """The query-key pairs the engine's masked attention computes for ``new`` queries after
+    ``prefix`` keys: near-equal blocks of at most ``QUERY_BLOCK`` queries, each over the keys
+    up to its own end (``model/layers.py: causal_attention``)."""
+    parts = -(-new // QUERY_BLOCK)
+    bounds = [new * i // parts for i in range(parts + 1)]
+    return sum((b - a) * (prefix + b) for a, b in itertools.pairwise(bounds))
 
 
 @dataclass
