@@ -54,6 +54,8 @@ class ForwardContext:
     name: str = "mb0"  # the micro-batch: names its spans and its all-to-alls in the timeline
     timeline: Timeline | None = None
     state: StrictState = field(default_factory=StrictState)
+    # how attention runs over this batch: built by the first attention layer, reused by the rest
+    attention_plan: Any = None
 
     def __post_init__(self) -> None:
         if self.positions is None:  # the batch is host metadata; the cache sits on the device

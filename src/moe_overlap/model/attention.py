@@ -54,7 +54,7 @@ class GQAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        plan, cache, layer = AttentionPlan.of(ctx.batch, q.device), ctx.kv_cache, self.layer_id
+        plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
         cache.store(layer, plan.slots, ctx.positions, k=k, v=v)
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape[0], self.heads, self.head_dim)

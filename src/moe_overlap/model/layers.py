@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
@@ -112,6 +113,13 @@ class AttentionPlan:
     decode_max_len: int
     extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
+
+    @classmethod
+    def of_context(cls, ctx: ForwardContext) -> AttentionPlan:
+        """``ctx``'s plan: built by its first attention layer, reused by the others."""
+        if ctx.attention_plan is None:
+            ctx.attention_plan = cls.of(ctx.batch, ctx.kv_cache.device)
+        return ctx.attention_plan
 
     @classmethod
     def of(cls, batch: ForwardBatch, device: torch.device | str = "cpu") -> AttentionPlan:

@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        plan, cache, layer = AttentionPlan.of(ctx.batch, q.device), ctx.kv_cache, self.layer_id
+        plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
         cache.store(layer, plan.slots, ctx.positions, latent=latent, k_pe=k_pe)
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:

@@ -215,7 +215,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         rows = [
             (r.name, engine, split)
             for r in results
-            for engine, split in (("ours", r.ours_breakdown), ("transformers", r.hf_breakdown))
+            for engine, split in (("ours", r.ours_breakdown), ("HF", r.hf_breakdown))
             if split is not None
         ]
         console.print(breakdown_table(rows, peak))
