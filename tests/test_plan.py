@@ -125,6 +125,21 @@ def test_small_decode_loses_when_a_pass_costs_time() -> None:
     assert dbo.micro_batches == [[32, 32], [32, 32]] and dbo.seconds > none.seconds
 
 
+def test_each_sbo_block_after_the_first_is_a_call_of_its_own() -> None:
+    """SBO runs its experts and combine sends block by block: every block beyond the first
+    pays an op's fixed cost for both, so with nothing to hide SBO is that much slower."""
+    free_link = dict(intra_node_a2a_gbps=1e9, inter_node_a2a_gbps=1e9)
+    costly_calls = dataclasses.replace(FLAT, op_overhead_us=500.0, **free_link)
+    batches = [batch([1] * 64, prefix=512, decode=True)] * 2
+    for cluster, extra in ((dataclasses.replace(FLAT, **free_link), 0.0), (costly_calls, 500e-6)):
+        p = planner(cluster)
+        none = p.plan("none", mode_config("none"), batches).seconds
+        for blocks in (2, 4):
+            cfg = dataclasses.replace(mode_config("sbo"), sbo_combine_blocks=blocks)
+            sbo = p.plan("sbo", cfg, batches).seconds
+            assert sbo - none == pytest.approx(4 * (blocks - 1) * 2 * extra, abs=1e-6), blocks
+
+
 def test_the_strategy_table_drives_the_plan() -> None:
     p = planner()
     key = ("none", "qwen3", "prefill")

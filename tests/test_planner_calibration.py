@@ -74,6 +74,14 @@ def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> N
         measurements_from_json(raw, SPEC.cfg.vocab_size, ABOUT | {"link": "model:1gbit,50us"})
     with pytest.raises(ConfigError, match="holds 2 shapes"):
         measurements_from_json(raw | {"samples": raw["samples"][:2]}, 1024, ABOUT)
+    for broken, says in (
+        ([1, 2], "no measurements object"),
+        (raw | {"samples": 7}, "holds no list of shapes"),
+        (raw | {"passes": [["tbo", 2, 16, "fast", 0.1]]}, "malformed measurements"),
+        (raw | {"passes": [["sbo", 2, 16, 0.1, 0.1]]}, "pair mode 'sbo'"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            measurements_from_json(broken, SPEC.cfg.vocab_size, ABOUT)
 
 
 def test_routing_imbalance_is_the_bytes_over_even_routing() -> None:
@@ -144,6 +152,15 @@ def test_compare_bench_prints_each_modes_error(tmp_path, capsys) -> None:
     assert "bench ran workload 'single-long:3072'" in capsys.readouterr().err
     assert main([*argv, "--compare-bench", str(tmp_path / "plan.json")]) != 0
     assert "that file is a plan" in capsys.readouterr().err
+    (tmp_path / "text.json").write_text("median 0.01")
+    bad_median = bench_json(tmp_path / "m.json", "decode:64:512", {"none": 0.01, "tbo": -1.0})
+    for path, says in (
+        (tmp_path / "missing.json", "cannot read it"),
+        (tmp_path / "text.json", "not JSON"),
+        (bad_median, "mode 'tbo' needs a positive median_s"),
+    ):
+        assert main([*argv, "--compare-bench", str(path)]) != 0
+        assert says in capsys.readouterr().err
 
 
 def test_both_ranks_links_carry_the_larger_direction_as_the_engine_sends() -> None:

@@ -34,6 +34,7 @@ from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 from moe_overlap.planner.measurements import (
     DECODE_SHAPES,
+    LONG,
     MID,
     PREFILL_SHAPES,
     TINY,
@@ -185,7 +186,7 @@ def fit_cluster(
             attention_full_rectangle_with_prefix=True,
             overheads_beyond_first=True,  # the first pass's fixed costs are in the fit above
             sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
-            f"{DECODE_SHAPES}, decode {TINY} and {MID} with and without two micro-batches"},
+            f"{DECODE_SHAPES}, decode {TINY}, {MID} and {LONG} with and without two micro-batches"},
             **link,
             **{name: o * 1e6 for name, o in zip(OVERHEADS, overheads, strict=True)},
         )  # fmt: skip

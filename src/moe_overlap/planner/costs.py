@@ -66,6 +66,7 @@ class MicroBatchCost:
     seconds: dict[str, list[float]] = field(default_factory=dict)
     a2a_bytes: list[list[float]] = field(default_factory=list)  # per rank (NVLink, RDMA)
     allreduce_s: list[float] = field(default_factory=list)  # attention TP's, inside attn_core
+    op_overhead_s: float = 0.0  # the fixed cost inside each op's seconds (one call's)
 
 
 class CostModel:
@@ -90,7 +91,7 @@ class CostModel:
         works = [Work.of(b, self.layout.attn_tp, rect) for b in children]
         received = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
         received /= self.layout.ep
-        out = MicroBatchCost()
+        out = MicroBatchCost(op_overhead_s=self.over)
         for w in works:
             for name, s in self.op_seconds(w, received).items():
                 out.seconds.setdefault(name, []).append(s)

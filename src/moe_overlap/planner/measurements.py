@@ -15,12 +15,13 @@ from moe_overlap.core.overlap_config import OverlapConfig
 PREFILL_SHAPES = ((1, 256), (1, 1024), (1, 2048), (2, 1024), (32, 8), (1, 1024, 1024))
 DECODE_SHAPES = ((2, 16), (4, 512), (16, 256), (64, 128), (64, 384), (32, 512))  # (seqs, context)
 TINY = (2, 16)  # decode shapes whose second pass is measured: a tiny one (an op's cost),
-MID = (32, 16)  # one where every micro-batch runs every local expert (an expert's cost)
+MID = (32, 16)  # one where every micro-batch runs every local expert (an expert's cost),
+LONG = (16, 256)  # one with a context, whose all-to-alls take link time a second pass may hide
 TWO_PASSES = {  # the overlapped runs measured against none: TINY split 1 + 1, MID 16 + 16
     "tbo": OverlapConfig("tbo"),
     "dbo": OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1),
 }
-PAIRS = (("tbo", TINY), ("tbo", MID), ("dbo", TINY))  # (mode, decode shape)
+PAIRS = (("tbo", TINY), ("tbo", MID), ("dbo", TINY), ("tbo", LONG), ("dbo", LONG))
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ def measurements_from_json(
     raw: dict, vocab: int, about: dict
 ) -> tuple[list[Sample], list[PassSample]]:
     """``measurements_json``'s output back, checked against this run's config, link and ranks."""
+    if not isinstance(raw, dict):
+        raise ConfigError("--calibration holds no measurements object: remove it to measure again")
     for key, value in about.items():
         if raw.get(key) != value:
             raise ConfigError(
@@ -65,19 +68,29 @@ def measurements_from_json(
                 f"{value!r}: remove the file (or pass another path) to measure again"
             )
     batches = calibration_batches(vocab)
-    if len(raw.get("samples", [])) != len(batches):
+    shapes = raw.get("samples")
+    if not isinstance(shapes, list) or len(shapes) != len(batches):
+        held = len(shapes) if isinstance(shapes, list) else "no list of"
         raise ConfigError(
-            f"--calibration holds {len(raw.get('samples', []))} shapes, this version measures "
-            f"{len(batches)}: remove the file to measure again"
+            f"--calibration holds {held} shapes, this version measures {len(batches)}: remove "
+            "the file to measure again"
         )
-    samples = [
-        Sample(b, wall, comm, tuple((n, t) for n, t in transfers))
-        for b, (wall, comm, transfers) in zip(batches, raw["samples"], strict=True)
-    ]
-    passes = [
-        PassSample(decode_batch(seqs, ctx, vocab), none, two, mode)
-        for mode, seqs, ctx, none, two in raw["passes"]
-    ]
+    try:
+        samples = [
+            Sample(b, float(wall), float(comm), tuple((float(n), float(t)) for n, t in transfers))
+            for b, (wall, comm, transfers) in zip(batches, raw["samples"], strict=True)
+        ]
+        passes = [
+            PassSample(decode_batch(int(seqs), int(ctx), vocab), float(none), float(two), mode)
+            for mode, seqs, ctx, none, two in raw["passes"]
+        ]
+        for p in passes:
+            if p.mode not in TWO_PASSES:
+                raise ValueError(f"pair mode {p.mode!r}, not one of {sorted(TWO_PASSES)}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"--calibration: malformed measurements ({exc!r}): remove the file to measure again"
+        ) from None
     return samples, passes
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from rich.table import Table
 
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_finite_number
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.planner.plan import ModePlan
 from moe_overlap.planner.sweep import SweepPoint
@@ -116,16 +119,39 @@ def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
     return table
 
 
-def compare_table(plans: dict[str, ModePlan], measured: dict, workload: str) -> Table:
-    """The plan next to a ``bench --json`` of the same workload: per mode both times and the
-    plan's error relative to the measurement (modes in only one of them are left out)."""
+def read_bench(path: str, workload: str) -> dict:
+    """A ``bench --json`` file of ``workload``, checked before anything is planned: each mode
+    with a positive ``median_s`` and a ``speedup``."""
+    where = f"--compare-bench {path}"
+    try:
+        measured = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where}: not JSON ({exc}); pass a `bench --json` file") from None
+    modes = measured.get("modes") if isinstance(measured, dict) else None
+    if not isinstance(modes, dict) or not modes:
+        raise ConfigError(f'{where}: no "modes" object; pass a `bench --json` file')
     if measured.get("predicted"):
-        raise ConfigError("--compare-bench: that file is a plan (predicted), not a bench")
+        raise ConfigError(f"{where}: that file is a plan (predicted), not a bench")
     if measured.get("workload") != workload:
         raise ConfigError(
-            f"--compare-bench: the bench ran workload {measured.get('workload')!r}, the plan "
+            f"{where}: the bench ran workload {measured.get('workload')!r}, the plan "
             f"{workload!r}: plan the same workload"
         )
+    for mode, row in modes.items():
+        ok = isinstance(row, dict) and all(
+            is_finite_number(row.get(k)) and row[k] > 0 for k in ("median_s", "speedup")
+        )
+        if not ok:
+            raise ConfigError(f"{where}: mode {mode!r} needs a positive median_s and speedup")
+    return measured
+
+
+def compare_table(plans: dict[str, ModePlan], measured: dict, workload: str) -> Table:
+    """The plan next to a ``bench --json`` of the same workload (``read_bench``): per mode both
+    times and the plan's error relative to the measurement (modes in only one of them are left
+    out)."""
     table = Table(title=f"plan vs bench, {workload}", title_justify="left")
     for name in ("mode", "plan ms", "bench ms", "bench min-max", "error", "plan x", "bench x"):
         table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)

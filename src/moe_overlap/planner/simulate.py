@@ -93,11 +93,16 @@ class SimContext:
     pending: dict[str, list[float]] = field(default_factory=dict)
     timeline: None = None  # the stage executor records real time only when a timeline is set
 
-    def run(self, label: str, op: str, share: float = 1.0) -> None:
+    def run(self, label: str, op: str, share: float = 1.0, extra_call: bool = False) -> None:
+        """Op ``op``'s seconds; with ``share``, that part of its work in a call of its own
+        (the call's fixed cost whole), ``extra_call``: a call the unsplit op would not make,
+        which pays the fixed cost of every op beyond the first micro-batch's."""
         seconds = self.cost.seconds[op]
-        self.clocks.compute(
-            self.name, label, seconds if share == 1 else [s * share for s in seconds]
-        )
+        if share != 1 or extra_call:
+            fixed = self.cost.op_overhead_s
+            call = self.clocks.costs.over if extra_call else fixed
+            seconds = [(s - fixed) * share + call for s in seconds]
+        self.clocks.compute(self.name, label, seconds)
 
 
 SimOp = Callable[..., None]
@@ -147,9 +152,10 @@ def experts_then_combine(blocks: int) -> SimOp:
     def make(layer: SimLayer) -> SimOp:
         def op(ctx: SimContext, **_) -> None:
             done: list[float] | None = None
-            for b in range(blocks):
-                ctx.run(f"layer {layer.layer_id} experts {b}/{blocks}", "experts", 1 / blocks)
-                ctx.run(f"layer {layer.layer_id} combine_a {b}", "combine_a", 1 / blocks)
+            for b in range(blocks):  # each block's calls after the first: extra calls
+                name = f"layer {layer.layer_id}"
+                ctx.run(f"{name} experts {b}/{blocks}", "experts", 1 / blocks, b > 0)
+                ctx.run(f"{name} combine_a {b}", "combine_a", 1 / blocks, b > 0)
                 piece = [[x / blocks for x in b] for b in ctx.cost.a2a_bytes]
                 sent = ctx.clocks.launch(f"layer {layer.layer_id} combine piece {b}", piece)
                 done = (

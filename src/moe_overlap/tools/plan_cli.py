@@ -32,7 +32,14 @@ from moe_overlap.planner.measurements import (
     measurements_json,
 )
 from moe_overlap.planner.plan import Planner
-from moe_overlap.planner.report import compare_table, plan_json, plan_table, recommend, sweep_table
+from moe_overlap.planner.report import (
+    compare_table,
+    plan_json,
+    plan_table,
+    read_bench,
+    recommend,
+    sweep_table,
+)
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
@@ -51,11 +58,13 @@ def _timed(executor, batches, cfg, record: bool = False) -> float:
 
 def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list, list]:
     """``rounds`` rounds over every batch (no overlap, recorded) and every pair (``(mode,
-    batches)``: no overlap, then two micro-batches) in turn, so that a burst of load on this
-    shared machine hits every shape alike. Per batch a ``Sample`` (median wall and all-to-all
-    time, its all-to-alls' bytes and seconds); per pair a ``PassSample`` (median walls)."""
+    batches)``: no overlap, then two micro-batches, twice) in turn, so that a burst of load on
+    this shared machine hits every shape alike. Per batch a ``Sample`` (median wall and
+    all-to-all time, its all-to-alls' bytes and seconds); per pair a ``PassSample``: the median
+    wall without overlap, and with two micro-batches that plus the median of the differences
+    between neighbouring runs (a burst of load lifts both runs of a difference alike)."""
     walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
-    none, two = [[] for _ in pairs], [[] for _ in pairs]
+    none, extra = [[] for _ in pairs], [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
             walls[i].append(_timed(executor, [batch] * ranks, NONE, record=True))
@@ -68,15 +77,16 @@ def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list,
                 if found:
                     transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
         for i, (mode, pair) in enumerate(pairs):
-            none[i].append(_timed(executor, pair, NONE))
-            two[i].append(_timed(executor, pair, TWO_PASSES[mode]))
+            for _ in range(2):
+                none[i].append(_timed(executor, pair, NONE))
+                extra[i].append(_timed(executor, pair, TWO_PASSES[mode]) - none[i][-1])
     samples = [
         Sample(b, median(w), median(c), tuple(t))
         for b, w, c, t in zip(batches, walls, comms, transfers, strict=True)
     ]
     passes = [
-        PassSample(pair[0], median(n), median(t), mode)
-        for (mode, pair), n, t in zip(pairs, none, two, strict=True)
+        PassSample(pair[0], median(n), median(n) + median(e), mode)
+        for (mode, pair), n, e in zip(pairs, none, extra, strict=True)
     ]
     return samples, passes
 
@@ -88,7 +98,12 @@ def calibrate_this(
     ``saved``: the measurements in that file if it exists, else measured and written there."""
     about = {"config": spec.name, "ep": layout.ep, "world": layout.world, "link": link}
     if saved and Path(saved).is_file():
-        raw = json.loads(Path(saved).read_text())
+        try:
+            raw = json.loads(Path(saved).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"--calibration {saved}: not JSON ({exc}); remove it to measure again"
+            ) from None
         samples, passes = measurements_from_json(raw, spec.cfg.vocab_size, about)
         return fit_cluster(spec, layout, samples, passes)
     samples, passes = measure_this(spec, layout, link, repeat)
@@ -137,6 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     configs = {m: mode_config(m) for m in names}
     if "none" not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
+    workload = parse_workload(args.workload, layout.dp_groups, args.seed)
+    measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
     if args.cluster == "this":
         cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
         print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
@@ -147,7 +164,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
         )
-    workload = parse_workload(args.workload, layout.dp_groups, args.seed)
     group_batches = make_batches(workload, spec.cfg.vocab_size, args.seed)
     batches = [group_batches[layout.group_of(r)] for r in range(layout.world)]
     planner = Planner(spec, cluster, layout)
@@ -169,8 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
     recording = {m: p.spans for m, p in plans.items() if p.spans is not None}
     write_outputs(console, recording, args, out)
-    if args.compare_bench:
-        measured = json.loads(Path(args.compare_bench).read_text())
+    if measured is not None:
         console.print(compare_table(plans, measured, workload.spec))
     if args.decode_sweep:
         print_decode_sweep(console, planner, configs, layout, spec, args)
