@@ -94,9 +94,9 @@ class SimContext:
     timeline: None = None  # the stage executor records real time only when a timeline is set
 
     def run(self, label: str, op: str, share: float = 1.0, extra_call: bool = False) -> None:
-        """Op ``op``'s seconds; with ``share``, that part of its work in a call of its own
-        (the call's fixed cost whole), ``extra_call``: a call the unsplit op would not make,
-        which pays the fixed cost of every op beyond the first micro-batch's."""
+        """Run op ``op``, or ``share`` of its work as a call of its own: the call pays the op's
+        fixed cost whole, or with ``extra_call`` (a call the unsplit op does not make) the
+        fixed cost of an op beyond the first micro-batch."""
         seconds = self.cost.seconds[op]
         if share != 1 or extra_call:
             fixed = self.cost.op_overhead_s
@@ -152,12 +152,12 @@ def experts_then_combine(blocks: int) -> SimOp:
     def make(layer: SimLayer) -> SimOp:
         def op(ctx: SimContext, **_) -> None:
             done: list[float] | None = None
-            for b in range(blocks):  # each block's calls after the first: extra calls
-                name = f"layer {layer.layer_id}"
+            name = f"layer {layer.layer_id}"
+            for b in range(blocks):  # the blocks after the first make calls of their own
                 ctx.run(f"{name} experts {b}/{blocks}", "experts", 1 / blocks, b > 0)
                 ctx.run(f"{name} combine_a {b}", "combine_a", 1 / blocks, b > 0)
-                piece = [[x / blocks for x in b] for b in ctx.cost.a2a_bytes]
-                sent = ctx.clocks.launch(f"layer {layer.layer_id} combine piece {b}", piece)
+                piece = [[x / blocks for x in rank] for rank in ctx.cost.a2a_bytes]
+                sent = ctx.clocks.launch(f"{name} combine piece {b}", piece)
                 done = (
                     sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]
                 )
