@@ -60,6 +60,7 @@ def test_comm_stream_delay_holds_neither_host_nor_compute():
     comm = CommStream(torch.device("cuda", torch.cuda.current_device()))
     comm.cycles_per_s()  # measured once, outside the timed part
     x = torch.randn(2048, 2048, device="cuda")
+    x @ x  # CUDA loads a kernel on first use, lazily, and that waits for the sleeping stream
     torch.cuda.synchronize()
     start = time.perf_counter()
     with comm.launch():
