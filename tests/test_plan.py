@@ -101,6 +101,17 @@ def test_none_is_compute_plus_communication_and_tbo_hides_it() -> None:
     assert len(comm) == 16 and {s.track for s in tbo.spans[0]} >= {"mb0", "mb1", "comm"}
 
 
+def test_one_rank_pays_no_communication() -> None:
+    """EP 1: the dispatch and combine are local copies, so no latency and no agreement."""
+    one = dataclasses.replace(FLAT, nodes=1, a2a_latency_us=50.0)
+    p = Planner(
+        load_model_spec("configs/qwen3-moe-bench.json"), one, make_layout(1, None, 1, False)
+    )
+    for mode in ("none", "tbo"):
+        plan = p.plan(mode, mode_config(mode), [batch([256, 256])])
+        assert plan.t_comm == 0.0 and plan.seconds == pytest.approx(plan.t_comp), mode
+
+
 def test_plain_tbo_on_one_request_idles_and_two_chunk_cuts_it() -> None:
     p = planner()
     batches = [batch([3072])] * 2

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.planner.calibration import bytes_factor, fit_cluster
+from moe_overlap.planner.calibration import bytes_factor, expert_shares, fit_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import (
     PAIRS,
@@ -47,13 +47,21 @@ def measured_by(cluster) -> tuple[list[Sample], list[PassSample]]:
         plan = p.plan("none", mode_config("none"), [b] * 2, record=True)
         spans = [s for s in plan.spans[0] if s.track == "comm"]  # "... 0.52 MB"
         transfers = tuple((float(s.name.split()[-2]) * 1e6, s.end - s.start) for s in spans)
-        samples.append(Sample(b, plan.seconds, plan.t_comm, transfers))
+        samples.append(Sample(b, plan.seconds, plan.t_comm, transfers, routed(cluster, b)))
     passes = []
     for mode, shape in PAIRS:
         pair = [decode_batch(*shape)] * 2
         none = p.plan("none", mode_config("none"), pair).seconds
         passes.append(PassSample(pair[0], none, p.plan(mode, TWO_PASSES[mode], pair).seconds, mode))
     return samples, passes
+
+
+def routed(cluster, batch) -> tuple[tuple[float, float], ...]:
+    """Per rank, the bytes the engine's dispatches would send off it and receive (4 layers),
+    every rank running ``batch``: a rank's experts get their share of every rank's rows."""
+    rows = SPEC.cfg.num_experts_per_tok * batch.num_tokens * SPEC.cfg.hidden_size * 4 * 4
+    shares = cluster.expert_shares or (0.5, 0.5)
+    return tuple((rows * (1 - p), rows * p) for p in shares)
 
 
 def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> None:
@@ -86,13 +94,34 @@ def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> N
 
 def test_routing_imbalance_is_the_bytes_over_even_routing() -> None:
     samples, _ = measured_by(TRUTH)
-    assert bytes_factor(SPEC, LAYOUT, samples) == pytest.approx(1.25, rel=0.02)
+    assert bytes_factor(SPEC, LAYOUT, samples, ()) == pytest.approx(1.25, rel=0.02)
     even = Planner(SPEC, dataclasses.replace(TRUTH, a2a_bytes_factor=1.0), LAYOUT)
     skewed = Planner(SPEC, TRUTH, LAYOUT)
     b = [decode_batch(64, 16)] * 2
     assert skewed.costs.micro_batch(b).a2a_bytes[0][0] == pytest.approx(
         1.25 * even.costs.micro_batch(b).a2a_bytes[0][0]
     )
+
+
+def test_calibration_learns_which_ranks_experts_the_router_favours() -> None:
+    """Rank 0's experts get 60% of the rows: the fit finds that from the bytes each rank's
+    dispatches sent and received, and an uneven split's bytes follow it. With rank 0 holding
+    more tokens, fewer rows cross than even routing times a factor says."""
+    hot = dataclasses.replace(TRUTH, a2a_bytes_factor=1.0, expert_shares=[0.6, 0.4])
+    samples, passes = measured_by(hot)
+    assert expert_shares(samples, 2) == pytest.approx((0.6, 0.4))
+    fitted = fit_cluster(SPEC, LAYOUT, samples, passes)
+    assert fitted.expert_shares == pytest.approx((0.6, 0.4))
+    assert fitted.a2a_bytes_factor == pytest.approx(1.0, rel=0.02)
+    k, row = SPEC.cfg.num_experts_per_tok, SPEC.cfg.hidden_size * hot.activation_bytes
+    uneven = [decode_batch(48, 16), decode_batch(16, 16)]  # 48 tokens on rank 0, 16 on rank 1
+    crossing = max(48 * k * 0.4, 16 * k * 0.6) * row  # rank 0 sends 40%, rank 1 sends 60%
+    by_rank = Planner(SPEC, fitted, LAYOUT).costs.micro_batch(uneven).a2a_bytes
+    assert [sum(b) for b in by_rank] == pytest.approx([crossing, crossing], rel=0.01)
+    with pytest.raises(ConfigError, match="must hold 2 or more shares that sum to 1"):
+        dataclasses.replace(hot, expert_shares=[0.7, 0.7])
+    with pytest.raises(ConfigError, match="3 expert_shares for a layout of 2 ranks"):
+        Planner(SPEC, dataclasses.replace(hot, expert_shares=[0.5, 0.25, 0.25]), LAYOUT)
 
 
 def test_each_micro_batch_pays_its_experts_and_dbo_its_hand_overs() -> None:

@@ -120,7 +120,8 @@ class AllToAllDispatcher(Dispatcher):
     ) -> InFlight:
         me = self.group.rank
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        off_rank = max(sum(send) - send[me], sum(recv) - recv[me]) * row_bytes
+        sent, received = (sum(n) - n[me] for n in (send, recv))
+        off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
         with self.comm.launch():
             handle = self.group.all_to_all(rows, send, recv, async_op=True)
@@ -129,7 +130,8 @@ class AllToAllDispatcher(Dispatcher):
                 if link is not None:
                     self.comm.delay(link.latency_s + off_rank / link.bytes_per_s)
                 link, done = None, self.comm.done()
-        label = f"{kind} {off_rank / 1e6:.2f} MB ({owner})"
+        out_mb, in_mb = sent * row_bytes / 1e6, received * row_bytes / 1e6
+        label = f"{kind} {off_rank / 1e6:.2f} MB ({owner}; {out_mb:.2f} out, {in_mb:.2f} in)"
         return InFlight(handle, link, off_rank, owner, self.timeline, label, done)
 
     def dispatch_a(

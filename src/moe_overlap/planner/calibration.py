@@ -6,8 +6,10 @@ median wall time and its all-to-all spans, and decode pairs with and without two
 micro-batches. The fit goes in steps, fixed costs first, so that no rate can buy a fixed cost
 or the other way round:
 
-1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing: the bytes the
-   all-to-alls carried over what even routing carries (per shape, and their median);
+1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing: the share of
+   routed rows each rank's experts got (from the bytes each rank's dispatches sent and
+   received), and the bytes the all-to-alls carried over what those shares carry (per shape,
+   and their median);
 2. what each micro-batch after the first costs: per op, per active expert, and per DBO
    hand-over, from the pairs' measured extra less what the plan adds beyond these costs
    (agreement, latencies, the communication it hides), repeated until they settle;
@@ -120,11 +122,27 @@ def fit_link(samples: list[Sample]) -> tuple[float, float]:
     return latency, 1 / per_byte if per_byte > 0 else HUGE
 
 
-def bytes_factors(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) -> list[float]:
-    """Per sample, the bytes its all-to-alls carried over what even routing would carry (each
-    rank's link carries max(sent, received) rows, more than the mean when the model routes
-    unevenly); None where its transfers are under 0.1 MB (named too coarsely to count)."""
-    costs = CostModel(spec, dataclasses.replace(UNIT, nodes=layout.world), layout)
+def expert_shares(samples: list[Sample], world: int) -> tuple[float, ...]:
+    """Per rank, the share of routed rows its experts got. Every rank ran the same batch, so
+    rank r sent ``rows x (1 - share_r)`` off it and received ``(world - 1) x rows x share_r``;
+    () where the samples name no bytes (files saved before they did)."""
+    sent = [sum(s.routed[r][0] for s in samples if s.routed) for r in range(world)]
+    got = [sum(s.routed[r][1] for s in samples if s.routed) for r in range(world)]
+    if world < 2 or not all(a + b > 0 for a, b in zip(sent, got, strict=True)):
+        return ()
+    raw = [g / (g + (world - 1) * s) for s, g in zip(sent, got, strict=True)]
+    return tuple(max(r, 1e-3) / sum(raw) for r in raw)
+
+
+def bytes_factors(
+    spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...] = ()
+) -> list[float]:
+    """Per sample, the bytes its all-to-alls carried over what routing by ``shares`` (even if
+    none) would carry (each rank's link carries max(sent, received) rows, more than the mean
+    when the model routes unevenly); None where its transfers are under 0.1 MB (named too
+    coarsely to count)."""
+    unit = dataclasses.replace(UNIT, nodes=layout.world, expert_shares=shares)
+    costs = CostModel(spec, unit, layout)
     out = []
     for s in samples:
         sizes = [b for b, _ in s.transfers if b >= 0.1e6]
@@ -133,9 +151,11 @@ def bytes_factors(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) ->
     return out
 
 
-def bytes_factor(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) -> float:
+def bytes_factor(
+    spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...]
+) -> float:
     """The routing's factor for a workload not measured: the median over the shapes."""
-    ratios = [r for r in bytes_factors(spec, layout, samples) if r is not None]
+    ratios = [r for r in bytes_factors(spec, layout, samples, shares) if r is not None]
     return max(_median(ratios), 1e-3) if ratios else 1.0
 
 
@@ -144,17 +164,19 @@ def fit_cluster(
 ) -> Cluster:
     """This machine as a Cluster, fitted in the module's steps."""
     latency, rate = fit_link(samples)
+    shares = expert_shares(samples, layout.world)
     link = dict(
         intra_node_a2a_gbps=rate / 1e9,
         inter_node_a2a_gbps=rate / 1e9,
         a2a_latency_us=latency * 1e6,
-        a2a_bytes_factor=bytes_factor(spec, layout, samples),
+        a2a_bytes_factor=bytes_factor(spec, layout, samples, shares),
+        expert_shares=shares,
     )
     # the all-to-alls' time as the plan will time it, with each shape's own routing (its
     # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to
     # an all-to-all makes the other's span longer; the plan counts that as its compute)
     computes = []
-    for s, factor in zip(samples, bytes_factors(spec, layout, samples), strict=True):
+    for s, factor in zip(samples, bytes_factors(spec, layout, samples, shares), strict=True):
         own = link | {"a2a_bytes_factor": factor or link["a2a_bytes_factor"]}
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
         comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds

@@ -74,8 +74,11 @@ class Cluster:
     # the three overheads above are what each micro-batch after the first adds (fitted on this
     # machine from pairs; the first pass's fixed costs are inside its fitted rates)
     overheads_beyond_first: bool = False
-    a2a_bytes_factor: float = 1.0  # bytes on a rank's link relative to even routing (the
+    a2a_bytes_factor: float = 1.0  # bytes on a rank's link relative to the routing below (the
     # engine sends max(sent, received) rows off-rank; uneven routing makes that larger)
+    expert_shares: tuple[float, ...] = ()  # per EP rank, the share of routed rows its experts
+    # get (summing to 1; empty: even). Measured on this machine: the model's router favours
+    # some ranks' experts, and which ones decides the bytes of uneven micro-batches
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight
     activation_bytes: int = 2  # bytes per element sent in an all-to-all
     # a chunk with a prefix computes the whole (new x keys) rectangle (CPU SDPA with a mask)
@@ -104,6 +107,20 @@ class Cluster:
                 raise ConfigError(f"cluster {self.name}: {name}={value!r} must be >= 0")
         if self.comm_sm_share >= 1:
             raise ConfigError(f"cluster {self.name}: comm_sm_share must be below 1")
+        shares = self.expert_shares
+        if not isinstance(shares, list | tuple) or not all(
+            is_finite_number(s) and s > 0 for s in shares
+        ):
+            raise ConfigError(
+                f"cluster {self.name}: expert_shares={shares!r} must be a list of positive "
+                "numbers, one per EP rank (or empty for even routing)"
+            )
+        if shares and (len(shares) < 2 or abs(sum(shares) - 1) > 1e-3):
+            raise ConfigError(
+                f"cluster {self.name}: expert_shares={list(shares)!r} must hold 2 or more "
+                f"shares that sum to 1 (they sum to {sum(shares):.4f})"
+            )
+        object.__setattr__(self, "expert_shares", tuple(float(s) for s in shares))
 
     @property
     def world(self) -> int:

@@ -5,7 +5,8 @@ cluster's GEMM rate (FP8 weights at the FP8 rate), attention at its own rate wit
 with the query-key pairs computed (where the cluster says a chunk with a prefix computes its
 whole rectangle, the engine's blocks of ``QUERY_BLOCK`` queries each over the keys up to its
 end), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
-activations, rows from top-k routing spread evenly over the EP ranks.
+activations, rows from top-k routing spread evenly over the EP ranks, or by the cluster's
+measured ``expert_shares``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.model.layers import QUERY_BLOCK
 from moe_overlap.planner.cluster import Cluster
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
@@ -80,6 +82,13 @@ class CostModel:
         self.over = cluster.op_overhead_us * 1e-6
         c = spec.cfg
         self.local_experts = c.num_experts / layout.ep
+        shares = cluster.expert_shares
+        if shares and len(shares) != layout.world:
+            raise ConfigError(
+                f"cluster {cluster.name}: {len(shares)} expert_shares for a layout of "
+                f"{layout.world} ranks (EP {layout.ep}): give one share per rank, or none"
+            )
+        self.shares = shares or (1 / layout.ep,) * layout.world
 
     def _t(self, flops: float, weights: float, act: float, rate: float | None = None) -> float:
         byte_time = (weights * self.spec.weight_bytes + act) / self.hbm
@@ -89,20 +98,20 @@ class CostModel:
         """``children[r]``: rank r's micro-batch (idle ranks: an empty batch)."""
         rect = self.cluster.attention_full_rectangle_with_prefix
         works = [Work.of(b, self.layout.attn_tp, rect) for b in children]
-        received = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
-        received /= self.layout.ep
+        routed = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
+        received = routed / self.layout.ep  # the experts' rows: even (the fit's assumption)
         out = MicroBatchCost(op_overhead_s=self.over)
-        for w in works:
+        for w, share in zip(works, self.shares, strict=True):
             for name, s in self.op_seconds(w, received).items():
                 out.seconds.setdefault(name, []).append(s)
-            out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, received))
+            out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, routed, share))
             out.allreduce_s.append(self.allreduce_seconds(w.tokens))
         return out
 
-    def a2a_bytes(self, moe_tokens: float, received: float) -> list[float]:
+    def a2a_bytes(self, moe_tokens: float, routed: float, share: float) -> list[float]:
         """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
-        max(sent, received) rows off-rank (``received``: rows routed to this rank's experts
-        from every rank, itself included), or with ``a2a_dedup`` one copy per GPU (NVLink)
+        max(sent, received) rows off-rank (``routed``: every rank's rows, ``share`` of them
+        go to this rank's experts), or with ``a2a_dedup`` one copy per GPU (NVLink)
         and per node (RDMA) a token reaches. FP8 models on FP8 GPUs dispatch FP8 rows with a
         scale per 128 (DeepEP, SGLang) and combine in BF16: on average ``(1 + 1/32 + 2) / 2``
         bytes per element."""
@@ -120,9 +129,8 @@ class CostModel:
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
             nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
-        sent_off = k * moe_tokens * (ep - 1) / ep
-        received_off = received - k * moe_tokens / ep
-        rows = max(sent_off, received_off)
+        own = k * moe_tokens
+        rows = max(own * (1 - share), (routed - own) * share)
         inside = (per_node - 1) / (ep - 1)
         return [rows * inside * row, rows * (1 - inside) * row]
 

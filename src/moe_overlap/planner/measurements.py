@@ -32,6 +32,8 @@ class Sample:
     wall_s: float
     comm_s: float  # the slowest rank's all-to-all time in it
     transfers: tuple[tuple[float, float], ...] = ()  # (bytes, seconds) of its all-to-alls
+    routed: tuple[tuple[float, float], ...] = ()  # per rank: bytes its dispatches sent off it
+    # and received from other ranks (which ranks' experts the model favours)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,10 @@ def measurements_json(samples: list[Sample], passes: list[PassSample], about: di
     """The raw measurements (not the fit), to plan again without measuring again."""
     return {
         **about,
-        "samples": [[s.wall_s, s.comm_s, [list(t) for t in s.transfers]] for s in samples],
+        "samples": [
+            [s.wall_s, s.comm_s, [list(t) for t in s.transfers], [list(r) for r in s.routed]]
+            for s in samples
+        ],
         "passes": [
             [p.mode, p.batch.num_seqs, p.batch.prefix_lens[0], p.none_s, p.two_s] for p in passes
         ],
@@ -76,10 +81,7 @@ def measurements_from_json(
             "the file to measure again"
         )
     try:
-        samples = [
-            Sample(b, float(wall), float(comm), tuple((float(n), float(t)) for n, t in transfers))
-            for b, (wall, comm, transfers) in zip(batches, raw["samples"], strict=True)
-        ]
+        samples = [_sample(b, row) for b, row in zip(batches, raw["samples"], strict=True)]
         passes = [
             PassSample(decode_batch(int(seqs), int(ctx), vocab), float(none), float(two), mode)
             for mode, seqs, ctx, none, two in raw["passes"]
@@ -92,6 +94,14 @@ def measurements_from_json(
             f"--calibration: malformed measurements ({exc!r}): remove the file to measure again"
         ) from None
     return samples, passes
+
+
+def _sample(batch: ForwardBatch, row: list) -> Sample:
+    """A saved sample: [wall, comm, transfers] and, from files that have it, routed."""
+    wall, comm, transfers, *routed = row
+    pairs = tuple((float(n), float(t)) for n, t in transfers)
+    by_rank = tuple((float(o), float(i)) for o, i in (routed[0] if routed else ()))
+    return Sample(batch, float(wall), float(comm), pairs, by_rank)
 
 
 def _ids(n: int, vocab: int) -> torch.Tensor:

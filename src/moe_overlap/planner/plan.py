@@ -145,7 +145,7 @@ class Planner:
         agree: bool = False,
     ) -> ModePlan:
         clocks = RankClocks(self.layout.world, self.costs, record)
-        if agree:  # the one small all-reduce every overlapped forward pays
+        if agree and self.layout.world > 1:  # the one small all-reduce overlap pays
             clocks.barrier(self.cluster.a2a_latency_us * 1e-6)
         ctxs = [
             SimContext(

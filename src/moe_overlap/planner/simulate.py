@@ -28,7 +28,8 @@ class RankClocks:
 
     def __init__(self, ranks: int, costs: CostModel, record: bool):
         self.costs, self.record = costs, record
-        self.latency = costs.cluster.a2a_latency_us * 1e-6
+        # one rank (EP 1) keeps its rows: its dispatch and combine are local copies
+        self.latency = costs.cluster.a2a_latency_us * 1e-6 if costs.layout.ep > 1 else 0.0
         self.share = costs.cluster.comm_sm_share
         self.now = [0.0] * ranks
         self.link_free = [0.0] * ranks

@@ -47,6 +47,7 @@ from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
 
 _MB = re.compile(r"(\d+(?:\.\d+)?) MB")
+_OUT_IN = re.compile(r"(\d+(?:\.\d+)?) out, (\d+(?:\.\d+)?) in\)")
 NONE = mode_config("none")
 
 
@@ -54,6 +55,15 @@ def _timed(executor, batches, cfg, record: bool = False) -> float:
     start = time.perf_counter()
     executor.run(batches, cfg, record=record)
     return time.perf_counter() - start
+
+
+def _dispatch_bytes(spans) -> list[list[float]]:
+    """Per rank, the bytes its dispatches sent off it and received, read from their labels."""
+    out = []
+    for rank_spans in spans:
+        found = [_OUT_IN.search(s.name) for s in rank_spans if s.name.startswith("dispatch")]
+        out.append([sum(float(f[j]) * 1e6 for f in found if f) for j in (1, 2)])
+    return out
 
 
 def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list, list]:
@@ -64,6 +74,7 @@ def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list,
     wall without overlap, and with two micro-batches that plus the median of the differences
     between neighbouring runs (a burst of load lifts both runs of a difference alike)."""
     walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
+    routed = [[[0.0, 0.0] for _ in range(ranks)] for _ in batches]
     none, extra = [[] for _ in pairs], [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
@@ -76,13 +87,15 @@ def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list,
                 found = _MB.search(s.name) if s.track == "comm" else None
                 if found:
                     transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
+            for total, this in zip(routed[i], _dispatch_bytes(spans), strict=True):
+                total[:] = [a + b for a, b in zip(total, this, strict=True)]
         for i, (mode, pair) in enumerate(pairs):
             for _ in range(2):
                 none[i].append(_timed(executor, pair, NONE))
                 extra[i].append(_timed(executor, pair, TWO_PASSES[mode]) - none[i][-1])
     samples = [
-        Sample(b, median(w), median(c), tuple(t))
-        for b, w, c, t in zip(batches, walls, comms, transfers, strict=True)
+        Sample(b, median(w), median(c), tuple(t), tuple(map(tuple, r)))
+        for b, w, c, t, r in zip(batches, walls, comms, transfers, routed, strict=True)
     ]
     passes = [
         PassSample(pair[0], median(n), median(n) + median(e), mode)
