@@ -130,8 +130,8 @@ def expert_shares(samples: list[Sample], world: int) -> tuple[float, ...]:
     got = [sum(s.routed[r][1] for s in samples if s.routed) for r in range(world)]
     if world < 2 or not all(a + b > 0 for a, b in zip(sent, got, strict=True)):
         return ()
-    raw = [g / (g + (world - 1) * s) for s, g in zip(sent, got, strict=True)]
-    return tuple(max(r, 1e-3) / sum(raw) for r in raw)
+    raw = [max(g / (g + (world - 1) * s), 1e-3) for s, g in zip(sent, got, strict=True)]
+    return tuple(r / sum(raw) for r in raw)
 
 
 def bytes_factors(
