@@ -135,7 +135,7 @@ def expert_shares(samples: list[Sample], world: int) -> tuple[float, ...]:
 
 
 def bytes_factors(
-    spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...] = ()
+    spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...]
 ) -> list[float]:
     """Per sample, the bytes its all-to-alls carried over what routing by ``shares`` (even if
     none) would carry (each rank's link carries max(sent, received) rows, more than the mean
