@@ -50,6 +50,15 @@ def test_any_load_matches_per_expert_and_blocks_are_bit_identical(counts, cut):
     assert torch.equal(whole, blocks)  # SBO's block-by-block experts are exact
 
 
+def test_a_block_of_one_expert_gives_the_bits_of_the_whole_bank():
+    # torch's bmm of a single 5-row matrix sums differently from the same matrix in a batch
+    counts = [5, 0, 0, 0, 0, 0]
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    blocks = torch.full_like(x, float("nan"))
+    BANK.run_experts(x, counts, blocks, range(0, 1))
+    assert torch.equal(BANK(x, counts), blocks)
+
+
 def test_no_rows_leaves_the_output_untouched():
     out = torch.full((0, HIDDEN), 1.0)
     BANK.run_experts(torch.empty(0, HIDDEN), [0] * EXPERTS, out, range(EXPERTS))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.planner.calibration import bytes_factor, expert_shares, fit_cluster
+from moe_overlap.planner.calibration import bytes_factor, fit_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import (
     PAIRS,
@@ -18,6 +18,8 @@ from moe_overlap.planner.measurements import (
     Sample,
     calibration_batches,
     decode_batch,
+    expert_shares,
+    imbalance,
     measurements_from_json,
     measurements_json,
 )
@@ -56,12 +58,12 @@ def measured_by(cluster) -> tuple[list[Sample], list[PassSample]]:
     return samples, passes
 
 
-def routed(cluster, batch) -> tuple[tuple[float, float], ...]:
-    """Per rank, the bytes the engine's dispatches would send off it and receive (4 layers),
+def routed(cluster, batch) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Per layer (4), per rank, the bytes the engine's dispatch would send off it and receive,
     every rank running ``batch``: a rank's experts get their share of every rank's rows."""
-    rows = SPEC.cfg.num_experts_per_tok * batch.num_tokens * SPEC.cfg.hidden_size * 4 * 4
+    rows = SPEC.cfg.num_experts_per_tok * batch.num_tokens * SPEC.cfg.hidden_size * 4
     shares = cluster.expert_shares or (0.5, 0.5)
-    return tuple((rows * (1 - p), rows * p) for p in shares)
+    return (tuple((rows * (1 - p), rows * p) for p in shares),) * 4
 
 
 def test_saved_measurements_fit_the_same_cluster_and_refuse_another_setup() -> None:
@@ -107,12 +109,17 @@ def test_calibration_learns_which_ranks_experts_the_router_favours() -> None:
     """Rank 0's experts get 60% of the rows: the fit finds that from the bytes each rank's
     dispatches sent and received, and an uneven split's bytes follow it. With rank 0 holding
     more tokens, fewer rows cross than even routing times a factor says."""
-    hot = dataclasses.replace(TRUTH, a2a_bytes_factor=1.0, expert_shares=[0.6, 0.4])
+    hot = dataclasses.replace(
+        TRUTH, a2a_bytes_factor=1.0, expert_shares=[0.6, 0.4], expert_imbalance=1.2
+    )
     samples, passes = measured_by(hot)
-    assert expert_shares(samples, 2) == pytest.approx((0.6, 0.4))
+    assert expert_shares(SPEC, samples, 2) == pytest.approx((0.6, 0.4))
     fitted = fit_cluster(SPEC, LAYOUT, samples, passes)
     assert fitted.expert_shares == pytest.approx((0.6, 0.4))
     assert fitted.a2a_bytes_factor == pytest.approx(1.0, rel=0.02)
+    # rank 0's experts hold 1.2x the mean rows, and the rates come out as the machine's
+    assert fitted.expert_imbalance == pytest.approx(1.2, rel=0.01)
+    assert fitted.gemm_tflops_bf16 == pytest.approx(hot.gemm_tflops_bf16, rel=0.05)
     k, row = SPEC.cfg.num_experts_per_tok, SPEC.cfg.hidden_size * hot.activation_bytes
     uneven = [decode_batch(48, 16), decode_batch(16, 16)]  # 48 tokens on rank 0, 16 on rank 1
     crossing = max(48 * k * 0.4, 16 * k * 0.6) * row  # rank 0 sends 40%, rank 1 sends 60%
@@ -122,6 +129,30 @@ def test_calibration_learns_which_ranks_experts_the_router_favours() -> None:
         dataclasses.replace(hot, expert_shares=[0.7, 0.7])
     with pytest.raises(ConfigError, match="3 expert_shares for a layout of 2 ranks"):
         Planner(SPEC, dataclasses.replace(hot, expert_shares=[0.5, 0.25, 0.25]), LAYOUT)
+
+
+def test_the_busiest_rank_of_each_layer_sets_the_imbalance() -> None:
+    """The hot rank changes from layer to layer: over the forward the ranks' shares look even,
+    yet every layer waited for a rank with 1.2x the mean rows. A file saved before the labels
+    named each layer holds the sums, one entry."""
+    batch = calibration_batches(SPEC.cfg.vocab_size)[8]  # 2048 tokens: 8.39 MB per layer
+    own = SPEC.cfg.num_experts_per_tok * batch.num_tokens * SPEC.cfg.hidden_size * 4
+    hot0 = ((0.4 * own, 0.6 * own), (0.6 * own, 0.4 * own))  # (sent, received) per rank
+    hot1 = hot0[::-1]
+    flips = Sample(batch, 1.0, 0.1, (), (hot0, hot1, hot0, hot1))
+    assert expert_shares(SPEC, [flips], 2) == pytest.approx((0.5, 0.5))
+    assert imbalance(SPEC, flips) == pytest.approx(1.2)
+    same = Sample(batch, 1.0, 0.1, (), (hot0,) * 4)
+    saved = measurements_json([same], [], ABOUT)["samples"][0]
+    summed = [*saved[:3], [[4 * a for a in rank] for rank in hot0]]  # the older file's form
+    raw = json.loads(json.dumps(measurements_json(*measured_by(TRUTH), ABOUT)))
+    raw["samples"][8] = summed
+    old = measurements_from_json(raw, SPEC.cfg.vocab_size, ABOUT)[0][8]
+    assert len(old.routed) == 1 and imbalance(SPEC, old) == pytest.approx(1.2)
+    tiny = Sample(decode_batch(2, 16), 1.0, 0.1, (), (((0.0, 0.01e6), (0.01e6, 0.0)),) * 4)
+    assert imbalance(SPEC, tiny) is None  # 4 rows: labels in 0.01 MB cannot tell
+    with pytest.raises(ConfigError, match="expert_imbalance=0.9 must be a number >= 1"):
+        dataclasses.replace(TRUTH, expert_imbalance=0.9)
 
 
 def test_each_micro_batch_pays_its_experts_and_dbo_its_hand_overs() -> None:

@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
@@ -16,8 +18,8 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layout
+from moe_overlap.dispatch.base import balanced_blocks
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.overlap.sbo import expert_blocks
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
@@ -45,13 +47,26 @@ def test_shared_experts_run_while_dispatch_is_in_flight():
     assert order("dispatch_b") < order("experts_combine_a") < order("combine_b")
 
 
-@pytest.mark.parametrize("local", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("blocks", [1, 2, 3, 9])
-def test_expert_blocks_partition_the_local_experts(local, blocks):
-    got = expert_blocks(local, blocks)
-    assert len(got) == min(local, blocks)  # never an all-to-all that cannot carry rows
-    assert [e for r in got for e in r] == list(range(local))
-    assert max(map(len, got)) - min(map(len, got)) <= 1
+@given(
+    rows=st.lists(st.integers(0, 50), min_size=1, max_size=9),
+    blocks=st.integers(1, 10),
+)
+def test_balanced_blocks_partition_the_local_experts(rows, blocks):
+    got = balanced_blocks(rows, blocks)
+    assert len(got) == min(len(rows), blocks)  # never an all-to-all that cannot carry rows
+    assert [e for r in got for e in r] == list(range(len(rows)))
+    assert all(len(r) >= 1 for r in got)
+    if not any(rows):  # no rows to balance: by expert count
+        assert max(map(len, got)) - min(map(len, got)) <= 1
+
+
+def test_balanced_blocks_even_the_rows_not_the_experts():
+    # an even count of experts would leave 1500 of these 2285 rows in the last piece, the one
+    # nothing hides
+    assert balanced_blocks([350, 435, 700, 800], 2) == [range(0, 3), range(3, 4)]
+    assert balanced_blocks([800, 700, 435, 350], 2) == [range(0, 1), range(1, 4)]
+    assert balanced_blocks([1, 1, 1, 1, 96], 3) == [range(0, 3), range(3, 4), range(4, 5)]
+    assert balanced_blocks([0, 0, 0, 0], 2) == [range(0, 2), range(2, 4)]
 
 
 # --- the per-block split arithmetic, on fake ranks in one process --------------------------
@@ -60,10 +75,13 @@ def test_expert_blocks_partition_the_local_experts(local, blocks):
 def test_piece_layout_by_hand():
     # 2 ranks x 3 local experts; rows grouped (rank, expert): r0: e0 e0 e2 | r1: e0 e1 e1 e1
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    positions, per_rank = piece_layout(counts, range(1, 3))
+    positions, per_rank = piece_layout(counts, [range(1, 3)] * 2)
     assert positions.tolist() == [2, 4, 5, 6] and per_rank == [1, 3]
-    positions, per_rank = piece_layout(counts, range(0, 1))
+    positions, per_rank = piece_layout(counts, [range(0, 1)] * 2)
     assert positions.tolist() == [0, 1, 3] and per_rank == [2, 1]
+    # a source's view: each owner cut its experts where its own rows fell
+    positions, per_rank = piece_layout(counts, [range(0, 1), range(0, 2)])
+    assert positions.tolist() == [0, 1, 3, 4, 5, 6] and per_rank == [2, 4]
 
 
 class _Done:
@@ -103,6 +121,11 @@ class _FakeGroup:
         out = self.hub.exchange(self.rank, rows, list(input_splits), list(output_splits))
         return _Done(out) if async_op else out
 
+    def all_gather(self, t):
+        return self.hub.exchange(
+            self.rank, t.repeat(self.size, 1), [1] * self.size, [1] * self.size
+        )
+
 
 def _fake_rank(hub, rank, local, blocks, tokens, results):
     torch.manual_seed(100 + rank)
@@ -120,8 +143,8 @@ def _fake_rank(hub, rank, local, blocks, tokens, results):
         scale = (rank * local + local_id + 1).float().unsqueeze(1)
         state.expert_outputs = state.expert_inputs * scale
         if split:
-            for r in expert_blocks(local, blocks):
-                disp.combine_a_block(state, r)
+            for b in range(len(disp.combine_blocks(state, blocks))):
+                disp.combine_a_block(state, b)
         else:
             disp.combine_a(state)
         return disp.combine_b(state)
@@ -211,10 +234,11 @@ class _LoggedGroup:
 
     def all_to_all(self, rows, input_splits, output_splits, async_op=False):
         out = self.group.all_to_all(rows, input_splits, output_splits, async_op=async_op)
-        if not async_op:
-            return out  # the counts exchange
         self.log.append({"launch": time.perf_counter()})
         return _LoggedHandle(out, self.log[-1])
+
+    def all_gather(self, t):
+        return self.group.all_gather(t)  # the counts exchange
 
 
 def _structure_worker(rank, world_size, port, family, blocks):

@@ -1,8 +1,9 @@
 """The ``torch`` dispatcher backend: all-to-all over torch.distributed between EP ranks.
 
 ``dispatch_a`` sorts the (token, slot) pairs by expert, which groups them by owning rank,
-exchanges the per-expert counts (a tiny synchronous all-to-all) and starts the async all-to-all
-of hidden states; ``dispatch_b`` waits and regroups the received rows by local expert.
+gathers every rank's per-expert counts (a tiny synchronous all-gather: SBO's blocks balance
+each owner's rows, and every source must know them) and starts the async all-to-all of hidden
+states; ``dispatch_b`` waits and regroups the received rows by local expert.
 ``combine_a`` starts sending the expert outputs back in the order they came; ``combine_b`` waits
 and sums them per token exactly as the local backend does. SBO instead calls
 ``combine_a_block`` once per block of local experts, each block's piece sent as soon as its
@@ -23,7 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, sort_by_expert
+from moe_overlap.dispatch.base import (
+    Dispatcher,
+    DispatchState,
+    Pending,
+    balanced_blocks,
+    sort_by_expert,
+)
 from moe_overlap.distributed.comm import CommHandle
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
@@ -94,6 +101,8 @@ class AllToAllState(DispatchState):
 
     counts: torch.Tensor | None = None  # [ep, local]: rows I send to each rank's local experts
     recv_counts: torch.Tensor | None = None  # [ep, local]: rows each rank sends my experts
+    all_counts: torch.Tensor | None = None  # [ep, ep, local]: every rank's ``counts``
+    owner_blocks: list[list[range]] | None = None  # per rank, its SBO blocks
     send: list[int] | None = None  # rows I send to each rank
     recv: list[int] | None = None  # rows I receive from each rank
     perm: torch.Tensor | None = None  # received (source-major) rows -> grouped by expert
@@ -144,14 +153,15 @@ class AllToAllDispatcher(Dispatcher):
     ) -> AllToAllState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         counts = counts.view(self.ep, self.local)  # rows for each rank's local experts
-        # recv_counts[p, e]: rows rank p sends to my local expert e
         start = time.perf_counter()
-        recv_counts = self.group.all_to_all(counts.contiguous(), [1] * self.ep, [1] * self.ep)
+        everyone = self.group.all_gather(counts.reshape(1, -1)).view(-1, self.ep, self.local)
         if self.timeline is not None:  # a blocking exchange: the ranks meet here
             self.timeline.add(f"{owner} wait", "counts exchange", start, time.perf_counter())
+        recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
         state.counts, state.recv_counts, state.send, state.recv = counts, recv_counts, send, recv
+        state.all_counts = everyone
         state.pending = self._start("dispatch", rows, send, recv, owner)
         return state
 
@@ -172,30 +182,41 @@ class AllToAllDispatcher(Dispatcher):
         outputs[state.perm] = state.expert_outputs  # back to the order they came in
         state.pending = self._start("combine", outputs, state.recv, state.send, state.owner)
 
-    def combine_a_block(self, state: AllToAllState, experts: range) -> None:
+    def combine_blocks(self, state: AllToAllState, num_blocks: int) -> list[range]:
+        """Every rank's blocks, from the gathered counts: each owner's own, balanced by the
+        rows its experts received, so a source knows which of its rows each piece carries."""
+        per_owner = state.all_counts.sum(0).tolist()  # [owner][e]: rows its experts received
+        state.owner_blocks = [balanced_blocks(rows, num_blocks) for rows in per_owner]
+        state.blocks = state.owner_blocks[self.group.rank]
+        return state.blocks
+
+    def combine_a_block(self, state: AllToAllState, block: int) -> None:
         """No counts are exchanged: both sides derive the piece's splits from dispatch's
         counts, so ``combine_b`` sees exactly the rows the unsplit ``combine_a`` would send."""
         if not isinstance(state.pending, CombinePieces):
             state.pending = CombinePieces(sum(state.send), state.expert_outputs)
             state.row_of = torch.empty_like(state.perm)
             state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
-        outgoing, send = piece_layout(state.recv_counts, experts)
-        incoming, recv = piece_layout(state.counts, experts)
+        mine = state.owner_blocks[self.group.rank][block]
+        outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep)
+        incoming, recv = piece_layout(state.counts, [b[block] for b in state.owner_blocks])
         rows = state.expert_outputs[state.row_of[outgoing]]
         kind = f"combine piece {len(state.pending.pieces)}"
         state.pending.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
 
 
-def piece_layout(counts: torch.Tensor, experts: range) -> tuple[torch.Tensor, list[int]]:
-    """The rows of local experts ``experts`` in a buffer grouped by (rank, local expert).
+def piece_layout(counts: torch.Tensor, experts: list[range]) -> tuple[torch.Tensor, list[int]]:
+    """The rows of local experts ``experts[p]`` of each rank p in a buffer grouped by (rank,
+    local expert).
 
     ``counts[p, e]`` is the size of group (p, e). Returns their positions in buffer order and
-    the rows per rank. A source rank applies it to the counts it sent, an expert owner to the
-    counts it received, so both agree on every piece's splits and row order.
+    the rows per rank. A source rank applies it to the counts it sent and each owner's block,
+    an expert owner to the counts it received and its own block, so both agree on every
+    piece's splits and row order.
     """
     ranks, local = counts.shape
-    experts_of = torch.arange(local, device=counts.device).repeat(ranks)
-    expert_of_row = experts_of.repeat_interleave(counts.reshape(-1))
-    inside = (expert_of_row >= experts.start) & (expert_of_row < experts.stop)
-    per_rank = counts[:, experts.start : experts.stop].sum(1)
-    return inside.nonzero().reshape(-1), per_rank.tolist()
+    expert = torch.arange(local, device=counts.device)
+    inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts])
+    in_row = inside.reshape(-1).repeat_interleave(counts.reshape(-1))
+    per_rank = (counts * inside).sum(1)
+    return in_row.nonzero().reshape(-1), per_rank.tolist()

@@ -9,7 +9,9 @@ and ends with ``weighted_sum``, in the same order of operations, so all give ide
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -47,6 +49,7 @@ class DispatchState:
     expert_outputs: torch.Tensor | None = None
     pending: Pending | None = None
     scattered: list[int] | None = None  # rows each attention-TP rank dispatched (scatter.py)
+    blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
 
 
 class Dispatcher(ABC):
@@ -76,14 +79,44 @@ class Dispatcher(ABC):
     def combine_a(self, state: DispatchState) -> None:
         """Start sending ``expert_outputs`` back to the ranks the rows came from."""
 
+    def combine_blocks(self, state: DispatchState, num_blocks: int) -> list[range]:
+        """SBO's blocks of this rank's local experts, run in order, each one's outputs sent
+        back as soon as it is done: ``balanced_blocks`` of the rows each expert received."""
+        state.blocks = balanced_blocks(state.tokens_per_expert, num_blocks)
+        return state.blocks
+
     @abstractmethod
-    def combine_a_block(self, state: DispatchState, experts: range) -> None:
-        """Start sending the outputs of local experts ``experts`` only (one SBO piece); every
-        rank calls it for the same ranges in the same order."""
+    def combine_a_block(self, state: DispatchState, block: int) -> None:
+        """Start sending the outputs of block ``block`` of ``combine_blocks`` only (one SBO
+        piece); every rank calls it for blocks 0, 1, ... in order."""
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         """Wait for every output row and sum each token's outputs by its router weights."""
         return weighted_sum(state, state.pending.wait())
+
+
+def balanced_blocks(rows: Sequence[int], num_blocks: int) -> list[range]:
+    """Local experts ``0 .. len(rows) - 1`` in ``min(num_blocks, len(rows))`` contiguous blocks,
+    the rows they hold as even as whole experts allow (each cut at the expert boundary nearest
+    its share; by expert count when no expert has rows).
+
+    Even rows, not even experts: the last block's piece goes back after every expert is done,
+    so it is the part of the combine that SBO cannot hide, and with uneven routing an even
+    count of experts can leave most of the rows there. The count depends only on the
+    arguments' lengths, so every rank sends the same number of pieces.
+    """
+    local = len(rows)
+    if local < 1 or num_blocks < 1:
+        raise ValueError(f"need >= 1 expert and >= 1 block, got {local} and {num_blocks}")
+    n = min(num_blocks, local)
+    weights = list(rows) if sum(rows) > 0 else [1] * local
+    ends, total = list(accumulate(weights, initial=0)), sum(weights)
+    cuts = [0]
+    for b in range(1, n):  # cut b nearest b/n of the rows, leaving each block >= 1 expert
+        lo, hi = cuts[-1] + 1, local - (n - b)
+        cuts.append(min(range(lo, hi + 1), key=lambda j, b=b: abs(n * ends[j] - b * total)))
+    cuts.append(local)
+    return [range(a, z) for a, z in zip(cuts, cuts[1:], strict=False)]
 
 
 def sort_by_expert(

@@ -150,7 +150,8 @@ class GatherDispatcher(Dispatcher):
     def combine_a(self, state: GatherState) -> None:
         state.pending = self._partial(state, slice(None))
 
-    def combine_a_block(self, state: GatherState, experts: range) -> None:
+    def combine_a_block(self, state: GatherState, block: int) -> None:
+        experts = state.blocks[block]  # every rank holds the same rows, so the same blocks
         ends = list(accumulate(state.tokens_per_expert, initial=0))
         part = self._partial(state, slice(ends[experts.start], ends[experts.stop]))
         if isinstance(state.pending, Summed):

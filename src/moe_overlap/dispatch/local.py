@@ -33,5 +33,5 @@ class LocalDispatcher(Dispatcher):
     def combine_a(self, state: DispatchState) -> None:
         state.pending = Ready(state.expert_outputs)
 
-    def combine_a_block(self, state: DispatchState, experts: range) -> None:
+    def combine_a_block(self, state: DispatchState, block: int) -> None:
         state.pending = Ready(state.expert_outputs)  # the outputs are already in place

@@ -45,8 +45,11 @@ class ScatteredDispatcher(Dispatcher):
     def combine_a(self, state: DispatchState) -> None:
         self.inner.combine_a(state)
 
-    def combine_a_block(self, state: DispatchState, experts: range) -> None:
-        self.inner.combine_a_block(state, experts)
+    def combine_blocks(self, state: DispatchState, num_blocks: int) -> list[range]:
+        return self.inner.combine_blocks(state, num_blocks)
+
+    def combine_a_block(self, state: DispatchState, block: int) -> None:
+        self.inner.combine_a_block(state, block)
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         mine = self.inner.combine_b(state)

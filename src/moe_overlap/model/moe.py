@@ -129,9 +129,13 @@ class ExpertBank(nn.Module):
             where = _padded_positions(counts, height, x.device)
             padded = x.new_zeros(n * height, x.shape[1]).index_copy_(0, where, x)
         block = slice(experts.start, experts.stop)
-        gate_up = torch.bmm(padded.view(n, height, -1), self.gate_up_proj[block].transpose(1, 2))
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down_proj[block].transpose(1, 2)).flatten(0, 1)
+        rows = padded.view(n, height, -1)
+        gate_up_w, down_w = self.gate_up_proj[block], self.down_proj[block]
+        if n == 1:  # torch's bmm of one matrix sums in another order for some heights (5 rows
+            # on CPU): as two it gives the bits a block of several experts gives (SBO's blocks)
+            rows, gate_up_w, down_w = (t.expand(2, *t.shape[1:]) for t in (rows, gate_up_w, down_w))
+        gate, up = torch.bmm(rows, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))[:n].flatten(0, 1)
         return y if where is None else y[where]
 
 

@@ -3,11 +3,13 @@
 Two overlaps, no micro-batches:
 - dispatch's receive overlaps the shared experts: they run between ``dispatch_a`` (which starts
   the all-to-all) and ``dispatch_b`` (which waits for it);
-- combine overlaps the down projection: this rank's local experts run in blocks, and as soon as
-  a block is done its outputs start back to their source ranks while the next block computes.
+- combine overlaps the down projection: this rank's local experts run in blocks of about even
+  rows (``dispatch/base.py: balanced_blocks``), and as soon as a block is done its outputs start
+  back to their source ranks while the next block computes.
 
 Every rank runs its own batch, so nothing is agreed per forward; the number of combine pieces
-depends only on the settings and the local expert count, which are the same on every rank.
+depends only on the settings and the local expert count, which are the same on every rank, and
+every rank knows each owner's blocks from the counts dispatch gathered.
 """
 
 from __future__ import annotations
@@ -28,20 +30,6 @@ from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.moe import ExpertBank
 from moe_overlap.overlap.operations import Op, execute_operations
 from moe_overlap.overlap.strategy import SchemeOp, build_operations, strategy_for
-
-
-def expert_blocks(num_local: int, num_blocks: int) -> list[range]:
-    """Local experts ``0 .. num_local - 1`` in ``min(num_blocks, num_local)`` contiguous blocks
-    whose sizes differ by at most one.
-
-    More blocks than experts would only add all-to-alls with no rows, so the count is capped;
-    it depends only on its arguments, so every rank makes the same pieces in the same order.
-    """
-    if num_local < 1 or num_blocks < 1:
-        raise ValueError(f"need >= 1 expert and >= 1 block, got {num_local} and {num_blocks}")
-    n = min(num_blocks, num_local)
-    bounds = [num_local * b // n for b in range(n + 1)]
-    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 class CommLane:
@@ -76,18 +64,19 @@ class ExpertsThenCombine:
 
     layer_id: int
     bank: ExpertBank
-    blocks: list[range]
+    num_blocks: int
     lane: CommLane
 
     def __call__(self, ctx: ForwardContext) -> None:
         d = ctx.state.get("dispatch")
         d.expert_outputs = torch.empty_like(d.expert_inputs)
-        for i, experts in enumerate(self.blocks):
-            with _span(ctx, f"layer {self.layer_id} experts {i}/{len(self.blocks)}"):
+        blocks = ctx.dispatcher.combine_blocks(d, self.num_blocks)  # even rows, not experts
+        for i, experts in enumerate(blocks):
+            with _span(ctx, f"layer {self.layer_id} experts {i}/{len(blocks)}"):
                 self.bank.run_experts(
                     d.expert_inputs, d.tokens_per_expert, d.expert_outputs, experts
                 )
-            ctx.dispatcher.combine_a_block(d, experts)  # in flight while the next block computes
+            ctx.dispatcher.combine_a_block(d, i)  # in flight while the next block computes
 
 
 def _span(ctx: ForwardContext, name: str):
@@ -111,7 +100,7 @@ def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp]:
 
     def experts_combine_a(layer: DecoderLayer) -> Op:
         bank = layer.mlp.experts
-        return ExpertsThenCombine(layer.layer_id, bank, expert_blocks(bank.count, blocks), lane)
+        return ExpertsThenCombine(layer.layer_id, bank, blocks, lane)
 
     def shared_experts(layer: DecoderLayer) -> Op:
         return _timed(layer.layer_id, "shared experts", layer.op("shared_experts"))

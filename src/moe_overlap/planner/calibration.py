@@ -43,6 +43,8 @@ from moe_overlap.planner.measurements import (
     TWO_PASSES,
     PassSample,
     Sample,
+    expert_shares,
+    imbalances,
 )
 from moe_overlap.planner.plan import Planner
 
@@ -104,11 +106,14 @@ def relative_nnls(
     return (nnls(x / scale * weight[:, None], y * weight, required) / scale).tolist()
 
 
-def features(spec: ModelSpec, layout: PlanLayout, batch: ForwardBatch) -> list[float]:
-    """[GEMM FLOPs, attention FLOPs, KV bytes read, prefill and decode sequence passes]."""
+def features(
+    spec: ModelSpec, layout: PlanLayout, batch: ForwardBatch, imbalance: float = 1.0
+) -> list[float]:
+    """[GEMM FLOPs, attention FLOPs, KV bytes read, prefill and decode sequence passes], with
+    every MoE layer's busiest rank computing ``imbalance`` times the mean rows."""
     row = []
     for unit in UNITS:
-        cluster = dataclasses.replace(UNIT, nodes=layout.world, **unit)
+        cluster = dataclasses.replace(UNIT, nodes=layout.world, expert_imbalance=imbalance, **unit)
         planner = Planner(spec, cluster, layout)
         row.append(planner.plan("none", OverlapConfig(), [batch] * layout.world).seconds)
     return row
@@ -120,18 +125,6 @@ def fit_link(samples: list[Sample]) -> tuple[float, float]:
     pairs = [t for s in samples for t in s.transfers if t[0] >= 0.1e6]
     latency, per_byte = relative_nnls([[1.0, b] for b, _ in pairs], [d for _, d in pairs])
     return latency, 1 / per_byte if per_byte > 0 else HUGE
-
-
-def expert_shares(samples: list[Sample], world: int) -> tuple[float, ...]:
-    """Per rank, the share of routed rows its experts got. Every rank ran the same batch, so
-    rank r sent ``rows x (1 - share_r)`` off it and received ``(world - 1) x rows x share_r``;
-    () where the samples name no bytes (files saved before they did)."""
-    sent = [sum(s.routed[r][0] for s in samples if s.routed) for r in range(world)]
-    got = [sum(s.routed[r][1] for s in samples if s.routed) for r in range(world)]
-    if world < 2 or not all(a + b > 0 for a, b in zip(sent, got, strict=True)):
-        return ()
-    raw = [max(g / (g + (world - 1) * s), 1e-3) for s, g in zip(sent, got, strict=True)]
-    return tuple(r / sum(raw) for r in raw)
 
 
 def bytes_factors(
@@ -164,13 +157,15 @@ def fit_cluster(
 ) -> Cluster:
     """This machine as a Cluster, fitted in the module's steps."""
     latency, rate = fit_link(samples)
-    shares = expert_shares(samples, layout.world)
+    shares = expert_shares(spec, samples, layout.world)
+    loads, typical_load = imbalances(spec, samples)
     link = dict(
         intra_node_a2a_gbps=rate / 1e9,
         inter_node_a2a_gbps=rate / 1e9,
         a2a_latency_us=latency * 1e6,
         a2a_bytes_factor=bytes_factor(spec, layout, samples, shares),
         expert_shares=shares,
+        expert_imbalance=typical_load,
     )
     # the all-to-alls' time as the plan will time it, with each shape's own routing (its
     # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to
@@ -181,7 +176,12 @@ def fit_cluster(
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
         comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds
         computes.append(s.wall_s - comm)
-    rows = [[*features(spec, layout, s.batch), 1.0] for s in samples]
+    # each shape's experts as its own routing loaded them: with even loads the rates took on
+    # the routing's luck (the prefill shapes' busiest ranks held 1.16-1.23x the mean rows)
+    rows = [
+        [*features(spec, layout, s.batch, load), 1.0]
+        for s, load in zip(samples, loads, strict=True)
+    ]
     per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
         rows, computes, required=(0, 1)
     )

@@ -79,6 +79,8 @@ class Cluster:
     expert_shares: tuple[float, ...] = ()  # per EP rank, the share of routed rows its experts
     # get (summing to 1; empty: even). Measured on this machine: the model's router favours
     # some ranks' experts, and which ones decides the bytes of uneven micro-batches
+    expert_imbalance: float = 1.0  # per MoE layer, the busiest rank's expert rows over the
+    # mean (>= 1): the layer waits for that rank, so every rank's experts are timed at it
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight
     activation_bytes: int = 2  # bytes per element sent in an all-to-all
     # a chunk with a prefix computes the whole (new x keys) rectangle (CPU SDPA with a mask)
@@ -105,6 +107,11 @@ class Cluster:
             value = getattr(self, name)
             if not is_finite_number(value) or value < 0:
                 raise ConfigError(f"cluster {self.name}: {name}={value!r} must be >= 0")
+        if not (is_finite_number(self.expert_imbalance) and self.expert_imbalance >= 1):
+            raise ConfigError(
+                f"cluster {self.name}: expert_imbalance={self.expert_imbalance!r} must be a "
+                "number >= 1 (the busiest rank's expert rows over the mean; 1: even)"
+            )
         if self.comm_sm_share >= 1:
             raise ConfigError(f"cluster {self.name}: comm_sm_share must be below 1")
         shares = self.expert_shares

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from statistics import median
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.planner.inputs import ModelSpec
 
 # (sequences, tokens[, cached prefix]): the chunk on a prefix times attention's whole rectangle
 PREFILL_SHAPES = ((1, 256), (1, 1024), (1, 2048), (2, 1024), (32, 8), (1, 1024, 1024))
@@ -22,6 +24,7 @@ TWO_PASSES = {  # the overlapped runs measured against none: TINY split 1 + 1, M
     "dbo": OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1),
 }
 PAIRS = (("tbo", TINY), ("tbo", MID), ("dbo", TINY), ("tbo", LONG), ("dbo", LONG))
+ROW_BYTES_PER_ELEMENT = 4  # the engine's float32 rows, which the dispatch labels count
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,9 @@ class Sample:
     wall_s: float
     comm_s: float  # the slowest rank's all-to-all time in it
     transfers: tuple[tuple[float, float], ...] = ()  # (bytes, seconds) of its all-to-alls
-    routed: tuple[tuple[float, float], ...] = ()  # per rank: bytes its dispatches sent off it
-    # and received from other ranks (which ranks' experts the model favours)
+    routed: tuple[tuple[tuple[float, float], ...], ...] = ()  # per dispatch (a MoE layer's),
+    # per rank: the bytes it sent off the rank and received (which ranks' experts the router
+    # favoured there); files saved before per-layer labels hold one entry, the sums
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,12 @@ def measurements_json(samples: list[Sample], passes: list[PassSample], about: di
     return {
         **about,
         "samples": [
-            [s.wall_s, s.comm_s, [list(t) for t in s.transfers], [list(r) for r in s.routed]]
+            [
+                s.wall_s,
+                s.comm_s,
+                [list(t) for t in s.transfers],
+                [[list(r) for r in layer] for layer in s.routed],
+            ]
             for s in samples
         ],
         "passes": [
@@ -97,16 +106,28 @@ def measurements_from_json(
 
 
 def _sample(batch: ForwardBatch, row: list) -> Sample:
-    """A saved sample: [wall, comm, transfers] and, from files that have it, routed."""
+    """A saved sample: [wall, comm, transfers] and, from files that have it, routed (per
+    layer, or from older files per rank summed over the layers)."""
     wall, comm, transfers, *routed = row
     pairs = tuple((float(n), float(t)) for n, t in transfers)
-    by_rank = tuple((float(o), float(i)) for o, i in (routed[0] if routed else ()))
-    return Sample(batch, float(wall), float(comm), pairs, by_rank)
+    layers = routed[0] if routed else []
+    if layers and not isinstance(layers[0][0], list):
+        layers = [layers]  # sums: one entry
+    by_layer = tuple(tuple((float(o), float(i)) for o, i in layer) for layer in layers)
+    return Sample(batch, float(wall), float(comm), pairs, by_layer)
 
 
-def _ids(n: int, vocab: int) -> torch.Tensor:
-    # random tokens route about evenly, as the plan assumes (one repeated token would not)
-    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(n))
+def _ids(n: int, vocab: int, rank: int = 0) -> torch.Tensor:
+    # random tokens (one repeated token would route every row to the same experts)
+    return torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(n + 7919 * rank))
+
+
+def rank_batches(batch: ForwardBatch, world: int, vocab: int) -> list[ForwardBatch]:
+    """``batch``'s shape on every rank, each with tokens of its own, as the bench's ranks
+    hold different requests: the tokens decide which experts the rows reach, and the same
+    tokens on every rank would double one batch's skew (here a 2048-token forward took 2.61 s
+    so, and 2.17-2.35 s with tokens of each rank's own)."""
+    return [replace(batch, input_ids=_ids(batch.num_tokens, vocab, r)) for r in range(world)]
 
 
 def prefill_batch(seqs: int, tokens: int, prefix: int = 0, vocab: int = 2) -> ForwardBatch:
@@ -129,3 +150,43 @@ def calibration_batches(vocab: int) -> list[ForwardBatch]:
     decode = [decode_batch(*s, vocab) for s in DECODE_SHAPES]
     prefill = [prefill_batch(*s, vocab=vocab) for s in PREFILL_SHAPES]
     return decode + prefill
+
+
+def expert_loads(spec: ModelSpec, sample: Sample) -> list[list[float]]:
+    """Per dispatch, per rank: the bytes of rows its experts got, its own rows less those it
+    sent off plus those it received (every rank ran the same shape). Files saved before the
+    labels named each layer hold one entry, the layers' sums."""
+    c = spec.cfg
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    rows = c.num_experts_per_tok * sample.batch.num_tokens * moe_layers / len(sample.routed or [1])
+    own = rows * c.hidden_size * ROW_BYTES_PER_ELEMENT
+    return [[own - sent + got for sent, got in layer] for layer in sample.routed]
+
+
+def expert_shares(spec: ModelSpec, samples: list[Sample], world: int) -> tuple[float, ...]:
+    """Per rank, the share of all routed rows its experts got, summed over the samples; ()
+    where the samples name no bytes (files saved before they did)."""
+    loads = [layer for s in samples if s.routed for layer in expert_loads(spec, s)]
+    if world < 2 or not loads:
+        return ()
+    per_rank = [max(sum(layer[r] for layer in loads), 1e-9) for r in range(world)]
+    return tuple(r / sum(per_rank) for r in per_rank)
+
+
+def imbalance(spec: ModelSpec, sample: Sample) -> float | None:
+    """The busiest rank's rows over the mean, averaged over the sample's MoE layers (each
+    layer waits for its busiest rank, and which rank that is changes from layer to layer);
+    None where the rows are too few for labels in 0.01 MB to tell."""
+    loads = expert_loads(spec, sample) if sample.routed else []
+    if not loads or min(map(sum, loads)) < 0.5e6 * len(loads[0]):
+        return None
+    return sum(max(layer) * len(layer) / sum(layer) for layer in loads) / len(loads)
+
+
+def imbalances(spec: ModelSpec, samples: list[Sample]) -> tuple[list[float], float]:
+    """Per sample its imbalance (the typical one where it had too few rows to tell), and the
+    typical one (the median; 1 where no sample tells) for a workload not measured."""
+    known = [imbalance(spec, s) for s in samples]
+    told = [i for i in known if i is not None]
+    typical = median(told) if told else 1.0
+    return [typical if i is None else i for i in known], typical

@@ -30,6 +30,7 @@ from moe_overlap.planner.measurements import (
     decode_batch,
     measurements_from_json,
     measurements_json,
+    rank_batches,
 )
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
@@ -57,28 +58,34 @@ def _timed(executor, batches, cfg, record: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def _dispatch_bytes(spans) -> list[list[float]]:
-    """Per rank, the bytes its dispatches sent off it and received, read from their labels."""
-    out = []
-    for rank_spans in spans:
-        found = [_OUT_IN.search(s.name) for s in rank_spans if s.name.startswith("dispatch")]
-        out.append([sum(float(f[j]) * 1e6 for f in found if f) for j in (1, 2)])
-    return out
+def _dispatch_bytes(spans) -> tuple:
+    """Per dispatch (a MoE layer's), per rank: the bytes it sent off the rank and received,
+    read from the dispatches' labels."""
+    found = [
+        [_OUT_IN.search(s.name) for s in rank_spans if s.name.startswith("dispatch")]
+        for rank_spans in spans
+    ]
+    if not all(found) or not all(m for rank in found for m in rank):
+        return ()  # no dispatch, or labels without bytes: nothing to learn
+    return tuple(
+        tuple((float(f[1]) * 1e6, float(f[2]) * 1e6) for f in layer)
+        for layer in zip(*found, strict=True)
+    )
 
 
-def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list, list]:
-    """``rounds`` rounds over every batch (no overlap, recorded) and every pair (``(mode,
-    batches)``: no overlap, then two micro-batches, twice) in turn, so that a burst of load on
+def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
+    """``rounds`` rounds over every shape (its ranks' batches: no overlap, recorded) and every
+    pair (``(mode, batches)``: no overlap, then two micro-batches, twice) in turn, so that a burst of load on
     this shared machine hits every shape alike. Per batch a ``Sample`` (median wall and
     all-to-all time, its all-to-alls' bytes and seconds); per pair a ``PassSample``: the median
     wall without overlap, and with two micro-batches that plus the median of the differences
     between neighbouring runs (a burst of load lifts both runs of a difference alike)."""
     walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
-    routed = [[[0.0, 0.0] for _ in range(ranks)] for _ in batches]
+    routed = [() for _ in batches]  # the same tokens every round: the same routing
     none, extra = [[] for _ in pairs], [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
-            walls[i].append(_timed(executor, [batch] * ranks, NONE, record=True))
+            walls[i].append(_timed(executor, batch, NONE, record=True))
             spans = executor.last_spans
             comms[i].append(
                 max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
@@ -87,14 +94,13 @@ def _rounds(executor, batches, ranks: int, rounds: int, pairs=()) -> tuple[list,
                 found = _MB.search(s.name) if s.track == "comm" else None
                 if found:
                     transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
-            for total, this in zip(routed[i], _dispatch_bytes(spans), strict=True):
-                total[:] = [a + b for a, b in zip(total, this, strict=True)]
+            routed[i] = _dispatch_bytes(spans)
         for i, (mode, pair) in enumerate(pairs):
             for _ in range(2):
                 none[i].append(_timed(executor, pair, NONE))
                 extra[i].append(_timed(executor, pair, TWO_PASSES[mode]) - none[i][-1])
     samples = [
-        Sample(b, median(w), median(c), tuple(t), tuple(map(tuple, r)))
+        Sample(b[0], median(w), median(c), tuple(t), r)
         for b, w, c, t, r in zip(batches, walls, comms, transfers, routed, strict=True)
     ]
     passes = [
@@ -139,21 +145,23 @@ def measure_this(
         max_model_len=max(max(b.prefix_lens) + max(b.extend_lens) for b in batches) + 1,
     ) as llm:
         ex = llm.executor
-        pairs = [
-            (m, [decode_batch(*shape, spec.cfg.vocab_size)] * layout.world) for m, shape in PAIRS
-        ]
+
+        def on_ranks(batch):
+            return rank_batches(batch, layout.world, spec.cfg.vocab_size)
+
+        pairs = [(m, on_ranks(decode_batch(*shape))) for m, shape in PAIRS]
         # decode first: a long prefill widens the cache and slows decode reads
-        decode = [b for b in batches if all(b.is_decode)]
-        prefill = [b for b in batches if not all(b.is_decode)]
+        decode = [on_ranks(b) for b in batches if all(b.is_decode)]
+        prefill = [on_ranks(b) for b in batches if not all(b.is_decode)]
         for mode, pair in pairs:  # warm every path once
             ex.run(pair, TWO_PASSES[mode])
-        for batch in decode:
-            ex.run([batch] * layout.world, NONE)
+        for ranks in decode:
+            ex.run(ranks, NONE)
         # decode steps and pairs are short: more rounds
-        samples, passes = _rounds(ex, decode, layout.world, 3 * (repeat + 1), pairs)
-        for batch in prefill:
-            ex.run([batch] * layout.world, NONE)
-        samples += _rounds(ex, prefill, layout.world, repeat)[0]
+        samples, passes = _rounds(ex, decode, 3 * (repeat + 1), pairs)
+        for ranks in prefill:
+            ex.run(ranks, NONE)
+        samples += _rounds(ex, prefill, repeat)[0]
     return samples, passes
 
 
