@@ -183,10 +183,12 @@ class AllToAllDispatcher(Dispatcher):
         state.pending = self._start("combine", outputs, state.recv, state.send, state.owner)
 
     def combine_blocks(self, state: AllToAllState, num_blocks: int) -> list[range]:
-        """Every rank's blocks, from the gathered counts: each owner's own, balanced by the
-        rows its experts received, so a source knows which of its rows each piece carries."""
-        per_owner = state.all_counts.sum(0).tolist()  # [owner][e]: rows its experts received
-        state.owner_blocks = [balanced_blocks(rows, num_blocks) for rows in per_owner]
+        """Every rank's blocks, from the gathered counts, so a source knows which of its rows
+        each piece carries: each owner's balanced by the rows its experts got from other
+        ranks, the rows its pieces carry (its own rows never cross)."""
+        everyone = state.all_counts  # [source, owner, e]
+        crossing = everyone.sum(0) - everyone.diagonal().T  # [owner, e]: rows from other ranks
+        state.owner_blocks = [balanced_blocks(rows, num_blocks) for rows in crossing.tolist()]
         state.blocks = state.owner_blocks[self.group.rank]
         return state.blocks
 

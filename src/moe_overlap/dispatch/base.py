@@ -81,7 +81,8 @@ class Dispatcher(ABC):
 
     def combine_blocks(self, state: DispatchState, num_blocks: int) -> list[range]:
         """SBO's blocks of this rank's local experts, run in order, each one's outputs sent
-        back as soon as it is done: ``balanced_blocks`` of the rows each expert received."""
+        back as soon as it is done: ``balanced_blocks`` of the rows each expert received (the
+        all-to-all backend: of the rows that cross ranks)."""
         state.blocks = balanced_blocks(state.tokens_per_expert, num_blocks)
         return state.blocks
 
