@@ -93,8 +93,9 @@ class Planner:
             return self._tbo(mode, cfg, batches, record)
         if cfg.mode == "dbo":
             return self._dbo(mode, cfg, batches, record)
-        if cfg.mode == "sbo":
-            ops = self.ops("sbo", cfg.sbo_combine_blocks)
+        if cfg.mode == "sbo":  # the engine makes no more blocks than a rank has experts
+            local = self.spec.cfg.num_experts // self.layout.ep
+            ops = self.ops("sbo", min(cfg.sbo_combine_blocks, local))
             return self._run(mode, [batches], ops, 0, record)
         return self._run(mode, [batches], self.ops("none"), 0, record)
 

@@ -8,30 +8,13 @@ see ``planner/calibration.py``).
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import time
-from pathlib import Path
-from statistics import median
 
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.engine.llm import LLM
-from moe_overlap.planner.calibration import fit_cluster
-from moe_overlap.planner.cluster import Cluster, load_cluster, presets
-from moe_overlap.planner.inputs import ModelSpec, PlanLayout, load_model_spec, make_layout
-from moe_overlap.planner.measurements import (
-    PAIRS,
-    TWO_PASSES,
-    PassSample,
-    Sample,
-    calibration_batches,
-    decode_batch,
-    measurements_from_json,
-    measurements_json,
-    rank_batches,
-)
+from moe_overlap.planner.cluster import load_cluster, presets
+from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
     compare_table,
@@ -44,125 +27,11 @@ from moe_overlap.planner.report import (
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
+from moe_overlap.tools.measure_this import calibrate_this
 from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
 
-_MB = re.compile(r"(\d+(?:\.\d+)?) MB")
-_OUT_IN = re.compile(r"(\d+(?:\.\d+)?) out, (\d+(?:\.\d+)?) in\)")
 NONE = mode_config("none")
-
-
-def _timed(executor, batches, cfg, record: bool = False) -> float:
-    start = time.perf_counter()
-    executor.run(batches, cfg, record=record)
-    return time.perf_counter() - start
-
-
-def _dispatch_bytes(spans) -> tuple:
-    """Per dispatch (a MoE layer's), per rank: the bytes it sent off the rank and received,
-    read from the dispatches' labels."""
-    found = [
-        [_OUT_IN.search(s.name) for s in rank_spans if s.name.startswith("dispatch")]
-        for rank_spans in spans
-    ]
-    if not all(found) or not all(m for rank in found for m in rank):
-        return ()  # no dispatch, or labels without bytes: nothing to learn
-    return tuple(
-        tuple((float(f[1]) * 1e6, float(f[2]) * 1e6) for f in layer)
-        for layer in zip(*found, strict=True)
-    )
-
-
-def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
-    """``rounds`` rounds over every shape (its ranks' batches: no overlap, recorded) and every
-    pair (``(mode, batches)``: no overlap, then two micro-batches, twice) in turn, so that a burst of load on
-    this shared machine hits every shape alike. Per batch a ``Sample`` (median wall and
-    all-to-all time, its all-to-alls' bytes and seconds); per pair a ``PassSample``: the median
-    wall without overlap, and with two micro-batches that plus the median of the differences
-    between neighbouring runs (a burst of load lifts both runs of a difference alike)."""
-    walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
-    routed = [() for _ in batches]  # the same tokens every round: the same routing
-    none, extra = [[] for _ in pairs], [[] for _ in pairs]
-    for _ in range(rounds):
-        for i, batch in enumerate(batches):
-            walls[i].append(_timed(executor, batch, NONE, record=True))
-            spans = executor.last_spans
-            comms[i].append(
-                max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
-            )
-            for s in spans[0]:
-                found = _MB.search(s.name) if s.track == "comm" else None
-                if found:
-                    transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
-            routed[i] = _dispatch_bytes(spans)
-        for i, (mode, pair) in enumerate(pairs):
-            for _ in range(2):
-                none[i].append(_timed(executor, pair, NONE))
-                extra[i].append(_timed(executor, pair, TWO_PASSES[mode]) - none[i][-1])
-    samples = [
-        Sample(b[0], median(w), median(c), tuple(t), r)
-        for b, w, c, t, r in zip(batches, walls, comms, transfers, routed, strict=True)
-    ]
-    passes = [
-        PassSample(pair[0], median(n), median(n) + median(e), mode)
-        for (mode, pair), n, e in zip(pairs, none, extra, strict=True)
-    ]
-    return samples, passes
-
-
-def calibrate_this(
-    spec: ModelSpec, layout: PlanLayout, link: str, repeat: int, saved: str | None = None
-) -> Cluster:
-    """This machine's ranks and link as a Cluster (a run of a few seconds per shape). With
-    ``saved``: the measurements in that file if it exists, else measured and written there."""
-    about = {"config": spec.name, "ep": layout.ep, "world": layout.world, "link": link}
-    if saved and Path(saved).is_file():
-        try:
-            raw = json.loads(Path(saved).read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(
-                f"--calibration {saved}: not JSON ({exc}); remove it to measure again"
-            ) from None
-        samples, passes = measurements_from_json(raw, spec.cfg.vocab_size, about)
-        return fit_cluster(spec, layout, samples, passes)
-    samples, passes = measure_this(spec, layout, link, repeat)
-    if saved:
-        Path(saved).parent.mkdir(parents=True, exist_ok=True)
-        Path(saved).write_text(json.dumps(measurements_json(samples, passes, about)))
-    return fit_cluster(spec, layout, samples, passes)
-
-
-def measure_this(
-    spec: ModelSpec, layout: PlanLayout, link: str, repeat: int
-) -> tuple[list[Sample], list[PassSample]]:
-    """The calibration's measured forwards (``planner/calibration.py`` says which)."""
-    batches = calibration_batches(spec.cfg.vocab_size)
-    with LLM(
-        config=spec.cfg,
-        ep=layout.ep,
-        link=link,
-        max_num_seqs=max(b.num_seqs for b in batches),
-        max_model_len=max(max(b.prefix_lens) + max(b.extend_lens) for b in batches) + 1,
-    ) as llm:
-        ex = llm.executor
-
-        def on_ranks(batch):
-            return rank_batches(batch, layout.world, spec.cfg.vocab_size)
-
-        pairs = [(m, on_ranks(decode_batch(*shape))) for m, shape in PAIRS]
-        # decode first: a long prefill widens the cache and slows decode reads
-        decode = [on_ranks(b) for b in batches if all(b.is_decode)]
-        prefill = [on_ranks(b) for b in batches if not all(b.is_decode)]
-        for mode, pair in pairs:  # warm every path once
-            ex.run(pair, TWO_PASSES[mode])
-        for ranks in decode:
-            ex.run(ranks, NONE)
-        # decode steps and pairs are short: more rounds
-        samples, passes = _rounds(ex, decode, 3 * (repeat + 1), pairs)
-        for ranks in prefill:
-            ex.run(ranks, NONE)
-        samples += _rounds(ex, prefill, repeat)[0]
-    return samples, passes
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
