@@ -9,7 +9,6 @@ import json
 import pytest
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.timeline import Span
 from moe_overlap.planner.calibration import bytes_factor, fit_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import (
@@ -27,7 +26,6 @@ from moe_overlap.planner.measurements import (
 from moe_overlap.planner.plan import Planner
 from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.cli import main
-from moe_overlap.tools.measure_this import sbo_last_ratio
 from tests.test_plan import FLAT
 
 CONFIG = "configs/qwen3-moe-bench.json"
@@ -155,30 +153,6 @@ def test_the_busiest_rank_of_each_layer_sets_the_imbalance() -> None:
     assert imbalance(SPEC, tiny) is None  # 4 rows: labels in 0.01 MB cannot tell
     with pytest.raises(ConfigError, match="expert_imbalance=0.9 must be a number >= 1"):
         dataclasses.replace(TRUTH, expert_imbalance=0.9)
-
-
-def test_sbo_pieces_are_read_from_their_labels_and_kept() -> None:
-    """Per rank and layer the last piece's bytes over an even piece's, averaged; the median
-    over the shapes is the cluster's; files saved without them plan even blocks."""
-    labels = [
-        "layer 0 experts 0/2",
-        "combine piece 0 1.00 MB (mb0; 1.00 out, 0.50 in)",
-        "combine piece 1 3.00 MB (mb0; 3.00 out, 2.00 in)",
-        "combine piece 0 2.00 MB (mb0; 2.00 out, 1.00 in)",
-        "combine piece 1 2.00 MB (mb0; 2.00 out, 1.00 in)",
-    ]
-    spans = [[Span("comm", name, t, t + 1) for t, name in enumerate(labels)]]
-    assert sbo_last_ratio(spans) == pytest.approx((1.5 + 1.0) / 2)
-    assert sbo_last_ratio([[Span("comm", "combine 4.00 MB (mb0)", 0, 1)]]) is None
-    samples, passes = measured_by(TRUTH)
-    assert fit_cluster(SPEC, LAYOUT, samples, passes).sbo_last_block_ratio == 1.0
-    ratios = (1.1, 1.3, 1.2)
-    samples[7:10] = [
-        dataclasses.replace(s, sbo_last_ratio=r) for s, r in zip(samples[7:10], ratios, strict=True)
-    ]
-    raw = json.loads(json.dumps(measurements_json(samples, passes, ABOUT)))
-    again = measurements_from_json(raw, SPEC.cfg.vocab_size, ABOUT)
-    assert fit_cluster(SPEC, LAYOUT, *again).sbo_last_block_ratio == pytest.approx(1.2)
 
 
 def test_each_micro_batch_pays_its_experts_and_dbo_its_hand_overs() -> None:

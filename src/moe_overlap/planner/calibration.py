@@ -2,15 +2,14 @@
 
 The measurements (``planner/measurements.py`` names them, ``tools/measure_this.py`` runs them
 over the engine's ranks and link) are no-overlap forwards of prefill and decode shapes, each
-with its median wall time and its all-to-all spans, decode pairs with and without two
-micro-batches, and the prefill shapes' SBO pieces. The fit goes in steps, fixed costs first, so that no rate can buy a fixed cost
+with its median wall time and its all-to-all spans, and decode pairs with and without two
+micro-batches. The fit goes in steps, fixed costs first, so that no rate can buy a fixed cost
 or the other way round:
 
 1. the link: every all-to-all span, ``latency + bytes / rate``; and the routing, from the
    bytes each rank's dispatches sent and received: per layer the busiest rank's rows over the
-   mean, the share of all routed rows each rank's experts got, the bytes the all-to-alls
-   carried over what those shares carry (per shape, and their median), and the bytes of SBO's
-   last combine piece over an even piece's;
+   mean, the share of all routed rows each rank's experts got, and the bytes the all-to-alls
+   carried over what those shares carry (per shape, and their median);
 2. what each micro-batch after the first costs: per op, per active expert, and per DBO
    hand-over, from the pairs' measured extra less what the plan adds beyond these costs
    (agreement, latencies, the communication it hides), repeated until they settle;
@@ -128,12 +127,6 @@ def fit_link(samples: list[Sample]) -> tuple[float, float]:
     return latency, 1 / per_byte if per_byte > 0 else HUGE
 
 
-def sbo_last_block_ratio(samples: list[Sample]) -> float:
-    """The median over the shapes whose SBO pieces were measured; 1 (even) where none were."""
-    known = [s.sbo_last_ratio for s in samples if s.sbo_last_ratio is not None]
-    return _median(known) if known else 1.0
-
-
 def bytes_factors(
     spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...]
 ) -> list[float]:
@@ -173,7 +166,6 @@ def fit_cluster(
         a2a_bytes_factor=bytes_factor(spec, layout, samples, shares),
         expert_shares=shares,
         expert_imbalance=typical_load,
-        sbo_last_block_ratio=sbo_last_block_ratio(samples),
     )
     # the all-to-alls' time as the plan will time it, with each shape's own routing (its
     # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to

@@ -81,9 +81,6 @@ class Cluster:
     # some ranks' experts, and which ones decides the bytes of uneven micro-batches
     expert_imbalance: float = 1.0  # per MoE layer, the busiest rank's expert rows over the
     # mean (>= 1): the layer waits for that rank, so every rank's experts are timed at it
-    sbo_last_block_ratio: float = 1.0  # SBO's last block's rows over an even block's: the
-    # engine cuts blocks at whole experts, so with few experts per rank the last block, whose
-    # piece nothing hides, can hold more (measured for this machine; 1: cut finely, even)
     comm_sm_share: float = 0.0  # share of compute lost while an all-to-all is in flight
     activation_bytes: int = 2  # bytes per element sent in an all-to-all
     # a chunk with a prefix computes the whole (new x keys) rectangle (CPU SDPA with a mask)
@@ -114,11 +111,6 @@ class Cluster:
             raise ConfigError(
                 f"cluster {self.name}: expert_imbalance={self.expert_imbalance!r} must be a "
                 "number >= 1 (the busiest rank's expert rows over the mean; 1: even)"
-            )
-        if not (is_finite_number(self.sbo_last_block_ratio) and self.sbo_last_block_ratio > 0):
-            raise ConfigError(
-                f"cluster {self.name}: sbo_last_block_ratio={self.sbo_last_block_ratio!r} "
-                "must be a number > 0 (1: SBO's blocks even)"
             )
         if self.comm_sm_share >= 1:
             raise ConfigError(f"cluster {self.name}: comm_sm_share must be below 1")

@@ -38,8 +38,6 @@ class Sample:
     routed: tuple[tuple[tuple[float, float], ...], ...] = ()  # per dispatch (a MoE layer's),
     # per rank: the bytes it sent off the rank and received (which ranks' experts the router
     # favoured there); files saved before per-layer labels hold one entry, the sums
-    sbo_last_ratio: float | None = None  # prefill shapes: SBO's last combine piece's bytes
-    # over an even piece's (measured with the default blocks; None: not measured)
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,6 @@ def measurements_json(samples: list[Sample], passes: list[PassSample], about: di
                 s.comm_s,
                 [list(t) for t in s.transfers],
                 [[list(r) for r in layer] for layer in s.routed],
-                s.sbo_last_ratio,
             ]
             for s in samples
         ],
@@ -109,17 +106,15 @@ def measurements_from_json(
 
 
 def _sample(batch: ForwardBatch, row: list) -> Sample:
-    """A saved sample: [wall, comm, transfers] and, from files that have them, routed (per
-    layer, or from older files per rank summed over the layers) and SBO's last-piece ratio."""
-    wall, comm, transfers, *rest = row
+    """A saved sample: [wall, comm, transfers] and, from files that have it, routed (per
+    layer, or from older files per rank summed over the layers)."""
+    wall, comm, transfers, *routed = row
     pairs = tuple((float(n), float(t)) for n, t in transfers)
-    layers = rest[0] if rest else []
+    layers = routed[0] if routed else []
     if layers and not isinstance(layers[0][0], list):
         layers = [layers]  # sums: one entry
     by_layer = tuple(tuple((float(o), float(i)) for o, i in layer) for layer in layers)
-    ratio = rest[1] if len(rest) > 1 and rest[1] is not None else None
-    last = float(ratio) if ratio is not None else None
-    return Sample(batch, float(wall), float(comm), pairs, by_layer, last)
+    return Sample(batch, float(wall), float(comm), pairs, by_layer)
 
 
 def _ids(n: int, vocab: int, rank: int = 0) -> torch.Tensor:

@@ -147,15 +147,6 @@ def _receive(layer_id: int, kind: str) -> SimOp:
     return op
 
 
-def block_shares(blocks: int, last_ratio: float) -> list[float]:
-    """Each SBO block's share of a layer's rows: the last ``last_ratio`` times an even one's
-    (at most all of them), the others even."""
-    if blocks == 1:
-        return [1.0]
-    last = min(last_ratio / blocks, 1.0)
-    return [(1 - last) / (blocks - 1)] * (blocks - 1) + [last]
-
-
 def experts_then_combine(blocks: int) -> SimOp:
     """SBO's ``experts_combine_a``: each block of experts, then its combine piece at once."""
 
@@ -163,11 +154,10 @@ def experts_then_combine(blocks: int) -> SimOp:
         def op(ctx: SimContext, **_) -> None:
             done: list[float] | None = None
             name = f"layer {layer.layer_id}"
-            shares = block_shares(blocks, ctx.clocks.costs.cluster.sbo_last_block_ratio)
-            for b, share in enumerate(shares):  # blocks after the first: calls of their own
-                ctx.run(f"{name} experts {b}/{blocks}", "experts", share, b > 0)
-                ctx.run(f"{name} combine_a {b}", "combine_a", share, b > 0)
-                piece = [[x * share for x in rank] for rank in ctx.cost.a2a_bytes]
+            for b in range(blocks):  # the blocks after the first make calls of their own
+                ctx.run(f"{name} experts {b}/{blocks}", "experts", 1 / blocks, b > 0)
+                ctx.run(f"{name} combine_a {b}", "combine_a", 1 / blocks, b > 0)
+                piece = [[x / blocks for x in rank] for rank in ctx.cost.a2a_bytes]
                 sent = ctx.clocks.launch(f"{name} combine piece {b}", piece)
                 done = (
                     sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]

@@ -1,14 +1,12 @@
 """``--cluster this``'s measuring run: the engine's ranks over ``--link`` run the shapes that
 ``planner/measurements.py`` names (no-overlap forwards in rounds, decode pairs with and without
-two micro-batches, one SBO forward per prefill shape for its pieces), and their saved form
-(``plan --calibration PATH``); ``planner/calibration.py`` fits them."""
+two micro-batches), kept by ``plan --calibration PATH``; ``planner/calibration.py`` fits them."""
 
 from __future__ import annotations
 
 import json
 import re
 import time
-from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -33,8 +31,6 @@ from moe_overlap.tools.bench import mode_config
 _MB = re.compile(r"(\d+(?:\.\d+)?) MB")
 _OUT_IN = re.compile(r"(\d+(?:\.\d+)?) out, (\d+(?:\.\d+)?) in\)")
 NONE = mode_config("none")
-SBO = mode_config("sbo")  # its default blocks, which a plan of sbo uses
-_PIECE = re.compile(r"combine piece (\d+) (\d+(?:\.\d+)?) MB")
 
 
 def _timed(executor, batches, cfg, record: bool = False) -> float:
@@ -146,24 +142,5 @@ def measure_this(
         samples, passes = _rounds(ex, decode, 3 * (repeat + 1), pairs)
         for ranks in prefill:
             ex.run(ranks, NONE)
-        measured = _rounds(ex, prefill, repeat)[0]
-        for sample, ranks in zip(measured, prefill, strict=True):  # SBO's pieces, untimed
-            ex.run(ranks, SBO, record=True)
-            samples.append(replace(sample, sbo_last_ratio=sbo_last_ratio(ex.last_spans)))
+        samples += _rounds(ex, prefill, repeat)[0]
     return samples, passes
-
-
-def sbo_last_ratio(spans) -> float | None:
-    """The bytes of SBO's last combine piece over an even piece's, from the pieces' labels,
-    averaged over ranks and layers (the engine cuts blocks at whole experts, so the last piece,
-    which nothing hides, can hold more than its share); None without pieces."""
-    ratios = []
-    for rank_spans in spans:
-        found = [_PIECE.match(s.name) for s in sorted(rank_spans, key=lambda s: s.start)]
-        pieces = [(int(f[1]), float(f[2])) for f in found if f]
-        blocks = max((b for b, _ in pieces), default=-1) + 1
-        for at in range(0, len(pieces) - blocks + 1, blocks or 1):
-            layer = [mb for _, mb in pieces[at : at + blocks]]
-            if blocks > 1 and sum(layer) > 0:
-                ratios.append(layer[-1] * blocks / sum(layer))
-    return sum(ratios) / len(ratios) if ratios else None
