@@ -175,8 +175,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--sbo-combine-blocks",
         type=int,
         default=2,
-        help="SBO: local experts are run in this many blocks, each block's outputs "
-        "sent back while the next computes (default 2)",
+        help="SBO: local experts are run in this many blocks (at most one per expert), cut "
+        "where the rows that cross ranks balance, each block's outputs sent back while the "
+        "next computes (default 2)",
     )
     o.add_argument(
         "--sbo-comm-sms",
