@@ -2,8 +2,9 @@
 
 ``dispatch_a`` sorts the (token, slot) pairs by expert, which groups them by owning rank,
 gathers every rank's per-expert counts (a tiny synchronous all-gather: SBO's blocks balance
-each owner's rows, and every source must know them) and starts the async all-to-all of hidden
-states; ``dispatch_b`` waits and regroups the received rows by local expert.
+the rows that cross to each owner, and every source must know them) and starts the async
+all-to-all of hidden states; ``dispatch_b`` waits and regroups the received rows by local
+expert.
 ``combine_a`` starts sending the expert outputs back in the order they came; ``combine_b`` waits
 and sums them per token exactly as the local backend does. SBO instead calls
 ``combine_a_block`` once per block of local experts, each block's piece sent as soon as its

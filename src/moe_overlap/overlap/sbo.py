@@ -39,10 +39,11 @@ class CommLane:
     progresses on gloo's own thread, so launching is a plain call and the next block computes
     while the piece is in flight.
 
-    CUDA (built, not yet run on a GPU): the dispatcher launches each piece on its communication
-    stream after an event on the compute stream (``distributed/streams.py: CommStream``), so
-    piece b follows block b's down projection on the GPU while block b + 1 computes, and the
-    consumer's stream waits on the piece's event. What is *not* done is reserving ``comm_sms`` SMs for communication (SGLang: 3 on Hopper, 32
+    CUDA (exact on one H100 in one process; across GPUs over NCCL not yet run): the dispatcher
+    launches each piece on its communication stream after an event on the compute stream
+    (``distributed/streams.py: CommStream``), so piece b follows block b's down projection on
+    the GPU while block b + 1 computes, and the consumer's stream waits on the piece's event.
+    What is *not* done is reserving ``comm_sms`` SMs for communication (SGLang: 3 on Hopper, 32
     on Blackwell) and giving the down GEMM the rest: that needs a communication kernel and a
     GEMM that take an SM budget (DeepEP, DeepGEMM). ``comm_sms`` is validated and recorded
     only; it changes nothing on CPU.

@@ -99,10 +99,8 @@ class CostModel:
         rect = self.cluster.attention_full_rectangle_with_prefix
         works = [Work.of(b, self.layout.attn_tp, rect) for b in children]
         routed = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
-        # the experts' rows: the busiest rank's, which the layer waits for
-        received = (
-            routed / self.layout.ep * (self.cluster.expert_imbalance if self.layout.ep > 1 else 1.0)
-        )
+        hot = self.cluster.expert_imbalance if self.layout.ep > 1 else 1.0
+        received = routed / self.layout.ep * hot  # the busiest rank's: the layer waits for it
         out = MicroBatchCost(op_overhead_s=self.over)
         for w, share in zip(works, self.shares, strict=True):
             for name, s in self.op_seconds(w, received).items():

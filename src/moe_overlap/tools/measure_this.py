@@ -56,11 +56,12 @@ def _dispatch_bytes(spans) -> tuple:
 
 def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
     """``rounds`` rounds over every shape (its ranks' batches: no overlap, recorded) and every
-    pair (``(mode, batches)``: no overlap, then two micro-batches, twice) in turn, so that a burst of load on
-    this shared machine hits every shape alike. Per batch a ``Sample`` (median wall and
-    all-to-all time, its all-to-alls' bytes and seconds); per pair a ``PassSample``: the median
-    wall without overlap, and with two micro-batches that plus the median of the differences
-    between neighbouring runs (a burst of load lifts both runs of a difference alike)."""
+    pair (``(mode, batches)``: no overlap, then two micro-batches, twice) in turn, so that a
+    burst of load on this shared machine hits every shape alike. Per shape a ``Sample``
+    (median wall and all-to-all time, its all-to-alls' bytes and seconds, its routing); per
+    pair a ``PassSample``: the median wall without overlap, and with two micro-batches that
+    plus the median of the differences between neighbouring runs (a burst of load lifts both
+    runs of a difference alike)."""
     walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
     routed = [() for _ in batches]  # the same tokens every round: the same routing
     none, extra = [[] for _ in pairs], [[] for _ in pairs]
