@@ -200,7 +200,7 @@ class AllToAllDispatcher(Dispatcher):
             state.pending = CombinePieces(sum(state.send), state.expert_outputs)
             state.row_of = torch.empty_like(state.perm)
             state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
-        mine = state.owner_blocks[self.group.rank][block]
+        mine = state.blocks[block]
         outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep)
         incoming, recv = piece_layout(state.counts, [b[block] for b in state.owner_blocks])
         rows = state.expert_outputs[state.row_of[outgoing]]

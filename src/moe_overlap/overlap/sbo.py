@@ -3,9 +3,10 @@
 Two overlaps, no micro-batches:
 - dispatch's receive overlaps the shared experts: they run between ``dispatch_a`` (which starts
   the all-to-all) and ``dispatch_b`` (which waits for it);
-- combine overlaps the down projection: this rank's local experts run in blocks of about even
-  rows (``dispatch/base.py: balanced_blocks``), and as soon as a block is done its outputs start
-  back to their source ranks while the next block computes.
+- combine overlaps the down projection: this rank's local experts run in blocks cut where the
+  rows that cross ranks balance (``dispatch/base.py: balanced_blocks``, at whole experts), and
+  as soon as a block is done its outputs start back to their source ranks while the next block
+  computes.
 
 Every rank runs its own batch, so nothing is agreed per forward; the number of combine pieces
 depends only on the settings and the local expert count, which are the same on every rank, and
@@ -71,7 +72,7 @@ class ExpertsThenCombine:
     def __call__(self, ctx: ForwardContext) -> None:
         d = ctx.state.get("dispatch")
         d.expert_outputs = torch.empty_like(d.expert_inputs)
-        blocks = ctx.dispatcher.combine_blocks(d, self.num_blocks)  # even rows, not experts
+        blocks = ctx.dispatcher.combine_blocks(d, self.num_blocks)  # by crossing rows
         for i, experts in enumerate(blocks):
             with _span(ctx, f"layer {self.layer_id} experts {i}/{len(blocks)}"):
                 self.bank.run_experts(
