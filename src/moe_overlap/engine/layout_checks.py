@@ -1,12 +1,55 @@
-"""The reference systems' refusals of flag combinations, each a ConfigError naming the fix."""
+"""Whether a set of engine settings is legal: ``check_settings`` is the one place every
+refusal is asked, each a ConfigError naming the bad value and the fix. The layout's own
+arithmetic lives with the layout (``ParallelConfig``, ``layout_for``, ``resolve_backend``,
+``check_model_fits``); this function runs all of them in order, before any rank starts."""
 
 from __future__ import annotations
 
+import math
+
+from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
 from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.parallel_config import ParallelConfig, check_model_fits
 from moe_overlap.dispatch.factory import resolve_backend
-from moe_overlap.distributed.link import LinkSpec
+from moe_overlap.distributed.layout import layout_for
+from moe_overlap.distributed.link import LinkSpec, parse_link
+from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.load_balance import check_method
+
+
+def check_settings(
+    args: EngineArgs, cfg: ModelConfig, overlap: OverlapConfig
+) -> tuple[ParallelConfig, LinkSpec, str]:
+    """Refuse illegal settings; return the layout, the parsed link and the resolved device."""
+    for name, minimum in (("max_num_seqs", 1), ("seed", 0), ("max_num_batched_tokens", 1)):
+        _check_int(name, getattr(args, name), minimum)
+    if args.max_model_len is not None:
+        _check_int("max_model_len", args.max_model_len, minimum=1)
+    timeout = args.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ConfigError(f"--timeout={timeout!r} must be a number of seconds")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
+    par = ParallelConfig(**args.layout_kwargs())
+    check_method(args.load_balance_method)
+    torch_dtype(args.dtype)
+    device = resolve_device(args.device, ranks_on_this_node(par.world_size))
+    layout_for(par)  # SGLang's refusals, naming the flags
+    check_model_fits(cfg, par)
+    try:
+        link = parse_link(args.link)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_layout(par, overlap, link)
+    check_pdmux(args.enable_pdmux, args.pdmux_prefill_splits, par, overlap)
+    return par, link, device
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not is_int(value) or value < minimum:
+        raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
 
 
 def check_pdmux(on: bool, splits: object, par: ParallelConfig, overlap: OverlapConfig) -> None:

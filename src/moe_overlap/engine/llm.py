@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import Progress
 
-from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
-from moe_overlap.core.engine_config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    EngineSpec,
-)
-from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.parallel_config import ParallelConfig, check_model_fits
-from moe_overlap.distributed.layout import layout_for
-from moe_overlap.distributed.link import LinkSpec, parse_link
 from moe_overlap.engine.detokenize import TextStream
-from moe_overlap.engine.layout_checks import check_layout, check_pdmux
-from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, check_method
-from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS, PrefillWaves
+from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.layout_checks import check_settings
+from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.tokenizer import load_tokenizer
@@ -49,50 +41,47 @@ class LLM:
         model: str | Path | None = None,
         *,
         config: ModelConfig | None = None,
-        seed: int = 0,
-        tp: int = 1,
-        dp: int = 1,
-        ep: int = 1,
-        enable_dp_attention: bool = False,
-        pp: int = 1,
-        enable_pdmux: bool = False,
-        pdmux_prefill_splits: int = DEFAULT_PREFILL_SPLITS,
-        load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        overlap: str | OverlapConfig = "none",
-        link: str = "none",
-        timeout_s: float = 60.0,
         tokenizer: str | Path | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
+        timeout_s: float | None = None,
+        **settings: Any,
     ):
-        if (model is None) == (config is None):
-            raise ConfigError("give exactly one of a model directory or config=ModelConfig(...)")
-        cfg = config or ModelConfig.from_hf(model)
-        for name, value in (("max_num_seqs", max_num_seqs), ("seed", seed)):
-            _check_int(name, value, minimum=0 if name == "seed" else 1)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-        if max_model_len is not None:
-            _check_int("max_model_len", max_model_len, minimum=1)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-            raise ConfigError(f"--timeout={timeout_s!r} must be a number of seconds")
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise ConfigError(f"--timeout={timeout_s!r} must be a positive number of seconds")
-        par = ParallelConfig(tp, dp, ep, enable_dp_attention, pp)
-        check_method(load_balance_method)
-        torch_dtype(dtype)
-        device = resolve_device(device, ranks_on_this_node(par.world_size))
-        layout_for(par)  # SGLang's refusals, naming the flags
-        check_model_fits(cfg, par)
-        if isinstance(overlap, str):
-            overlap = OverlapConfig(mode=overlap)
-        link_spec = _parse_link(link)
-        check_layout(par, overlap, link_spec)
-        check_pdmux(enable_pdmux, pdmux_prefill_splits, par, overlap)
-        max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.config, self.seed, self.max_len = cfg, seed, max_len
+        overlap = settings.pop("overlap", None)
+        if isinstance(overlap, OverlapConfig):  # a whole config: the overlap knobs are its own
+            settings["overlap"] = None
+        elif overlap is not None:
+            settings["overlap"] = overlap
+        if timeout_s is not None:  # the name before --timeout's settings field
+            settings["timeout"] = timeout_s
+        args = EngineArgs.from_kwargs(model=None if model is None else str(model), **settings)
+        if config is not None:
+            if model is not None or args.hf_config is not None:
+                raise ConfigError(
+                    "give exactly one of a model directory or config=ModelConfig(...)"
+                )
+            cfg, model = config, None
+        else:
+            model, hf_config = args.model_source()
+            cfg = ModelConfig.from_hf(model or hf_config)
+        if not isinstance(overlap, OverlapConfig):
+            overlap = args.overlap_config()
+        self._start(args, cfg, model, overlap, tokenizer)
+
+    def _start(
+        self,
+        args: EngineArgs,
+        cfg: ModelConfig,
+        model: str | None,
+        overlap: OverlapConfig,
+        tokenizer: str | Path | None,
+    ) -> None:
+        par, link_spec, device = check_settings(args, cfg, overlap)  # every refusal
+        seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
+        enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
+        max_num_batched_tokens = args.max_num_batched_tokens
+        max_len = min(
+            args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         spec = EngineSpec(
             cfg,
@@ -107,14 +96,14 @@ class LLM:
         )
         spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
         self.spec, self.parallel = spec, par
-        self.executor = start_executor(spec, link_spec, float(timeout_s))
+        self.executor = start_executor(spec, link_spec, float(args.timeout))
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
             spec.kv_slots,
             max_len,
             max_num_batched_tokens,
             cfg.eos_token_id,
-            load_balance_method,
+            args.load_balance_method,
             PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, max_num_batched_tokens)
             if enable_pdmux
             else None,
@@ -249,15 +238,3 @@ def _is_integer(value: object) -> bool:
     if isinstance(value, torch.Tensor | np.ndarray):
         return value.ndim == 0 and _integer_dtype(value.dtype)
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not is_int(value) or value < minimum:
-        raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
-
-
-def _parse_link(link: object) -> LinkSpec:
-    try:
-        return parse_link(link)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None

@@ -4,7 +4,6 @@ shape (``{"error": {"message", "type", "code"}}``) with a 4xx or 503 status."""
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,8 +13,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moe_overlap.engine.loop import EngineDead
 from moe_overlap.engine.request import InvalidRequestError
+from moe_overlap.server.settings import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ServerSettings"]
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -23,14 +23,6 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     503: "service_unavailable",
 }
-
-
-@dataclass
-class ServerSettings:
-    model_name: str
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_prompt_tokens: int | None = None  # None: the model's context less one token
 
 
 class APIError(Exception):

@@ -13,9 +13,18 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
+from moe_overlap.engine.args import LayoutArgs
+from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
-from moe_overlap.tools.cli_args import add_device_args, add_link_arg, add_model_args, device_kwargs
+from moe_overlap.tools.cli_args import (
+    add_device_args,
+    add_link_arg,
+    add_model_args,
+    device_kwargs,
+    model_path,
+)
+from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
 from moe_overlap.tools.trace import write_outputs
@@ -32,8 +41,8 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     spec = parse_link(args.link)
-    cfg = ModelConfig.from_hf(args.config or PROBE_CONFIG)
-    kw = dict(ep=args.ep, link=args.link, timeout_s=args.timeout, **device_kwargs(args))
+    cfg = ModelConfig.from_hf(args.hf_config or PROBE_CONFIG)
+    kw = dict(ep=args.ep, link=args.link, timeout=args.timeout, **device_kwargs(args))
     with LLM(config=cfg, **kw) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
@@ -67,7 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--modes with dbo needs 2 or more ranks (--ep or --tp)")
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
-    cfg = ModelConfig.from_hf(args.model or args.config)
+    cfg = ModelConfig.from_hf(model_path(args))
     workload = parse_workload(args.workload, par.attn_dp, args.seed)  # a batch per DP group
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
     if longest > cfg.max_position_embeddings:
@@ -76,14 +85,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
         )
     slots = max(len(lengths) for lengths in workload.lengths)
-    source = {"model": args.model} if args.model else {"config": cfg}
+    source = (
+        {"model": args.model, "load_format": args.load_format} if args.model else {"config": cfg}
+    )
     console = Console()
     with LLM(
         **source,
         seed=args.seed,
         **layout_kwargs(args),
         link=args.link,
-        timeout_s=args.timeout,
+        timeout=args.timeout,
         **device_kwargs(args),
         max_num_seqs=slots,
         max_model_len=longest,
@@ -99,11 +110,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             overrides={"auto": auto},
         )
     title = (
-        f"{Path(args.model or args.config).stem}, {par.describe()}, --link {args.link}, "
+        f"{Path(model_path(args)).stem}, {par.describe()}, --link {args.link}, "
         f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
     )
     console.print(bench_table(report, title))
-    payload = {"model": args.model or args.config, **layout_kwargs(args), "link": args.link}
+    payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
     write_outputs(console, report.recording, args, payload | report.to_json())
     return 0
 
@@ -115,14 +126,13 @@ def add_bench_commands(sub) -> None:
         description="Start --ep ranks over --link and time all-to-alls of --mib MiB per rank, "
         "next to size/rate.",
     )
-    probe.add_argument("--ep", type=int, default=2, help="ranks (default 2)")
+    add_fields(probe, LayoutArgs, only=("ep", "timeout"))
     add_link_arg(probe)
     add_device_args(probe)
     probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
     probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
-    probe.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     probe.add_argument(
-        "--config",
+        "--hf-config",
         default=None,
         metavar="JSON",
         help=f"model config for the ranks (default {PROBE_CONFIG})",
@@ -139,7 +149,6 @@ def add_bench_commands(sub) -> None:
     )
     add_model_args(bench)
     add_layout_args(bench)
-    bench.set_defaults(ep=2)  # the bench's default layout: pure EP over two ranks
     add_link_arg(bench)
     add_device_args(bench)
     bench.add_argument(
@@ -156,7 +165,7 @@ def add_bench_commands(sub) -> None:
         "+time-split], e.g. tbo4+time-split (default: %(default)s)",
     )
     bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
-    bench.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    add_fields(bench, LayoutArgs, only=("timeout",))
     bench.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     bench.add_argument(
         "--trace",
@@ -165,9 +174,5 @@ def add_bench_commands(sub) -> None:
         "and one per rank for communication",
     )
     bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
-    bench.add_argument(
-        "--log-overlap-decisions",
-        action="store_true",
-        help="mode auto: print each forward's choice and predicted times (also in --trace)",
-    )
+    add_fields(bench, OverlapArgs, only=("log_overlap_decisions",))
     bench.set_defaults(func=cmd_bench)

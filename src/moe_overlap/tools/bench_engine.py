@@ -19,6 +19,7 @@ from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import SamplingParams
 from moe_overlap.model.loader import build_model, save_checkpoint
@@ -28,6 +29,7 @@ from moe_overlap.tools.engine_profile import (
     peak_matmul_gflops,
     profiled,
 )
+from moe_overlap.tools.flags import add_fields
 
 
 @dataclass
@@ -185,7 +187,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     has_hf = importlib.util.find_spec("transformers") is not None
     if args.compare_hf and not has_hf:
         raise ConfigError("--compare-hf needs transformers (pip install transformers)")
-    cfg = ModelConfig.from_hf(args.config)
+    cfg = ModelConfig.from_hf(args.hf_config)
     cases = make_cases(args)
     longest = max(c.prompt_len + c.new_tokens for c in cases)
     if longest > cfg.max_position_embeddings:
@@ -206,7 +208,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                 )
             )
     title = (
-        f"{Path(args.config).stem}, one process, {args.threads} threads, fp32, best of "
+        f"{Path(args.hf_config).stem}, one process, {args.threads} threads, fp32, best of "
         f"{args.repeats}; tokens/s: prompt tokens (prefill), generated tokens (decode)"
     )
     console.print(results_table(results, title))
@@ -222,7 +224,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         report = {
-            "config": args.config,
+            "config": args.hf_config,
             "threads": args.threads,
             "repeats": args.repeats,
             "torch": torch.__version__,
@@ -242,7 +244,7 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
         "batch sizes, one process without overlap, on seeded random weights; with "
         "--compare-hf, transformers runs the same weights and prompts in the same run.",
     )
-    p.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    p.add_argument("--hf-config", required=True, metavar="JSON", help="a Hugging Face config.json")
     p.add_argument("--compare-hf", action="store_true", help="also run transformers")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument(
@@ -262,7 +264,7 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-prompt-len", type=int, default=16, help="decode prompts' tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens each decode generates")
     p.add_argument("--repeats", type=int, default=3, help="runs per case; the best counts")
-    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    add_fields(p, ModelArgs, only=("seed",))
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument(
         "--breakdown",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import signal
 import sys
 from collections.abc import Sequence
@@ -15,12 +16,14 @@ from moe_overlap.distributed.netns import (
     cleanup_stale,
     stale_namespaces,
 )
+from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
 from moe_overlap.tools.bench_cli import add_bench_commands
 from moe_overlap.tools.bench_engine import add_bench_engine_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
+from moe_overlap.tools.flags import add_fields, expand_config
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
 
@@ -50,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    cfg = ModelConfig.from_hf(args.config)
+    cfg = ModelConfig.from_hf(args.hf_config)
     model = build_model(cfg, seed=args.seed)
     save_checkpoint(model, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
@@ -81,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-overlap",
         description="Mixture-of-Experts inference across expert-parallel ranks.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -125,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write config.json and model.safetensors (Hub layout), and a small BPE "
         "tokenizer with a chat template trained on text kept in the repo.",
     )
-    make.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    make.add_argument(
+        "--hf-config", required=True, metavar="JSON", help="a Hugging Face config.json"
+    )
     make.add_argument("--out", required=True, metavar="DIR", help="directory to write")
-    make.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    add_fields(make, ModelArgs, only=("seed",))
     make.set_defaults(func=cmd_make_model)
 
     clean = sub.add_parser(
@@ -147,7 +153,19 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds: ranks stopped, namespaces removed
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("moe_overlap")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        argv = expand_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"moe-overlap: error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

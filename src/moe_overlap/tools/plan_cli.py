@@ -13,6 +13,7 @@ import time
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.planner.cluster import load_cluster, presets
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
@@ -27,6 +28,7 @@ from moe_overlap.planner.report import (
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
+from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.measure_this import calibrate_this
 from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
@@ -36,7 +38,7 @@ NONE = mode_config("none")
 
 def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    spec = load_model_spec(args.config)
+    spec = load_model_spec(args.hf_config)
     layout = make_layout(args.tp, args.dp, args.ep, args.enable_dp_attention)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     configs = {m: mode_config(m) for m in names}
@@ -71,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best, sentence = recommend(plans, configs)
     console.print(f"recommended: {sentence}")
     console.print(f"planned in {elapsed:.2f} s")
-    out = {"model": args.config, "cluster": cluster.to_json(), "ep": layout.ep}
+    out = {"model": args.hf_config, "cluster": cluster.to_json(), "ep": layout.ep}
     out |= plan_json(plans, workload.tokens, workload.spec) | {"recommended": best}
     recording = {m: p.spans for m, p in plans.items() if p.spans is not None}
     write_outputs(console, recording, args, out)
@@ -111,7 +113,9 @@ def add_plan_command(sub) -> None:
         "from FLOPs and bytes on a cluster, and print each mode's predicted time, speed-up, "
         "limit max(T_comp, T_comm), bottleneck and the flags to use.",
     )
-    plan.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    plan.add_argument(
+        "--hf-config", required=True, metavar="JSON", help="a Hugging Face config.json"
+    )
     plan.add_argument(
         "--cluster",
         required=True,
@@ -121,7 +125,7 @@ def add_plan_command(sub) -> None:
     )
     plan.add_argument("--tp", type=int, default=None, help="GPUs (SGLang's tp); default --ep")
     plan.add_argument("--dp", type=int, default=None, help="attention DP groups")
-    plan.add_argument("--ep", type=int, default=2, help="expert-parallel size (default 2)")
+    add_fields(plan, LayoutArgs, only=("ep",))
     plan.add_argument(
         "--enable-dp-attention", action="store_true", help="each DP group has its own requests"
     )
@@ -138,7 +142,7 @@ def add_plan_command(sub) -> None:
         default=",".join(DEFAULT_MODES),
         help="the bench's modes, comma-separated (default: %(default)s)",
     )
-    plan.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    add_fields(plan, ModelArgs, only=("seed",))
     plan.add_argument(
         "--repeat", type=int, default=3, help="--cluster this: forwards per calibration shape"
     )

@@ -17,8 +17,8 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.runtime.torchrun import launched_by_torchrun
-from moe_overlap.server.guards import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
 from moe_overlap.server.run import Server
+from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_serve import (
     LoadResult,
@@ -32,7 +32,9 @@ from moe_overlap.tools.cli_args import (
     add_model_args,
     build_llm,
     engine_kwargs,
+    model_path,
 )
+from moe_overlap.tools.flags import add_fields, from_args
 from moe_overlap.tools.layout_args import layout_kwargs
 
 
@@ -87,59 +89,13 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("server")
-    s.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 opens it to "
-        "the network, so set --api-key too)",
-    )
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    s.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise)",
-    )
-    s.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="the model's id in the API (default: the model directory's or config's name)",
-    )
-    s.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted; larger ones get a 400 (default %(default)s)",
-    )
-    s.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        help="longest prompt accepted, in tokens; longer ones get a 400 (default: the "
-        "model's context less one)",
-    )
-    s.add_argument(
-        "--log-level",
-        choices=("critical", "error", "warning", "info", "debug"),
-        default="warning",
-        help="uvicorn's log level (default warning; info logs every request)",
-    )
+    add_fields(p, ServerSettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port={args.port} must be in 0..65535")
-    if args.max_request_bytes < 1:
-        raise ConfigError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
-    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
-        raise ConfigError(f"--max-prompt-tokens={args.max_prompt_tokens} must be >= 1")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError("--api-key must not be empty")
-    source = Path(args.model).resolve().name if args.model else Path(args.config).stem
-    name = args.served_model_name or source
-    return ServerSettings(name, args.api_key, args.max_request_bytes, args.max_prompt_tokens)
+    path = Path(model_path(args))
+    source = path.stem if path.suffix == ".json" else path.resolve().name
+    return from_args(ServerSettings, args, model_name=args.served_model_name or source)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -176,7 +132,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.duration is not None and not args.duration > 0:
         raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
-    cfg = ModelConfig.from_hf(args.model or args.config)
+    cfg = ModelConfig.from_hf(model_path(args))
     lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
     context = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if max(lengths) + args.output_len > context:
@@ -188,7 +144,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:
         kwargs = {**engine_kwargs(args), "overlap": overlaps[mode]}
-        llm = LLM(args.model, **kwargs) if args.model else LLM(config=cfg, **kwargs)
+        llm = LLM(**kwargs)
         port = free_port()
         server = Server(llm, ServerSettings("bench"), port=port)
         thread = threading.Thread(target=server.run, daemon=True)
@@ -207,7 +163,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             server.stop()
             thread.join()
     title = (
-        f"{Path(args.model or args.config).stem}, {ParallelConfig(**layout_kwargs(args)).describe()}, "
+        f"{Path(model_path(args)).stem}, {ParallelConfig(**layout_kwargs(args)).describe()}, "
         f"--link {args.link}, "
         f"workload {args.workload}, "
         + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
@@ -216,7 +172,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     console.print(load_table(results, title))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": args.model or args.config, **layout_kwargs(args), "link": args.link}
+        payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
         payload |= {"workload": args.workload, "results": [r.to_json() for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results: {args.json}")

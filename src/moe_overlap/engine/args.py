@@ -1,0 +1,151 @@
+"""Every engine setting once: its name, type, default, help, choices and the other engines'
+spellings. The command line's flags are generated from these fields (``tools/flags.py``) and
+``LLM(**kwargs)`` takes the same names, so a default is written here and nowhere else.
+
+A field's metadata: ``help``; ``aliases`` (SGLang's and vLLM's spellings of the flag);
+``choices``; ``parse`` (the argparse type where the default's type does not say it);
+``group`` (the help section); ``metavar``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_overlap.core.device import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES
+from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
+from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
+
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_PREFILL_SPLITS"]
+_OVERLAP = OverlapConfig()  # the overlap knobs' defaults live on OverlapConfig
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def setting(default: Any, help: str, **meta: Any) -> Any:
+    """A settings field: ``default`` and ``help``, with the metadata described above."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def overlap_setting(name: str | None, help: str, **meta: Any) -> Any:
+    """An overlap knob whose default is ``OverlapConfig``'s field ``name``; None: an off flag."""
+    default = getattr(_OVERLAP, name) if name else False
+    return setting(default, help, group="overlap (at most one scheme)", **meta)
+
+
+@dataclass
+class ModelArgs:
+    """Where the weights come from."""
+
+    model: str | None = setting(
+        None,
+        "checkpoint directory: config.json and *.safetensors in the Hub layout",
+        aliases=("--model-path",),
+        metavar="DIR",
+        group="model",
+    )
+    hf_config: str | None = setting(
+        None,
+        "a Hugging Face config.json; the weights are seeded random (see --seed)",
+        metavar="JSON",
+        group="model",
+    )
+    load_format: str = setting(
+        "auto",
+        "auto loads the weights; dummy builds seeded random weights from --model's config.json "
+        "(or --model naming a config.json), as SGLang's and vLLM's --load-format dummy",
+        choices=LOAD_FORMATS,
+        group="model",
+    )
+    seed: int = setting(
+        0,
+        "seed for random weights and for sampling",
+        aliases=("--random-seed",),
+        group="model",
+    )
+
+    def model_source(self) -> tuple[str | None, str | None]:
+        """(checkpoint directory, config.json for random weights): exactly one is set."""
+        if (self.model is None) == (self.hf_config is None):
+            raise ConfigError(
+                "give a model: --model DIR (a checkpoint) or --hf-config JSON (random weights)"
+            )
+        if self.load_format == "dummy" and self.model is not None:
+            path = self.model
+            if not path.endswith(".json"):
+                path = path.rstrip("/") + "/config.json"
+            return None, path
+        return self.model, self.hf_config
+
+
+@dataclass
+class LayoutArgs:
+    """SGLang's layout flags, with SGLang's meanings."""
+
+    tp: int = setting(
+        1,
+        "tensor-parallel ranks of one replica, started on this machine. Attention, dense MLPs "
+        "and the vocabulary split over tp/dp ranks",
+        aliases=("--tp-size", "--tensor-parallel-size", "-tp"),
+        group="layout",
+    )
+    dp: int = setting(
+        1,
+        "data parallelism: with --enable-dp-attention, attention-DP groups inside --tp, each "
+        "with its own requests and KV cache, sharing the MoE; without it, independent replicas "
+        "of the whole layout (world = dp x tp)",
+        aliases=("--dp-size", "--data-parallel-size", "-dp"),
+        group="layout",
+    )
+    enable_dp_attention: bool = setting(
+        False, "run attention data parallel: --dp groups of --tp/--dp ranks each", group="layout"
+    )
+    ep: int = setting(
+        1,
+        "expert-parallel size: routed experts split --ep ways inside --tp (ep < tp: each "
+        "expert's width split tp/ep ways too); with --tp 1, --ep N is pure expert parallelism "
+        "over N ranks",
+        aliases=("--ep-size", "--expert-parallel-size"),
+        group="layout",
+    )
+    pp: int = setting(
+        1,
+        "pipeline stages: contiguous layer ranges (the embedding on the first, the norm and LM "
+        "head on the last), each stage --tp ranks; world = dp x pp x tp",
+        aliases=("--pp-size", "--pipeline-parallel-size", "-pp"),
+        group="layout",
+    )
+    load_balance_method: str = setting(
+        DEFAULT_LOAD_BALANCE_METHOD,
+        "which data-parallel group (replica or attention-DP group) a new request joins: "
+        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests) or "
+        "minimum_tokens (fewest tokens left to compute)",
+        choices=LOAD_BALANCE_METHODS,
+        group="layout",
+    )
+    device: str = setting("cpu", DEVICE_HELP, choices=DEVICES, group="device")
+    dtype: str = setting("float32", DTYPE_HELP, choices=tuple(DTYPES), group="device")
+    link: str = setting(
+        "none",
+        "how ranks talk: none (loopback), netns:RATE (each rank in a network namespace, links "
+        "shaped by tc tbf, e.g. netns:2gbit; needs root), or model:BANDWIDTH,LATENCY (a "
+        "modelled delay, e.g. model:2gbit,50us)",
+        metavar="SPEC",
+        group="device",
+    )
+    timeout: float = setting(
+        60.0,
+        "seconds any collective may wait before the engine stops",
+        metavar="S",
+        group="device",
+    )
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        names = ("tp", "dp", "ep", "enable_dp_attention", "pp")
+        return {name: getattr(self, name) for name in names}

@@ -1,0 +1,193 @@
+"""``EngineArgs``: every engine setting (``engine/args.py`` holds the model and layout ones),
+as vLLM's ``EngineArgs`` and SGLang's ``ServerArgs`` are."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import (
+    A2A_BACKENDS,
+    AUTO_MODES,
+    MODE_MISMATCH,
+    OVERLAP_MODES,
+    SPLIT_POLICIES,
+    OverlapConfig,
+)
+from moe_overlap.engine.args import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PREFILL_SPLITS,
+    LayoutArgs,
+    ModelArgs,
+    overlap_setting,
+    parse_modes,
+    setting,
+)
+
+
+@dataclass
+class CapacityArgs:
+    max_model_len: int | None = setting(
+        None,
+        "longest sequence served (None: the model's max_position_embeddings)",
+        aliases=("--context-length",),
+        parse=int,
+        group="capacity",
+    )
+    max_num_seqs: int = setting(
+        DEFAULT_MAX_NUM_SEQS,
+        "KV cache slots per rank, i.e. sequences running at once",
+        aliases=("--max-running-requests",),
+        group="capacity",
+    )
+    max_num_batched_tokens: int = setting(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "tokens per rank per forward; longer prompts are prefilled in chunks",
+        aliases=("--chunked-prefill-size",),
+        group="capacity",
+    )
+
+
+@dataclass
+class OverlapArgs:
+    moe_a2a_backend: str = overlap_setting(
+        "moe_a2a_backend",
+        "token dispatcher: torch (all-to-all over the EP ranks; needs --ep equal to the world), "
+        "none (SGLang's tensor-parallel MoE: gather the tokens, run the local experts' slices, "
+        "all-reduce), local (one process holds every expert), or auto (local on one rank, "
+        "torch when every rank owns whole experts, else none)",
+        choices=A2A_BACKENDS,
+    )
+    overlap: str | None = setting(
+        None,
+        "the scheme by name: none, tbo, sbo, dbo (as the --enable flags), or auto (ours): every "
+        "forward, the mode predicted fastest from a cost model calibrated at start-up and "
+        "corrected from measured forwards",
+        choices=OVERLAP_MODES,
+        group="overlap (at most one scheme)",
+    )
+    auto_modes: tuple[str, ...] = overlap_setting(
+        "auto_modes",
+        f"with --overlap auto: the modes it chooses among, some of {','.join(AUTO_MODES)} "
+        "(tbo2/tbo3 cut where estimated time balances); leaving out none forces overlap "
+        "wherever an allowed mode fits",
+        parse=parse_modes,
+        metavar="MODES",
+    )
+    log_overlap_decisions: bool = overlap_setting(
+        "log_overlap_decisions",
+        "with --overlap auto: print each forward's choice and the predicted times",
+    )
+    enable_two_batch_overlap: bool = overlap_setting(
+        None,
+        "SGLang TBO: split each batch into micro-batches whose computation and all-to-all "
+        "interleave layer by layer",
+    )
+    tbo_token_distribution_threshold: float = overlap_setting(
+        "tbo_token_distribution_threshold",
+        "two-chunk overlap: cut a sequence in two when the balanced split puts less than this "
+        "share of tokens in one micro-batch (0 disables; <= 0.5)",
+    )
+    num_micro_batches: int = overlap_setting(
+        "num_micro_batches", "micro-batches for TBO (more cut tokens evenly)"
+    )
+    enable_single_batch_overlap: bool = overlap_setting(
+        None,
+        "SGLang SBO: inside each MoE layer, send finished experts' outputs while the rest "
+        "compute, and run shared experts during the dispatch",
+    )
+    tbo_min_tokens: int = overlap_setting(
+        "tbo_min_tokens",
+        "TBO runs only when every busy rank has at least this many tokens this step; raise it "
+        "where small batches lose to the split's overhead",
+    )
+    tbo_split_policy: str = overlap_setting(
+        "tbo_split_policy",
+        "where two-chunk cuts: tokens halves the tokens (SGLang); time balances estimated time "
+        "(a later chunk also attends over the earlier one)",
+        choices=SPLIT_POLICIES,
+    )
+    tbo_mode_mismatch: str = overlap_setting(
+        "tbo_mode_mismatch",
+        "when busy ranks run different forward modes (one prefills, one decodes): off runs "
+        "that step without TBO (SGLang); prefill runs the prefill strategy on every rank (ours)",
+        choices=MODE_MISMATCH,
+    )
+    sbo_combine_blocks: int = overlap_setting(
+        "sbo_combine_blocks",
+        "SBO: local experts are run in this many blocks (at most one per expert), cut where the "
+        "rows that cross ranks balance, each block's outputs sent back while the next computes",
+    )
+    sbo_comm_sms: int = overlap_setting(
+        "sbo_comm_sms", "SBO on CUDA: SMs reserved for communication (recorded; CPU ignores it)"
+    )
+    enable_dbo: bool = overlap_setting(
+        None,
+        "vLLM DBO: two micro-batches on two threads handing a baton at each dispatch and combine",
+    )
+    dbo_decode_token_threshold: int = overlap_setting(
+        "dbo_decode_token_threshold", "DBO runs on decode batches of at least this many tokens"
+    )
+    dbo_prefill_token_threshold: int = overlap_setting(
+        "dbo_prefill_token_threshold", "DBO runs on prefill batches of at least this many tokens"
+    )
+    enable_pdmux: bool = overlap_setting(
+        None,
+        "PD multiplexing (SGLang): prompts are prefilled whole, a range of layers per step, on "
+        "a lane of their own beside the decode batch, so long prompts do not stall running "
+        "decodes; not with --pp, tbo, dbo or auto, and needs attention TP 1",
+    )
+    pdmux_prefill_splits: int = setting(
+        DEFAULT_PREFILL_SPLITS,
+        "with --enable-pdmux: layer ranges a prefill is cut into, one per step",
+        group="overlap (at most one scheme)",
+    )
+
+    def overlap_config(self) -> OverlapConfig:
+        """The one scheme chosen by ``--overlap`` or an ``--enable-*`` flag, with its knobs."""
+        flags = (
+            ("tbo", self.enable_two_batch_overlap),
+            ("sbo", self.enable_single_batch_overlap),
+            ("dbo", self.enable_dbo),
+        )
+        chosen = [name for name, on in flags if on]
+        if self.overlap not in (None, "none", *chosen):
+            chosen.append(self.overlap)
+        if len(chosen) > 1:
+            raise ConfigError(
+                f"overlap schemes {' and '.join(chosen)} are mutually exclusive; enable at most one"
+            )
+        knobs = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(OverlapConfig)
+            if f.name != "mode"
+        }
+        return OverlapConfig(mode=chosen[0] if chosen else "none", **knobs)
+
+
+@dataclass
+class EngineArgs(OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
+    """Every engine setting; ``LLM(**kwargs)`` and the command line take these names."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments, accepting SGLang's and vLLM's names as aliases
+        (``tensor_parallel_size``, ``context_length``, ...)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        aliases = {
+            alias.lstrip("-").replace("-", "_"): f.name
+            for f in dataclasses.fields(cls)
+            for alias in f.metadata.get("aliases", ())
+        }
+        resolved: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            name = aliases.get(key, key)
+            if name not in names:
+                raise ConfigError(f"unknown engine setting {key!r}; see `moe-overlap serve --help`")
+            if name in resolved:
+                raise ConfigError(f"{key!r} and {name!r} name the same setting; give one")
+            resolved[name] = value
+        return cls(**resolved)

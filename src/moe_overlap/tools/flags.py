@@ -1,0 +1,118 @@
+"""Flags generated from settings dataclasses (``engine/args.py``, ``server/settings.py``): one
+flag per field, named after it, with its aliases, type, choices and help, and the default
+read from the field. ``--config FILE`` expands a YAML file of flags, as SGLang and vLLM do."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from moe_overlap.core.errors import ConfigError
+
+T = TypeVar("T")
+HF_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "architectures")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_fields(
+    parser: argparse.ArgumentParser, cls: type, only: Iterable[str] | None = None
+) -> None:
+    """Add a flag for each of ``cls``'s settings fields (those with help), or for ``only``."""
+    wanted = set(only) if only is not None else None
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or (wanted is not None and f.name not in wanted):
+            continue
+        meta = f.metadata
+        title = meta.get("group")
+        target = parser
+        if title is not None:
+            target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        names = (flag_name(f.name), *meta.get("aliases", ()))
+        if isinstance(f.default, bool):
+            target.add_argument(*names, dest=f.name, action="store_true", help=meta["help"])
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        parse = meta.get("parse", type(f.default) if f.default is not None else str)
+        kwargs["type"] = parse
+        for key in ("choices", "metavar"):
+            if key in meta:
+                kwargs[key] = meta[key]
+        target.add_argument(*names, **kwargs)
+
+
+def _help(f: dataclasses.Field) -> str:
+    default = f.default
+    if default is None:
+        return f.metadata["help"]
+    shown = ",".join(default) if isinstance(default, tuple) else default
+    return f"{f.metadata['help']} (default {str(shown).replace('%', '%%')})"
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
+    """``cls`` built from the parsed flags it has (fields the command lacks keep defaults)."""
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and hasattr(args, f.name)
+    }
+    return cls(**(values | extra))
+
+
+def expand_config(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--config FILE`` replaced by the flags in FILE (a YAML mapping of flag
+    names to values), put just after the subcommand so flags on the command line win."""
+    argv = list(argv)
+    spots = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not spots:
+        return argv
+    if len(spots) > 1:
+        raise ConfigError("--config may be given once")
+    i = spots[0]
+    if argv[i] == "--config":
+        if i + 1 >= len(argv):
+            raise ConfigError("--config needs a YAML file of flags")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
+    else:
+        path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
+    flags = config_flags(path)
+    head = 1 if rest and not rest[0].startswith("-") else 0  # after the subcommand
+    return rest[:head] + flags + rest[head:]
+
+
+def config_flags(path: str) -> list[str]:
+    try:
+        import yaml  # only --config needs PyYAML
+    except ImportError:
+        raise ConfigError("--config needs PyYAML: pip install pyyaml") from None
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path} is not valid YAML: {exc}") from None
+    if isinstance(data, dict) and any(key in data for key in HF_CONFIG_KEYS):
+        raise ConfigError(
+            f"--config {path} looks like a Hugging Face config.json; --config is now a YAML "
+            f"file of flags: pass the model config as --hf-config {path}"
+        )
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path} must be a YAML mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in data.items():
+        name = flag_name(str(key).lstrip("-"))
+        if value is True:
+            flags.append(name)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            flags += [name, ",".join(map(str, value))]
+        else:
+            flags += [name, str(value)]
+    return flags
