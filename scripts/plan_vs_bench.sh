@@ -24,11 +24,11 @@ for w in decode:64:512 uniform:30-3072:2048 single-long:3072; do
     --link "$link" --workload "$w" --modes "${modes[$w]}" --repeat "$repeat" \
     --json "$out/bench-$name.json" --trace "$out/bench-$name-trace.json" > "$out/bench-$name.txt"
   if [ ! -f "$out/calibration.json" ]; then
-    flock "$lock" nice -n -10 "$py" -m moe_overlap.tools.cli plan --config "$config" \
+    flock "$lock" nice -n -10 "$py" -m moe_overlap.tools.cli plan --hf-config "$config" \
       --cluster this --ep 2 --link "$link" --workload "$w" --modes "${modes[$w]}" \
       --calibration "$out/calibration.json" > "$out/calibration.txt"
   fi
-  "$py" -m moe_overlap.tools.cli plan --config "$config" --cluster this --ep 2 --link "$link" \
+  "$py" -m moe_overlap.tools.cli plan --hf-config "$config" --cluster this --ep 2 --link "$link" \
     --workload "$w" --modes "${modes[$w]}" --calibration "$out/calibration.json" \
     --json "$out/plan-$name.json" --trace "$out/plan-$name-trace.json" \
     --compare-bench "$out/bench-$name.json" | sed -n '/plan vs bench/,$p'

@@ -89,7 +89,7 @@ def test_max_num_seqs_below_one_is_refused(value):
 
 
 def test_max_num_seqs_zero_in_the_cli_exits_2_without_hanging():
-    args = ["generate", "--config", CONFIG, "--max-num-seqs", "0", "--prompt-ids", "1,2"]
+    args = ["generate", "--hf-config", CONFIG, "--max-num-seqs", "0", "--prompt-ids", "1,2"]
     done = subprocess.run(
         [sys.executable, "-m", "moe_overlap.tools.cli", *args],
         capture_output=True,
@@ -117,7 +117,7 @@ def test_max_num_seqs_zero_in_the_cli_exits_2_without_hanging():
 def test_engine_flags_exit_2_with_one_line_before_any_rank_starts(capsys, flag, value, message):
     start = time.monotonic()
     code, err = run_cli(
-        capsys, "generate", "--config", CONFIG, "--ep", "2", flag, value, "--prompt-ids", "1,2"
+        capsys, "generate", "--hf-config", CONFIG, "--ep", "2", flag, value, "--prompt-ids", "1,2"
     )
     assert (code, err) == (2, [f"moe-overlap: error: {message}"])
     assert time.monotonic() - start < 5, "ranks were started before the flag was checked"
@@ -145,9 +145,9 @@ def test_llm_arguments_name_the_fault(kw, match):
     ("args", "message"),
     [
         (["--ep", "1"], "--ep=1: probing a link needs 2 or more ranks"),
-        (["--mib", "-1"], "--mib=-1 must be positive"),
-        (["--mib", "0"], "--mib=0 must be positive"),
-        (["--repeat", "0"], "--repeat=0 must be >= 1"),
+        (["--ep", "2", "--mib", "-1"], "--mib=-1 must be positive"),
+        (["--ep", "2", "--mib", "0"], "--mib=0 must be positive"),
+        (["--ep", "2", "--repeat", "0"], "--repeat=0 must be >= 1"),
     ],
 )
 def test_probe_link_arguments_exit_2_with_one_line(capsys, args, message):
@@ -157,7 +157,14 @@ def test_probe_link_arguments_exit_2_with_one_line(capsys, args, message):
 def test_bench_workload_longer_than_the_context_fails_at_once(capsys):
     start = time.monotonic()
     code, err = run_cli(
-        capsys, "bench", "--config", CONFIG, "--workload", "single-long:999999", "--modes", "none"
+        capsys,
+        "bench",
+        "--hf-config",
+        CONFIG,
+        "--workload",
+        "single-long:999999",
+        "--modes",
+        "none",
     )
     assert code == 2 and len(err) == 1
     assert "a sequence of 1000000 tokens exceeds" in err[0]

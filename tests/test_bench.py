@@ -67,7 +67,7 @@ def test_bench_end_to_end(tmp_path, capsys):
     code = main(
         [
             "bench",
-            "--config",
+            "--hf-config",
             "configs/qwen3-moe-tiny.json",
             "--ep",
             "2",
@@ -105,9 +105,11 @@ def test_bench_end_to_end(tmp_path, capsys):
 
 
 def test_bench_refuses_bad_modes(capsys):
-    assert main(["bench", "--config", "configs/qwen3-moe-tiny.json", "--modes", "tbo"]) == 2
+    assert main(["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--modes", "tbo"]) == 2
     assert "must include none" in capsys.readouterr().err
-    assert main(["bench", "--config", "configs/qwen3-moe-tiny.json", "--modes", "none,tbo9x"]) == 2
+    assert (
+        main(["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--modes", "none,tbo9x"]) == 2
+    )
     assert "tbo[N][+two-chunk|+time-split]" in capsys.readouterr().err
 
 
@@ -131,7 +133,7 @@ def test_mode_names():
 
 def test_bench_under_tensor_parallelism_splits_its_communication(tmp_path, capsys):
     out = tmp_path / "tp.json"
-    argv = ["bench", "--config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--ep", "2"]
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--ep", "2"]
     argv += ["--workload", "single-long:64", "--repeat", "1", "--modes", "none,dbo"]
     assert main([*argv, "--json", str(out)]) == 0
     assert "tp2 ep2" in capsys.readouterr().out

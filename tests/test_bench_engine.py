@@ -37,7 +37,7 @@ def run_bench_engine(argv: list[str]) -> int:
 def test_bench_engine_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "engine.json"
-    argv = ["--config", "configs/qwen3-moe-tiny.json", "--compare-hf", *TINY_CASES]
+    argv = ["--hf-config", "configs/qwen3-moe-tiny.json", "--compare-hf", *TINY_CASES]
     assert run_bench_engine([*argv, "--threads", "1", "--breakdown", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     names = ["prefill 1x24", "prefill 3x8", "decode batch 2", "decode batch 5"]
@@ -64,12 +64,12 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
 
 def test_bench_engine_alone_and_bad_flags(tmp_path, capsys):
     out = tmp_path / "engine.json"
-    argv = ["--config", "configs/qwen3-moe-tiny.json", *TINY_CASES, "--json", str(out)]
+    argv = ["--hf-config", "configs/qwen3-moe-tiny.json", *TINY_CASES, "--json", str(out)]
     assert run_bench_engine(argv) == 0
     assert all(c["ratio"] is None for c in json.loads(out.read_text())["cases"])
     with pytest.raises(SystemExit):
-        run_bench_engine(["--config", "x.json", "--prefill", "3072"])
-    too_long = ["--config", "configs/qwen3-moe-tiny.json", "--prefill", "1x5000"]
+        run_bench_engine(["--hf-config", "x.json", "--prefill", "3072"])
+    too_long = ["--hf-config", "configs/qwen3-moe-tiny.json", "--prefill", "1x5000"]
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         run_bench_engine(too_long)
 

@@ -10,7 +10,7 @@ CONFIG = "configs/qwen3-moe-tiny.json"
 
 
 def test_make_model_then_generate_prints_the_same_tokens_as_the_api(tmp_path, capsys):
-    assert main(["make-model", "--config", CONFIG, "--out", str(tmp_path), "--seed", "1"]) == 0
+    assert main(["make-model", "--hf-config", CONFIG, "--out", str(tmp_path), "--seed", "1"]) == 0
     capsys.readouterr()
     assert (
         main(
@@ -36,7 +36,7 @@ def test_make_model_then_generate_prints_the_same_tokens_as_the_api(tmp_path, ca
 
 
 def test_make_model_writes_a_tokenizer_and_generate_takes_text(tmp_path, capsys):
-    assert main(["make-model", "--config", CONFIG, "--out", str(tmp_path)]) == 0
+    assert main(["make-model", "--hf-config", CONFIG, "--out", str(tmp_path)]) == 0
     assert (tmp_path / "tokenizer.json").is_file()
     args = ["generate", "--model", str(tmp_path), "--max-new-tokens", "4", "--ignore-eos"]
     capsys.readouterr()
@@ -48,7 +48,7 @@ def test_make_model_writes_a_tokenizer_and_generate_takes_text(tmp_path, capsys)
 
 
 def test_errors_exit_2_with_a_message(tmp_path, capsys):
-    assert main(["generate", "--config", CONFIG, "--prompt-ids", "1,99999"]) == 2
+    assert main(["generate", "--hf-config", CONFIG, "--prompt-ids", "1,99999"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err

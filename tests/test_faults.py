@@ -174,7 +174,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_cli_prints_one_line_and_stops_the_ranks():
-    args = ["generate", "--config", "configs/qwen3-moe-tiny.json", "--ep", "2"]
+    args = ["generate", "--hf-config", "configs/qwen3-moe-tiny.json", "--ep", "2"]
     args += ["--link", "model:1gbit,50ms", "--max-new-tokens", "60", "--ignore-eos"]
     args += ["--prompt-ids", ",".join(map(str, LONG[0]))]
     cli = subprocess.Popen(

@@ -173,7 +173,7 @@ def test_the_strategy_table_drives_the_plan() -> None:
 def test_deepseek_v3_61_layers_plans_in_under_2_s(tmp_path) -> None:
     start = time.perf_counter()
     argv = [
-        "plan", "--config", V3, "--cluster", "2x8-h800", "--tp", "16", "--dp", "16",
+        "plan", "--hf-config", V3, "--cluster", "2x8-h800", "--tp", "16", "--dp", "16",
         "--ep", "16", "--enable-dp-attention", "--workload", "uniform:30-3072",
         "--modes", "none,sbo,tbo,tbo+two-chunk,tbo+time-split,dbo",
         "--json", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.json"),

@@ -193,7 +193,7 @@ def bench_json(path, workload: str, medians: dict[str, float]) -> str:
 
 
 def test_compare_bench_prints_each_modes_error(tmp_path, capsys) -> None:
-    argv = ["plan", "--config", CONFIG, "--cluster", "1x8-h100", "--ep", "2",
+    argv = ["plan", "--hf-config", CONFIG, "--cluster", "1x8-h100", "--ep", "2",
             "--workload", "decode:64:512", "--modes", "none,tbo",
             "--json", str(tmp_path / "plan.json")]  # fmt: skip
     assert main(argv) == 0

@@ -43,7 +43,7 @@ def test_bench_over_the_modelled_link_on_gpus(tmp_path):
     add_bench_commands(parser.add_subparsers())
     out = tmp_path / "bench.json"
     args = parser.parse_args(
-        ["bench", "--config", "configs/qwen3-moe-bench.json", "--device", "cuda"]
+        ["bench", "--hf-config", "configs/qwen3-moe-bench.json", "--device", "cuda"]
         + ["--ep", str(GPUS), "--link", "model:10gbit,50us", "--repeat", "2"]
         + ["--workload", "uniform:256-2048:4096", "--modes", "none,sbo,tbo+two-chunk,dbo"]
         + ["--json", str(out)]

@@ -12,12 +12,11 @@ from moe_overlap.core.errors import ConfigError
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICE_HELP = (
-    "where ranks compute: cpu (gloo; the default), cuda (rank i on cuda:<local rank i>, NCCL "
-    "for the data plane, gloo for control; one process verified on an H100, NCCL across GPUs "
-    "not yet), or auto (cuda when "
-    "every rank on this machine gets its own GPU, else cpu)"
+    "where ranks compute: cpu (gloo), cuda (rank i on cuda:<local rank i>, NCCL for the data "
+    "plane, gloo for control), or auto (cuda when every rank on this machine gets its own GPU, "
+    "else cpu)"
 )
-DTYPE_HELP = "weights and KV cache (routers stay float32); float32 (the default) is exact"
+DTYPE_HELP = "weights and KV cache (routers stay float32); float32 is exact"
 
 
 def ranks_on_this_node(world_size: int) -> int:

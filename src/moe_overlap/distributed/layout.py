@@ -1,5 +1,5 @@
 """Parallel layouts: which global ranks form the TP, PP, EP, moe-TP, attention-TP and
-attention-DP groups (SGLang's arithmetic, DESIGN.md s6). Pure arithmetic; no torch.distributed."""
+attention-DP groups (SGLang's arithmetic). Pure arithmetic; no torch.distributed."""
 
 from __future__ import annotations
 

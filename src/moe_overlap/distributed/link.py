@@ -1,4 +1,4 @@
-"""`--link`: the emulated cross-node link that expert-parallel ranks talk over (DESIGN.md s7).
+"""`--link`: the emulated cross-node link that expert-parallel ranks talk over.
 
 `--link none` is plain loopback; `--link netns:RATE` puts each rank in its own network namespace
 on a private bridge shaped by `tc tbf`; `--link model:BANDWIDTH,LATENCY` adds a modelled delay to

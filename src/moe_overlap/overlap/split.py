@@ -3,7 +3,7 @@
 A plan is a list of children; a child is a list of ``Piece(seq, start, length)``: tokens
 ``start .. start + length - 1`` of this forward's new tokens of sequence ``seq``. A sequence cut
 in two keeps its KV cache row, and its later piece carries the earlier one as prefix, so the
-result is exact as long as the earlier piece runs each layer's attention first (DESIGN.md s4).
+result is exact as long as the earlier piece runs each layer's attention first.
 """
 
 from __future__ import annotations

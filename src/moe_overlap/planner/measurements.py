@@ -124,9 +124,8 @@ def _ids(n: int, vocab: int, rank: int = 0) -> torch.Tensor:
 
 def rank_batches(batch: ForwardBatch, world: int, vocab: int) -> list[ForwardBatch]:
     """``batch``'s shape on every rank, each with tokens of its own, as the bench's ranks
-    hold different requests: the tokens decide how unevenly the experts are loaded (one
-    2048-token forward took 2.61 s with the old calibration tokens on both ranks, 2.17-2.35 s
-    with different tokens per rank, as the bench's 2.17 s)."""
+    hold different requests: the tokens decide how unevenly the experts are loaded, and so the
+    forward's time (docs/planner.md has the measurement)."""
     return [replace(batch, input_ids=_ids(batch.num_tokens, vocab, r)) for r in range(world)]
 
 

@@ -2,7 +2,7 @@
 
 The lane runs a range of a prefill wave's layers on a thread of its own while the rank's main
 thread runs the step's decode batch; on CUDA the lane also launches on a stream of its own,
-joined to the caller's stream at both ends (not yet run on a GPU). Its MoE talks over a second
+joined to the caller's stream at both ends. Its MoE talks over a second
 set of process groups (SGLang's PD-multiplexing TP group), so its collectives never interleave
 with the decode lane's. Between steps it keeps the wave's hidden states and residual; the last
 range returns the logits.

@@ -86,7 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    add_bench_commands(sub)
+    add_bench_engine_command(sub)
+    add_serve_commands(sub)
+    add_plan_command(sub)
+    _add_utilities(sub)
+    return parser
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser(
         "generate",
         help="generate for prompts given as text or token ids",
@@ -118,11 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
     gen.set_defaults(func=cmd_generate)
 
-    add_bench_commands(sub)
-    add_bench_engine_command(sub)
-    add_serve_commands(sub)
-    add_plan_command(sub)
 
+def _add_utilities(sub: argparse._SubParsersAction) -> None:
     make = sub.add_parser(
         "make-model",
         help="write a seeded random checkpoint for a config",
@@ -146,7 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})"
     )
     clean.set_defaults(func=cmd_cleanup)
-    return parser
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

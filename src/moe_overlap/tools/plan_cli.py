@@ -39,7 +39,9 @@ NONE = mode_config("none")
 def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     spec = load_model_spec(args.hf_config)
-    layout = make_layout(args.tp, args.dp, args.ep, args.enable_dp_attention)
+    # the engine's defaults: --tp 1 with --ep N is pure EP, and --dp 1 leaves the groups to --tp
+    tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
+    layout = make_layout(tp, dp, args.ep, args.enable_dp_attention)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     configs = {m: mode_config(m) for m in names}
     if "none" not in configs:
@@ -123,12 +125,7 @@ def add_plan_command(sub) -> None:
         help=f"a preset ({', '.join(presets())}), a cluster JSON file, or this (this machine, "
         "measured by a short run over --link)",
     )
-    plan.add_argument("--tp", type=int, default=None, help="GPUs (SGLang's tp); default --ep")
-    plan.add_argument("--dp", type=int, default=None, help="attention DP groups")
-    add_fields(plan, LayoutArgs, only=("ep",))
-    plan.add_argument(
-        "--enable-dp-attention", action="store_true", help="each DP group has its own requests"
-    )
+    add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention"))
     add_link_arg(plan)
     plan.add_argument(
         "--workload",

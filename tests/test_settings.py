@@ -1,0 +1,151 @@
+"""One source of truth for settings: the flags are generated from the dataclasses, every
+subcommand shows one default per flag, SGLang's and vLLM's spellings parse to the same
+settings, and a YAML --config file of flags works as theirs do."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.server.settings import ServerSettings
+from moe_overlap.tools.cli import build_parser, main
+from moe_overlap.tools.cli_args import engine_args
+from moe_overlap.tools.flags import expand_config, flag_name
+
+CONFIG = "configs/qwen3-moe-tiny.json"
+SETTINGS = {
+    f.name: f for cls in (EngineArgs, ServerSettings) for f in dataclasses.fields(cls) if f.metadata
+}
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(expand_config(argv))
+
+
+def test_every_setting_is_a_flag_of_serve_with_the_fields_default_choices_and_aliases():
+    actions = {a.dest: a for a in subcommands()["serve"]._actions}
+    for name, f in SETTINGS.items():
+        action = actions[name]  # every engine and server setting is a serve flag
+        assert action.default == f.default, name
+        assert flag_name(name) in action.option_strings
+        assert set(f.metadata.get("aliases", ())) <= set(action.option_strings), name
+        assert tuple(action.choices or ()) == tuple(f.metadata.get("choices", ())), name
+
+
+def test_each_flag_has_one_default_across_subcommands():
+    seen = 0
+    for command, parser in subcommands().items():
+        for action in parser._actions:
+            if action.dest in SETTINGS and action.dest not in ("hf_config",):
+                assert action.default == SETTINGS[action.dest].default, (command, action.dest)
+                seen += 1
+    assert seen > 100  # generate, serve, bench-serve, bench, plan, probe-link, ... all checked
+
+
+def test_the_ep_default_is_the_same_in_every_command():
+    defaults = {
+        command: next(a.default for a in parser._actions if a.dest == "ep")
+        for command, parser in subcommands().items()
+        if any(a.dest == "ep" for a in parser._actions)
+    }
+    assert set(defaults) >= {"generate", "serve", "bench", "plan", "probe-link", "bench-serve"}
+    assert set(defaults.values()) == {1}
+
+
+SPELLINGS = [  # (theirs, ours)
+    (["--tp-size", "2"], ["--tp", "2"]),
+    (["--tensor-parallel-size", "2"], ["--tp", "2"]),
+    (["-tp", "2"], ["--tp", "2"]),
+    (["--dp-size", "2"], ["--dp", "2"]),
+    (["--data-parallel-size", "2"], ["--dp", "2"]),
+    (["-dp", "2"], ["--dp", "2"]),
+    (["--ep-size", "2"], ["--ep", "2"]),
+    (["--expert-parallel-size", "2"], ["--ep", "2"]),
+    (["--pp-size", "2"], ["--pp", "2"]),
+    (["--pipeline-parallel-size", "2"], ["--pp", "2"]),
+    (["-pp", "2"], ["--pp", "2"]),
+    (["--context-length", "100"], ["--max-model-len", "100"]),
+    (["--max-running-requests", "8"], ["--max-num-seqs", "8"]),
+    (["--chunked-prefill-size", "64"], ["--max-num-batched-tokens", "64"]),
+    (["--random-seed", "7"], ["--seed", "7"]),
+]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize(("theirs", "ours"), SPELLINGS)
+def test_sglang_and_vllm_spellings_parse_to_our_settings(command, theirs, ours):
+    tail = ["--prompt-ids", "1"] if command == "generate" else []
+    mine = engine_args(parse(command, "--hf-config", CONFIG, *ours, *tail))
+    assert engine_args(parse(command, "--hf-config", CONFIG, *theirs, *tail)) == mine
+    assert mine != engine_args(parse(command, "--hf-config", CONFIG, *tail))
+
+
+def test_model_path_with_load_format_dummy_means_random_weights_from_its_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    args = engine_args(
+        parse(
+            "generate", "--model-path", str(tmp_path), "--load-format", "dummy", "--prompt-ids", "1"
+        )
+    )
+    assert args.model_source() == (None, f"{tmp_path}/config.json")
+    args = engine_args(
+        parse("generate", "--model-path", CONFIG, "--load-format", "dummy", "--prompt-ids", "1")
+    )
+    assert args.model_source() == (None, CONFIG)
+    loaded = engine_args(parse("generate", "--model-path", str(tmp_path), "--prompt-ids", "1"))
+    assert loaded.model_source() == (str(tmp_path), None)
+
+
+def test_llm_keyword_names_and_their_aliases_are_the_flags_names():
+    assert EngineArgs.from_kwargs(tensor_parallel_size=2, context_length=64) == EngineArgs(
+        tp=2, max_model_len=64
+    )
+    with pytest.raises(ConfigError, match="unknown engine setting 'tensor_parallel'"):
+        EngineArgs.from_kwargs(tensor_parallel=2)
+    with pytest.raises(ConfigError, match="'tp_size' and 'tp' name the same setting"):
+        EngineArgs.from_kwargs(tp=2, tp_size=2)
+
+
+def test_a_yaml_config_of_flags_and_the_command_line_overriding_it(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "flags.yaml"
+    path.write_text("tp-size: 2\nep: 2\nenable_dbo: true\nauto-modes: [none, sbo]\nseed: 3\n")
+    args = engine_args(parse("serve", "--config", str(path), "--hf-config", CONFIG, "--seed", "5"))
+    assert (args.tp, args.ep, args.enable_dbo, args.seed) == (2, 2, True, 5)
+    assert args.auto_modes == ("none", "sbo")
+    assert args.overlap_config().mode == "dbo"
+
+
+def test_a_hugging_face_config_given_to_config_names_the_new_flag(capsys):
+    assert main(["generate", "--config", CONFIG, "--prompt-ids", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--hf-config {CONFIG}" in err and "YAML file of flags" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [("- a\n- b\n", "must be a YAML mapping"), ("a: [\n", "is not valid YAML")],
+)
+def test_a_bad_config_file_fails_with_one_line(tmp_path, capsys, text, words):
+    pytest.importorskip("yaml")
+    path = tmp_path / "flags.yaml"
+    path.write_text(text)
+    assert main(["generate", "--config", str(path), "--prompt-ids", "1"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("moe-overlap ")
