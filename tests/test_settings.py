@@ -9,7 +9,9 @@ import dataclasses
 
 import pytest
 
+from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.cli import build_parser, main
@@ -114,6 +116,8 @@ def test_llm_keyword_names_and_their_aliases_are_the_flags_names():
         EngineArgs.from_kwargs(tensor_parallel=2)
     with pytest.raises(ConfigError, match="'tp_size' and 'tp' name the same setting"):
         EngineArgs.from_kwargs(tp=2, tp_size=2)
+    with pytest.raises(ConfigError, match="--load-format='safetensor' must be one of auto, dummy"):
+        EngineArgs.from_kwargs(load_format="safetensor")
 
 
 def test_a_yaml_config_of_flags_and_the_command_line_overriding_it(tmp_path):
@@ -149,3 +153,13 @@ def test_version(capsys):
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("moe-overlap ")
+
+
+def test_load_format_dummy_builds_the_same_random_weights_as_hf_config():
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(CONFIG, load_format="dummy", random_seed=3) as llm:
+        dummy = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(hf_config=CONFIG, seed=3) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == dummy
+    with LLM(config=ModelConfig.from_hf(CONFIG), seed=3) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == dummy

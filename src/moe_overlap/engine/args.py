@@ -70,6 +70,12 @@ class ModelArgs:
         group="model",
     )
 
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"--load-format={self.load_format!r} must be one of {', '.join(LOAD_FORMATS)}"
+            )
+
     def model_source(self) -> tuple[str | None, str | None]:
         """(checkpoint directory, config.json for random weights): exactly one is set."""
         if (self.model is None) == (self.hf_config is None):
