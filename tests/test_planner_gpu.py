@@ -154,6 +154,11 @@ def test_decode_attention_runs_at_flashmla_rates() -> None:
     prefill_rate = dataclasses.replace(model.cluster, decode_attention_tflops=0.0)
     slower = CostModel(V3, prefill_rate, model.layout).micro_batch([decode(128, 4096)] * 8)
     assert attn < slower.seconds["attn_core"][0]  # 660 TFLOPS beats FA3-class 0.55 x 989
+    # one fused kernel: at DeepSeek-V3's shapes it is compute-bound (221 us of FLOPs against
+    # 201 us of KV reads at 3000 GB/s), so faster KV reads change nothing; summing them would
+    free_kv = dataclasses.replace(model.cluster, kv_read_gbps=1e9)
+    same = CostModel(V3, free_kv, model.layout).micro_batch([decode(128, 4096)] * 8)
+    assert same.seconds["attn_core"][0] == pytest.approx(attn)
 
 
 def test_reproduce_runs_in_under_10_s(capsys) -> None:
@@ -169,9 +174,9 @@ def test_plan_without_config_or_cluster_says_what_is_missing(capsys) -> None:
     assert "plan needs --config JSON and --cluster" in capsys.readouterr().err
 
 
-# Cases the planner misses today, reported as they are (docs/planner.md says why); strict, so
+# The case the planner misses today, reported as it is (docs/planner.md says why); strict, so
 # a change that brings one into its band fails here until the docs and this list are updated
-OUT_OF_BAND = {"uniform:30-3072", "decode:256:2000", "decode:32:2000"}
+OUT_OF_BAND = {"uniform:30-3072"}
 
 
 @pytest.mark.parametrize(

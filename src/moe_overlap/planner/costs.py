@@ -221,7 +221,8 @@ class CostModel:
         return out
 
     def _attention(self, w: Work) -> tuple[float, float, float]:
-        """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key)."""
+        """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key
+        still to read: none where a fused decode kernel has read them)."""
         c, tp, act = self.spec.cfg, self.layout.attn_tp, self.cluster.activation_bytes
         h, heads, t = c.hidden_size, c.num_attention_heads / tp, w.tokens
         if c.is_deepseek:
@@ -252,8 +253,11 @@ class CostModel:
         prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
         core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
         decode_rate = self.cluster.decode_attention_tflops * 1e12
-        core += attn_flops / (decode_rate if decode_rate and w.decode_tokens == t else self.attn)
-        return prepare, core, kv_per_key
+        if decode_rate and w.decode_tokens == t:  # one fused kernel (FlashMLA): compute or
+            # KV reads bound it, not their sum
+            kv_s = kv_per_key * w.keys / self.cluster.kv_bytes_per_s
+            return prepare, core + max(attn_flops / decode_rate, kv_s), 0.0
+        return prepare, core + attn_flops / self.attn, kv_per_key
 
     def link_seconds(self, nbytes: list[float]) -> float:
         """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""

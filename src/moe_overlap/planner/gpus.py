@@ -118,7 +118,7 @@ SOFTWARE = {
     "kv_read_share": 3000 / 3350,  # FlashMLA: 3000 GB/s memory-bound on H800 (3.35 TB/s)
     "hbm_efficiency": 0.8,  # DeepGEMM memory-bound shapes: ~2.6 of 3.35 TB/s
     "kernels_per_op": 2,  # DeepSeek-V3 decode profile: ~25 kernels per layer, 13 ops here
-    "kernel_gap_us": 2.0,  # a kernel's start and drain on the GPU, with or without graphs
+    "small_kernel_us": 4.5,  # GPU time of a kernel with almost no work (DeepSeek's profile)
     "kernel_launch_us": 5.0,  # the CPU's cost to launch one kernel (eager mode)
 }
 
@@ -147,13 +147,19 @@ SOURCES = {
     "attention_efficiency": "FlashAttention-3 paper: ~500-600 of 989 BF16 TFLOPS for causal "
     "attention at 2k-4k tokens; FA3-class prefill kernels",
     "decode_attention_tflops": "FlashMLA README: 660 TFLOPS compute-bound decode on H800 "
-    "(0.67 of peak), scaled by this GPU's BF16 peak",
+    "(0.67 of peak), scaled by this GPU's BF16 peak; one fused kernel, so its time is the "
+    "larger of compute and KV reads (DeepSeek's decode profile: 255 us for 128 sequences of 4K "
+    "context on H800, this rule gives 221)",
     "kv_read_gbps": "FlashMLA README: 3000 GB/s memory-bound decode on H800's 3.35 TB/s (0.9)",
     "hbm_efficiency": "DeepGEMM README memory-bound shapes (M=64-128): ~2.6 TB/s of 3.35",
-    "op_overhead_us": "2 kernels per op (DeepSeek-V3's profile: ~25 kernels per layer) x 2 us "
-    "each on the GPU (a kernel's start and drain); eager prefill's CPU launches run ahead",
+    "op_overhead_us": "2 kernels per op x 4.5 us: DeepSeek's published decode profile "
+    "(deepseek-ai/profile-data, H800; per kernel as tabulated at zdszero.github.io "
+    "deepseek_profile) has ~25 kernels per layer (13 ops here) and its small kernels (norms, "
+    "quantisation, rotary, top-k, SiLU) take 2-8 us, mean 4.6; eager prefill's CPU launches run "
+    "ahead of the GPU",
     "decode_op_overhead_us": "CUDA graphs in decode (SGLang's default) remove the CPU's ~5 us "
-    "launch per kernel; the GPU's ~2 us per kernel stays",
+    "launch per kernel (cudaLaunchKernel); eager decode pays max(CPU launch, GPU kernel) per "
+    "kernel",
     "a2a_latency_us": "DeepEP normal kernels (prefill) beside their bytes: the CPU waits for "
     "the received counts, then launches the experts with the GPU's queue drained: two launches "
     "(~10 us); the low-latency kernels' times above include theirs",
@@ -188,7 +194,8 @@ def cluster_fields(name: str, graphs: bool = True) -> dict[str, Any]:
             f"GPUs per node 1-8 ({FORMS})"
         )
     g, s = GPUS[kind], SOFTWARE
-    launch = s["kernels_per_op"] * s["kernel_gap_us"]
+    launch = s["kernels_per_op"] * s["small_kernel_us"]
+    eager = s["kernels_per_op"] * max(s["small_kernel_us"], s["kernel_launch_us"])
     return dict(
         name=f"{nodes}x{per_node}-{kind}",
         description=f"{nodes} node(s) x {per_node} NVIDIA {kind.upper()}",
@@ -215,6 +222,6 @@ def cluster_fields(name: str, graphs: bool = True) -> dict[str, Any]:
         ll_combine_gbps=LL_COMBINE_GBPS,
         normal_rdma_gbps=NORMAL_RDMA_GBPS if g.nic_gbps >= 50 else (),
         op_overhead_us=launch,
-        decode_op_overhead_us=launch if graphs else s["kernels_per_op"] * s["kernel_launch_us"],
+        decode_op_overhead_us=launch if graphs else eager,
         sources={"gpu": g.source, **SOURCES},
     )
