@@ -14,7 +14,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.planner import gpus
 from moe_overlap.planner.cluster import Cluster, load_cluster
-from moe_overlap.planner.costs import CostModel
+from moe_overlap.planner.costs import CostModel, node_hit_chance
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.reproduce import CASES, run_case
@@ -200,3 +200,13 @@ def test_each_published_case_lands_in_its_band(case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.workload for c in CASES])
 def test_the_plan_picks_the_mode_measured_faster(case) -> None:
     assert run_case(case, batches_for, mode_config).agrees
+
+
+def test_group_limited_routing_reaches_fewer_nodes() -> None:
+    """DeepSeek-V3 sends a token to 4 of 8 expert groups: a node holding 2 groups (4 nodes) is
+    missed when all 4 chosen groups lie among the other 6."""
+    assert node_hit_chance(8, 4, 4, 8) == pytest.approx(1 - 15 / 70)
+    assert node_hit_chance(8, 4, 2, 8) == pytest.approx(1 - 1 / 70)
+    assert node_hit_chance(1, 1, 4, 8) == pytest.approx(1 - 0.75**8)  # no groups: any expert
+    assert node_hit_chance(8, 4, 3, 8) == pytest.approx(1 - (2 / 3) ** 8)  # groups split nodes
+    assert node_hit_chance(8, 4, 1, 8) == 0.0

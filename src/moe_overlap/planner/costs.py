@@ -41,6 +41,19 @@ class MicroBatchCost:
     sm_share: float = 0.0  # share of compute lost while this micro-batch's transfer is out
 
 
+def node_hit_chance(groups: int, top_groups: int, nodes: int, k: int) -> float:
+    """The chance that a token reaches a given other node. Group-limited routing (DeepSeek-V3:
+    ``topk_group`` of ``n_group`` expert groups per token) with whole groups per node: the
+    node is missed when every chosen group lies elsewhere; otherwise each of the ``k``
+    experts lands anywhere."""
+    if nodes < 2:
+        return 0.0
+    if groups > 1 and groups % nodes == 0:
+        others = groups - groups // nodes
+        return 1 - math.comb(others, top_groups) / math.comb(groups, top_groups)
+    return 1 - (1 - 1 / nodes) ** k
+
+
 class CostModel:
     """Op times of ``spec`` on ``cluster`` under ``layout``."""
 
@@ -152,7 +165,7 @@ class CostModel:
         if cl.a2a_dedup:
             nodes = ep // per_node
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
-            nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
+            nodes_hit = (nodes - 1) * node_hit_chance(c.n_group, c.topk_group, nodes, k)
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
         own = k * moe_tokens
         rows = max(own * (1 - share), (routed - own) * share)
