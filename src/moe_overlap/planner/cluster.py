@@ -1,7 +1,8 @@
 """The hardware a plan runs on: compute rates, memory bandwidth, the all-to-all link, overheads.
 
-A cluster is plain numbers, read from a preset in ``configs/clusters/``, from any JSON file of
-the same shape, or measured on this machine (``calibration.py``). Every rate is what one GPU
+A cluster is plain numbers: built for ``<nodes>x<gpus>-<gpu>`` from the per-GPU table in
+``gpus.py``, read from any JSON file of the same shape, or measured on this machine
+(``calibration.py``). Every rate is what one GPU
 (or one rank) sees; the all-to-all rates are DeepEP-style "bottleneck bandwidths": the bytes one
 rank sends inside its node over ``intra_node_a2a_gbps`` and across nodes over
 ``inter_node_a2a_gbps``, both at once.
