@@ -21,6 +21,8 @@ import pytest
 from openai import OpenAI
 
 from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
+from moe_overlap.engine import scheduler as scheduler_module
+from moe_overlap.engine.sampling import sample
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server.guards import ServerSettings
@@ -202,6 +204,42 @@ def test_bad_requests_get_an_openai_error_and_the_server_survives(served, body, 
     assert code == status and words in reply["error"]["message"]
     assert set(reply["error"]) == {"message", "type", "code"}
     assert served.client().completions.create(model="tiny", prompt="ok", **GREEDY).choices
+
+
+def test_tiny_temperature_or_top_p_is_served_and_the_server_survives(served):
+    greedy = served.client().completions.create(model="tiny", prompt="hi", **GREEDY)
+    for extra in (dict(temperature=1e-39), dict(temperature=1.0, top_p=1e-300)):
+        body = dict(prompt="hi", max_tokens=6, ignore_eos=True, **extra)
+        code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+        assert code == 200 and reply["choices"][0]["text"] == greedy.choices[0].text
+    assert served.raw("GET", "/health")[0] == 200
+
+
+def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, monkeypatch):
+    def flaky(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("injected sampling fault")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(scheduler_module, "sample", flaky)
+    client = served.client()
+    with ThreadPoolExecutor(4) as pool:
+        good = [
+            pool.submit(client.completions.create, model="tiny", prompt=p, **GREEDY)
+            for p in PROMPTS[:3]
+        ]
+        bad = dict(prompt="hi", max_tokens=4, seed=13)
+        code, reply = served.raw("POST", "/v1/completions", json.dumps(bad).encode())
+        assert all(len(f.result().choices[0].token_ids) == 6 for f in good)
+    assert code == 500 and reply["error"]["code"] == "request_failed"
+    assert "injected sampling fault" in reply["error"]["message"]
+    stream = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=4, seed=13, stream=True
+    )
+    with pytest.raises(openai.APIError, match="injected sampling fault"):
+        list(stream)
+    assert served.raw("GET", "/health")[0] == 200
+    assert client.completions.create(model="tiny", prompt="ok", **GREEDY).choices
 
 
 def test_malformed_json_and_bad_chat_messages_are_400(served):

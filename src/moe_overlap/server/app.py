@@ -123,6 +123,8 @@ async def _serve(
         async for index, delta in sub.deltas(request.is_disconnected):
             if delta.error:
                 raise EngineDead(delta.error)
+            if delta.failed:
+                raise APIError(500, f"prompt {index} failed: {delta.failed}", "request_failed")
             choices[index].add(delta)
     finally:
         sub.close()
@@ -143,6 +145,9 @@ async def _events(
             if delta.error:
                 yield sse(error_body(f"the engine stopped: {delta.error}"))
                 break
+            if delta.failed:
+                yield sse(request_failed_body(f"prompt {index} failed: {delta.failed}"))
+                break
             choices[index].add(delta)
             yield fmt.chunk(index, delta)
         if usage:
@@ -154,3 +159,7 @@ async def _events(
 
 def error_body(message: str) -> dict:
     return {"error": {"message": message, "type": "service_unavailable", "code": "engine_dead"}}
+
+
+def request_failed_body(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "code": "request_failed"}}

@@ -21,6 +21,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
