@@ -20,7 +20,6 @@ from moe_overlap.distributed.netns import (
     cleanup_stale,
     process_start_time,
 )
-from moe_overlap.engine import scheduler as scheduler_mod
 from moe_overlap.tools.cli import main
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, netns_names, reference
 
@@ -126,20 +125,21 @@ def test_ctrl_c_during_generate_at_ep1_drops_the_calls_requests(cfg, expected):
         check_next_calls(llm, expected, fed)
 
 
-def test_failure_inside_a_step_leaves_engine_as_before(cfg, expected, monkeypatch):
-    sample, failures = scheduler_mod.sample, [1]
-
-    def sample_failing_once(*args):
-        if failures:
-            failures.pop()
-            raise RuntimeError("sampling failed")
-        return sample(*args)
-
-    monkeypatch.setattr(scheduler_mod, "sample", sample_failing_once)
+def test_failure_inside_a_step_leaves_engine_as_before(cfg, expected):
+    # a forward that raises stops the call; one request's own fault (its sampling) does not,
+    # see test_engine.py::test_a_request_that_fails_in_a_step_fails_alone
     with LLM(config=cfg, max_num_seqs=4, **KW) as llm:
-        with pytest.raises(RuntimeError, match="sampling failed"):
+        failures = [1]
+
+        def failing_once(n: int) -> None:
+            if n == 3 and failures:
+                failures.pop()
+                raise RuntimeError("forward failed")
+
+        fed = record_steps(llm, on_step=failing_once)
+        with pytest.raises(RuntimeError, match="forward failed"):
             llm.generate(LONG, LONG_PARAMS)
-        check_next_calls(llm, expected, record_steps(llm))
+        check_next_calls(llm, expected, fed)
 
 
 def _wrapped_cli(marker: str) -> str:
