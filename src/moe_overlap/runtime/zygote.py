@@ -71,6 +71,7 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_overlap.runtime.zygote", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,  # so no received descriptor lands on 0, 1 or 2
             # c10d warns about every unresolvable hostname inside a network namespace
             env={"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ},
         )
@@ -85,7 +86,9 @@ class Zygote:
         """Fork a rank that serves the driver over ``conn_fd`` (``worker.serve_fd``), in this
         process's current directory, environment and standard streams."""
         env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ}
-        reply = self._ask(("spawn", env, os.getcwd()), [conn_fd, 0, 1, 2])
+        with open(os.devnull, "r+b") as null:  # ranks read no stdin; and for a closed stream
+            out = [fd if _is_open(fd) else null.fileno() for fd in (1, 2)]
+            reply = self._ask(("spawn", env, os.getcwd()), [conn_fd, null.fileno(), *out])
         return ForkedProcess(self, reply)
 
     def reap(self, pid: int) -> int | None:
@@ -104,6 +107,14 @@ class Zygote:
         if kind == "error":
             raise ZygoteError(value)
         return value
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 _lock = threading.Lock()
@@ -148,7 +159,7 @@ def _fork(sock: socket.socket, fds: list[int], env: dict, cwd: str) -> int:
     code = 0
     try:
         sock.close()
-        for target, fd in enumerate(fds[1:]):  # the driver's stdin, stdout and stderr
+        for target, fd in enumerate(fds[1:]):  # stdin (null), the driver's stdout and stderr
             os.dup2(fd, target)
         os.chdir(cwd)
         os.environ.clear()
