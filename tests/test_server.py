@@ -27,8 +27,10 @@ from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
-from moe_overlap.tools.bench_serve import make_prompts, percentile, prompt_lengths, run_load
+from moe_overlap.tools.bench_serve import Target, make_prompts, prompt_lengths, run_load
+from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.serve_cli import add_serve_commands
+from moe_overlap.tools.serving_metrics import percentile
 from tests.helpers import TINY
 
 # the tiny Qwen3 with room for a byte-level tokenizer
@@ -300,10 +302,15 @@ def test_online_load_is_served_without_errors_and_timed(served):
     lengths = prompt_lengths("uniform:5-40", 12, seed=0)
     assert len(lengths) == 12 and all(5 <= n <= 40 for n in lengths)
     prompts = make_prompts(lengths, CFG["vocab_size"], seed=0)
-    result = run_load(served.port, prompts, rate=40.0, output_len=3, seed=0, api_key=KEY)
-    assert result.errors == 0 and result.output_tokens == 12 * 3
+    target = Target(f"http://127.0.0.1:{served.port}/v1", KEY)  # a /v1 suffix is allowed
+    result = run_load(target, prompts, rate=40.0, output_len=3, seed=0, max_concurrency=4)
+    assert result.errors == 0 and result.output_tokens == 12 * 3  # counted from usage
     assert 0 < result.ttft_ms[0] <= result.ttft_ms[1] and 0 < result.itl_ms[0] <= result.itl_ms[1]
     assert result.tokens_per_s > 0 and result.rss_mib[0] > 0 and result.rss_mib[1] > 0
+    summary = result.summary
+    assert summary["total_input_tokens"] == sum(lengths) and summary["output_lens"] == [3] * 12
+    assert summary["median_ttft_ms"] <= summary["p99_ttft_ms"]
+    assert summary["mean_tpot_ms"] > 0 and len(summary["itls"]) == 12 * 2
 
 
 def test_percentile_interpolates():
@@ -420,7 +427,9 @@ def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
 
 def _parse(*argv: str):
     parser = argparse.ArgumentParser()
-    add_serve_commands(parser.add_subparsers())
+    sub = parser.add_subparsers()
+    add_serve_commands(sub)
+    add_bench_serve_command(sub)
     return parser.parse_args(argv)
 
 
@@ -433,6 +442,10 @@ def _parse(*argv: str):
         (["--workload", "single-long:5000"], "exceed the model's context of 1024"),
         (["--num-requests", "0"], "--num-requests=0 must be >= 1"),
         (["--duration", "0"], "--duration=0.0 must be a positive number"),
+        (["--max-concurrency", "0"], "--max-concurrency=0 must be >= 1"),
+        (["--percentile-metrics", "ttft,speed"], "choose from ttft,tpot,itl,e2el"),
+        (["--metric-percentiles", "0"], r"comma-separated numbers in \(0, 100\]"),
+        (["--base-url", "http://x:1", "--modes", "tbo"], "drop one of them"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
@@ -454,6 +467,29 @@ def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
     args = _parse("serve", "--model", str(model_dir), *extra)
     with pytest.raises(ConfigError, match=match):
         args.func(args)
+
+
+def test_bench_serve_measures_a_server_it_did_not_start(served, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    args = _parse(
+        "bench-serve", "--base-url", f"http://127.0.0.1:{served.port}", "--api-key", KEY,
+        "--vocab-size", str(CFG["vocab_size"]), "--workload", "uniform:5-20",
+        "--num-prompts", "6", "--request-rate", "inf", "--max-concurrency", "3",
+        "--output-len", "4", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--json", str(out),
+    )  # fmt: skip
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    for line in ("Serving Benchmark Result", "Successful requests:", "Mean TPOT (ms):",
+                 "P50 E2EL (ms):", "P99 ITL (ms):"):  # fmt: skip
+        assert line in printed
+    [result] = json.loads(out.read_text())["results"]
+    assert result["completed"] == 6 and result["total_output_tokens"] == 24
+    assert result["request_throughput"] > 0 and result["max_concurrency"] == 3
+    assert {"mean_e2el_ms", "p50_ttft_ms", "std_itl_ms", "ttfts", "input_lens"} <= set(result)
+    with pytest.raises(ConfigError, match="give --vocab-size"):
+        bad = _parse("bench-serve", "--base-url", f"http://127.0.0.1:{served.port}")
+        bad.func(bad)
 
 
 def test_serve_refuses_torchrun(model_dir, monkeypatch):
