@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
 from moe_overlap.engine import scheduler as scheduler_module
@@ -249,6 +251,44 @@ def test_malformed_json_and_bad_chat_messages_are_400(served):
     assert code == 400 and reply["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="messages"):
         served.client().chat.completions.create(model="tiny", messages=[])
+
+
+def _metrics(served) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    conn.request("GET", "/metrics")  # open without the key, like /health
+    resp = conn.getresponse()
+    assert resp.status == 200
+    families = text_string_to_metric_families(resp.read().decode())
+    return {
+        s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+        for family in families
+        for s in family.samples
+    }
+
+
+def test_metrics_move_with_requests_and_parse_as_prometheus(served, caplog):
+    before = _metrics(served)
+    client = served.client()
+    with caplog.at_level(logging.INFO, logger="moe_overlap.server"):
+        client.completions.create(model="tiny", prompt="one", **GREEDY)
+        list(client.completions.create(model="tiny", prompt="two", stream=True, **GREEDY))
+    after = _metrics(served)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_overlap.server"]
+    assert len(lines) == 2 and all("6 generated, finish length" in line for line in lines)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert grew["moe_overlap_generation_tokens_total"] == 12
+    assert grew["moe_overlap_prompt_tokens_total"] > 0
+    assert grew["moe_overlap_requests_finished_total{length}"] == 2
+    assert grew["moe_overlap_time_to_first_token_seconds_count"] == 2
+    assert grew["moe_overlap_inter_token_latency_seconds_count"] == 2 * 5
+    assert grew["moe_overlap_e2e_request_latency_seconds_count"] == 2
+    assert after["moe_overlap_engine_up"] == 1 and after["moe_overlap_requests_running"] == 0
+    assert after["moe_overlap_kv_slots_total"] == SLOTS
+    assert after["moe_overlap_overlap_mode_info{none}"] == 1
+    code, version = served.raw("GET", "/version", key="")
+    assert code == 200 and version["version"]
+    code, schema = served.raw("GET", "/openapi.json", key="")
+    assert code == 200 and "/v1/completions" in schema["paths"]
 
 
 def test_wrong_or_missing_key_is_refused_but_health_is_open(served):

@@ -9,6 +9,7 @@ from pathlib import Path
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.runtime.torchrun import launched_by_torchrun
 from moe_overlap.server.guards import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from moe_overlap.server.observability import configure_logging
 from moe_overlap.server.run import Server
 from moe_overlap.tools.cli_args import (
     add_engine_args,
@@ -68,8 +69,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
-        default="warning",
-        help="uvicorn's log level (default warning; info logs every request)",
+        default="info",
+        help="log level of the server's loggers and uvicorn's (default info: a line per "
+        "finished request and a throughput line every 10 s while busy; warning: errors only)",
     )
 
 
@@ -94,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
         )
     with build_llm(args) as llm:
+        configure_logging(args.log_level)
         server = Server(llm, settings, args.host, args.port, args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
