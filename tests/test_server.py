@@ -195,7 +195,7 @@ def test_32_concurrent_requests_equal_offline_generate(served, offline):
         (dict(prompt="hi", max_tokens=5000), 400, "maximum context length is 1024"),
         (dict(prompt="word " * 300), 400, "more than the 200 this server accepts"),
         (dict(prompt="hi", temperature=-1), 400, "temperature"),
-        (dict(prompt="hi", n=2), 400, "n:"),
+        (dict(prompt="hi", n=2), 400, "n=2: more than one choice per prompt"),
         (dict(prompt=""), 400, "prompt 0 is empty"),
         (dict(prompt=[[5, 999]]), 400, "outside the vocabulary"),
         (dict(prompt="hi", stop=[""]), 400, "stop strings must be non-empty"),
@@ -244,6 +244,63 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
         list(stream)
     assert served.raw("GET", "/health")[0] == 200
     assert client.completions.create(model="tiny", prompt="ok", **GREEDY).choices
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 2),
+        ("echo", True),
+        ("logit_bias", {"5": 10}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("best_of", 3),
+        ("suffix", "end"),
+        ("min_tokens", 2),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_a_completion_field_not_implemented_is_refused_by_name(served, field, value):
+    code, reply = served.raw(
+        "POST", "/v1/completions", json.dumps({"prompt": "hi", field: value}).encode()
+    )
+    assert code == 400 and reply["error"]["code"] == "unsupported_parameter"
+    assert (
+        reply["error"]["message"].startswith(f"{field}=")
+        and "not supported" in reply["error"]["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(logprobs=True),
+        dict(top_logprobs=3),
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        dict(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+    ],
+)
+def test_a_chat_field_not_implemented_is_refused_by_name(served, extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    code, reply = served.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    name = next(iter(extra))
+    assert code == 400 and reply["error"]["code"] == "unsupported_parameter"
+    assert name in reply["error"]["message"] and "supported" in reply["error"]["message"]
+
+
+def test_fields_sent_at_values_that_change_nothing_are_served(served, offline):
+    no_ops = dict(n=1, echo=False, presence_penalty=0, frequency_penalty=0.0, best_of=1)
+    no_ops |= dict(logit_bias={}, response_format={"type": "text"}, user="u", not_openai=1)
+    greedy = dict(temperature=0, max_tokens=6)
+    body = no_ops | {"ignore_eos": True}
+    reply = served.client().completions.create(model="tiny", prompt="hi", **greedy, extra_body=body)
+    assert reply.choices[0].text == _offline(offline, ["hi"])[0].text
 
 
 def test_malformed_json_and_bad_chat_messages_are_400(served):

@@ -21,6 +21,7 @@ from moe_overlap.server.observability import (
 from moe_overlap.server.protocol import ChatRequest, CompletionRequest, SamplingFields
 from moe_overlap.server.responses import DONE, Choice, Formatter, sse
 from moe_overlap.server.submission import Submission
+from moe_overlap.server.unsupported import unsupported_field
 
 
 def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
@@ -42,14 +43,14 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body, settings)
+        _check_fields(body, settings, chat=False)
         prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(body.prompts())]
         call = (body, prompts, body.max_tokens, False, request)
         return await _serve(engine, settings, metrics, *call)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        _check_model(body, settings)
+        _check_fields(body, settings, chat=True)
         tok = engine.llm.tokenizer
         if tok is None:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
@@ -63,7 +64,10 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _check_model(body: SamplingFields, settings: ServerSettings) -> None:
+def _check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> None:
+    refused = unsupported_field(body.model_dump(), chat)
+    if refused is not None:
+        raise APIError(400, refused[1], "unsupported_parameter")
     if body.model is not None and body.model != settings.model_name:
         raise APIError(
             404,

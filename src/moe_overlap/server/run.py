@@ -35,7 +35,7 @@ class Server:
         settings: ServerSettings,
         host: str = "127.0.0.1",
         port: int = 8000,
-        log_level: str = "info",
+        log_level: str = "warning",
     ):
         self.engine = EngineLoop(llm)
         self.app = build_app(self.engine, settings)
