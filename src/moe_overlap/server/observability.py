@@ -50,23 +50,13 @@ class ServerMetrics:
     def __init__(self, engine: EngineLoop, overlap_mode: str):
         self.engine = engine
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "moe_overlap_time_to_first_token_seconds",
-            "Time from a request's arrival to its first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "moe_overlap_inter_token_latency_seconds",
-            "Time between a request's successive tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "moe_overlap_e2e_request_latency_seconds",
-            "Time from a request's arrival to its last token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.ttft, self.itl, self.e2e = (
+            Histogram(f"moe_overlap_{name}_seconds", doc, buckets=LATENCY_BUCKETS, registry=r)
+            for name, doc in (
+                ("time_to_first_token", "Time from a request's arrival to its first token"),
+                ("inter_token_latency", "Time between a request's successive tokens"),
+                ("e2e_request_latency", "Time from a request's arrival to its last token"),
+            )
         )
         self.prompt_tokens = Counter(
             "moe_overlap_prompt_tokens", "Prompt tokens of finished requests", registry=r
