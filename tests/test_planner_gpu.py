@@ -174,24 +174,7 @@ def test_plan_without_config_or_cluster_says_what_is_missing(capsys) -> None:
     assert "plan needs --config JSON and --cluster" in capsys.readouterr().err
 
 
-# The case the planner misses today, reported as it is (docs/planner.md says why); strict, so
-# a change that brings one into its band fails here until the docs and this list are updated
-OUT_OF_BAND = {"uniform:30-3072"}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            c,
-            id=c.workload,
-            marks=[pytest.mark.xfail(strict=True, reason="out of band, docs/planner.md")]
-            if c.workload in OUT_OF_BAND
-            else [],
-        )
-        for c in CASES
-    ],
-)
+@pytest.mark.parametrize("case", CASES, ids=[c.workload for c in CASES])
 def test_each_published_case_lands_in_its_band(case) -> None:
     outcome = run_case(case, batches_for, mode_config)
     assert outcome.in_band, f"{case.name}: predicted {outcome.predicted:+.1%}, band {case.band}"
