@@ -47,8 +47,9 @@ class ServerSettings:
         group="server",
     )
     log_level: str = setting(
-        "warning",
-        "uvicorn's log level (info logs every request)",
+        "info",
+        "log level of the server's loggers and uvicorn's (info: a line per finished request "
+        "and a throughput line every 10 s while busy; warning: errors only)",
         choices=LOG_LEVELS,
         group="server",
     )

@@ -14,7 +14,9 @@ from moe_overlap.tools.flags import add_fields, from_args
 DEVICE_FLAGS = ("device", "dtype")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """The model flags; whether one was given is checked where it is used (``model_source``),
+    so ``required`` only documents the caller's intent."""
     add_fields(p, ModelArgs)
 
 
