@@ -1,4 +1,4 @@
-"""The model's configuration: one dataclass for both families, validated field by field."""
+"""The model's configuration: one dataclass for every family, validated field by field."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ _POSITIVE_INTS = (
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
 _BOOLS = ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_LINEAR_DIMS = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 _CHOICES = {
     "scoring_func": ("softmax", "sigmoid"),
     "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
@@ -73,6 +80,16 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # Qwen3.5-MoE: which layers are Gated DeltaNet (linear attention) and their shapes; the
+    # full-attention layers rotate only the first partial_rotary_factor of each head.
+    layer_types: list[str] = field(default_factory=list)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # one gated shared expert of this width
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +97,18 @@ class ModelConfig:
     @property
     def is_deepseek(self) -> bool:
         return self.model_type.startswith("deepseek")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention with a per-sequence recurrent state."""
+        return self.model_type == "qwen3_5_moe"
+
+    def is_linear_layer(self, layer_id: int) -> bool:
+        return self.is_hybrid and self.layer_types[layer_id] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         if self.is_deepseek:
@@ -128,6 +157,8 @@ class ModelConfig:
             self._validate_deepseek()
         else:
             self._validate_qwen3()
+        if self.is_hybrid:
+            self._validate_hybrid()
 
     def _validate_qwen3(self) -> None:
         if not isinstance(self.mlp_only_layers, list) or not all(
@@ -175,6 +206,37 @@ class ModelConfig:
             raise ConfigError(
                 f"first_k_dense_replace={self.first_k_dense_replace} must be in "
                 f"[0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+
+    def _validate_hybrid(self) -> None:
+        kinds = ("linear_attention", "full_attention")
+        if (
+            not isinstance(self.layer_types, list)
+            or len(self.layer_types) != self.num_hidden_layers
+            or any(t not in kinds for t in self.layer_types)
+        ):
+            raise ConfigError(
+                f"layer_types={self.layer_types!r} must list {self.num_hidden_layers} entries "
+                f"(num_hidden_layers), each one of {', '.join(kinds)}"
+            )
+        for name in _LINEAR_DIMS:
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
+                f"linear_num_value_heads={self.linear_num_value_heads}"
+            )
+        if not is_finite_number(self.partial_rotary_factor) or not (
+            0 < self.partial_rotary_factor <= 1
+        ):
+            raise ConfigError(
+                f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1]"
+            )
+        if self.rotary_dim % 2:
+            raise ConfigError(
+                f"head_dim={self.head_dim} x partial_rotary_factor={self.partial_rotary_factor}"
+                f" = {self.rotary_dim} rotary dims must be even"
             )
 
 
