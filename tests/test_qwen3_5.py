@@ -162,3 +162,51 @@ def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
         assert _close(plain[r], got[r]) <= 1e-4
         tracks = {s.track for s in llm.executor.last_spans[r]}
         assert {"mb0", "mb1"} <= tracks, tracks
+
+
+def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
+    """configs/qwen3_5-moe-tiny.json through ``make-model``: transformers loads what it wrote
+    (the Hub's names and config) and computes our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_overlap.tools.cli import main
+
+    assert (
+        main(["make-model", "--config", "configs/qwen3_5-moe-tiny.json", "--out", str(tmp_path)])
+        == 0
+    )
+    prompt = [(11 * i + 5) % 512 for i in range(70)]
+    with LLM(tmp_path) as llm:
+        ours = llm.generate([prompt], SamplingParams(max_new_tokens=1), return_logits=True)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert _close(ours.prompt_logits, ref) <= 1e-4
+
+
+def test_planner_costs_linear_attention_linear_in_context():
+    """The planner's attention core for Qwen3.5: only the full-attention layers' share grows
+    with the context (here 1 of 4 layers), and the time split's cost model says the same."""
+    from moe_overlap.overlap.split import CostModel as SplitCost
+    from moe_overlap.planner.cluster import load_cluster, presets
+    from moe_overlap.planner.costs import CostModel, Work
+    from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+
+    hybrid = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
+    full = ModelConfig.from_hf(
+        hybrid.to_hf() | {"layer_types": ["full_attention"] * hybrid.num_hidden_layers}
+    )
+
+    def growth(cfg: ModelConfig) -> float:
+        costs = CostModel(
+            ModelSpec(cfg, "q", False), load_cluster(presets()[0]), PlanLayout(1, 1, 1)
+        )
+
+        def core(context: int) -> float:
+            work = Work(64, 64.0, 64, 0, 64, 64.0 * context, 64 * context)
+            return costs.op_seconds(work, 128.0)["attn_core"]
+
+        return core(65536) - core(1024)
+
+    assert 0 < growth(hybrid) < 0.3 * growth(full)
+    assert SplitCost.for_model(hybrid).per_pair == 0.25 * SplitCost.for_model(full).per_pair

@@ -150,6 +150,8 @@ class CostModel:
         prepare, core, kv_per_key = self._attention(w)
         experts_active = self.local_experts * (1 - math.exp(-received / self.local_experts))
         expert_w = 3 * h * c.moe_intermediate_size
+        # DeepSeek's shared experts are routed-expert wide; Qwen3.5's one has its own width
+        shared_w = expert_w * c.n_shared_experts + 3 * h * c.shared_expert_intermediate_size
         out = {
             "attn_prepare": prepare,
             "attn_core": core
@@ -169,9 +171,7 @@ class CostModel:
             "combine_a": self._t(0, 0, 2 * received * row),
             "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "shared_experts": self._t(
-                2 * w.moe_tokens * expert_w * c.n_shared_experts,
-                expert_w * c.n_shared_experts,
-                3 * w.moe_tokens * row,
+                2 * w.moe_tokens * shared_w, shared_w, 3 * w.moe_tokens * row
             ),
             "dense_mlp": self._t(
                 2 * w.tokens * 3 * h * c.intermediate_size / tp,
@@ -217,7 +217,34 @@ class CostModel:
         prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act)
         core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act)
         core += attn_flops / self.attn
+        if c.is_hybrid:  # the op's cost averaged over the layers: most are linear attention
+            full = sum(not c.is_linear_layer(i) for i in range(c.num_hidden_layers))
+            share = full / c.num_hidden_layers
+            lin_prepare, lin_core = self._linear_attention(w)
+            prepare = share * prepare + (1 - share) * lin_prepare
+            core = share * core + (1 - share) * lin_core
+            kv_per_key *= share
         return prepare, core, kv_per_key
+
+    def _linear_attention(self, w: Work) -> tuple[float, float]:
+        """A Gated DeltaNet layer's (attn_prepare, attn_core) seconds: linear in the tokens
+        (each updates and reads a ``[heads, dk, dv]`` state), plus one read and one write of
+        each sequence's float32 state, whatever its context."""
+        c, act, t = self.spec.cfg, self.cluster.activation_bytes, w.tokens
+        h, heads = c.hidden_size, c.linear_num_value_heads
+        key_dim, value_dim = (
+            c.linear_num_key_heads * c.linear_key_head_dim,
+            heads * c.linear_value_head_dim,
+        )
+        prep_w = h * (2 * key_dim + 2 * value_dim + 2 * heads)
+        state = heads * c.linear_key_head_dim * c.linear_value_head_dim
+        prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act)
+        core = self._t(
+            2 * t * value_dim * h + 2 * 3 * t * state,  # out_proj; decay, correct, read
+            value_dim * h,
+            2 * t * h * act + 2 * w.pieces * state * 4,
+        )
+        return prepare, core
 
     def link_seconds(self, nbytes: list[float]) -> float:
         """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""
