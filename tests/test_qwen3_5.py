@@ -16,6 +16,7 @@ import torch
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.state_cache import StateOrderError
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
@@ -52,7 +53,11 @@ CASES = {
     "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
     "single-long": [[(7 * i) % 80 for i in range(45)]],
 }
-MODES = ["tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo", "dbo"]
+# the bench's modes; DBO's vLLM thresholds (512 prefill tokens) lowered so these batches split
+MODES = {
+    m: mode_config(m)
+    for m in ("none", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo")
+} | {"dbo": OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)}
 KW = dict(seed=0, max_num_batched_tokens=24)  # chunked prefill and MIXED steps
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
@@ -116,6 +121,14 @@ def test_layouts_refused_with_the_model_and_flag():
         LLM(config=cfg, enable_pdmux=True)
 
 
+def test_bench_refuses_decode_workloads_it_would_replay(capsys):
+    from moe_overlap.tools.cli import main
+
+    argv = ["bench", "--config", "configs/qwen3_5-moe-tiny.json", "--workload", "decode:4:16"]
+    assert main(argv) == 2
+    assert "recurrent state cannot replay a step" in capsys.readouterr().err
+
+
 def test_config_reads_the_hubs_nested_text_config():
     text = ModelConfig(**TINY).to_hf()
     nested = {"model_type": "qwen3_5_moe", "text_config": text}
@@ -132,10 +145,10 @@ def ep2():
         yield llm, base
 
 
-@pytest.mark.parametrize("mode", ["none", *MODES])
+@pytest.mark.parametrize("mode", MODES)
 def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
     llm, base = ep2
-    step, overlap = llm.executor.run, mode_config(mode)
+    step, overlap = llm.executor.run, MODES[mode]
     monkeypatch.setattr(
         llm.executor,
         "run",
@@ -146,6 +159,13 @@ def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
         for a, b in zip(base[case], got, strict=True):
             assert a.token_ids == b.token_ids, (mode, case)
             assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+    # and no fallback to one batch: every rank ran each micro-batch
+    batch = ForwardBatch(torch.tensor([5] * 13 + [7] * 9), [0, 1], [0, 0], [13, 9], [True] * 2)
+    step([batch, batch], overlap, record=True)
+    parts = overlap.num_micro_batches if overlap.mode in ("tbo", "dbo") else 1
+    for r in range(2):
+        tracks = {s.track for s in llm.executor.last_spans[r]}
+        assert {f"mb{i}" for i in range(4)} & tracks == {f"mb{i}" for i in range(parts)}, mode
 
 
 def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
@@ -210,3 +230,48 @@ def test_planner_costs_linear_attention_linear_in_context():
 
     assert 0 < growth(hybrid) < 0.3 * growth(full)
     assert SplitCost.for_model(hybrid).per_pair == 0.25 * SplitCost.for_model(full).per_pair
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2, dp=2, enable_dp_attention=True), dict(pp=2)],
+    ids=["dp-attention+moe-tp", "pp2"],
+)
+def test_other_layouts_match_one_process(ep2, layout):
+    """DP attention (attention TP 1, experts cut by moe-TP) and two pipeline stages (each
+    stage's state cache holds its own layers' states; a prompt cut between pipeline
+    micro-batches runs its pieces in order on every stage), under two-chunk TBO."""
+    _, base = ep2
+    with LLM(
+        config=ModelConfig(**TINY), overlap=mode_config("tbo+two-chunk"), **layout, **KW
+    ) as llm:
+        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    for a, b in zip(base["mixed-batch"], got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4
+
+
+def test_loads_the_hubs_multimodal_layout(tmp_path):
+    """The Hub's Qwen3.5 checkpoints nest the language model: ``text_config`` in config.json and
+    tensors under ``model.language_model.``; they load as the text model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_overlap.model.loader import save_checkpoint
+
+    cfg = ModelConfig(**TINY)
+    save_checkpoint(build_model(cfg, seed=3), tmp_path / "flat")
+    tensors = load_file(tmp_path / "flat" / "model.safetensors")
+    nested = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    (tmp_path / "hub").mkdir()
+    save_file(nested, tmp_path / "hub" / "model.safetensors")
+    config = {"model_type": "qwen3_5_moe", "text_config": cfg.to_hf(), "vision_config": {}}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    prompt = [[4, 8, 15, 16, 23, 42] * 5]
+    outs = []
+    for where in ("flat", "hub"):
+        with LLM(tmp_path / where) as llm:
+            outs.append(llm.generate(prompt, PARAMS, return_logits=True)[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    assert _close(outs[0].prompt_logits, outs[1].prompt_logits) == 0.0
