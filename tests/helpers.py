@@ -172,6 +172,35 @@ def qwen3_5_hf_config(**overrides):
     return Qwen3_5MoeTextConfig(**kw)
 
 
+def glm4_hf_config(**overrides):
+    from transformers import Glm4MoeConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # half of it rotates
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
 def save_hf_model(config, path, seed: int = 0):
     from transformers import AutoModelForCausalLM
 

@@ -12,10 +12,11 @@ from typing import Any
 
 from moe_overlap.core.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "deepseek_v2")
 _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
 }
@@ -37,6 +38,16 @@ _COMMON = (
     "eos_token_id",
 )
 _QWEN3 = ("head_dim", "mlp_only_layers", "decoder_sparse_step")
+_GLM4 = (
+    "head_dim",
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "attention_bias",
+    "use_qk_norm",
+)
 _QWEN3_5 = (
     "head_dim",
     "layer_types",
@@ -98,8 +109,8 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     raw = _text_part(raw)
     model_type = check_model_type(raw.get("model_type"))
     for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ConfigError(f"{flag}=true is not supported: our linears have no bias")
+        if raw.get(flag) and not (flag == "attention_bias" and model_type == "glm4_moe"):
+            raise ConfigError(f"{flag}=true is not supported for {model_type}")
     reader = _Reader(raw)
     common = dict(
         model_type=model_type,
@@ -130,6 +141,8 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         )
     if model_type == "qwen3_5_moe":
         return common | _qwen3_5_fields(raw, reader)
+    if model_type == "glm4_moe":
+        return common | _glm4_fields(raw, reader)
     v3 = model_type == "deepseek_v3"
     return common | dict(
         num_experts=reader.get("n_routed_experts"),
@@ -157,6 +170,9 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
     out["architectures"] = [_ARCHITECTURES[fields["model_type"]]]
     if fields["model_type"] == "qwen3_moe":
         return out | {"num_experts": fields["num_experts"]} | {k: fields[k] for k in _QWEN3}
+    if fields["model_type"] == "glm4_moe":
+        out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
+        return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _GLM4}
     if fields["model_type"] == "qwen3_5_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         out["model_type"] = "qwen3_5_moe_text"  # what transformers' causal LM class reads
@@ -190,6 +206,26 @@ def _qwen3_5_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
         shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
         partial_rotary_factor=params.get(
             "partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)
+        ),
+    )
+
+
+def _glm4_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return dict(
+        num_experts=reader.get_any("n_routed_experts", "num_local_experts"),
+        head_dim=raw.get("head_dim"),
+        first_k_dense_replace=raw.get("first_k_dense_replace", 1),
+        n_shared_experts=raw.get("n_shared_experts", 1),
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
+        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        attention_bias=raw.get("attention_bias", False),
+        use_qk_norm=raw.get("use_qk_norm", False),
+        partial_rotary_factor=params.get(
+            "partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)
         ),
     )
 

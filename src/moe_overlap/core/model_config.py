@@ -26,7 +26,13 @@ _POSITIVE_INTS = (
     "topk_group",
 )
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
-_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")
+_BOOLS = (
+    "norm_topk_prob",
+    "tie_word_embeddings",
+    "rope_interleave",
+    "attention_bias",
+    "use_qk_norm",
+)
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _LINEAR_DIMS = (
     "linear_conv_kernel_dim",
@@ -90,6 +96,9 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0  # one gated shared expert of this width
     partial_rotary_factor: float = 1.0
+    # GLM-4.5: biased q/k/v projections, optional per-head q/k norm
+    attention_bias: bool = False
+    use_qk_norm: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,8 +119,13 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def deepseek_moe(self) -> bool:
+        """DeepSeek-V3's MoE: grouped routing, shared experts, dense first layers (GLM-4.5 too)."""
+        return self.is_deepseek or self.model_type == "glm4_moe"
+
     def is_moe_layer(self, layer_id: int) -> bool:
-        if self.is_deepseek:
+        if self.deepseek_moe:
             return layer_id >= self.first_k_dense_replace
         return (
             layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
@@ -153,12 +167,16 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} does not divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.deepseek_moe:
+            self._validate_deepseek_moe()
         if self.is_deepseek:
-            self._validate_deepseek()
+            self._validate_mla()
         else:
             self._validate_qwen3()
         if self.is_hybrid:
             self._validate_hybrid()
+        if self.model_type == "glm4_moe":
+            self._validate_rotary()
 
     def _validate_qwen3(self) -> None:
         if not isinstance(self.mlp_only_layers, list) or not all(
@@ -179,15 +197,17 @@ class ModelConfig:
             )
         self.head_dim = self.hidden_size // self.num_attention_heads
 
-    def _validate_deepseek(self) -> None:
+    def _validate_mla(self) -> None:
         for name in _DEEPSEEK_DIMS:
             _require_int(name, getattr(self, name), minimum=1)
         if self.q_lora_rank is not None:
             _require_int("q_lora_rank", self.q_lora_rank, minimum=1)
-        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
-        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    def _validate_deepseek_moe(self) -> None:
+        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
+        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
         if self.num_experts % self.n_group:
             raise ConfigError(
                 f"n_group={self.n_group} must be positive and divide n_routed_experts={self.num_experts}"
@@ -227,6 +247,9 @@ class ModelConfig:
                 f"linear_num_key_heads={self.linear_num_key_heads} must divide "
                 f"linear_num_value_heads={self.linear_num_value_heads}"
             )
+        self._validate_rotary()
+
+    def _validate_rotary(self) -> None:
         if not is_finite_number(self.partial_rotary_factor) or not (
             0 < self.partial_rotary_factor <= 1
         ):

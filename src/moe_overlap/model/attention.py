@@ -1,6 +1,7 @@
-"""Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE), and Qwen3.5-MoE's variant:
-an output gate per head (``q_proj`` yields each head's query then its gate), zero-centred q/k
-norms and RoPE on the first ``rotary_dim`` dims of each head only."""
+"""Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE); Qwen3.5-MoE's variant has
+an output gate per head (``q_proj`` yields each head's query then its gate) and zero-centred
+q/k norms; GLM-4.5's has biased q/k/v and the q/k norm optional. Qwen3.5 and GLM-4.5 rotate
+only the first ``rotary_dim`` dims of each head."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ class GQAttention(nn.Module):
         # the first KV head this rank holds: its share, or the one its query heads map to
         first_kv = group.rank * self.heads // (heads // kv_heads)
         kv_rows = range(first_kv * d, (first_kv + self.kv_heads) * d)
-        self.gated = cfg.is_hybrid
-        self.q_proj = ColumnLinear.even(h, heads * d * (2 if self.gated else 1), group)
-        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows)
-        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows)
+        self.gated, bias = cfg.is_hybrid, cfg.attention_bias
+        self.q_proj = ColumnLinear.even(h, heads * d * (2 if self.gated else 1), group, bias)
+        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
+        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
         self.o_proj = RowLinear(heads * d, h, group)
-        offset = 1.0 if cfg.is_hybrid else 0.0
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
-        self.rotary_dim = cfg.rotary_dim if cfg.is_hybrid else d
+        self.qk_norm = cfg.use_qk_norm  # GLM-4.5 may have none
+        if self.qk_norm:
+            offset = 1.0 if cfg.is_hybrid else 0.0
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
+        self.rotary_dim = cfg.rotary_dim
         self.rotary = RotaryEmbedding(self.rotary_dim, cfg.rope_theta)
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
@@ -56,8 +59,10 @@ class GQAttention(nn.Module):
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, self.heads * self.head_dim)
-        q = self.q_norm(q.reshape(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q = q.reshape(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         q, k = self._rotate(q, ctx.positions), self._rotate(k, ctx.positions)
         return (q, k, v) if gate is None else (q, k, v, gate)

@@ -128,7 +128,7 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
             noise = torch.randn(shape, generator=gen, dtype=torch.float32)
             if len(shape) >= 2:
                 value = noise * shape[-1] ** -0.5
-            elif name.endswith("e_score_correction_bias") or name in centred:
+            elif name.endswith(("e_score_correction_bias", ".bias")) or name in centred:
                 value = 0.1 * noise
             else:  # norm weights (and Qwen3.5's per-head decay parameters)
                 value = 1.0 + 0.1 * noise

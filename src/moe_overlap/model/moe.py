@@ -45,7 +45,7 @@ class Router(nn.Module):
         # transformers' DeepSeek-V2 router ignores norm_topk_prob (it only scales)
         if cfg.norm_topk_prob and cfg.model_type != "deepseek_v2":
             weights = weights / (
-                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.is_deepseek else 0)
+                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.deepseek_moe else 0)
             )
         return ids, weights * cfg.routed_scaling_factor
 
