@@ -7,6 +7,8 @@ import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.engine import scheduler as scheduler_module
+from moe_overlap.engine.sampling import sample
 from moe_overlap.model.layers import AttentionPlan
 from tests.helpers import TINY
 
@@ -57,6 +59,38 @@ def test_sampling_is_seeded_and_respects_top_k(config):
     assert [o.token_ids for o in run(config, params=top1)] == [o.token_ids for o in greedy]
     tiny_p = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
     assert [o.token_ids for o in run(config, params=tiny_p)] == [o.token_ids for o in greedy]
+
+
+def test_tiny_temperatures_are_greedy_and_tiny_top_p_keeps_the_likeliest_token():
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    greedy = int(torch.argmax(logits))
+    for params in (
+        SamplingParams(temperature=1e-39),  # once made the engine thread raise
+        SamplingParams(temperature=1e-6),
+        SamplingParams(temperature=1.0, top_p=1e-300),  # rounds to 0 in float32
+    ):
+        gen = torch.Generator().manual_seed(0)
+        assert [sample(logits, params, gen) for _ in range(20)] == [greedy] * 20
+    assert SamplingParams(temperature=1e-39).temperature == 0.0
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
+    def flaky(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("injected sampling fault")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(scheduler_module, "sample", flaky)
+    config = ModelConfig(**TINY["qwen3_moe"])
+    good = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    bad = SamplingParams(max_new_tokens=5, ignore_eos=True, seed=13)
+    with LLM(config=config, seed=0, max_num_seqs=2) as llm:
+        outs = llm.generate(PROMPTS[:3], [good, bad, good])
+        again = llm.generate(PROMPTS[:3], good)  # the engine and its slots are intact
+    assert outs[1].finish_reason == "error" and "injected sampling fault" in outs[1].error
+    assert outs[1].token_ids == []
+    assert [outs[0].token_ids, outs[2].token_ids] == [again[0].token_ids, again[2].token_ids]
+    assert all(len(o.token_ids) == 5 and o.error is None for o in again)
 
 
 def test_stops_on_eos_and_context():

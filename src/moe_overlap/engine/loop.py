@@ -2,8 +2,10 @@
 requests; a request added while others run joins the batch at the next step.
 
 Each request has a listener that hears a ``Delta`` after every step that gave it a token (its new
-token ids and final text), and a last one with ``finish_reason`` or ``error`` set. Listeners run
-on the engine's thread and must only hand the delta over (e.g. ``call_soon_threadsafe``).
+token ids and final text), and a last one with ``finish_reason`` or ``error`` set. ``error`` means
+the engine died; a request that failed alone (``finish_reason`` "error", its reason in ``failed``)
+leaves the engine serving the others. Listeners run on the engine's thread and must only hand the
+delta over (e.g. ``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Delta:
     completion_tokens: int
     finish_reason: str | None = None  # set on the request's last delta
     error: str | None = None  # the engine failed; this is the request's last delta
+    failed: str | None = None  # this request alone failed; this is its last delta
 
 
 Listener = Callable[[Delta], None]
@@ -79,6 +82,7 @@ class EngineLoop:
             "running": sum(len(r) for r in sched.running),
             "waiting": len(sched.waiting) + len(self._new),
             "free_slots": sum(len(s) for s in sched.slots),
+            "total_slots": sum(s.num_slots for s in sched.slots),
         }
 
     def stop(self) -> None:
@@ -131,8 +135,11 @@ class EngineLoop:
         if entry is None:
             return
         done = req.finish_reason is not None
-        text = req.text.delta(final=done) if req.text is not None else ""
-        entry[1](_delta(req, [req.output_ids[-1]], text, finish_reason=req.finish_reason))
+        if req.error is not None:
+            entry[1](_delta(req, [], "", finish_reason="error", failed=req.error))
+        else:
+            text = req.text.delta(final=done) if req.text is not None else ""
+            entry[1](_delta(req, [req.output_ids[-1]], text, finish_reason=req.finish_reason))
         if done:
             del self._live[req.request_id]
 

@@ -9,6 +9,9 @@ import torch
 from moe_overlap.core.errors import is_finite_number, is_int
 from moe_overlap.engine.detokenize import TextStream
 
+# Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
+SAMPLING_EPS = 1e-5
+
 
 class InvalidRequestError(ValueError):
     """A request cannot be served as given; nothing was scheduled."""
@@ -40,6 +43,8 @@ class SamplingParams:
         _number("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
@@ -74,10 +79,11 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     # "eos", "stop" (a stop string or stop token id), "length" (max_new_tokens) or
-    # "context" (the model's context is full)
+    # "context" (the model's context is full) or "error" (this request alone failed: ``error``)
     finish_reason: str
     prompt_logits: torch.Tensor | None = None  # float32 [prompt_len, vocab]
     text: str | None = None  # the output as text (None when the model has no tokenizer)
+    error: str | None = None
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity, not field by field
@@ -94,6 +100,7 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: TextStream | None = None  # with a tokenizer: the output's text and stop strings
+    error: str | None = None  # why this request alone failed (finish_reason "error")
 
     @property
     def prompt_len(self) -> int:
@@ -122,4 +129,5 @@ class Request:
             self.finish_reason or "length",
             logits,
             self.text.text if self.text is not None else None,
+            self.error,
         )

@@ -130,9 +130,13 @@ class Scheduler:
             req.num_computed += n
             if req.in_prefill:
                 continue  # a middle prompt chunk: nothing to sample yet
-            req.output_ids.append(sample(last, req.params, req.generator))
             step.sampled.append(req)
-            req.finish_reason = self._finish_reason(req)
+            try:
+                req.output_ids.append(sample(last, req.params, req.generator))
+                req.finish_reason = self._finish_reason(req)
+            except Exception as exc:  # one request's fault ends that request, not the engine
+                req.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                req.finish_reason = "error"
             if req.finish_reason:
                 self.running[rank].remove(req)
                 self.slots[rank].release(req.slot)
@@ -194,6 +198,7 @@ class SlotAllocator:
     """Hands out cache rows; the scheduler holds one per rank."""
 
     def __init__(self, num_slots: int):
+        self.num_slots = num_slots
         self.free = list(range(num_slots - 1, -1, -1))
 
     def __len__(self) -> int:

@@ -9,12 +9,10 @@ the collective timeout, with an error naming it, and no child is left behind.
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +28,7 @@ from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.netns import NetnsLink
 from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import RankSpec, prefill_message
+from moe_overlap.runtime.zygote import zygote
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 _DEATH_GRACE_S = 1.0  # after a rank's error, for a peer's death (its cause) to show
@@ -225,23 +224,19 @@ class SpawnedExecutor(Executor):
 
 
 class _RankProcess:
-    """A rank in a fresh interpreter (``python -m moe_overlap.runtime.worker``).
-
-    A subprocess rather than multiprocessing's spawn: that would re-run the caller's
+    """A rank forked from this process's fork server (``zygote.py``), which imported torch and
+    the rank code once. Not multiprocessing's spawn: that would re-run the caller's
     ``__main__``, which breaks any script without an ``if __name__ == "__main__"`` guard.
     """
 
     def __init__(self, rank: int, spec: EngineSpec, rank_spec: RankSpec):
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_overlap.runtime.worker", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            # c10d warns about every unresolvable hostname inside a network namespace
-            env={"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ},
-        )
-        theirs.close()
+        try:
+            self.proc = zygote().spawn(theirs.fileno())
+        finally:
+            theirs.close()
         self.conn = Connection(ours.detach())
-        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.pidfd = self.proc.pidfd
         self.conn.send_bytes(pickle.dumps((spec, rank_spec)))
 
     def exitcode(self, timeout: float = 0.0) -> int | None:
@@ -255,4 +250,4 @@ class _RankProcess:
             self.proc.kill()
             self.proc.wait(5.0)
         self.conn.close()
-        os.close(self.pidfd)
+        self.proc.close()

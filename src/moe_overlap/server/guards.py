@@ -16,11 +16,14 @@ from moe_overlap.engine.loop import EngineDead
 from moe_overlap.engine.request import InvalidRequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+# what load balancers, scrapers and readers of the docs reach without the API key
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/openapi.json"})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -71,7 +74,7 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key (every path but /health), then the body read whole up to
+    """ASGI middleware: the API key (every path but OPEN_PATHS), then the body read whole up to
     ``max_request_bytes`` and replayed to the app."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings):
@@ -113,6 +116,6 @@ class Guard:
 
     def _authorized(self, path: str, header: bytes) -> bool:
         key = self.settings.api_key
-        if key is None or path == "/health":
+        if key is None or path in OPEN_PATHS:
             return True
         return secrets.compare_digest(header, f"Bearer {key}".encode())

@@ -39,11 +39,13 @@ class Server:
     ):
         self.engine = EngineLoop(llm)
         self.app = build_app(self.engine, settings)
+        self.metrics = self.app.state.metrics
         config = uvicorn.Config(
             self.app,
             host=host,
             port=port,
             log_level=log_level,
+            access_log=False,  # observability.py logs each request with its tokens and time
             timeout_graceful_shutdown=GRACEFUL_S,
             lifespan="off",
         )
@@ -70,10 +72,12 @@ class Server:
 
     async def _serve(self) -> None:
         watch = asyncio.create_task(self._watch_engine())
+        throughput = asyncio.create_task(self.metrics.log_throughput())
         try:
             await self.http.serve()
         finally:
             watch.cancel()
+            throughput.cancel()
 
     async def _watch_engine(self) -> None:
         while not self.engine.error:
