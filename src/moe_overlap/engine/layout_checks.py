@@ -44,6 +44,8 @@ def check_settings(
         raise ConfigError(str(exc)) from None
     check_layout(par, overlap, link)
     check_pdmux(args.enable_pdmux, args.pdmux_prefill_splits, par, overlap)
+    if args.enable_pdmux and cfg.is_hybrid:  # the prefill lane has no recurrent-state cache
+        raise ConfigError(f"--enable-pdmux does not support model_type={cfg.model_type}")
     return par, link, device
 
 

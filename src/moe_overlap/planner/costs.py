@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.planner.cluster import Cluster, ep_rate
+from moe_overlap.planner.hybrid import with_linear_layers
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 from moe_overlap.planner.work import Work, masked_pairs
 
@@ -187,6 +188,8 @@ class CostModel:
         prepare, core, kv_per_key = self._attention(w)
         experts_active = self.local_experts * (1 - math.exp(-received / self.local_experts))
         expert_w = 3 * h * c.moe_intermediate_size
+        # DeepSeek's shared experts are routed-expert wide; Qwen3.5's one has its own width
+        shared_w = expert_w * c.n_shared_experts + 3 * h * c.shared_expert_intermediate_size
         out = {
             "attn_prepare": prepare,
             "attn_core": core
@@ -213,10 +216,7 @@ class CostModel:
             "combine_a": self._t(0, 0, 2 * received * row),
             "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "shared_experts": self._t(
-                2 * w.moe_tokens * expert_w * c.n_shared_experts,
-                expert_w * c.n_shared_experts,
-                3 * w.moe_tokens * row,
-                rows=w.moe_tokens,
+                2 * w.moe_tokens * shared_w, shared_w, 3 * w.moe_tokens * row, rows=w.moe_tokens
             ),
             "dense_mlp": self._t(
                 2 * w.tokens * 3 * h * c.intermediate_size / tp,
@@ -269,8 +269,12 @@ class CostModel:
         if decode_rate and w.decode_tokens == t:  # one fused kernel (FlashMLA): compute or
             # KV reads bound it, not their sum
             kv_s = kv_per_key * w.keys / self.cluster.kv_bytes_per_s
-            return prepare, core + max(attn_flops / decode_rate, kv_s), 0.0
-        return prepare, core + attn_flops / self.attn, kv_per_key
+            core, kv_per_key = core + max(attn_flops / decode_rate, kv_s), 0.0
+        else:
+            core += attn_flops / self.attn
+        if c.is_hybrid:  # most layers are linear attention (planner/hybrid.py)
+            return with_linear_layers(self, w, prepare, core, kv_per_key)
+        return prepare, core, kv_per_key
 
     def link_seconds(self, nbytes: list[float]) -> float:
         """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""

@@ -198,7 +198,7 @@ class SimLayer:
         self.is_moe = cfg.is_moe_layer(layer_id)
         if not self.is_moe:
             self.op_names = DENSE_OPS
-        elif cfg.n_shared_experts:
+        elif cfg.n_shared_experts or cfg.shared_expert_intermediate_size:
             self.op_names = MOE_OPS
         else:
             self.op_names = tuple(n for n in MOE_OPS if n != "shared_experts")
