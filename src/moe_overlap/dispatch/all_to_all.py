@@ -134,6 +134,10 @@ class AllToAllDispatcher(Dispatcher):
         off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
         with self.comm.launch():
+            # rows (dispatch's sorted rows, combine's outputs, an SBO piece) came from the
+            # compute stream and are read here: without this the allocator could hand their
+            # memory to the next compute-stream allocation while the transfer still reads it
+            self.comm.hold(rows)
             handle = self.group.all_to_all(rows, send, recv, async_op=True)
             if self.comm.on_gpu:  # the stream, not the host, waits for the rows and the link
                 handle.wait()
