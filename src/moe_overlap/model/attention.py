@@ -49,13 +49,14 @@ class GQAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        return self.rotary(q, ctx.positions), self.rotary(k, ctx.positions), v
+        end = ctx.position_end
+        return self.rotary(q, ctx.positions, end), self.rotary(k, ctx.positions, end), v
 
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
-        cache.store(layer, plan.slots, ctx.positions, k=k, v=v)
+        cache.store(layer, plan.slots, ctx.positions, (ctx.position_end, ctx.slot_end), k=k, v=v)
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape[0], self.heads, self.head_dim)
         if plan.decode_max_len:
