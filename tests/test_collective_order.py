@@ -41,9 +41,9 @@ def _lanes_worker(rank, world_size, port):
     runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
     lane, order = runner.prefill_lane, runner.prefill_lane.order
     if rank == 0:
-        runner.forward = _delayed(runner.forward, 0.2)
+        runner.forward = _delayed(runner.forward, 0.5)
     else:
-        lane._run = _delayed(lane._run, 0.2)
+        lane._run = _delayed(lane._run, 0.5)
     logs = []
     for turns in (True, False):
         order.log = []

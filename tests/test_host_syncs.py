@@ -20,8 +20,9 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.dispatch import all_to_all, local
+from moe_overlap.dispatch import all_to_all, gather, local
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.helpers import TINY
@@ -54,16 +55,19 @@ def _meta_runner(family: str, backend: str):
     runner.kv_cache = KVCache(layers, 4, 64, entries, cache.dtype, "meta")
     if backend == "torch":  # the all-to-all path on a one-rank group
         runner.dispatcher = AllToAllDispatcher(Group.single(name="ep"), cfg.num_experts)
+    elif backend == "none":  # the tensor-parallel MoE's path, one rank
+        tp, dp = Group.single(name="tp"), Group.single(name="attn_dp")
+        runner.dispatcher = GatherDispatcher(tp, dp, 0, 0, 1, cfg.num_experts)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     return runner, moe_layers
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
-@pytest.mark.parametrize("backend", ["local", "torch"])
+@pytest.mark.parametrize("backend", ["local", "torch", "none"])
 @pytest.mark.parametrize("mode", ["none", "sbo"])
 def test_forward_reads_the_device_once_per_dispatch(family, backend, mode, monkeypatch):
     calls: list[int] = []
-    for module in (local, all_to_all):
+    for module in (local, all_to_all, gather):
         monkeypatch.setattr(module, "read_counts", _stand_in(calls))
     runner, moe_layers = _meta_runner(family, backend)
     overlap = OverlapConfig(mode, sbo_combine_blocks=2) if mode == "sbo" else None
