@@ -1,6 +1,7 @@
 """The forward reads the device once per dispatch and nowhere else: the CI gate for host syncs.
 
-The decode forward runs with its weights, KV cache and activations on ``meta`` tensors, which
+A decode and a mixed forward (no overlap, SBO, TBO; the local, all-to-all and tensor-parallel
+dispatchers on one rank) run with weights, KV cache and activations on ``meta`` tensors, which
 have shapes but no data. Anything that would make the host wait for a GPU raises there:
 ``.item()``/``int(t)``/``.tolist()``/``.cpu()`` of a device tensor, ``nonzero``, boolean-mask
 indexing, ``bincount``, ``repeat_interleave`` without ``output_size``. Host metadata (the
@@ -64,19 +65,23 @@ def _meta_runner(family: str, backend: str):
 
 @pytest.mark.parametrize("family", sorted(TINY))
 @pytest.mark.parametrize("backend", ["local", "torch", "none"])
-@pytest.mark.parametrize("mode", ["none", "sbo"])
+@pytest.mark.parametrize("mode", ["none", "sbo", "tbo"])
 def test_forward_reads_the_device_once_per_dispatch(family, backend, mode, monkeypatch):
     calls: list[int] = []
     for module in (local, all_to_all, gather):
         monkeypatch.setattr(module, "read_counts", _stand_in(calls))
     runner, moe_layers = _meta_runner(family, backend)
-    overlap = OverlapConfig(mode, sbo_combine_blocks=2) if mode == "sbo" else None
+    overlap = None if mode == "none" else OverlapConfig(mode, tbo_min_tokens=1)
     for batch in (DECODE, MIXED):
         calls.clear()
         logits = runner.forward(batch, overlap)
         assert logits.device.type == "meta"
         assert logits.shape[0] == len(batch.logit_rows())
-        assert calls == [batch.num_tokens * runner.model.cfg.num_experts_per_tok] * moe_layers
+        # one read per dispatch: per MoE layer, one per micro-batch (two under TBO), which
+        # together read every (token, slot) pair once
+        micro_batches = 2 if mode == "tbo" else 1
+        assert len(calls) == moe_layers * micro_batches
+        assert sum(calls) == batch.num_tokens * runner.model.cfg.num_experts_per_tok * moe_layers
 
 
 @pytest.mark.parametrize(
