@@ -11,6 +11,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
+from moe_overlap.core.transfer import to_device
 
 if TYPE_CHECKING:  # the contract lives with its backends; core only names it
     from moe_overlap.dispatch.base import Dispatcher
@@ -58,7 +59,14 @@ class ForwardContext:
     # how attention runs over this batch: built by the first attention layer, reused by the rest
     attention_plan: Any = None
     states: StateCache | None = None  # linear-attention layers' recurrent states (Qwen3.5)
+    input_ids: torch.Tensor | None = None  # the batch's ids on the device
 
     def __post_init__(self) -> None:
-        if self.positions is None:  # the batch is host metadata; the cache sits on the device
-            self.positions = self.batch.positions.to(self.kv_cache.device)
+        # the batch is host metadata; the cache sits on the device. Bounds come from the host
+        # lists, so nothing reads the device for them
+        device = self.kv_cache.device
+        if self.positions is None:
+            self.positions = to_device(self.batch.positions, device)
+        self.input_ids = to_device(self.batch.input_ids, device)
+        self.position_end = max(self.batch.seq_lens, default=0)  # RoPE and cache length bound
+        self.slot_end = max(self.batch.slots, default=-1) + 1  # the cache's slot bound

@@ -40,12 +40,21 @@ class KVCache:
         ]
 
     def store(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, **new: torch.Tensor
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        bounds: tuple[int, int] | None = None,
+        **new: torch.Tensor,
     ) -> None:
-        """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry)."""
+        """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry).
+        ``bounds``: (the highest position, the highest slot) + 1, from the host's metadata; the
+        forward passes them, since reading them from device tensors would wait for the device."""
         if slots.numel() == 0:
             return
-        end, top = int(positions.max()) + 1, int(slots.max()) + 1
+        if bounds is None:
+            bounds = int(positions.max()) + 1, int(slots.max()) + 1
+        end, top = bounds
         if end > self.max_len:
             raise ValueError(
                 f"sequence of {end} tokens exceeds the KV cache's max_len={self.max_len}"

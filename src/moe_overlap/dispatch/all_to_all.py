@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.timeline import Timeline
+from moe_overlap.core.transfer import read_counts, to_device
 from moe_overlap.dispatch.base import (
     Dispatcher,
     DispatchState,
@@ -134,6 +135,10 @@ class AllToAllDispatcher(Dispatcher):
         off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
         with self.comm.launch():
+            # rows (dispatch's sorted rows, combine's outputs, an SBO piece) came from the
+            # compute stream and are read here: without this the allocator could hand their
+            # memory to the next compute-stream allocation while the transfer still reads it
+            self.comm.hold(rows)
             handle = self.group.all_to_all(rows, send, recv, async_op=True)
             if self.comm.on_gpu:  # the stream, not the host, waits for the rows and the link
                 handle.wait()
@@ -153,7 +158,9 @@ class AllToAllDispatcher(Dispatcher):
         extend: bool = True,
     ) -> AllToAllState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
-        counts = counts.view(self.ep, self.local)  # rows for each rank's local experts
+        # the dispatch's one read of the device; the counts are then exchanged on the host
+        # (gloo beside NCCL), never queued behind an all-to-all still on the device
+        counts = read_counts(counts, order.numel()).view(self.ep, self.local)
         start = time.perf_counter()
         everyone = self.group.all_gather(counts.reshape(1, -1)).view(-1, self.ep, self.local)
         if self.timeline is not None:  # a blocking exchange: the ranks meet here
@@ -169,12 +176,11 @@ class AllToAllDispatcher(Dispatcher):
     def dispatch_b(self, state: AllToAllState) -> None:
         received = state.pending.wait()
         state.pending = None
-        recv_counts = state.recv_counts
+        recv_counts = state.recv_counts  # on the host: the order is worked out there
         # rows arrive grouped by source rank, then expert; regroup by expert, then source
-        ids = torch.arange(recv_counts.numel(), device=recv_counts.device)
-        source = torch.repeat_interleave(ids, recv_counts.reshape(-1))
+        source = torch.arange(recv_counts.numel()).repeat_interleave(recv_counts.reshape(-1))
         by_expert = source % self.local * self.ep + source // self.local
-        state.perm = torch.argsort(by_expert, stable=True)
+        state.perm = to_device(torch.argsort(by_expert, stable=True), received.device)
         state.expert_inputs = received[state.perm]
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
@@ -203,6 +209,8 @@ class AllToAllDispatcher(Dispatcher):
         mine = state.blocks[block]
         outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep)
         incoming, recv = piece_layout(state.counts, [b[block] for b in state.owner_blocks])
+        device = state.expert_outputs.device
+        outgoing, incoming = to_device(outgoing, device), to_device(incoming, device)
         rows = state.expert_outputs[state.row_of[outgoing]]
         kind = f"combine piece {len(state.pending.pieces)}"
         state.pending.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
@@ -210,7 +218,7 @@ class AllToAllDispatcher(Dispatcher):
 
 def piece_layout(counts: torch.Tensor, experts: list[range]) -> tuple[torch.Tensor, list[int]]:
     """The rows of local experts ``experts[p]`` of each rank p in a buffer grouped by (rank,
-    local expert).
+    local expert). Host tensors in, host tensors out (the caller sends the positions over).
 
     ``counts[p, e]`` is the size of group (p, e). Returns their positions in buffer order and
     the rows per rank. A source rank applies it to the counts it sent and each owner's block,

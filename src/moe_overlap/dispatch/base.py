@@ -127,7 +127,9 @@ def sort_by_expert(
     order is the same on every backend), the hidden row of each, and rows per expert."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, hidden[order // topk_ids.shape[1]], torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount sizes its output from the data, a read of the device
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, hidden[order // topk_ids.shape[1]], counts
 
 
 def weighted_sum(state: DispatchState, sorted_outputs: torch.Tensor) -> torch.Tensor:

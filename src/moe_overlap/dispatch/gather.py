@@ -20,6 +20,7 @@ from itertools import accumulate
 import torch
 
 from moe_overlap.core.timeline import Timeline
+from moe_overlap.core.transfer import read_counts
 from moe_overlap.dispatch.all_to_all import InFlight
 from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, Ready
 from moe_overlap.distributed.groups import Group
@@ -125,11 +126,15 @@ class GatherDispatcher(Dispatcher):
         k = state.topk_weights.shape[1]
         hidden, weights, ids = rows.split([rows.shape[1] - 2 * k, k, k], dim=1)
         local = ids.reshape(-1).long() - self.first  # pair -> my local expert, if it is mine
-        mine = ((local >= 0) & (local < self.local)).nonzero().reshape(-1)
-        state.order = mine[torch.argsort(local[mine], stable=True)]  # my pairs, by expert
+        # pairs of other ranks' experts sort last, under key ``self.local``: my pairs come
+        # first, by expert (stable: by pair within one), and the one read of the device, the
+        # counts, says how many there are (no nonzero, no boolean mask, no bincount)
+        key = torch.where((local >= 0) & (local < self.local), local, self.local)
+        counts = key.new_zeros(self.local + 1).scatter_add_(0, key, torch.ones_like(key))
+        state.tokens_per_expert = read_counts(counts[:-1], key.numel()).tolist()
+        state.order = torch.argsort(key, stable=True)[: sum(state.tokens_per_expert)]
         state.all_weights = weights
         state.expert_inputs = hidden[state.order // k]
-        state.tokens_per_expert = torch.bincount(local[state.order], minlength=self.local).tolist()
 
     def _partial(self, state: GatherState, rows: slice) -> Pending:
         """Start summing the weighted outputs of ``rows`` of ``expert_outputs`` over the world."""

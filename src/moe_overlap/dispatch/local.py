@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core.transfer import read_counts
 from moe_overlap.dispatch.base import Dispatcher, DispatchState, Ready, sort_by_expert
 
 
@@ -23,7 +24,8 @@ class LocalDispatcher(Dispatcher):
     ) -> DispatchState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         state = DispatchState(hidden.shape[0], topk_weights, order, owner)
-        state.expert_inputs, state.tokens_per_expert = rows, counts.tolist()
+        tokens_per_expert = read_counts(counts, order.numel()).tolist()  # the one read
+        state.expert_inputs, state.tokens_per_expert = rows, tokens_per_expert
         state.pending = Ready(rows)
         return state
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Works
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
+from moe_overlap.distributed.order import CollectiveOrder, ordered
 
 # torch 2.13 names them *_single and deprecates the older names, which torch <= 2.11 needs
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -49,6 +51,8 @@ class Group:
         self.backend, self.timeout, self.name = str(backend), timeout, name
         # set on the attention-TP group: its blocking collectives land on the "tp comm" track
         self.timeline: Timeline | None = None
+        self.order: CollectiveOrder | None = None  # PD multiplexing: turns with another lane
+        self.lane = "main"  # which lane of the rank this group's collectives belong to
         on_cuda = "nccl" in self.backend  # "nccl", or "cpu:gloo,cuda:nccl" (core/device.py)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -102,6 +106,7 @@ class Group:
         self.timeline.add("tp comm", f"{self.name} {op}", start, time.perf_counter())
         return out
 
+    @ordered
     def all_reduce(
         self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
     ) -> torch.Tensor | CommHandle:
@@ -109,6 +114,7 @@ class Group:
         work = None if self.pg is None else dist.all_reduce(t, op, self.pg, async_op=True)
         return self._run(work, t, "all_reduce", async_op)
 
+    @ordered
     def all_gather(self, t: torch.Tensor, async_op: bool = False) -> torch.Tensor | CommHandle:
         """Every rank's ``t`` (same shape on all) concatenated along dim 0, in group-rank order."""
         if self.pg is None:
@@ -117,6 +123,7 @@ class Group:
         work = _all_gather(out, t.contiguous(), self.pg, async_op=True)
         return self._run(work, out, "all_gather", async_op)
 
+    @ordered
     def reduce_scatter(
         self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
     ) -> torch.Tensor | CommHandle:
@@ -131,6 +138,7 @@ class Group:
         work = _reduce_scatter(out, t.contiguous(), op, self.pg, async_op=True)
         return self._run(work, out, "reduce_scatter", async_op)
 
+    @ordered
     def all_to_all(
         self,
         input: torch.Tensor,
@@ -185,6 +193,7 @@ class Group:
                 f"but expects {outs[self.rank]}"
             )
 
+    @ordered
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every rank of the group arrives."""
         if self.pg is not None:
@@ -286,8 +295,4 @@ def init_process_groups(
 
 
 def _offsets(splits: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in splits:
-        out.append(total)
-        total += n
-    return out
+    return list(accumulate(splits, initial=0))[:-1]

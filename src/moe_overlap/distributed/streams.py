@@ -39,6 +39,14 @@ class CommStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``'s memory from reuse until what the communication stream has queued
+        when it is freed has run (the caching allocator's ``record_stream``). Call inside
+        ``launch`` for every tensor a collective there reads or writes that another stream
+        allocated; the output it allocates itself belongs to this stream already."""
+        if self.stream is not None and tensor.is_cuda:
+            tensor.record_stream(self.stream)
+
     def delay(self, seconds: float) -> None:
         """Hold the communication stream (neither the host nor the compute stream) for
         ``seconds``: a modelled link's transfer time. Call inside ``launch``."""

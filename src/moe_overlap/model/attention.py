@@ -64,14 +64,15 @@ class GQAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = self._rotate(q, ctx.positions), self._rotate(k, ctx.positions)
+        end = ctx.position_end
+        q, k = self._rotate(q, ctx.positions, end), self._rotate(k, ctx.positions, end)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
-            return self.rotary(x, positions)
+            return self.rotary(x, positions, end)
         r = self.rotary_dim
-        return torch.cat((self.rotary(x[..., :r], positions), x[..., r:]), dim=-1)
+        return torch.cat((self.rotary(x[..., :r], positions, end), x[..., r:]), dim=-1)
 
     def core(
         self,
@@ -82,7 +83,7 @@ class GQAttention(nn.Module):
         gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
-        cache.store(layer, plan.slots, ctx.positions, k=k, v=v)
+        cache.store(layer, plan.slots, ctx.positions, (ctx.position_end, ctx.slot_end), k=k, v=v)
         scale = self.head_dim**-0.5
         out = q.new_empty(q.shape[0], self.heads, self.head_dim)
         if plan.decode_max_len:

@@ -7,6 +7,7 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.transfer import to_device
 from moe_overlap.model.attention import GQAttention
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
@@ -75,12 +76,12 @@ class MoeForCausalLM(nn.Module):
         return {x.layer_id: x.attn.state_shapes() for x in self.layers if x.is_linear}
 
     def op_embed(self, ctx: ForwardContext) -> dict:
-        return {"hidden_states": self.model.embed_tokens(ctx.batch.input_ids), "residual": None}
+        return {"hidden_states": self.model.embed_tokens(ctx.input_ids), "residual": None}
 
     def op_logits(
         self, ctx: ForwardContext, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> dict:
         if residual is not None:
             hidden_states = residual + hidden_states
-        rows = ctx.batch.logit_rows()
+        rows = to_device(ctx.batch.logit_rows(), hidden_states.device)
         return {"logits": self.lm_head(self.model.norm(hidden_states[rows])).float()}

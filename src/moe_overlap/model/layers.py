@@ -11,6 +11,7 @@ from torch import nn
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.transfer import to_device
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
@@ -46,9 +47,10 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         self._cos_sin = inv_freq.new_zeros(0, 2, dim)  # per position, grown on demand
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[tokens, heads, dim]`` by each token's position."""
-        cos_sin = self._table(positions)[positions].to(x.dtype)  # one lookup, not cos/sin per call
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[tokens, heads, dim]`` by each token's position; ``end``
+        bounds the positions (host metadata: reading it from them would wait for the device)."""
+        cos_sin = self._table(end)[positions].to(x.dtype)  # one lookup, not cos/sin per call
         cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
         if self.interleaved:
             # de-interleave (x0, x1, x2, x3...) into (x0, x2, ..., x1, x3, ...) first
@@ -56,8 +58,7 @@ class RotaryEmbedding(nn.Module):
             x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
         return x * cos + _rotate_half(x) * sin
 
-    def _table(self, positions: torch.Tensor) -> torch.Tensor:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+    def _table(self, need: int) -> torch.Tensor:
         have = self._cos_sin.shape[0]
         if need > have:
             n = max(need, 2 * have, 256)
@@ -141,7 +142,7 @@ class AttentionPlan:
                 groups.setdefault((prefix, span.stop - span.start), []).append((slot, span))
 
         def longs(items: list[int]) -> torch.Tensor:
-            return torch.tensor(items, dtype=torch.long, device=device)
+            return to_device(torch.tensor(items, dtype=torch.long), device)
 
         def token_rows(spans: list[slice]) -> torch.Tensor | slice:
             if all(a.stop == b.start for a, b in itertools.pairwise(spans)):
@@ -158,7 +159,9 @@ class AttentionPlan:
             for (prefix, new), members in groups.items()
         ]
         return cls(
-            slots=longs(batch.slots).repeat_interleave(longs(batch.extend_lens)),
+            slots=longs(
+                [s for s, n in zip(batch.slots, batch.extend_lens, strict=True) for _ in range(n)]
+            ),
             decode_rows=longs(rows),
             decode_slots=_as_slice(slots) or longs(slots),
             decode_lens=longs(lens) if len(set(lens)) > 1 else None,  # equal: no mask

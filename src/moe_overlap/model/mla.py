@@ -70,15 +70,16 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(t, self.heads, self.qk_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, self.rotary(q_pe, ctx.positions)), dim=-1)
-        k_pe = self.rotary(k_pe[:, None, :], ctx.positions)[:, 0]
+        q = torch.cat((q_nope, self.rotary(q_pe, ctx.positions, ctx.position_end)), dim=-1)
+        k_pe = self.rotary(k_pe[:, None, :], ctx.positions, ctx.position_end)[:, 0]
         return q, self.kv_a_layernorm(latent), k_pe
 
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
         plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
-        cache.store(layer, plan.slots, ctx.positions, latent=latent, k_pe=k_pe)
+        bounds = (ctx.position_end, ctx.slot_end)
+        cache.store(layer, plan.slots, ctx.positions, bounds, latent=latent, k_pe=k_pe)
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
             keys, values = self._expand(

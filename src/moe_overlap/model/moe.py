@@ -10,6 +10,7 @@ from torch import nn
 
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.transfer import to_device
 from moe_overlap.model.layers import GatedMLP
 from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
 
@@ -105,6 +106,10 @@ class ExpertBank(nn.Module):
         rows = slice(ends[experts.start], ends[experts.stop])
         if rows.start == rows.stop:
             return
+        if grouped_fits(x.device, x.dtype, (x.shape[1], self.intermediate)):
+            counts = tokens_per_expert[experts.start : experts.stop]
+            out[rows] = self._grouped(x[rows], counts, experts)
+            return
         height = max(tokens_per_expert)
         if _batched_pays(tokens_per_expert, height):
             counts = tokens_per_expert[experts.start : experts.stop]
@@ -116,6 +121,17 @@ class ExpertBank(nn.Module):
                 continue
             gate, up = F.linear(x[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
             out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+
+    def _grouped(self, x: torch.Tensor, counts: list[int], experts: range) -> torch.Tensor:
+        """The experts' rows as one grouped GEMM per projection, no padding: ``offs`` ends each
+        expert's rows (int32, sent from the host's counts). An SBO block passes its slice of
+        the rows and of the counts, so its groups are the whole forward's, cut at a boundary."""
+        ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+        offs = to_device(ends, x.device)
+        block = slice(experts.start, experts.stop)
+        # weights [E, out, in] as [E, in, out] views: the column-major operand the kernel wants
+        gate, up = GROUPED_MM(x, self.gate_up_proj[block].transpose(1, 2), offs=offs).chunk(2, -1)
+        return GROUPED_MM(F.silu(gate) * up, self.down_proj[block].transpose(1, 2), offs=offs)
 
     def _padded(
         self, x: torch.Tensor, counts: list[int], height: int, experts: range
@@ -148,6 +164,25 @@ _BATCHED_EVEN_ROWS = 192
 _BATCHED_MAX_PADDING = 1.25
 
 
+# torch's grouped GEMM: F.grouped_mm where this torch has it, else torch._grouped_mm (bf16 on
+# CUDA): the experts run as one kernel per projection instead of one matmul per expert
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_fits(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+    """Whether the experts run as a grouped GEMM: torch has one, the rows are bf16 on an sm90+
+    GPU (its kernel's target), and every row is 16-byte aligned (dims multiples of 8).
+    Elsewhere, fp32 on CPU included, the padded batched matmul or the per-expert loop runs,
+    unchanged."""
+    if GROUPED_MM is None or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return _capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _batched_pays(counts: list[int], height: int) -> bool:
     """Pad and batch when every expert is small, or evenly loaded and not large."""
     if height <= _BATCHED_ANY_ROWS:
@@ -157,11 +192,12 @@ def _batched_pays(counts: list[int], height: int) -> bool:
 
 
 def _padded_positions(counts: list[int], height: int, device: torch.device) -> torch.Tensor:
-    """Row i of expert e (in ``counts``' order) goes to padded row ``e * height + i``."""
-    sizes = torch.tensor(counts, device=device)
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes)
+    """Row i of expert e (in ``counts``' order) goes to padded row ``e * height + i`` (worked
+    out on the host from the host's counts, then sent: no read of the device)."""
+    sizes = torch.tensor(counts)
+    expert = torch.repeat_interleave(torch.arange(len(counts)), sizes)
     first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return expert * height + torch.arange(expert.numel(), device=device) - first
+    return to_device(expert * height + torch.arange(expert.numel()) - first, device)
 
 
 class SparseMoeBlock(nn.Module):

@@ -3,9 +3,10 @@
 The lane runs a range of a prefill wave's layers on a thread of its own while the rank's main
 thread runs the step's decode batch; on CUDA the lane also launches on a stream of its own,
 joined to the caller's stream at both ends. Its MoE talks over a second
-set of process groups (SGLang's PD-multiplexing TP group), so its collectives never interleave
-with the decode lane's. Between steps it keeps the wave's hidden states and residual; the last
-range returns the logits.
+set of process groups (SGLang's PD-multiplexing TP group). Across ranks, the two lanes'
+collectives take turns (``distributed/order.py``), so every rank launches them in one order,
+as NCCL requires. Between steps it keeps the wave's hidden states and residual; the last range
+returns the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, execute_operations
 from moe_overlap.overlap.strategy import build_operations, strategy_for
@@ -29,6 +31,7 @@ class PrefillLane:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane")
         self.saved: dict[int, dict] = {}  # wave -> hidden states and residual after its range
         self._ops: dict[tuple[int, int], list[Op | Yield]] = {}
+        self.order: CollectiveOrder | None = None  # across ranks; None in one process
 
     def ops(self, layers: range) -> list[Op | Yield]:
         key = (layers.start, layers.stop)
@@ -40,7 +43,14 @@ class PrefillLane:
     def start(self, batch: ForwardBatch, layers: range, wave: int):
         """Run ``layers`` of ``wave`` on the lane's thread; ``finish`` waits for it."""
         self.stream.begin()
+        if self.order is not None:
+            self.order.begin(["decode", "prefill"])
         return self.thread.submit(self._run, batch, layers, wave)
+
+    def decode_done(self) -> None:
+        """The main thread's decode forward launches no more collectives this step."""
+        if self.order is not None:
+            self.order.end("decode")
 
     def finish(self, running) -> torch.Tensor | None:
         """The logits of the range ``start`` returned, after its last range (else None)."""
@@ -55,8 +65,12 @@ class PrefillLane:
             batch, r.kv_cache, self.dispatcher, name="prefill", timeline=r.timeline
         )
         inputs = self.saved.pop(wave, None) if layers.start else None
-        with self.stream.on(0):
-            out = execute_operations(ctx, self.ops(layers), inputs)
+        try:
+            with self.stream.on(0):
+                out = execute_operations(ctx, self.ops(layers), inputs)
+        finally:
+            if self.order is not None:
+                self.order.end("prefill")
         if "logits" in out:
             return out["logits"]
         self.saved = {wave: out}  # one wave at a time: an abandoned one is dropped here

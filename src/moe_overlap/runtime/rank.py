@@ -21,6 +21,7 @@ from moe_overlap.distributed.groups import Group, init_process_groups
 from moe_overlap.distributed.layout import GROUP_KINDS, layout_for
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.modelled_link import ModelledLink
+from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.loader import build_model
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
@@ -105,6 +106,11 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
             timeline,
         )
         runner.prefill_lane = PrefillLane(runner, lane_dispatcher)
+        if rank is not None:  # two threads launch collectives: one order on every rank
+            runner.prefill_lane.order = order = CollectiveOrder()
+            for lane, of_lane in (("decode", groups), ("prefill", lane_groups)):
+                for group in of_lane.values():
+                    group.order, group.lane = order, lane
     return runner
 
 
@@ -125,7 +131,11 @@ def serve_step(
         running = runner.prefill_lane.start(
             ForwardBatch.from_dict(wave_batch), range(start, stop), wave
         )
-    logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
+    try:
+        logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
+    finally:
+        if running is not None:
+            runner.prefill_lane.decode_done()  # the lane's collectives stop taking turns
     wave_logits = runner.prefill_lane.finish(running) if running is not None else None
     spans = runner.timeline.take() if record else None
     return logits, spans, None if wave_logits is None else wave_logits.cpu()

@@ -1,0 +1,78 @@
+"""Experts as one grouped GEMM: when it is chosen, that the fallback is today's path, and (where
+this torch runs grouped_mm on the CPU) that the grouped path's offsets, transposes and SBO
+block slices give the per-expert results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap.model import moe
+from moe_overlap.model.moe import grouped_fits
+from tests.test_experts import BANK, EXPERTS, HIDDEN, per_expert
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "capability", "dims", "chosen"),
+    [
+        (CUDA, torch.bfloat16, (9, 0), (2048, 768), True),  # H100, Qwen3-30B-A3B's shapes
+        (CUDA, torch.bfloat16, (10, 0), (7168, 2048), True),  # Blackwell
+        (CUDA, torch.bfloat16, (8, 0), (2048, 768), False),  # A100: the padded bmm / loop
+        (CUDA, torch.float32, (9, 0), (2048, 768), False),  # fp32 stays the reference
+        (CUDA, torch.bfloat16, (9, 0), (2048, 100), False),  # rows not 16-byte aligned
+        (torch.device("cpu"), torch.bfloat16, (9, 0), (2048, 768), False),
+        (torch.device("cpu"), torch.float32, (9, 0), (2048, 768), False),
+    ],
+)
+def test_grouped_gemm_is_chosen_for_bf16_on_sm90_and_aligned_rows_only(
+    device, dtype, capability, dims, chosen, monkeypatch
+):
+    monkeypatch.setattr(moe, "_capability", lambda device: capability)
+    assert grouped_fits(device, dtype, dims) is chosen
+
+
+def test_no_grouped_gemm_in_this_torch_means_the_fallback(monkeypatch):
+    monkeypatch.setattr(moe, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(moe, "GROUPED_MM", None)
+    assert not grouped_fits(CUDA, torch.bfloat16, (2048, 768))
+
+
+def test_fp32_on_cpu_never_calls_the_grouped_gemm(monkeypatch):
+    """The fallback is today's code itself: the forward is bit-identical to the padded bmm /
+    per-expert path because it is that path (the grouped GEMM would raise here)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("grouped GEMM called for fp32 on CPU")
+
+    monkeypatch.setattr(moe, "GROUPED_MM", refuse)
+    for counts in ([3, 0, 5, 1, 2, 4], [300, 2, 0, 0, 7, 1]):
+        x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(2))
+        assert torch.allclose(BANK(x, counts), per_expert(x, counts), atol=1e-5, rtol=1e-5)
+
+
+def _cpu_grouped_mm_runs() -> bool:
+    if moe.GROUPED_MM is None:
+        return False
+    try:
+        moe.GROUPED_MM(
+            torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32)
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm_runs(), reason="this torch has no CPU grouped_mm")
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1, 2, 4], [0, 0, 9, 0, 0, 1], [40, 1, 0, 0, 7, 33]])
+def test_the_grouped_path_matches_per_expert_and_its_blocks_are_exact(counts, monkeypatch):
+    monkeypatch.setattr(moe, "grouped_fits", lambda *args: True)
+    x = torch.randn(sum(counts), HIDDEN, generator=torch.Generator().manual_seed(3))
+    whole = BANK(x, counts)
+    assert torch.allclose(whole, per_expert(x, counts), atol=1e-5, rtol=1e-5)
+    for cut in range(1, EXPERTS):  # SBO: blocks as slices of the same offsets
+        blocks = torch.full_like(x, float("nan"))
+        BANK.run_experts(x, counts, blocks, range(0, cut))
+        BANK.run_experts(x, counts, blocks, range(cut, EXPERTS))
+        assert torch.equal(whole, blocks)
