@@ -195,14 +195,14 @@ def test_32_concurrent_requests_equal_offline_generate(served, offline):
         (dict(prompt=""), 400, "prompt 0 is empty"),
         (dict(prompt=[[5, 999]]), 400, "outside the vocabulary"),
         (dict(prompt="hi", stop=[""]), 400, "stop strings must be non-empty"),
-        (dict(prompt="x" * 5000), 400, "larger than --max-request-bytes"),
+        (dict(prompt="x" * 5000), 413, "larger than --max-request-bytes"),
         (dict(max_tokens=3), 400, "prompt: Field required"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_survives(served, body, status, words):
     code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
     assert code == status and words in reply["error"]["message"]
-    assert set(reply["error"]) == {"message", "type", "code"}
+    assert set(reply["error"]) == {"message", "type", "code", "param"}
     assert served.client().completions.create(model="tiny", prompt="ok", **GREEDY).choices
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -17,7 +18,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.runtime.torchrun import launched_by_torchrun
-from moe_overlap.server.guards import DEFAULT_MAX_REQUEST_BYTES, ServerSettings
+from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import Server
 from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_serve import (
@@ -86,6 +87,24 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=cmd_bench_serve)
 
 
+SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+# the server's bounds: flag -> (ServerSettings field, type, help); defaults come from the field
+LIMIT_FLAGS = {
+    "--max-stop-sequences": ("max_stop_sequences", int, "most stop strings in a request"),
+    "--max-stop-chars": ("max_stop_chars", int, "longest stop string, in characters"),
+    "--header-timeout": ("header_timeout_s", float, "seconds for a request's headers to arrive"),
+    "--body-timeout": ("body_timeout_s", float, "seconds for a request's body (408 after)"),
+    "--max-connections": ("max_connections", int, "connections and requests at once (503 beyond)"),
+    "--max-buffered-bytes": ("max_buffered_bytes", int, "request bytes being read at once (503)"),
+    "--shutdown-timeout": (
+        "shutdown_timeout_s",
+        float,
+        "seconds in-flight requests may finish on "
+        "SIGTERM/SIGINT before they are ended with an error",
+    ),
+}
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument(
@@ -110,8 +129,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--max-request-bytes",
         type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted; larger ones get a 400 (default %(default)s)",
+        default=SETTING_DEFAULTS["max_request_bytes"],
+        help="largest request body accepted; larger ones get a 413 (default %(default)s)",
     )
     s.add_argument(
         "--max-prompt-tokens",
@@ -120,6 +139,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="longest prompt accepted, in tokens; longer ones get a 400 (default: the "
         "model's context less one)",
     )
+    for flag, (field, kind, text) in LIMIT_FLAGS.items():
+        s.add_argument(
+            flag, type=kind, default=SETTING_DEFAULTS[field], help=f"{text} (default %(default)s)"
+        )
     s.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -137,9 +160,18 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise ConfigError(f"--max-prompt-tokens={args.max_prompt_tokens} must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key must not be empty")
+    limits = {
+        field: getattr(args, flag[2:].replace("-", "_"))
+        for flag, (field, _, _) in LIMIT_FLAGS.items()
+    }
+    for flag, (field, _, _) in LIMIT_FLAGS.items():
+        if not limits[field] > 0:
+            raise ConfigError(f"{flag}={limits[field]} must be > 0")
     source = Path(args.model).resolve().name if args.model else Path(args.config).stem
     name = args.served_model_name or source
-    return ServerSettings(name, args.api_key, args.max_request_bytes, args.max_prompt_tokens)
+    return ServerSettings(
+        name, args.api_key, args.max_request_bytes, args.max_prompt_tokens, **limits
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -149,7 +181,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
         )
     with build_llm(args) as llm:
-        server = Server(llm, settings, args.host, args.port, args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
                 f"moe-overlap: warning: {args.host} is reachable from the network and no "
@@ -157,12 +188,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         text = "text and token ids" if llm.tokenizer is not None else "token ids only"
-        print(
+        serving = (  # printed once the address is bound, not before
             f"moe-overlap: serving {settings.model_name!r} ({text}) at "
-            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops",
-            file=sys.stderr,
+            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops\n"
+            f"moe-overlap: {llm.spec.kv_cache_summary()}"
         )
-        print(f"moe-overlap: {llm.spec.kv_cache_summary()}", file=sys.stderr, flush=True)
+        server = Server(
+            llm,
+            settings,
+            args.host,
+            args.port,
+            args.log_level,
+            on_started=lambda: print(serving, file=sys.stderr, flush=True),
+        )
         server.run()
     return 0
 
