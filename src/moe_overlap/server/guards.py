@@ -44,7 +44,7 @@ class ServerSettings:
     max_stop_chars: int = 256  # the longest stop string
     header_timeout_s: float = 10.0  # for a request's headers, from the connection or last reply
     body_timeout_s: float = 30.0  # for a request's whole body, once its headers are in
-    max_connections: int = 1024  # open at once; requests beyond get 503
+    max_connections: int = 1024  # open at once; one more gets 503 and is closed
     max_buffered_bytes: int = 256 << 20  # request bodies being read, all together
     shutdown_timeout_s: float = 10.0  # for requests in flight to finish on SIGTERM/SIGINT
 
@@ -67,7 +67,9 @@ def error_body(
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None
 ) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
+    if status in (408, 413) or code == "server_busy":  # the body was not read: close
+        headers["Connection"] = "close"
     return JSONResponse(error_body(status, message, code, param), status, headers=headers)
 
 
@@ -99,9 +101,10 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> Gate:
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
         message = f"{where}: {first.get('msg', 'invalid')}"
-        return error_response(400, message, "invalid_value", where)
+        return error_response(400, message, "invalid_value", loc[0] if loc else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -23,11 +24,19 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.loop import EngineLoop
 from moe_overlap.server.app import build_app
-from moe_overlap.server.guards import ServerSettings
+from moe_overlap.server.guards import RETRY_AFTER_S, ServerSettings, error_body
 
 GRACEFUL_S = 3.0  # uvicorn's wait for connections once every request was answered
 DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
 POLL_S = 0.05
+_BUSY_BODY = json.dumps(
+    error_body(503, "too many connections are open; retry shortly", "server_busy")
+).encode()
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+    % (RETRY_AFTER_S, len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 class EngineStopped(RuntimeError):
@@ -54,8 +63,7 @@ class Server:
             log_level=log_level,
             timeout_graceful_shutdown=GRACEFUL_S,
             lifespan="off",
-            http=_header_timed(settings.header_timeout_s),
-            limit_concurrency=settings.max_connections,
+            http=_guarded_http(settings.header_timeout_s, settings.max_connections),
         )
         self.http = _Http(config)
 
@@ -126,15 +134,20 @@ class _Http(uvicorn.Server):
             super().handle_exit(sig, frame)
 
 
-def _header_timed(timeout_s: float) -> type[H11Protocol]:
-    class HeaderTimed(H11Protocol):
-        """uvicorn's HTTP/1.1 with a deadline for each request's headers (from the connection
-        or the last response): a client that trickles them is dropped, not held."""
+def _guarded_http(timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    class GuardedHTTP(H11Protocol):
+        """uvicorn's HTTP/1.1 with a cap on open connections (one past it gets a JSON 503 and
+        is closed) and a deadline for each request's headers (from the connection or the last
+        response): a client that trickles them is dropped, not held."""
 
         timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(_BUSY)
+                transport.close()
+                return
             self.timer = self.loop.call_later(timeout_s, self.headers_late)
 
         def on_response_complete(self) -> None:
@@ -152,7 +165,7 @@ def _header_timed(timeout_s: float) -> type[H11Protocol]:
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimed
+    return GuardedHTTP
 
 
 @contextlib.contextmanager

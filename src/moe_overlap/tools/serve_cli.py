@@ -94,7 +94,7 @@ LIMIT_FLAGS = {
     "--max-stop-chars": ("max_stop_chars", int, "longest stop string, in characters"),
     "--header-timeout": ("header_timeout_s", float, "seconds for a request's headers to arrive"),
     "--body-timeout": ("body_timeout_s", float, "seconds for a request's body (408 after)"),
-    "--max-connections": ("max_connections", int, "connections and requests at once (503 beyond)"),
+    "--max-connections": ("max_connections", int, "open connections at once (503 beyond)"),
     "--max-buffered-bytes": ("max_buffered_bytes", int, "request bytes being read at once (503)"),
     "--shutdown-timeout": (
         "shutdown_timeout_s",
