@@ -430,6 +430,8 @@ def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, mat
         (["--max-request-bytes", "0"], "--max-request-bytes=0 must be >= 1"),
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens=0 must be >= 1"),
         (["--api-key", " "], "--api-key must not be empty"),
+        (["--header-timeout", "0"], "--header-timeout=0.0 must be > 0"),
+        (["--max-stop-sequences", "-1"], "--max-stop-sequences=-1 must be > 0"),
     ],
 )
 def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
