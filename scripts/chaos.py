@@ -177,9 +177,12 @@ def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:
         time.sleep(2.0)
         after = rss_mib(proc.pid) if proc.poll() is None else None
     finally:
-        if proc.poll() is None:
+        try:
+            proc.wait(0 if name.startswith("bad") else 15)  # a dead rank stops the server
+        except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
+        time.sleep(0.2)
     outcomes = Counter(o.split(":")[0] for o in result["out"])
     reasons = Counter(o.split(":", 1)[1] for o in result["out"] if o.startswith("error:"))
     log = getattr(proc, "log", "")
@@ -193,6 +196,7 @@ def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:
         "rss": (before, after),
         "exit": code,
         "tracebacks": log.count("Traceback"),
+        "last": log.strip().splitlines()[-1][:150] if log.strip() else "",
     }
 
 
@@ -237,6 +241,7 @@ def main() -> int:
         print(f"    reasons: {r['reasons']}")
         if r["hostile"]:
             print(f"    hostile connections: {r['hostile']}")
+        print(f"    server's last words: {r['last']}")
         if r["lost_why"]:
             print(f"    lost: {Counter(r['lost_why'])}")
     return 1 if any(r["lost"] or r["hung"] for r in rows) else 0
