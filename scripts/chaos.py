@@ -155,9 +155,15 @@ def hostile(port: int, count: int) -> Counter:
     return seen
 
 
-def rank_pids(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return sorted(int(p) for p in out.split())
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The server's ranks: children of its fork server (its one child), in rank order."""
+    (zygote,) = children(pid)
+    return children(zygote)
 
 
 def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:

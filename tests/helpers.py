@@ -75,15 +75,17 @@ def assert_same(base, got):
 VOCAB = 96
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    # transformers zero-initialises routers and the correction bias; make every weight matter
+def _randomize(model: torch.nn.Module, seed: int, centred: bool = False) -> None:
+    # transformers zero-initialises routers and the correction bias; make every weight matter.
+    # ``centred``: the norms (but linear attention's gated one) store the scale minus 1.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if t.dtype.is_floating_point and "inv_freq" not in name:
                 noise = torch.randn(t.shape, generator=gen)
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                    t.copy_(1.0 + 0.1 * noise)
+                    zero = centred and not name.endswith("linear_attn.norm.weight")
+                    t.copy_((0.0 if zero else 1.0) + 0.1 * noise)
                 elif t.dim() >= 2:
                     t.copy_(noise * t.shape[-1] ** -0.5)
                 else:
@@ -143,12 +145,68 @@ def deepseek_hf_config(**overrides):
     return DeepseekV3Config(**kw)
 
 
+def qwen3_5_hf_config(**overrides):
+    from transformers import Qwen3_5MoeTextConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # a quarter rotates: 4 dims
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,  # 8-wide heads' gated norm amplifies float noise past 1e-4
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return Qwen3_5MoeTextConfig(**kw)
+
+
+def glm4_hf_config(**overrides):
+    from transformers import Glm4MoeConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # half of it rotates
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
 def save_hf_model(config, path, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
-    _randomize(model, seed)
+    _randomize(model, seed, centred=config.model_type == "qwen3_5_moe_text")
     model.save_pretrained(path)
     return model
 

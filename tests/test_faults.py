@@ -20,7 +20,6 @@ from moe_overlap.distributed.netns import (
     cleanup_stale,
     process_start_time,
 )
-from moe_overlap.engine import scheduler as scheduler_mod
 from moe_overlap.tools.cli import main
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, netns_names, reference
 
@@ -126,20 +125,21 @@ def test_ctrl_c_during_generate_at_ep1_drops_the_calls_requests(cfg, expected):
         check_next_calls(llm, expected, fed)
 
 
-def test_failure_inside_a_step_leaves_engine_as_before(cfg, expected, monkeypatch):
-    sample, failures = scheduler_mod.sample, [1]
-
-    def sample_failing_once(*args):
-        if failures:
-            failures.pop()
-            raise RuntimeError("sampling failed")
-        return sample(*args)
-
-    monkeypatch.setattr(scheduler_mod, "sample", sample_failing_once)
+def test_failure_inside_a_step_leaves_engine_as_before(cfg, expected):
+    # a forward that raises stops the call; one request's own fault (its sampling) does not,
+    # see test_engine.py::test_a_request_that_fails_in_a_step_fails_alone
     with LLM(config=cfg, max_num_seqs=4, **KW) as llm:
-        with pytest.raises(RuntimeError, match="sampling failed"):
+        failures = [1]
+
+        def failing_once(n: int) -> None:
+            if n == 3 and failures:
+                failures.pop()
+                raise RuntimeError("forward failed")
+
+        fed = record_steps(llm, on_step=failing_once)
+        with pytest.raises(RuntimeError, match="forward failed"):
             llm.generate(LONG, LONG_PARAMS)
-        check_next_calls(llm, expected, record_steps(llm))
+        check_next_calls(llm, expected, fed)
 
 
 def _wrapped_cli(marker: str) -> str:
@@ -164,6 +164,12 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: the ranks are children of the rank fork server."""
+    children = _children(pid)
+    return children + [d for c in children for d in _descendants(c)]
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -186,8 +192,8 @@ def test_ctrl_c_in_cli_prints_one_line_and_stops_the_ranks():
     )
     try:
         assert cli.stdout is not None and cli.stdout.readline().strip() == "generating"
-        ranks = _children(cli.pid)
-        assert len(ranks) == 2
+        ranks = _descendants(cli.pid)
+        assert len(ranks) == 3  # the fork server and two ranks
         time.sleep(0.2)
         os.killpg(cli.pid, signal.SIGINT)  # Ctrl-C reaches the driver and its ranks
         _, err = cli.communicate(timeout=30)
@@ -197,7 +203,9 @@ def test_ctrl_c_in_cli_prints_one_line_and_stops_the_ranks():
             cli.wait()
     assert err.strip().splitlines() == ["moe-overlap: interrupted"], err
     assert cli.returncode == 130
-    assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the command"
+    assert not [pid for pid in ranks if _alive(pid)], (
+        "a rank or the fork server outlived the command"
+    )
 
 
 # Holds a link until killed, to leave leftovers like a crashed launcher would.

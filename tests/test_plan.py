@@ -84,7 +84,7 @@ def test_cluster_presets_and_bad_json() -> None:
         cluster_from_dict(raw, "x")
     with pytest.raises(ConfigError, match="unknown field"):
         cluster_from_dict(h800.to_json() | {"nvlink": 1}, "x")
-    with pytest.raises(ConfigError, match="neither a preset"):
+    with pytest.raises(ConfigError, match="not a cluster spec"):
         load_cluster("no-such-cluster")
 
 

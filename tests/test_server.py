@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
 from moe_overlap.engine import scheduler as scheduler_module
@@ -27,8 +29,10 @@ from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
-from moe_overlap.tools.bench_serve import make_prompts, percentile, prompt_lengths, run_load
+from moe_overlap.tools.bench_serve import Target, make_prompts, prompt_lengths, run_load
+from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.serve_cli import add_serve_commands
+from moe_overlap.tools.serving_metrics import percentile
 from tests.helpers import TINY
 
 # the tiny Qwen3 with room for a byte-level tokenizer
@@ -191,7 +195,7 @@ def test_32_concurrent_requests_equal_offline_generate(served, offline):
         (dict(prompt="hi", max_tokens=5000), 400, "maximum context length is 1024"),
         (dict(prompt="word " * 300), 400, "more than the 200 this server accepts"),
         (dict(prompt="hi", temperature=-1), 400, "temperature"),
-        (dict(prompt="hi", n=2), 400, "n:"),
+        (dict(prompt="hi", n=2), 400, "n=2: more than one choice per prompt"),
         (dict(prompt=""), 400, "prompt 0 is empty"),
         (dict(prompt=[[5, 999]]), 400, "outside the vocabulary"),
         (dict(prompt="hi", stop=[""]), 400, "stop strings must be non-empty"),
@@ -242,11 +246,106 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
     assert client.completions.create(model="tiny", prompt="ok", **GREEDY).choices
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logprobs", 2),
+        ("echo", True),
+        ("logit_bias", {"5": 10}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("best_of", 3),
+        ("suffix", "end"),
+        ("min_tokens", 2),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
+def test_a_completion_field_not_implemented_is_refused_by_name(served, field, value):
+    code, reply = served.raw(
+        "POST", "/v1/completions", json.dumps({"prompt": "hi", field: value}).encode()
+    )
+    assert code == 400 and reply["error"]["code"] == "unsupported_parameter"
+    assert (
+        reply["error"]["message"].startswith(f"{field}=")
+        and "not supported" in reply["error"]["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(logprobs=True),
+        dict(top_logprobs=3),
+        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        dict(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+    ],
+)
+def test_a_chat_field_not_implemented_is_refused_by_name(served, extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    code, reply = served.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
+    name = next(iter(extra))
+    assert code == 400 and reply["error"]["code"] == "unsupported_parameter"
+    assert name in reply["error"]["message"] and "supported" in reply["error"]["message"]
+
+
+def test_fields_sent_at_values_that_change_nothing_are_served(served, offline):
+    no_ops = dict(n=1, echo=False, presence_penalty=0, frequency_penalty=0.0, best_of=1)
+    no_ops |= dict(logit_bias={}, response_format={"type": "text"}, user="u", not_openai=1)
+    greedy = dict(temperature=0, max_tokens=6)
+    body = no_ops | {"ignore_eos": True}
+    reply = served.client().completions.create(model="tiny", prompt="hi", **greedy, extra_body=body)
+    assert reply.choices[0].text == _offline(offline, ["hi"])[0].text
+
+
 def test_malformed_json_and_bad_chat_messages_are_400(served):
     code, reply = served.raw("POST", "/v1/completions", b"{not json")
     assert code == 400 and reply["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="messages"):
         served.client().chat.completions.create(model="tiny", messages=[])
+
+
+def _metrics(served) -> dict[str, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    conn.request("GET", "/metrics")  # open without the key, like /health
+    resp = conn.getresponse()
+    assert resp.status == 200
+    families = text_string_to_metric_families(resp.read().decode())
+    return {
+        s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+        for family in families
+        for s in family.samples
+    }
+
+
+def test_metrics_move_with_requests_and_parse_as_prometheus(served, caplog):
+    before = _metrics(served)
+    client = served.client()
+    with caplog.at_level(logging.INFO, logger="moe_overlap.server"):
+        client.completions.create(model="tiny", prompt="one", **GREEDY)
+        list(client.completions.create(model="tiny", prompt="two", stream=True, **GREEDY))
+    after = _metrics(served)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_overlap.server"]
+    assert len(lines) == 2 and all("6 generated, finish length" in line for line in lines)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert grew["moe_overlap_generation_tokens_total"] == 12
+    assert grew["moe_overlap_prompt_tokens_total"] > 0
+    assert grew["moe_overlap_requests_finished_total{length}"] == 2
+    assert grew["moe_overlap_time_to_first_token_seconds_count"] == 2
+    assert grew["moe_overlap_inter_token_latency_seconds_count"] == 2 * 5
+    assert grew["moe_overlap_e2e_request_latency_seconds_count"] == 2
+    assert after["moe_overlap_engine_up"] == 1 and after["moe_overlap_requests_running"] == 0
+    assert after["moe_overlap_kv_slots_total"] == SLOTS
+    assert after["moe_overlap_overlap_mode_info{none}"] == 1
+    code, version = served.raw("GET", "/version", key="")
+    assert code == 200 and version["version"]
+    code, schema = served.raw("GET", "/openapi.json", key="")
+    assert code == 200 and "/v1/completions" in schema["paths"]
 
 
 def test_wrong_or_missing_key_is_refused_but_health_is_open(served):
@@ -300,10 +399,15 @@ def test_online_load_is_served_without_errors_and_timed(served):
     lengths = prompt_lengths("uniform:5-40", 12, seed=0)
     assert len(lengths) == 12 and all(5 <= n <= 40 for n in lengths)
     prompts = make_prompts(lengths, CFG["vocab_size"], seed=0)
-    result = run_load(served.port, prompts, rate=40.0, output_len=3, seed=0, api_key=KEY)
-    assert result.errors == 0 and result.output_tokens == 12 * 3
+    target = Target(f"http://127.0.0.1:{served.port}/v1", KEY)  # a /v1 suffix is allowed
+    result = run_load(target, prompts, rate=40.0, output_len=3, seed=0, max_concurrency=4)
+    assert result.errors == 0 and result.output_tokens == 12 * 3  # counted from usage
     assert 0 < result.ttft_ms[0] <= result.ttft_ms[1] and 0 < result.itl_ms[0] <= result.itl_ms[1]
     assert result.tokens_per_s > 0 and result.rss_mib[0] > 0 and result.rss_mib[1] > 0
+    summary = result.summary
+    assert summary["total_input_tokens"] == sum(lengths) and summary["output_lens"] == [3] * 12
+    assert summary["median_ttft_ms"] <= summary["p99_ttft_ms"]
+    assert summary["mean_tpot_ms"] > 0 and len(summary["itls"]) == 12 * 2
 
 
 def test_percentile_interpolates():
@@ -369,6 +473,24 @@ SERVE = (
 )
 
 
+def _descendants(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    children = [int(p) for p in found.stdout.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running or not yet reaped."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
 @pytest.mark.parametrize("sig, ep", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
 def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
     port = _free_port()
@@ -385,15 +507,15 @@ def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
                     break
             except OSError:
                 time.sleep(0.1)
-        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
-        rank_pids = [int(p) for p in ranks.stdout.split()]
-        assert len(rank_pids) == (ep if ep > 1 else 0)
+        rank_pids = _descendants(proc.pid)
+        assert len(rank_pids) == (ep + 1 if ep > 1 else 0)  # the ranks and their fork server
         os.kill(proc.pid, sig)
         assert proc.wait(30) in (130, 128 + signal.SIGTERM)
         assert "serving 'served" in proc.stderr.read()
-        for pid in rank_pids:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+        deadline = time.monotonic() + 5  # the fork server exits as its driver's socket closes
+        while _alive(rank_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(rank_pids)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -402,7 +524,9 @@ def test_signal_stops_the_server_and_every_rank(model_dir, sig, ep):
 
 def _parse(*argv: str):
     parser = argparse.ArgumentParser()
-    add_serve_commands(parser.add_subparsers())
+    sub = parser.add_subparsers()
+    add_serve_commands(sub)
+    add_bench_serve_command(sub)
     return parser.parse_args(argv)
 
 
@@ -415,6 +539,10 @@ def _parse(*argv: str):
         (["--workload", "single-long:5000"], "exceed the model's context of 1024"),
         (["--num-requests", "0"], "--num-requests=0 must be >= 1"),
         (["--duration", "0"], "--duration=0.0 must be a positive number"),
+        (["--max-concurrency", "0"], "--max-concurrency=0 must be >= 1"),
+        (["--percentile-metrics", "ttft,speed"], "choose from ttft,tpot,itl,e2el"),
+        (["--metric-percentiles", "0"], r"comma-separated numbers in \(0, 100\]"),
+        (["--base-url", "http://x:1", "--modes", "tbo"], "drop one of them"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
@@ -438,6 +566,29 @@ def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
     args = _parse("serve", "--model", str(model_dir), *extra)
     with pytest.raises(ConfigError, match=match):
         args.func(args)
+
+
+def test_bench_serve_measures_a_server_it_did_not_start(served, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    args = _parse(
+        "bench-serve", "--base-url", f"http://127.0.0.1:{served.port}", "--api-key", KEY,
+        "--vocab-size", str(CFG["vocab_size"]), "--workload", "uniform:5-20",
+        "--num-prompts", "6", "--request-rate", "inf", "--max-concurrency", "3",
+        "--output-len", "4", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--json", str(out),
+    )  # fmt: skip
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    for line in ("Serving Benchmark Result", "Successful requests:", "Mean TPOT (ms):",
+                 "P50 E2EL (ms):", "P99 ITL (ms):"):  # fmt: skip
+        assert line in printed
+    [result] = json.loads(out.read_text())["results"]
+    assert result["completed"] == 6 and result["total_output_tokens"] == 24
+    assert result["request_throughput"] > 0 and result["max_concurrency"] == 3
+    assert {"mean_e2el_ms", "p50_ttft_ms", "std_itl_ms", "ttfts", "input_lens"} <= set(result)
+    with pytest.raises(ConfigError, match="give --vocab-size"):
+        bad = _parse("bench-serve", "--base-url", f"http://127.0.0.1:{served.port}")
+        bad.func(bad)
 
 
 def test_serve_refuses_torchrun(model_dir, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
 
 if TYPE_CHECKING:  # the contract lives with its backends; core only names it
@@ -56,6 +57,7 @@ class ForwardContext:
     state: StrictState = field(default_factory=StrictState)
     # how attention runs over this batch: built by the first attention layer, reused by the rest
     attention_plan: Any = None
+    states: StateCache | None = None  # linear-attention layers' recurrent states (Qwen3.5)
 
     def __post_init__(self) -> None:
         if self.positions is None:  # the batch is host metadata; the cache sits on the device

@@ -12,9 +12,11 @@ from typing import Any
 
 from moe_overlap.core.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "deepseek_v2")
 _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
 }
@@ -36,6 +38,29 @@ _COMMON = (
     "eos_token_id",
 )
 _QWEN3 = ("head_dim", "mlp_only_layers", "decoder_sparse_step")
+_GLM4 = (
+    "head_dim",
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "attention_bias",
+    "use_qk_norm",
+)
+_QWEN3_5 = (
+    "head_dim",
+    "layer_types",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "shared_expert_intermediate_size",
+)
+# the Hub's multimodal Qwen3.5 config nests the language model's fields under text_config,
+# whose own model_type names the text model
+_TEXT_TYPES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 _DEEPSEEK = (
     "first_k_dense_replace",
     "n_shared_experts",
@@ -81,10 +106,11 @@ def read_json(path: str | Path) -> dict[str, Any]:
 def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     """``ModelConfig`` keyword arguments from a Hugging Face config dict (types unchecked:
     ``ModelConfig`` validates every field and names the bad one)."""
+    raw = _text_part(raw)
     model_type = check_model_type(raw.get("model_type"))
     for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise ConfigError(f"{flag}=true is not supported: our linears have no bias")
+        if raw.get(flag) and not (flag == "attention_bias" and model_type == "glm4_moe"):
+            raise ConfigError(f"{flag}=true is not supported for {model_type}")
     reader = _Reader(raw)
     common = dict(
         model_type=model_type,
@@ -93,7 +119,10 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         num_hidden_layers=reader.get("num_hidden_layers"),
         num_attention_heads=reader.get("num_attention_heads"),
         num_key_value_heads=reader.get("num_key_value_heads", raw.get("num_attention_heads")),
-        intermediate_size=reader.get("intermediate_size"),
+        # Qwen3.5 has no dense MLP layer, and no dense width
+        intermediate_size=reader.get("intermediate_size")
+        if model_type != "qwen3_5_moe"
+        else raw.get("intermediate_size") or reader.get("moe_intermediate_size"),
         moe_intermediate_size=reader.get("moe_intermediate_size"),
         num_experts_per_tok=reader.get("num_experts_per_tok"),
         rms_norm_eps=reader.get("rms_norm_eps", 1e-6),
@@ -110,6 +139,10 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             mlp_only_layers=raw.get("mlp_only_layers") or [],
             decoder_sparse_step=raw.get("decoder_sparse_step", 1),
         )
+    if model_type == "qwen3_5_moe":
+        return common | _qwen3_5_fields(raw, reader)
+    if model_type == "glm4_moe":
+        return common | _glm4_fields(raw, reader)
     v3 = model_type == "deepseek_v3"
     return common | dict(
         num_experts=reader.get("n_routed_experts"),
@@ -137,7 +170,76 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
     out["architectures"] = [_ARCHITECTURES[fields["model_type"]]]
     if fields["model_type"] == "qwen3_moe":
         return out | {"num_experts": fields["num_experts"]} | {k: fields[k] for k in _QWEN3}
+    if fields["model_type"] == "glm4_moe":
+        out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
+        return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _GLM4}
+    if fields["model_type"] == "qwen3_5_moe":
+        out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
+        out["model_type"] = "qwen3_5_moe_text"  # what transformers' causal LM class reads
+        return out | {"num_experts": fields["num_experts"]} | {k: fields[k] for k in _QWEN3_5}
     return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _DEEPSEEK}
+
+
+def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: ``text_config`` when the config nests them there."""
+    if isinstance(raw.get("text_config"), dict):
+        raw = raw["text_config"] | {"tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    if raw.get("model_type") in _TEXT_TYPES:
+        raw = raw | {"model_type": _TEXT_TYPES[raw["model_type"]]}
+    return raw
+
+
+def _qwen3_5_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
+    for flag in ("attn_output_gate",):
+        if raw.get(flag) is False:
+            raise ConfigError(f"{flag}=false is not supported: Qwen3.5's attention is gated")
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return dict(
+        num_experts=reader.get_any("num_experts", "num_local_experts"),
+        head_dim=raw.get("head_dim"),
+        layer_types=raw.get("layer_types") or _default_layer_types(reader),
+        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=raw.get("linear_key_head_dim", 128),
+        linear_value_head_dim=raw.get("linear_value_head_dim", 128),
+        linear_num_key_heads=raw.get("linear_num_key_heads", 16),
+        linear_num_value_heads=raw.get("linear_num_value_heads", 32),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
+        partial_rotary_factor=params.get(
+            "partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)
+        ),
+    )
+
+
+def _glm4_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return dict(
+        num_experts=reader.get_any("n_routed_experts", "num_local_experts"),
+        head_dim=raw.get("head_dim"),
+        first_k_dense_replace=raw.get("first_k_dense_replace", 1),
+        n_shared_experts=raw.get("n_shared_experts", 1),
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
+        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        attention_bias=raw.get("attention_bias", False),
+        use_qk_norm=raw.get("use_qk_norm", False),
+        partial_rotary_factor=params.get(
+            "partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)
+        ),
+    )
+
+
+def _default_layer_types(reader: _Reader) -> list[str]:
+    # transformers' default: every fourth layer full attention, the rest linear
+    n = reader.get("num_hidden_layers")
+    interval = reader.raw.get("full_attention_interval", 4)
+    if not isinstance(n, int) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(
+            f"num_hidden_layers={n!r} and full_attention_interval={interval!r} must be "
+            "positive integers (or give layer_types)"
+        )
+    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
 
 
 class _Reader:
@@ -168,6 +270,8 @@ def _rope_theta(raw: dict[str, Any]) -> Any:
     scaling = raw.get("rope_scaling") or params
     if not isinstance(scaling, dict):
         raise ConfigError(f"rope_scaling={scaling!r} must be an object")
+    # Qwen3.5's multimodal RoPE (mrope) is plain RoPE for text, where its three position ids
+    # are equal
     if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
         raise ConfigError(f"rope scaling {scaling!r} is not supported; only default RoPE")
     return params.get("rope_theta", raw.get("rope_theta", 10000.0))

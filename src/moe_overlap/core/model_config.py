@@ -1,4 +1,4 @@
-"""The model's configuration: one dataclass for both families, validated field by field."""
+"""The model's configuration: one dataclass for every family, validated field by field."""
 
 from __future__ import annotations
 
@@ -26,8 +26,21 @@ _POSITIVE_INTS = (
     "topk_group",
 )
 _POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
-_BOOLS = ("norm_topk_prob", "tie_word_embeddings", "rope_interleave")
+_BOOLS = (
+    "norm_topk_prob",
+    "tie_word_embeddings",
+    "rope_interleave",
+    "attention_bias",
+    "use_qk_norm",
+)
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_LINEAR_DIMS = (
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 _CHOICES = {
     "scoring_func": ("softmax", "sigmoid"),
     "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
@@ -73,6 +86,19 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # Qwen3.5-MoE: which layers are Gated DeltaNet (linear attention) and their shapes; the
+    # full-attention layers rotate only the first partial_rotary_factor of each head.
+    layer_types: list[str] = field(default_factory=list)
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0  # one gated shared expert of this width
+    partial_rotary_factor: float = 1.0
+    # GLM-4.5: biased q/k/v projections, optional per-head q/k norm
+    attention_bias: bool = False
+    use_qk_norm: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,8 +107,25 @@ class ModelConfig:
     def is_deepseek(self) -> bool:
         return self.model_type.startswith("deepseek")
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention with a per-sequence recurrent state."""
+        return self.model_type == "qwen3_5_moe"
+
+    def is_linear_layer(self, layer_id: int) -> bool:
+        return self.is_hybrid and self.layer_types[layer_id] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def deepseek_moe(self) -> bool:
+        """DeepSeek-V3's MoE: grouped routing, shared experts, dense first layers (GLM-4.5 too)."""
+        return self.is_deepseek or self.model_type == "glm4_moe"
+
     def is_moe_layer(self, layer_id: int) -> bool:
-        if self.is_deepseek:
+        if self.deepseek_moe:
             return layer_id >= self.first_k_dense_replace
         return (
             layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
@@ -124,10 +167,16 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} does not divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.deepseek_moe:
+            self._validate_deepseek_moe()
         if self.is_deepseek:
-            self._validate_deepseek()
+            self._validate_mla()
         else:
             self._validate_qwen3()
+        if self.is_hybrid:
+            self._validate_hybrid()
+        if self.model_type == "glm4_moe":
+            self._validate_rotary()
 
     def _validate_qwen3(self) -> None:
         if not isinstance(self.mlp_only_layers, list) or not all(
@@ -148,15 +197,17 @@ class ModelConfig:
             )
         self.head_dim = self.hidden_size // self.num_attention_heads
 
-    def _validate_deepseek(self) -> None:
+    def _validate_mla(self) -> None:
         for name in _DEEPSEEK_DIMS:
             _require_int(name, getattr(self, name), minimum=1)
         if self.q_lora_rank is not None:
             _require_int("q_lora_rank", self.q_lora_rank, minimum=1)
-        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
-        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+
+    def _validate_deepseek_moe(self) -> None:
+        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
+        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
         if self.num_experts % self.n_group:
             raise ConfigError(
                 f"n_group={self.n_group} must be positive and divide n_routed_experts={self.num_experts}"
@@ -175,6 +226,40 @@ class ModelConfig:
             raise ConfigError(
                 f"first_k_dense_replace={self.first_k_dense_replace} must be in "
                 f"[0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+
+    def _validate_hybrid(self) -> None:
+        kinds = ("linear_attention", "full_attention")
+        if (
+            not isinstance(self.layer_types, list)
+            or len(self.layer_types) != self.num_hidden_layers
+            or any(t not in kinds for t in self.layer_types)
+        ):
+            raise ConfigError(
+                f"layer_types={self.layer_types!r} must list {self.num_hidden_layers} entries "
+                f"(num_hidden_layers), each one of {', '.join(kinds)}"
+            )
+        for name in _LINEAR_DIMS:
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
+                f"linear_num_value_heads={self.linear_num_value_heads}"
+            )
+        self._validate_rotary()
+
+    def _validate_rotary(self) -> None:
+        if not is_finite_number(self.partial_rotary_factor) or not (
+            0 < self.partial_rotary_factor <= 1
+        ):
+            raise ConfigError(
+                f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1]"
+            )
+        if self.rotary_dim % 2:
+            raise ConfigError(
+                f"head_dim={self.head_dim} x partial_rotary_factor={self.partial_rotary_factor}"
+                f" = {self.rotary_dim} rotary dims must be even"
             )
 
 

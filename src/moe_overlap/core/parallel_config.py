@@ -117,6 +117,12 @@ def check_model_fits(cfg: ModelConfig, par: ParallelConfig) -> None:
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     a = par.attn_tp
     where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
+    if cfg.is_hybrid and a > 1:
+        raise ConfigError(
+            f"model_type={cfg.model_type}: its linear-attention layers do not run tensor "
+            f"parallel, so the {where} is refused; use --ep, or --enable-dp-attention with "
+            "--dp equal to --tp"
+        )
     if heads % a:
         raise ConfigError(
             f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "

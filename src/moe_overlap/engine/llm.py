@@ -91,6 +91,8 @@ class LLM:
         link_spec = _parse_link(link)
         check_layout(par, overlap, link_spec)
         check_pdmux(enable_pdmux, pdmux_prefill_splits, par, overlap)
+        if enable_pdmux and cfg.is_hybrid:  # the prefill lane has no recurrent-state cache
+            raise ConfigError(f"--enable-pdmux does not support model_type={cfg.model_type}")
         max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config, self.seed, self.max_len = cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)

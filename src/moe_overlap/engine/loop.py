@@ -105,6 +105,7 @@ class EngineLoop:
             "running": sum(len(r) for r in sched.running),
             "waiting": len(sched.waiting) + len(self._new),
             "free_slots": sum(len(s) for s in sched.slots),
+            "total_slots": sum(s.num_slots for s in sched.slots),
         }
 
     def stop(self) -> None:

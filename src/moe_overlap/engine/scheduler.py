@@ -198,6 +198,7 @@ class SlotAllocator:
     """Hands out cache rows; the scheduler holds one per rank."""
 
     def __init__(self, num_slots: int):
+        self.num_slots = num_slots
         self.free = list(range(num_slots - 1, -1, -1))
 
     def __len__(self) -> int:

@@ -1,4 +1,7 @@
-"""Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE)."""
+"""Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE); Qwen3.5-MoE's variant has
+an output gate per head (``q_proj`` yields each head's query then its gate) and zero-centred
+q/k norms; GLM-4.5's has biased q/k/v and the q/k norm optional. Qwen3.5 and GLM-4.5 rotate
+only the first ``rotary_dim`` dims of each head."""
 
 from __future__ import annotations
 
@@ -33,26 +36,50 @@ class GQAttention(nn.Module):
         # the first KV head this rank holds: its share, or the one its query heads map to
         first_kv = group.rank * self.heads // (heads // kv_heads)
         kv_rows = range(first_kv * d, (first_kv + self.kv_heads) * d)
-        self.q_proj = ColumnLinear.even(h, heads * d, group)
-        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows)
-        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows)
+        self.gated, bias = cfg.is_hybrid, cfg.attention_bias
+        self.q_proj = ColumnLinear.even(h, heads * d * (2 if self.gated else 1), group, bias)
+        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
+        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
         self.o_proj = RowLinear(heads * d, h, group)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(d, cfg.rope_theta)
+        self.qk_norm = cfg.use_qk_norm  # GLM-4.5 may have none
+        if self.qk_norm:
+            offset = 1.0 if cfg.is_hybrid else 0.0
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
+        self.rotary_dim = cfg.rotary_dim
+        self.rotary = RotaryEmbedding(self.rotary_dim, cfg.rope_theta)
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
 
     def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q = self.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(t, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, self.heads * self.head_dim)
+        q = q.reshape(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        return self.rotary(q, ctx.positions), self.rotary(k, ctx.positions), v
+        q, k = self._rotate(q, ctx.positions), self._rotate(k, ctx.positions)
+        return (q, k, v) if gate is None else (q, k, v, gate)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return self.rotary(x, positions)
+        r = self.rotary_dim
+        return torch.cat((self.rotary(x[..., :r], positions), x[..., r:]), dim=-1)
 
     def core(
-        self, ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        ctx: ForwardContext,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
         cache.store(layer, plan.slots, ctx.positions, k=k, v=v)
@@ -73,4 +100,5 @@ class GQAttention(nn.Module):
             q_group = q[group.rows].unflatten(0, (-1, group.new))
             attended = causal_attention(q_group, keys, values, group.prefix, scale)
             out[group.rows] = attended.flatten(0, 1)
-        return self.o_proj(out.reshape(out.shape[0], self.heads * self.head_dim))
+        out = out.reshape(out.shape[0], self.heads * self.head_dim)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))

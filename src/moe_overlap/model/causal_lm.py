@@ -1,4 +1,4 @@
-"""The causal LM for both families: embedding, decoder layers as operations, LM head."""
+"""The causal LM for every family: embedding, decoder layers as operations, LM head."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.attention import GQAttention
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
+from moe_overlap.model.linear_attention import GatedDeltaNet
 from moe_overlap.model.mla import MLAttention
 from moe_overlap.model.tensor_parallel import ModelParallel, VocabEmbedding, VocabHead
 
 
-def attention_class(cfg: ModelConfig) -> type[nn.Module]:
+def attention_class(cfg: ModelConfig, layer_id: int = 0) -> type[nn.Module]:
+    if cfg.is_linear_layer(layer_id):
+        return GatedDeltaNet
     return MLAttention if cfg.is_deepseek else GQAttention
 
 
@@ -24,14 +27,17 @@ class _Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig, par: ModelParallel, layers: range):
         super().__init__()
-        attn = attention_class(cfg)
         if layers.start == 0:
             self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, i, attn(cfg, i, par.attn_tp), par) for i in layers}
+            {
+                str(i): DecoderLayer(cfg, i, attention_class(cfg, i)(cfg, i, par.attn_tp), par)
+                for i in layers
+            }
         )
         if layers.stop == cfg.num_hidden_layers:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            offset = 1.0 if cfg.is_hybrid else 0.0
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
 
 
 class MoeForCausalLM(nn.Module):
@@ -59,7 +65,14 @@ class MoeForCausalLM(nn.Module):
         return list(self.model.layers.values())
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
-        return self.layers[0].self_attn.kv_entries()
+        """The KV cache's entries per token (of the full-attention layers; linear-attention
+        layers store none, and their buffers stay empty)."""
+        full = [x for x in self.layers if not x.is_linear]
+        return full[0].attn.kv_entries() if full else {}
+
+    def state_shapes(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per linear-attention layer of this stage: its (conv, SSM) state shapes."""
+        return {x.layer_id: x.attn.state_shapes() for x in self.layers if x.is_linear}
 
     def op_embed(self, ctx: ForwardContext) -> dict:
         return {"hidden_states": self.model.embed_tokens(ctx.batch.input_ids), "residual": None}

@@ -42,15 +42,20 @@ class DecoderLayer(nn.Module):
         self,
         cfg: ModelConfig,
         layer_id: int,
-        self_attn: nn.Module,
+        attn: nn.Module,
         par: ModelParallel | None = None,
     ):
         super().__init__()
         self.layer_id = layer_id
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.self_attn = self_attn
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_linear = cfg.is_linear_layer(layer_id)
+        if self.is_linear:  # the checkpoint's names: linear_attn or self_attn
+            self.linear_attn = attn
+        else:
+            self.self_attn = attn
+        offset = 1.0 if cfg.is_hybrid else 0.0  # Qwen3.5's norms are zero-centred
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         par = par or ModelParallel.single()
         self.mlp = (
             SparseMoeBlock(cfg, par)
@@ -59,10 +64,15 @@ class DecoderLayer(nn.Module):
         )
 
     @property
+    def attn(self) -> nn.Module:
+        """The token mixer: attention, or (Qwen3.5) a linear-attention layer."""
+        return self.linear_attn if self.is_linear else self.self_attn
+
+    @property
     def op_names(self) -> tuple[str, ...]:
         if not self.is_moe:
             return DENSE_OPS
-        if self.mlp.shared_experts is None:
+        if not self.mlp.has_shared:
             return tuple(n for n in MOE_OPS if n != "shared_experts")
         return MOE_OPS
 
@@ -82,10 +92,10 @@ class DecoderLayer(nn.Module):
         ctx.state.put(residual=residual, attn_in=self.input_layernorm(residual))
 
     def op_attn_prepare(self, ctx: ForwardContext) -> None:
-        ctx.state.put(qkv=self.self_attn.prepare(ctx, ctx.state.pop("attn_in")))
+        ctx.state.put(qkv=self.attn.prepare(ctx, ctx.state.pop("attn_in")))
 
     def op_attn_core(self, ctx: ForwardContext) -> None:
-        ctx.state.put(attn_out=self.self_attn.core(ctx, *ctx.state.pop("qkv")))
+        ctx.state.put(attn_out=self.attn.core(ctx, *ctx.state.pop("qkv")))
 
     def op_prepare_mlp(self, ctx: ForwardContext) -> None:
         residual = ctx.state.pop("residual") + ctx.state.pop("attn_out")

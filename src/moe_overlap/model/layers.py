@@ -1,4 +1,4 @@
-"""Building blocks shared by both model families."""
+"""Building blocks shared by the model families."""
 
 from __future__ import annotations
 
@@ -16,12 +16,18 @@ from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``offset`` 1: a zero-centred norm (Qwen3.5), whose checkpoint weight is the scale's
+    difference from 1; its scale is ``1 + weight``, taken in float32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return (y * (self.offset + self.weight.float())).to(x.dtype)
         if x.dtype == self.weight.dtype == torch.float32:  # one op, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

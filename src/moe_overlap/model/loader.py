@@ -70,12 +70,13 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     where = _index(files)
     with torch.no_grad():
         for name, (dest, shard) in checkpoint_layout(model).items():
-            if name not in where:
+            stored = _stored_name(name, where)
+            if stored is None:
                 raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
-            file = where[name]
+            file = where[stored]
             try:
                 with safe_open(file, framework="pt") as f:
-                    value = f.get_tensor(name)
+                    value = f.get_tensor(stored)
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise CheckpointError(f"cannot read tensor {name!r} from {file}: {exc}") from exc
             expected = _full_shape(dest, shard)
@@ -85,6 +86,18 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
                     f"expected {expected} from config.json"
                 )
             _fill(dest, shard, value)
+
+
+def _stored_name(name: str, where: dict[str, Path]) -> str | None:
+    """The name ``name`` has in the checkpoint: itself, or (the Hub's multimodal Qwen3.5
+    checkpoints) under ``model.language_model.``."""
+    if name in where:
+        return name
+    if name.startswith("model."):
+        nested = "model.language_model." + name.removeprefix("model.")
+        if nested in where:
+            return nested
+    return None
 
 
 def _index(files: list[Path]) -> dict[str, Path]:
@@ -105,6 +118,9 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
     slice, so a rank holding experts 4..7 (or half of every head) gets exactly the weights a
     single process holding all of them has.
     """
+    centred = {  # zero-centred norms store the scale's difference from 1
+        f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.offset
+    }
     with torch.no_grad():
         for name, (dest, shard) in checkpoint_layout(model).items():
             shape = _full_shape(dest, shard)
@@ -112,9 +128,9 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
             noise = torch.randn(shape, generator=gen, dtype=torch.float32)
             if len(shape) >= 2:
                 value = noise * shape[-1] ** -0.5
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith(("e_score_correction_bias", ".bias")) or name in centred:
                 value = 0.1 * noise
-            else:  # norm weights
+            else:  # norm weights (and Qwen3.5's per-head decay parameters)
                 value = 1.0 + 0.1 * noise
             _fill(dest, shard, value.to(dest.dtype))
 

@@ -11,7 +11,7 @@ from torch import nn
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP
-from moe_overlap.model.tensor_parallel import ModelParallel, even_part
+from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
 
 
 class Router(nn.Module):
@@ -45,7 +45,7 @@ class Router(nn.Module):
         # transformers' DeepSeek-V2 router ignores norm_topk_prob (it only scales)
         if cfg.norm_topk_prob and cfg.model_type != "deepseek_v2":
             weights = weights / (
-                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.is_deepseek else 0)
+                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.deepseek_moe else 0)
             )
         return ids, weights * cfg.routed_scaling_factor
 
@@ -165,7 +165,8 @@ def _padded_positions(counts: list[int], height: int, device: torch.device) -> t
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, this rank's experts and (DeepSeek) shared experts, exposed as operations."""
+    """Router, this rank's experts and shared experts (DeepSeek's, or Qwen3.5's gated one),
+    exposed as operations."""
 
     def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
         super().__init__()
@@ -184,6 +185,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_experts = GatedMLP(
                 cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par.attn_tp
             )
+        elif cfg.shared_expert_intermediate_size:  # Qwen3.5: one shared expert, gated per token
+            self.shared_expert = GatedMLP(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, par.attn_tp
+            )
+            self.shared_expert_gate = ColumnLinear(cfg.hidden_size, 1, range(1))
+        self.has_shared = cfg.n_shared_experts > 0 or cfg.shared_expert_intermediate_size > 0
 
     def op_gate(self, ctx: ForwardContext) -> None:
         ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
@@ -194,7 +201,7 @@ class SparseMoeBlock(nn.Module):
 
     def op_dispatch_a(self, ctx: ForwardContext) -> None:
         s = ctx.state
-        x = s.get("mlp_in") if self.shared_experts is not None else s.pop("mlp_in")
+        x = s.get("mlp_in") if self.has_shared else s.pop("mlp_in")
         ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
         extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
         s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
@@ -213,4 +220,9 @@ class SparseMoeBlock(nn.Module):
         ctx.state.put(moe_out=ctx.dispatcher.combine_b(ctx.state.pop("dispatch")))
 
     def op_shared_experts(self, ctx: ForwardContext) -> None:
-        ctx.state.put(shared_out=self.shared_experts(ctx.state.pop("mlp_in")))
+        x = ctx.state.pop("mlp_in")
+        if self.shared_experts is not None:
+            ctx.state.put(shared_out=self.shared_experts(x))
+            return
+        gate = torch.sigmoid(self.shared_expert_gate(x))
+        ctx.state.put(shared_out=gate * self.shared_expert(x))

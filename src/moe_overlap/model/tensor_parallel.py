@@ -82,17 +82,24 @@ class ColumnLinear(nn.Module):
     """``x W^T`` for output rows ``rows`` of the full ``[out_features, in_features]`` weight;
     no communication (the output stays sharded)."""
 
-    def __init__(self, in_features: int, out_features: int, rows: range):
+    def __init__(self, in_features: int, out_features: int, rows: range, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(len(rows), in_features))
         set_shard(self.weight, 0, rows.start, out_features)
+        self.bias = None
+        if bias:  # GLM-4.5's q/k/v: cut like the rows
+            self.bias = nn.Parameter(torch.zeros(len(rows)))
+            set_shard(self.bias, 0, rows.start, out_features)
 
     @classmethod
-    def even(cls, in_features: int, out_features: int, group: Group) -> ColumnLinear:
-        return cls(in_features, out_features, even_part(out_features, group.rank, group.size))
+    def even(
+        cls, in_features: int, out_features: int, group: Group, bias: bool = False
+    ) -> ColumnLinear:
+        rows = even_part(out_features, group.rank, group.size)
+        return cls(in_features, out_features, rows, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):

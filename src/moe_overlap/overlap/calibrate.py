@@ -21,6 +21,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.state_cache import StateCache
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.predict import Calibration, StepStats, raw_times
@@ -36,6 +37,12 @@ class ScratchRunner:
 
     runner: object
     kv_cache: KVCache
+    states: StateCache | None = None  # a scratch recurrent-state cache (hybrid models)
+
+    def __post_init__(self) -> None:
+        kv = self.kv_cache
+        shapes = self.runner.model.state_shapes()
+        self.states = StateCache(shapes, kv.num_slots, kv.dtype, kv.device)
 
     @property
     def ops(self) -> list:
@@ -43,7 +50,9 @@ class ScratchRunner:
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
         r = self.runner
-        return ForwardContext(batch, self.kv_cache, r.dispatcher, name=name, timeline=r.timeline)
+        return ForwardContext(
+            batch, self.kv_cache, r.dispatcher, name=name, timeline=r.timeline, states=self.states
+        )
 
 
 def shape_batch(seqs: int, tokens: int, vocab: int) -> ForwardBatch:

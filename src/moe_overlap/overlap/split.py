@@ -112,6 +112,14 @@ class CostModel:
         experts = (
             3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
         )
+        experts += 3 * h * cfg.shared_expert_intermediate_size
+        if cfg.is_hybrid:  # only the full-attention layers' cost grows with the context
+            layers = cfg.num_hidden_layers
+            share = sum(not cfg.is_linear_layer(i) for i in range(layers)) / layers
+            v_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            k_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            linear = h * (2 * k_dim + 3 * v_dim) + 3 * cfg.linear_key_head_dim * v_dim
+            attn, heads_dim = share * attn + (1 - share) * linear, share * heads_dim
         return cls(per_token=2.0 * (attn + experts), per_pair=2.0 * heads_dim)
 
     def cost(self, batch: ForwardBatch, child: list[Piece]) -> float:

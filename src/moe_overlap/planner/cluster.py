@@ -1,7 +1,8 @@
 """The hardware a plan runs on: compute rates, memory bandwidth, the all-to-all link, overheads.
 
-A cluster is plain numbers, read from a preset in ``configs/clusters/``, from any JSON file of
-the same shape, or measured on this machine (``calibration.py``). Every rate is what one GPU
+A cluster is plain numbers: built for ``<nodes>x<gpus>-<gpu>`` from the per-GPU table in
+``gpus.py``, read from any JSON file of the same shape, or measured on this machine
+(``calibration.py``). Every rate is what one GPU
 (or one rank) sees; the all-to-all rates are DeepEP-style "bottleneck bandwidths": the bytes one
 rank sends inside its node over ``intra_node_a2a_gbps`` and across nodes over
 ``inter_node_a2a_gbps``, both at once.
@@ -10,12 +11,15 @@ rank sends inside its node over ``intra_node_a2a_gbps`` and across nodes over
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
+from moe_overlap.planner import gpus
 
 PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "clusters"
 _POSITIVE = (
@@ -41,6 +45,9 @@ _NON_NEGATIVE = (
     "expert_overhead_us",
     "switch_overhead_us",
     "comm_sm_share",
+    "ll_comm_sm_share",
+    "gemm_half_rows",
+    "decode_attention_tflops",
 )
 
 
@@ -89,6 +96,20 @@ class Cluster:
     # DeepEP: a token crosses RDMA once per remote node and NVLink once per GPU it reaches,
     # however many of its top-k experts sit there (the engine's torch backend sends every row)
     a2a_dedup: bool = False
+    # GPU effects (docs/planner.md, "GPU clusters"); the defaults leave them out
+    gemm_row_tile: int = 1  # a GEMM's rows are computed in tiles of this many (Hopper: 64)
+    gemm_half_rows: float = 0.0  # GEMM efficiency x m / (m + this) for m rows per GEMM (per
+    # expert in grouped GEMMs): small GEMMs reach less of the peak
+    decode_attention_tflops: float = 0.0  # decode attention's rate (FlashMLA); 0: prefill's
+    decode_op_overhead_us: float | None = None  # per op in decode (CUDA graphs); None: op's
+    # DeepEP low-latency kernels for decode micro-batches: per EP size, GB/s of the bytes each
+    # rank sends (top-k copies, no dedup); empty: decode uses the normal kernels too
+    ll_dispatch_gbps: tuple[tuple[int, float], ...] = ()
+    ll_combine_gbps: tuple[tuple[int, float], ...] = ()
+    ll_comm_sm_share: float = 0.0  # share of compute lost while a low-latency transfer is out
+    # DeepEP normal kernels across nodes: per EP size, the RDMA rate measured with the NVLink
+    # forwarding inside the kernel (RDMA was the bottleneck); empty: both links timed
+    normal_rdma_gbps: tuple[tuple[int, float], ...] = ()
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -112,8 +133,23 @@ class Cluster:
                 f"cluster {self.name}: expert_imbalance={self.expert_imbalance!r} must be a "
                 "number >= 1 (the busiest rank's expert rows over the mean; 1: even)"
             )
-        if self.comm_sm_share >= 1:
-            raise ConfigError(f"cluster {self.name}: comm_sm_share must be below 1")
+        for name in ("comm_sm_share", "ll_comm_sm_share"):
+            if getattr(self, name) >= 1:
+                raise ConfigError(f"cluster {self.name}: {name} must be below 1")
+        if not is_int(self.gemm_row_tile) or self.gemm_row_tile < 1:
+            raise ConfigError(
+                f"cluster {self.name}: gemm_row_tile={self.gemm_row_tile!r} must be an "
+                "integer >= 1 (Hopper: 64)"
+            )
+        over = self.decode_op_overhead_us
+        if over is not None and not (is_finite_number(over) and over >= 0):
+            raise ConfigError(f"cluster {self.name}: decode_op_overhead_us={over!r} must be >= 0")
+        for name in ("ll_dispatch_gbps", "ll_combine_gbps", "normal_rdma_gbps"):
+            object.__setattr__(self, name, _ep_table(self.name, name, getattr(self, name)))
+        if bool(self.ll_dispatch_gbps) != bool(self.ll_combine_gbps):
+            raise ConfigError(
+                f"cluster {self.name}: give both ll_dispatch_gbps and ll_combine_gbps, or neither"
+            )
         shares = self.expert_shares
         if not isinstance(shares, list | tuple) or not all(
             is_finite_number(s) and s > 0 for s in shares
@@ -128,6 +164,10 @@ class Cluster:
                 f"shares that sum to 1 (they sum to {sum(shares):.4f})"
             )
         object.__setattr__(self, "expert_shares", tuple(float(s) for s in shares))
+
+    @property
+    def low_latency(self) -> bool:
+        return bool(self.ll_dispatch_gbps)
 
     @property
     def world(self) -> int:
@@ -155,6 +195,32 @@ class Cluster:
         return dataclasses.asdict(self)
 
 
+def _ep_table(cluster: str, name: str, raw: Any) -> tuple[tuple[int, float], ...]:
+    """``[[ep, gbps], ...]`` with EP sizes rising and positive rates, as a tuple."""
+    try:
+        ok = all(is_int(ep) and ep >= 2 and is_finite_number(g) and g > 0 for ep, g in raw)
+        rows = tuple((int(ep), float(gbps)) for ep, gbps in raw) if ok else ()
+    except (TypeError, ValueError):
+        ok, rows = False, ()
+    if not ok or [ep for ep, _ in rows] != sorted({ep for ep, _ in rows}):
+        raise ConfigError(
+            f"cluster {cluster}: {name}={raw!r} must be [[ep, GB/s], ...] with integer EP sizes "
+            ">= 2, rising, and positive rates"
+        )
+    return rows
+
+
+def ep_rate(table: tuple[tuple[int, float], ...], ep: int) -> float:
+    """A rate by EP size from a table: interpolated in log(EP), held flat past its ends."""
+    if ep <= table[0][0]:
+        return table[0][1]
+    for (e0, g0), (e1, g1) in itertools.pairwise(table):
+        if ep <= e1:
+            w = math.log(ep / e0) / math.log(e1 / e0)
+            return g0 + w * (g1 - g0)
+    return table[-1][1]
+
+
 def cluster_from_dict(raw: dict[str, Any], origin: str) -> Cluster:
     names = {f.name for f in dataclasses.fields(Cluster)}
     unknown = sorted(set(raw) - names)
@@ -172,19 +238,26 @@ def cluster_from_dict(raw: dict[str, Any], origin: str) -> Cluster:
     return Cluster(**raw)
 
 
+EXAMPLES = ("1x8-h100", "2x8-h800", "4x8-h100", "8x8-h100", "2x8-h20", "1x8-h200", "1x8-b200")
+
+
 def presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Example ``<nodes>x<gpus>-<gpu>`` specs (any shape works) and JSON files in PRESET_DIR."""
+    return [*EXAMPLES, *sorted(p.stem for p in PRESET_DIR.glob("*.json"))]
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """A preset by name (``2x8-h800``), or a JSON file of the same fields."""
+    """``<nodes>x<gpus>-<gpu>`` (``8x8-h100``, from ``gpus.py``'s table), or a JSON file of
+    the same fields (a path, or a name in ``configs/clusters/``)."""
     path = Path(name_or_path)
     if not path.is_file():
         path = PRESET_DIR / f"{name_or_path}.json"
     if not path.is_file():
+        if gpus.is_spec(name_or_path) or "-" in name_or_path:
+            return Cluster(**gpus.cluster_fields(name_or_path))
         raise ConfigError(
-            f"--cluster {name_or_path!r}: neither a preset ({', '.join(presets())}, this) "
-            "nor a JSON file"
+            f"--cluster {name_or_path!r}: neither {gpus.FORMS} (GPUs: {', '.join(gpus.GPUS)}), "
+            "a cluster JSON file, nor this"
         )
     try:
         raw = json.loads(path.read_text())

@@ -11,54 +11,20 @@ measured ``expert_shares``.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.model.layers import QUERY_BLOCK
-from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.cluster import Cluster, ep_rate
+from moe_overlap.planner.hybrid import with_linear_layers
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+from moe_overlap.planner.work import Work, masked_pairs
+
+__all__ = ["CostModel", "MicroBatchCost", "Work", "masked_pairs"]
 
 ELEMENTWISE = ("prepare_attn", "prepare_mlp", "select_experts", "output")
 WAITS = ("dispatch_b", "combine_b")
-
-
-@dataclass(frozen=True)
-class Work:
-    """One rank's share of one micro-batch."""
-
-    tokens: int  # tokens through attention on this rank
-    moe_tokens: float  # tokens this rank routes (attention TP scatters them)
-    pieces: int  # sequences (or pieces of them)
-    prefill_pieces: int  # of them not decoding (attention loops over these one by one)
-    decode_tokens: int
-    pairs: float  # query-key pairs attention computes
-    keys: int  # cached keys read
-
-    @classmethod
-    def of(cls, batch: ForwardBatch, attn_tp: int, rectangle: bool) -> Work:
-        pairs, keys, decode = 0.0, 0, 0
-        for prefix, n, dec in zip(
-            batch.prefix_lens, batch.extend_lens, batch.is_decode, strict=True
-        ):
-            full = rectangle and prefix > 0
-            pairs += masked_pairs(prefix, n) if full else n * (prefix + (n + 1) / 2)
-            keys += prefix + n
-            decode += n if dec else 0
-        t = batch.num_tokens
-        prefill = sum(not d for d in batch.is_decode)
-        return cls(t, t / attn_tp, batch.num_seqs, prefill, decode, pairs, keys)
-
-
-def masked_pairs(prefix: int, new: int) -> int:
-    """The query-key pairs the engine's masked attention computes for ``new`` queries after
-    ``prefix`` keys: near-equal blocks of at most ``QUERY_BLOCK`` queries, each over the keys
-    up to its own end (``model/layers.py: causal_attention``)."""
-    parts = -(-new // QUERY_BLOCK)
-    bounds = [new * i // parts for i in range(parts + 1)]
-    return sum((b - a) * (prefix + b) for a, b in itertools.pairwise(bounds))
 
 
 @dataclass
@@ -69,6 +35,24 @@ class MicroBatchCost:
     a2a_bytes: list[list[float]] = field(default_factory=list)  # per rank (NVLink, RDMA)
     allreduce_s: list[float] = field(default_factory=list)  # attention TP's, inside attn_core
     op_overhead_s: float = 0.0  # the fixed cost inside each op's seconds (one call's)
+    decode: bool = False  # every token decodes (CUDA graphs, low-latency all-to-alls)
+    link_s: dict[str, list[float]] = field(default_factory=dict)  # low-latency kernels: per
+    # kind (dispatch, combine), each rank's seconds; empty: the bytes over the links
+    latency_s: float = 0.0  # an all-to-all's fixed time besides its bytes
+    sm_share: float = 0.0  # share of compute lost while this micro-batch's transfer is out
+
+
+def node_hit_chance(groups: int, top_groups: int, nodes: int, k: int) -> float:
+    """The chance that a token reaches a given other node. Group-limited routing (DeepSeek-V3:
+    ``topk_group`` of ``n_group`` expert groups per token) with whole groups per node: the
+    node is missed when every chosen group lies elsewhere; otherwise each of the ``k``
+    experts lands anywhere."""
+    if nodes < 2:
+        return 0.0
+    if groups > 1 and groups % nodes == 0:
+        others = groups - groups // nodes
+        return 1 - math.comb(others, top_groups) / math.comb(groups, top_groups)
+    return 1 - (1 - 1 / nodes) ** k
 
 
 class CostModel:
@@ -80,6 +64,12 @@ class CostModel:
         self.attn = cluster.attention_flops_per_s
         self.hbm = cluster.hbm_bytes_per_s
         self.over = cluster.op_overhead_us * 1e-6
+        self._decode_over = (
+            self.over
+            if cluster.decode_op_overhead_us is None
+            else cluster.decode_op_overhead_us * 1e-6
+        )
+        self._fixed = self.over  # the current micro-batch's per-op cost (``micro_batch``)
         c = spec.cfg
         self.local_experts = c.num_experts / layout.ep
         shares = cluster.expert_shares
@@ -90,9 +80,31 @@ class CostModel:
             )
         self.shares = shares or (1 / layout.ep,) * layout.world
 
-    def _t(self, flops: float, weights: float, act: float, rate: float | None = None) -> float:
+    def op_overhead(self, decode: bool) -> float:
+        """One op call's fixed seconds (decode's: under CUDA graphs where the cluster says)."""
+        return self._decode_over if decode else self.over
+
+    def _t(
+        self,
+        flops: float,
+        weights: float,
+        act: float,
+        rate: float | None = None,
+        rows: float = 0.0,
+        groups: float = 1.0,
+    ) -> float:
+        """``max(FLOPs / rate, bytes / HBM) + fixed``; a GEMM of ``rows`` rows split over
+        ``groups`` (grouped experts) computes whole row tiles at its rows' efficiency."""
         byte_time = (weights * self.spec.weight_bytes + act) / self.hbm
-        return max(flops / (rate or self.gemm), byte_time) + self.over
+        rate = rate or self.gemm
+        if rows > 0 and flops > 0:
+            m = rows / groups
+            tile = self.cluster.gemm_row_tile
+            padded = math.ceil(m / tile) * tile  # computed rows, at their efficiency
+            flops *= padded / m
+            half = self.cluster.gemm_half_rows
+            rate *= padded / (padded + half) if half else 1.0
+        return max(flops / rate, byte_time) + self._fixed
 
     def micro_batch(self, children: list[ForwardBatch]) -> MicroBatchCost:
         """``children[r]``: rank r's micro-batch (idle ranks: an empty batch)."""
@@ -101,13 +113,39 @@ class CostModel:
         routed = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
         hot = self.cluster.expert_imbalance if self.layout.ep > 1 else 1.0
         received = routed / self.layout.ep * hot  # the busiest rank's: the layer waits for it
-        out = MicroBatchCost(op_overhead_s=self.over)
+        decode = all(w.decode_tokens == w.tokens for w in works)
+        self._fixed = self.op_overhead(decode)
+        cl = self.cluster
+        low_latency = decode and cl.low_latency and self.layout.ep > 1
+        out = MicroBatchCost(
+            op_overhead_s=self._fixed,
+            decode=decode,
+            latency_s=0.0 if low_latency or self.layout.ep == 1 else cl.a2a_latency_us * 1e-6,
+            sm_share=cl.ll_comm_sm_share if low_latency else cl.comm_sm_share,
+        )
         for w, share in zip(works, self.shares, strict=True):
             for name, s in self.op_seconds(w, received).items():
                 out.seconds.setdefault(name, []).append(s)
             out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, routed, share))
             out.allreduce_s.append(self.allreduce_seconds(w.tokens))
+            if low_latency:
+                for kind, secs in self.low_latency_seconds(w.moe_tokens).items():
+                    out.link_s.setdefault(kind, []).append(secs)
         return out
+
+    def low_latency_seconds(self, moe_tokens: float) -> dict[str, float]:
+        """DeepEP's low-latency kernels: every top-k copy of a token is sent (FP8 with a
+        scale per 128 in dispatch where the model and GPU are FP8, BF16 in combine), at the
+        bandwidth the kernels reached at this EP size (``cluster.ll_*_gbps``)."""
+        c, cl, ep = self.spec.cfg, self.cluster, self.layout.ep
+        copies = moe_tokens * c.num_experts_per_tok * c.hidden_size
+        fp8 = self.spec.fp8_weights and cl.gemm_tflops_fp8
+        out_bytes = copies * (1 + 4 / 128 if fp8 else cl.activation_bytes)
+        back_bytes = copies * cl.activation_bytes
+        return {
+            "dispatch": out_bytes / (ep_rate(cl.ll_dispatch_gbps, ep) * 1e9),
+            "combine": back_bytes / (ep_rate(cl.ll_combine_gbps, ep) * 1e9),
+        }
 
     def a2a_bytes(self, moe_tokens: float, routed: float, share: float) -> list[float]:
         """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
@@ -128,7 +166,7 @@ class CostModel:
         if cl.a2a_dedup:
             nodes = ep // per_node
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
-            nodes_hit = (nodes - 1) * (1 - (1 - 1 / nodes) ** k) if nodes > 1 else 0.0
+            nodes_hit = (nodes - 1) * node_hit_chance(c.n_group, c.topk_group, nodes, k)
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
         own = k * moe_tokens
         rows = max(own * (1 - share), (routed - own) * share)
@@ -150,6 +188,8 @@ class CostModel:
         prepare, core, kv_per_key = self._attention(w)
         experts_active = self.local_experts * (1 - math.exp(-received / self.local_experts))
         expert_w = 3 * h * c.moe_intermediate_size
+        # DeepSeek's shared experts are routed-expert wide; Qwen3.5's one has its own width
+        shared_w = expert_w * c.n_shared_experts + 3 * h * c.shared_expert_intermediate_size
         out = {
             "attn_prepare": prepare,
             "attn_core": core
@@ -157,36 +197,45 @@ class CostModel:
             + w.prefill_pieces * cl.seq_overhead_us * 1e-6
             + w.decode_tokens * cl.decode_seq_overhead_us * 1e-6,
             "gate": self._t(
-                2 * w.moe_tokens * h * c.num_experts, h * c.num_experts, w.moe_tokens * row
+                2 * w.moe_tokens * h * c.num_experts,
+                h * c.num_experts,
+                w.moe_tokens * row,
+                rows=w.moe_tokens,
             ),
             "dispatch_a": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "dispatch_b": self._t(0, 0, 2 * received * row),
             "experts": self._t(
-                2 * received * expert_w, experts_active * expert_w, 3 * received * row
+                2 * received * expert_w,
+                experts_active * expert_w,
+                3 * received * row,
+                rows=received,
+                groups=max(experts_active, 1e-9),
             )
             + experts_active * cl.expert_overhead_us * 1e-6,
             "switch": cl.switch_overhead_us * 1e-6,
             "combine_a": self._t(0, 0, 2 * received * row),
             "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "shared_experts": self._t(
-                2 * w.moe_tokens * expert_w * c.n_shared_experts,
-                expert_w * c.n_shared_experts,
-                3 * w.moe_tokens * row,
+                2 * w.moe_tokens * shared_w, shared_w, 3 * w.moe_tokens * row, rows=w.moe_tokens
             ),
             "dense_mlp": self._t(
                 2 * w.tokens * 3 * h * c.intermediate_size / tp,
                 3 * h * c.intermediate_size / tp,
                 3 * w.tokens * row,
+                rows=w.tokens,
             ),
             "embed": self._t(0, 0, 2 * w.tokens * row),
-            "logits": self._t(2 * w.pieces * h * c.vocab_size / tp, h * c.vocab_size / tp, 0),
+            "logits": self._t(
+                2 * w.pieces * h * c.vocab_size / tp, h * c.vocab_size / tp, 0, rows=w.pieces
+            ),
         }
         for name in ELEMENTWISE:
             out[name] = self._t(0, 0, 3 * w.tokens * row)
         return out
 
     def _attention(self, w: Work) -> tuple[float, float, float]:
-        """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key)."""
+        """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key
+        still to read: none where a fused decode kernel has read them)."""
         c, tp, act = self.spec.cfg, self.layout.attn_tp, self.cluster.activation_bytes
         h, heads, t = c.hidden_size, c.num_attention_heads / tp, w.tokens
         if c.is_deepseek:
@@ -214,14 +263,24 @@ class CostModel:
             attn_flops = 4 * w.pairs * heads * d
             o_w = heads * d * h
             kv_per_key = 2 * c.num_key_value_heads / tp * d * act
-        prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act)
-        core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act)
-        core += attn_flops / self.attn
+        prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
+        core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
+        decode_rate = self.cluster.decode_attention_tflops * 1e12
+        if decode_rate and w.decode_tokens == t:  # one fused kernel (FlashMLA): compute or
+            # KV reads bound it, not their sum
+            kv_s = kv_per_key * w.keys / self.cluster.kv_bytes_per_s
+            core, kv_per_key = core + max(attn_flops / decode_rate, kv_s), 0.0
+        else:
+            core += attn_flops / self.attn
+        if c.is_hybrid:  # most layers are linear attention (planner/hybrid.py)
+            return with_linear_layers(self, w, prepare, core, kv_per_key)
         return prepare, core, kv_per_key
 
     def link_seconds(self, nbytes: list[float]) -> float:
         """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""
-        cl = self.cluster
+        cl, ep = self.cluster, self.layout.ep
+        if cl.normal_rdma_gbps and ep > cl.gpus_per_node:
+            return nbytes[1] / (ep_rate(cl.normal_rdma_gbps, ep) * 1e9)
         return max(
             nbytes[0] / (cl.intra_node_a2a_gbps * 1e9), nbytes[1] / (cl.inter_node_a2a_gbps * 1e9)
         )

@@ -28,9 +28,7 @@ class RankClocks:
 
     def __init__(self, ranks: int, costs: CostModel, record: bool):
         self.costs, self.record = costs, record
-        # one rank (EP 1) keeps its rows: its dispatch and combine are local copies
-        self.latency = costs.cluster.a2a_latency_us * 1e-6 if costs.layout.ep > 1 else 0.0
-        self.share = costs.cluster.comm_sm_share
+        self.share = [0.0] * ranks  # the SM share of the kernel last put on each rank's link
         self.now = [0.0] * ranks
         self.link_free = [0.0] * ranks
         self.compute_s = [0.0] * ranks
@@ -40,10 +38,10 @@ class RankClocks:
 
     def compute(self, track: str, label: str, seconds: list[float]) -> None:
         for r, s in enumerate(seconds):
-            start, busy = self.now[r], self.link_free[r] - self.now[r]
-            if busy > 0 and self.share:  # an all-to-all in flight takes some of the GPU
-                slow = s / (1 - self.share)
-                s = slow if slow <= busy else busy + s - busy * (1 - self.share)
+            start, busy, share = self.now[r], self.link_free[r] - self.now[r], self.share[r]
+            if busy > 0 and share:  # an all-to-all in flight takes some of the GPU
+                slow = s / (1 - share)
+                s = slow if slow <= busy else busy + s - busy * (1 - share)
             self.now[r] = start + s
             self.compute_s[r] += s
             if self.record:
@@ -60,14 +58,20 @@ class RankClocks:
         at = max(self.now) + extra
         self.now = [at] * len(self.now)
 
-    def launch(self, label: str, nbytes: list[list[float]]) -> list[float]:
-        """Start an all-to-all on every rank now; each rank's completion time."""
+    def launch(self, label: str, cost: MicroBatchCost, kind: str, part: float = 1.0) -> list[float]:
+        """Start ``part`` of a micro-batch's ``kind`` all-to-all on every rank now; each
+        rank's completion time. Its bytes cross the links, or with the low-latency kernels
+        (``cost.link_s``) take the seconds those kernels need."""
         last_launch = max(self.now)
+        latency = cost.latency_s
         done = []
-        for r, b in enumerate(nbytes):
+        for r, rank_bytes in enumerate(cost.a2a_bytes):
+            b = [x * part for x in rank_bytes]
             begin = max(self.now[r], self.link_free[r])
-            self.link_free[r] = begin + self.costs.link_seconds(b)
-            end = max(self.link_free[r] + self.latency, last_launch + self.latency)
+            ll = cost.link_s.get(kind)
+            self.link_free[r] = begin + (ll[r] * part if ll else self.costs.link_seconds(b))
+            self.share[r] = cost.sm_share
+            end = max(self.link_free[r] + latency, last_launch + latency)
             done.append(end)
             self.comm_s[r] += max(0.0, end - max(self.now[r], self._comm_until[r]))
             self._comm_until[r] = max(self._comm_until[r], end)
@@ -101,7 +105,7 @@ class SimContext:
         seconds = self.cost.seconds[op]
         if share != 1 or extra_call:
             fixed = self.cost.op_overhead_s
-            call = self.clocks.costs.over if extra_call else fixed
+            call = self.clocks.costs.op_overhead(self.cost.decode) if extra_call else fixed
             seconds = [(s - fixed) * share + call for s in seconds]
         self.clocks.compute(self.name, label, seconds)
 
@@ -134,7 +138,7 @@ def _send(layer_id: int, kind: str) -> SimOp:
         if kind == "dispatch":
             ctx.clocks.barrier()  # the per-expert counts are exchanged synchronously first
         label = f"layer {layer_id} {kind} ({ctx.name})"
-        ctx.pending[kind] = ctx.clocks.launch(label, ctx.cost.a2a_bytes)
+        ctx.pending[kind] = ctx.clocks.launch(label, ctx.cost, kind)
 
     return op
 
@@ -157,8 +161,9 @@ def experts_then_combine(blocks: int) -> SimOp:
             for b in range(blocks):  # the blocks after the first make calls of their own
                 ctx.run(f"{name} experts {b}/{blocks}", "experts", 1 / blocks, b > 0)
                 ctx.run(f"{name} combine_a {b}", "combine_a", 1 / blocks, b > 0)
-                piece = [[x / blocks for x in rank] for rank in ctx.cost.a2a_bytes]
-                sent = ctx.clocks.launch(f"{name} combine piece {b}", piece)
+                sent = ctx.clocks.launch(
+                    f"{name} combine piece {b}", ctx.cost, "combine", 1 / blocks
+                )
                 done = (
                     sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]
                 )
@@ -193,7 +198,7 @@ class SimLayer:
         self.is_moe = cfg.is_moe_layer(layer_id)
         if not self.is_moe:
             self.op_names = DENSE_OPS
-        elif cfg.n_shared_experts:
+        elif cfg.n_shared_experts or cfg.shared_expert_intermediate_size:
             self.op_names = MOE_OPS
         else:
             self.op_names = tuple(n for n in MOE_OPS if n != "shared_experts")

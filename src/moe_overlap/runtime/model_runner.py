@@ -14,6 +14,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.distributed.groups import Group
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_cache = KVCache(
             model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries(), dtype, device
         )
+        self.states = StateCache(model.state_shapes(), num_slots, dtype, device)
         self.ops = build_operations(model, strategy_for(model, "none"))
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
@@ -91,5 +93,10 @@ class ModelRunner:
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
         return ForwardContext(
-            batch, self.kv_cache, self.dispatcher, name=name, timeline=self.timeline
+            batch,
+            self.kv_cache,
+            self.dispatcher,
+            name=name,
+            timeline=self.timeline,
+            states=self.states,
         )

@@ -2,35 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import pickle
+import select
 import socket
 import subprocess
-import sys
 from multiprocessing.connection import Connection
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.runtime.rank import RankSpec
+from moe_overlap.runtime.zygote import zygote
 
 
 class RankProcess:
-    """A rank in a fresh interpreter (``python -m moe_overlap.runtime.worker``).
-
-    A subprocess rather than multiprocessing's spawn: that would re-run the caller's
+    """A rank forked from this process's fork server (``zygote.py``), which imported torch and
+    the rank code once. Not multiprocessing's spawn: that would re-run the caller's
     ``__main__``, which breaks any script without an ``if __name__ == "__main__"`` guard.
     """
 
     def __init__(self, rank: int, spec: EngineSpec, rank_spec: RankSpec):
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_overlap.runtime.worker", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            # c10d warns about every unresolvable hostname inside a network namespace
-            env={"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ},
-        )
-        theirs.close()
+        try:
+            self.proc = zygote().spawn(theirs.fileno())
+        finally:
+            theirs.close()
         self.conn = Connection(ours.detach())
-        self.pidfd = os.pidfd_open(self.proc.pid)
+        self.pidfd = self.proc.pidfd
         self.conn.send_bytes(pickle.dumps((spec, rank_spec)))
 
     def exitcode(self, timeout: float = 0.0) -> int | None:
@@ -38,6 +34,11 @@ class RankProcess:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+
+    def ended(self) -> bool:
+        """Whether the process has exited, without reaping it: the thread that drives the
+        ranks reaps, and a second reaper of the same pid would race it."""
+        return bool(select.select([self.pidfd], [], [], 0)[0])
 
     def state(self) -> str:
         """The process's state letter from /proc ("R", "S", "T" stopped, ...; "" if gone)."""
@@ -52,4 +53,4 @@ class RankProcess:
             self.proc.kill()
             self.proc.wait(5.0)
         self.conn.close()
-        os.close(self.pidfd)
+        self.proc.close()

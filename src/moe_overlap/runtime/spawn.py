@@ -191,9 +191,9 @@ class SpawnedExecutor(Executor):
         if self.closed:
             return "the ranks were stopped"
         for r, p in enumerate(self.procs):
-            code = p.exitcode()
-            if code is not None:
-                return f"rank {r} died (exit code {code})"
+            if p.ended():
+                code = p.proc.returncode  # None until the driving thread reaps it
+                return f"rank {r} died" + (f" (exit code {code})" if code is not None else "")
             if p.state() in _STOPPED:
                 return f"rank {r} is stopped (process state {p.state()}) and cannot answer"
         return None

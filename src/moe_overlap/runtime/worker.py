@@ -1,4 +1,5 @@
-"""The body of one spawned rank process: ``python -m moe_overlap.runtime.worker FD``.
+"""The body of one spawned rank process, forked by the fork server (``zygote.py``) or run as
+``python -m moe_overlap.runtime.worker FD``.
 
 It joins the group, builds its shard, and serves the driver's messages over the socket FD:
 ``("step", batch, overlap, record, prefill)``, ``("probe", ...)`` and ``("stop",)``.
@@ -61,11 +62,12 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
             dist.destroy_process_group()
 
 
-def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+def serve_fd(fd: int) -> None:
+    """Read this rank's specs from the driver's socket ``fd``, then serve it."""
+    conn = Connection(fd)
     spec, rank = pickle.loads(conn.recv_bytes())
     rank_main(spec, rank, conn)
 
 
 if __name__ == "__main__":
-    main()
+    serve_fd(int(sys.argv[1]))

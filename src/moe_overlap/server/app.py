@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (streamed over
-server-sent events or whole), /v1/models and /health, over one ``EngineLoop``."""
+server-sent events or whole), /v1/models and /health, over one ``EngineLoop``; /metrics and
+/version (``observability.py``), and the OpenAPI docs at /docs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from moe_overlap.server.guards import (
     error_response,
     install_guards,
 )
+from moe_overlap.server.observability import (
+    RequestMetrics,
+    ServerMetrics,
+    install_observability,
+    package_version,
+)
 from moe_overlap.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -25,11 +32,13 @@ from moe_overlap.server.protocol import (
 )
 from moe_overlap.server.responses import DONE, Choice, Formatter, sse
 from moe_overlap.server.submission import Submission
+from moe_overlap.server.unsupported import unsupported_field
 
 
 def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="moe-overlap", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="moe-overlap", version=package_version(), redoc_url=None)
     app.state.gate = install_guards(app, settings)
+    metrics = app.state.metrics = install_observability(app, engine, engine.llm.spec.overlap.mode)
     created = int(time.time())
 
     @app.get("/health")
@@ -48,13 +57,14 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body, settings)
+        _check_fields(body, settings, chat=False)
         prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(body.prompts())]
-        return await _serve(engine, settings, body, prompts, body.max_tokens, False, request)
+        call = (body, prompts, body.max_tokens, False, request)
+        return await _serve(engine, settings, metrics, *call)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        _check_model(body, settings)
+        _check_fields(body, settings, chat=True)
         tok = engine.llm.tokenizer
         if tok is None:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
@@ -63,17 +73,31 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
         )
         prompt = tok.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens or body.max_tokens
-        return await _serve(engine, settings, body, [prompt], limit, True, request)
+        return await _serve(engine, settings, metrics, body, [prompt], limit, True, request)
 
     return app
 
 
-def _check_model(body: SamplingFields, settings: ServerSettings) -> None:
-    """The model's name, text that is valid Unicode, and a bounded stop list."""
+def _check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> None:
+    """Fields this server implements, the model's name, valid Unicode, a bounded stop list."""
+    refused = unsupported_field(body.model_dump(), chat)
+    if refused is not None:
+        raise APIError(400, refused[1], "unsupported_parameter", refused[0])
     where = bad_unicode(body)
     if where:
         message = f"{where} holds invalid Unicode (a lone surrogate); send valid UTF-8 text"
         raise APIError(400, message, "invalid_value", where)
+    _check_stop(body, settings)
+    if body.model is not None and body.model != settings.model_name:
+        raise APIError(
+            404,
+            f"model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+            "model_not_found",
+            "model",
+        )
+
+
+def _check_stop(body: SamplingFields, settings: ServerSettings) -> None:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if len(stop) > settings.max_stop_sequences:
         raise APIError(
@@ -91,12 +115,6 @@ def _check_model(body: SamplingFields, settings: ServerSettings) -> None:
             f"{settings.max_stop_chars} (--max-stop-chars)",
             "invalid_value",
             "stop",
-        )
-    if body.model is not None and body.model != settings.model_name:
-        raise APIError(
-            404,
-            f"model {body.model!r} does not exist; this server serves {settings.model_name!r}",
-            "model_not_found",
         )
 
 
@@ -132,6 +150,7 @@ def _max_new_tokens(
 async def _serve(
     engine: EngineLoop,
     settings: ServerSettings,
+    metrics: ServerMetrics,
     body: SamplingFields,
     prompts: list[list[int]],
     limit: int | None,
@@ -144,6 +163,7 @@ async def _serve(
         raise EngineDead(engine.error)
     params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
     fmt = Formatter(chat, settings.model_name, [len(ids) for ids in prompts])
+    timed = metrics.request(fmt.id)
     sub = Submission(engine)
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -153,11 +173,12 @@ async def _serve(
         raise
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(sub, fmt, len(prompts), usage, request)
+        events = _events(sub, fmt, len(prompts), usage, request, timed)
         return StreamingResponse(events, media_type="text/event-stream")
     choices = [Choice() for _ in prompts]
     try:
         async for index, delta in sub.deltas(request.is_disconnected):
+            timed.delta(index, delta)
             if delta.error and delta.error == SHUTTING_DOWN:
                 raise APIError(503, f"{SHUTTING_DOWN}; retry elsewhere", "shutting_down")
             if delta.error:
@@ -167,11 +188,12 @@ async def _serve(
             choices[index].add(delta)
     finally:
         sub.close()
+        timed.close(len(prompts))
     return fmt.whole(choices)
 
 
 async def _events(
-    sub: Submission, fmt: Formatter, n: int, usage: bool, request: Request
+    sub: Submission, fmt: Formatter, n: int, usage: bool, request: Request, timed: RequestMetrics
 ) -> AsyncIterator[str]:
     """The stream: deltas as they come, then usage if asked, then [DONE]. A client that goes
     away cancels this generator, and ``close`` aborts what it had asked for."""
@@ -181,6 +203,7 @@ async def _events(
             for i in range(n):
                 yield fmt.chunk(i, None)
         async for index, delta in sub.deltas(request.is_disconnected):
+            timed.delta(index, delta)
             if delta.error:
                 yield sse(stopped_body(delta.error))
                 break
@@ -194,6 +217,7 @@ async def _events(
         yield DONE
     finally:
         sub.close()
+        timed.close(n)
 
 
 def stopped_body(why: str) -> dict:

@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from moe_overlap.engine.loop import EngineDead
 from moe_overlap.engine.request import InvalidRequestError
 
+# what load balancers, scrapers and readers of the docs reach without the API key
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/openapi.json"})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -119,8 +121,8 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> Gate:
 
 
 class Guard:
-    """ASGI middleware: a draining server's 503, the API key (every path but /health), then
-    the body read whole within the bounds above and replayed to the app."""
+    """ASGI middleware: a draining server's 503, the API key (every path but OPEN_PATHS),
+    then the body read whole within the bounds above and replayed to the app."""
 
     def __init__(self, app: ASGIApp, settings: ServerSettings, gate: Gate):
         self.app, self.settings, self.gate = app, settings, gate
@@ -204,7 +206,7 @@ class Guard:
 
     def _authorized(self, path: str, header: bytes) -> bool:
         key = self.settings.api_key
-        if key is None or path == "/health":
+        if key is None or path in OPEN_PATHS:
             return True
         scheme, _, token = header.strip().partition(b" ")
         good = secrets.compare_digest(token.strip(), key.encode())

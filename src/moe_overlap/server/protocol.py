@@ -1,5 +1,6 @@
-"""The OpenAI request bodies the server accepts (the fields it uses; unknown ones are ignored,
-as OpenAI-compatible servers do) and the SamplingParams they become."""
+"""The OpenAI request bodies the server accepts and the SamplingParams they become. Fields it
+does not declare are kept (``extra="allow"``) for ``unsupported.py`` to refuse the OpenAI ones
+it cannot honour; the rest are ignored, as OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 and -1 disable it
-    n: int = Field(default=1, ge=1, le=1)  # one choice per prompt
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None  # true is not 1
@@ -62,12 +62,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    model_config = ConfigDict(extra="allow")
+
+    type: str  # unsupported.py refuses all but "text"
+    text: str = ""
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None

@@ -56,11 +56,13 @@ class Server:
         self.engine = EngineLoop(llm)
         self.settings, self.on_started = settings, on_started
         self.app = build_app(self.engine, settings)
+        self.metrics = self.app.state.metrics
         config = uvicorn.Config(
             self.app,
             host=host,
             port=port,
             log_level=log_level,
+            access_log=False,  # observability.py logs each request with its tokens and time
             timeout_graceful_shutdown=GRACEFUL_S,
             lifespan="off",
             http=_guarded_http(settings.header_timeout_s, settings.max_connections),
@@ -87,11 +89,12 @@ class Server:
         self.http.draining = True
 
     async def _serve(self) -> None:
-        tasks = [asyncio.create_task(t()) for t in (self._watch_engine, self._drain, self._told)]
+        tasks = [self._watch_engine, self._drain, self._told, self.metrics.log_throughput]
+        running = [asyncio.create_task(t()) for t in tasks]
         try:
             await self.http.serve()
         finally:
-            for task in tasks:
+            for task in running:
                 task.cancel()
 
     async def _told(self) -> None:

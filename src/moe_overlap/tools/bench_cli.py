@@ -75,6 +75,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"--workload {args.workload}: a sequence of {longest} tokens exceeds the model's "
             f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
         )
+    if workload.decode and cfg.is_hybrid:
+        raise ConfigError(
+            f"--workload {args.workload}: a decode workload times the same decode step again and "
+            f"again, and model_type={cfg.model_type}'s recurrent state cannot replay a step; "
+            "bench its prefill (single-long, uniform)"
+        )
     slots = max(len(lengths) for lengths in workload.lengths)
     source = {"model": args.model} if args.model else {"config": cfg}
     console = Console()

@@ -1,8 +1,10 @@
-"""The online benchmark: a Poisson stream of streamed completions against a running server, and
-its latencies (time to first token, inter-token latency) and throughput.
+"""The online benchmark: a Poisson stream of streamed completions against any OpenAI-compatible
+server (ours, vLLM's or SGLang's), and its latencies and throughput with vLLM's metric names.
 
 Each request is one thread reading the server-sent events with ``http.client``; a request's
-prompt is random token ids of a length drawn from the bench's workload grammar.
+prompt is random token ids of a length drawn from the bench's workload grammar. Output tokens
+are counted from the stream's ``usage`` (``stream_options.include_usage``), so no field of our
+own is needed.
 """
 
 from __future__ import annotations
@@ -12,48 +14,80 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from moe_overlap.tools.serving_metrics import RequestTiming, percentile, samples_ms, summarize
 from moe_overlap.tools.workloads import parse_workload
 
 FIRST_ID = 3  # prompts avoid the shipped tokenizer's special tokens (ids 0-2)
 
 
-@dataclass
-class RequestTiming:
-    sent: float
-    tokens: list[float] = field(default_factory=list)  # arrival time of each token's event
-    error: str | None = None
+@dataclass(frozen=True)
+class Target:
+    """Where the load goes: a server's root URL (``http://host:port``), its key and model."""
+
+    base_url: str
+    api_key: str | None = None
+    model: str | None = None  # the request's ``model``; None: the server's only model
+
+    def connection(self, timeout: float) -> http.client.HTTPConnection:
+        url = urlsplit(self.base_url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        return kind(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+
+    def path(self, route: str) -> str:
+        prefix = urlsplit(self.base_url).path.rstrip("/").removesuffix("/v1")
+        return f"{prefix}{route}"
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
 
 
 @dataclass
 class LoadResult:
     mode: str
-    rate: float  # requests per second offered
-    requests: int
-    errors: int
-    duration_s: float
-    output_tokens: int
+    rate: float  # requests per second offered (inf: all at once)
+    max_concurrency: int | None
+    summary: dict  # vLLM's result keys (serving_metrics.summarize)
     ttft_ms: tuple[float, float]  # p50, p99
     itl_ms: tuple[float, float]  # p50, p99
     rss_mib: tuple[float, float] = (float("nan"), float("nan"))  # before, after (with ranks)
 
     @property
+    def requests(self) -> int:
+        return self.summary["completed"] + self.summary["failed"]
+
+    @property
+    def errors(self) -> int:
+        return self.summary["failed"]
+
+    @property
+    def output_tokens(self) -> int:
+        return self.summary["total_output_tokens"]
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+        return self.summary["output_throughput"]
 
     @property
     def requests_per_s(self) -> float:
-        return (self.requests - self.errors) / self.duration_s if self.duration_s else 0.0
+        return self.summary["request_throughput"]
 
     def to_json(self) -> dict:
         return {
-            **asdict(self),
-            "tokens_per_s": self.tokens_per_s,
-            "requests_per_s": self.requests_per_s,
+            "mode": self.mode,
+            "request_rate": self.rate if self.rate != float("inf") else "inf",
+            "max_concurrency": self.max_concurrency,
+            **self.summary,
+            "rss_mib": list(self.rss_mib),
         }
 
 
@@ -72,60 +106,61 @@ def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(FIRST_ID, vocab) for _ in range(n)] for n in lengths]
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def served_model(target: Target) -> str:
+    """The id of the model a server serves (its first, as ``/v1/models`` lists them)."""
+    conn = target.connection(timeout=30)
+    try:
+        conn.request("GET", target.path("/v1/models"), headers=target.headers())
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 200:
+            raise ConnectionError(f"{target.base_url}/v1/models: HTTP {resp.status} {body[:200]!r}")
+        return json.loads(body)["data"][0]["id"]
+    finally:
+        conn.close()
+
+
 def run_load(
-    port: int,
+    target: Target,
     prompts: list[list[int]],
     rate: float,
     output_len: int,
     seed: int,
-    api_key: str | None = None,
     mode: str = "",
+    max_concurrency: int | None = None,
+    metrics: tuple[list[str], list[float]] = (["ttft", "tpot", "itl"], [99.0]),
 ) -> LoadResult:
-    """Send ``prompts`` as Poisson arrivals at ``rate`` per second; wait for every answer."""
+    """Send ``prompts`` as Poisson arrivals at ``rate`` per second (at most ``max_concurrency``
+    in flight); wait for every answer."""
     rng = random.Random(seed)
+    model = target.model or served_model(target)
     rss_before = rss_mib()
+    gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(len(prompts), 256)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(prompts), max_concurrency or 256)) as pool:
         for prompt in prompts:
-            timing = RequestTiming(time.perf_counter())
+            if gate is not None:
+                gate.acquire()
+            timing = RequestTiming(time.perf_counter(), len(prompt))
             timings.append(timing)
-            pool.submit(_stream, port, prompt, output_len, api_key, timing)
-            time.sleep(rng.expovariate(rate))
-    ends = [t.tokens[-1] for t in timings if t.tokens]
-    ttft = [(t.tokens[0] - t.sent) * 1e3 for t in timings if t.tokens and not t.error]
-    itl = [
-        (b - a) * 1e3
-        for t in timings
-        if not t.error
-        for a, b in zip(t.tokens, t.tokens[1:], strict=False)
-    ]
+            pool.submit(_stream, target, model, prompt, output_len, timing, gate)
+            time.sleep(rng.expovariate(rate) if rate != float("inf") else 0.0)
+    ends = [t.chunks[-1] for t in timings if t.chunks]
+    samples = samples_ms(timings)
     return LoadResult(
         mode,
         rate,
-        len(prompts),
-        sum(1 for t in timings if t.error),
-        (max(ends) - start) if ends else 0.0,
-        sum(len(t.tokens) for t in timings if not t.error),
-        (percentile(ttft, 50), percentile(ttft, 99)),
-        (percentile(itl, 50), percentile(itl, 99)),
+        max_concurrency,
+        summarize(timings, (max(ends) - start) if ends else 0.0, *metrics),
+        (percentile(samples["ttft"], 50), percentile(samples["ttft"], 99)),
+        (percentile(samples["itl"], 50), percentile(samples["itl"], 99)),
         (rss_before, rss_mib()),
     )
 
@@ -153,34 +188,50 @@ def _children(pid: int) -> list[int]:
 
 
 def _stream(
-    port: int, prompt: list[int], output_len: int, key: str | None, timing: RequestTiming
+    target: Target,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    timing: RequestTiming,
+    gate: threading.BoundedSemaphore | None,
 ) -> None:
     body = {
+        "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0,
-        "ignore_eos": True,
+        "ignore_eos": True,  # vLLM's and SGLang's extension, as their benches send it
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        conn = target.connection(timeout=600)
+        conn.request("POST", target.path("/v1/completions"), json.dumps(body), target.headers())
         resp = conn.getresponse()
         if resp.status != 200:
             timing.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
             return
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                timing.error = event["error"]["message"]
-                return
-            now = time.perf_counter()
-            timing.tokens += [now] * len(event["choices"][0].get("token_ids", []))
+        _read_events(resp, timing)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if gate is not None:
+            gate.release()
+
+
+def _read_events(resp: http.client.HTTPResponse, timing: RequestTiming) -> None:
+    usage = None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            timing.error = event["error"].get("message", str(event["error"]))
+            return
+        if event.get("choices"):  # a token's chunk (its text may be empty mid-character)
+            timing.chunks.append(time.perf_counter())
+        usage = event.get("usage") or usage
+    timing.output_tokens = usage["completion_tokens"] if usage else len(timing.chunks)
+    if not timing.chunks:
+        timing.error = "the stream ended without a token"

@@ -20,6 +20,7 @@ from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
 from moe_overlap.tools.bench_cli import add_bench_commands
 from moe_overlap.tools.bench_engine import add_bench_engine_command
+from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_commands(sub)
     add_bench_engine_command(sub)
     add_serve_commands(sub)
+    add_bench_serve_command(sub)
     add_plan_command(sub)
 
     make = sub.add_parser(

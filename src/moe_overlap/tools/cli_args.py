@@ -22,8 +22,8 @@ from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument(
         "--model",
         metavar="DIR",

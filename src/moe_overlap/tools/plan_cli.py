@@ -24,6 +24,7 @@ from moe_overlap.planner.report import (
     recommend,
     sweep_table,
 )
+from moe_overlap.planner.reproduce import reproduce, reproduce_table
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
 from moe_overlap.tools.cli_args import add_link_arg
@@ -35,6 +36,10 @@ NONE = mode_config("none")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.reproduce:
+        return cmd_reproduce()
+    if not args.config or not args.cluster:
+        raise ConfigError("plan needs --config JSON and --cluster NAME|JSON (or --reproduce)")
     started = time.perf_counter()
     spec = load_model_spec(args.config)
     layout = make_layout(args.tp, args.dp, args.ep, args.enable_dp_attention)
@@ -82,6 +87,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reproduce() -> int:
+    """The published GPU cases (``planner/reproduce.py``), each planned and compared."""
+
+    def batches_for(spec: str, layout) -> list:
+        workload = parse_workload(spec, layout.dp_groups, 0)
+        group = make_batches(workload, 1, 0)  # token ids do not change a plan
+        return [group[layout.group_of(r)] for r in range(layout.world)]
+
+    outcomes, elapsed = reproduce(batches_for, mode_config)
+    console = Console(width=max(Console().width, 160))
+    console.print(reproduce_table(outcomes))
+    console.print(f"planned {len(outcomes)} published cases in {elapsed:.2f} s")
+    return 0
+
+
 def print_decode_sweep(console, planner, configs, layout, spec, args) -> None:
     """Decode batch sizes 1..1024 per DP group at ``--decode-sweep`` tokens of context: each
     mode's speed-up, and the batch size from which it beats none."""
@@ -111,13 +131,19 @@ def add_plan_command(sub) -> None:
         "from FLOPs and bytes on a cluster, and print each mode's predicted time, speed-up, "
         "limit max(T_comp, T_comm), bottleneck and the flags to use.",
     )
-    plan.add_argument("--config", required=True, metavar="JSON", help="a Hugging Face config.json")
+    plan.add_argument("--config", metavar="JSON", help="a Hugging Face config.json (required)")
     plan.add_argument(
         "--cluster",
-        required=True,
         metavar="NAME|JSON",
-        help=f"a preset ({', '.join(presets())}), a cluster JSON file, or this (this machine, "
-        "measured by a short run over --link)",
+        help=f"<nodes>x<gpus>-<gpu> for h100, h800, h20, h200, b200 (e.g. {', '.join(presets())})"
+        ", a cluster JSON file, or this (this machine, measured by a short run over --link) "
+        "(required)",
+    )
+    plan.add_argument(
+        "--reproduce",
+        action="store_true",
+        help="plan the published GPU results (reference 004, SGLang's large-scale EP blog) and "
+        "print each prediction beside its measurement (needs no other flag)",
     )
     plan.add_argument("--tp", type=int, default=None, help="GPUs (SGLang's tp); default --ep")
     plan.add_argument("--dp", type=int, default=None, help="attention DP groups")

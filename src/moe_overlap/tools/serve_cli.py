@@ -4,37 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-import threading
-import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.engine.llm import LLM
 from moe_overlap.runtime.torchrun import launched_by_torchrun
 from moe_overlap.server.guards import ServerSettings
+from moe_overlap.server.observability import configure_logging
 from moe_overlap.server.run import Server
-from moe_overlap.tools.bench import mode_config
-from moe_overlap.tools.bench_serve import (
-    LoadResult,
-    free_port,
-    make_prompts,
-    prompt_lengths,
-    run_load,
-)
 from moe_overlap.tools.cli_args import (
     add_engine_args,
     add_model_args,
     build_llm,
-    engine_kwargs,
 )
-from moe_overlap.tools.layout_args import layout_kwargs
 
 
 def add_serve_commands(sub: argparse._SubParsersAction) -> None:
@@ -49,42 +31,6 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
-
-    bench = sub.add_parser(
-        "bench-serve",
-        help="online benchmark: Poisson arrivals against the server, per overlap mode",
-        description="For each overlap mode, start the server, send a Poisson stream of "
-        "streamed completions at each rate (prompt lengths from --workload, random token "
-        "ids), and report time to first token and inter-token latency (p50/p99) and "
-        "throughput. The engine flags apply to every mode; --modes picks the overlap scheme.",
-    )
-    add_model_args(bench)
-    add_engine_args(bench)
-    bench.add_argument(
-        "--modes",
-        default="none,tbo+two-chunk,dbo",
-        help="comma-separated overlap modes, as for bench (default %(default)s)",
-    )
-    bench.add_argument(
-        "--rates", default="1,4", help="requests per second, comma-separated (default 1,4)"
-    )
-    bench.add_argument(
-        "--workload",
-        default="uniform:30-3072",
-        help="prompt lengths, in the bench's grammar (default %(default)s)",
-    )
-    bench.add_argument("--num-requests", type=int, default=32, help="per rate (default 32)")
-    bench.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="S",
-        help="soak: hold each rate for about S seconds (rate x S requests, prompts reused) "
-        "instead of --num-requests; compare errors and memory before and after",
-    )
-    bench.add_argument("--output-len", type=int, default=32, help="tokens per answer (default 32)")
-    bench.add_argument("--json", metavar="PATH", help="also write the results here")
-    bench.set_defaults(func=cmd_bench_serve)
 
 
 SETTING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
@@ -146,8 +92,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
-        default="warning",
-        help="uvicorn's log level (default warning; info logs every request)",
+        default="info",
+        help="log level of the server's loggers and uvicorn's (default info: a line per "
+        "finished request and a throughput line every 10 s while busy; warning: errors only)",
     )
 
 
@@ -181,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
         )
     with build_llm(args) as llm:
+        configure_logging(args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
                 f"moe-overlap: warning: {args.host} is reachable from the network and no "
@@ -203,88 +151,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         server.run()
     return 0
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    overlaps = {mode: mode_config(mode) for mode in modes}  # a clear error for a bad name
-    rates = _rates(args.rates)
-    for name in ("num_requests", "output_len"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
-    if args.duration is not None and not args.duration > 0:
-        raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
-    cfg = ModelConfig.from_hf(args.model or args.config)
-    lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
-    context = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    if max(lengths) + args.output_len > context:
-        raise ConfigError(
-            f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len "
-            f"{args.output_len} exceed the model's context of {context} tokens"
-        )
-    prompts = make_prompts(lengths, cfg.vocab_size, args.seed)
-    console, results = Console(width=max(Console().width, 132)), []  # the table is wide
-    for mode in modes:
-        kwargs = {**engine_kwargs(args), "overlap": overlaps[mode]}
-        llm = LLM(args.model, **kwargs) if args.model else LLM(config=cfg, **kwargs)
-        port = free_port()
-        server = Server(llm, ServerSettings("bench"), port=port)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        try:
-            while not server.started:
-                if not thread.is_alive():
-                    raise RuntimeError(f"the server for mode {mode} did not start")
-                time.sleep(0.05)
-            for rate in rates:
-                count = round(rate * args.duration) if args.duration else len(prompts)
-                sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
-                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
-                results.append(run_load(port, sent, rate, args.output_len, args.seed, None, mode))
-        finally:
-            server.stop()
-            thread.join()
-    title = (
-        f"{Path(args.model or args.config).stem}, {ParallelConfig(**layout_kwargs(args)).describe()}, "
-        f"--link {args.link}, "
-        f"workload {args.workload}, "
-        + (f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests")
-        + f" of {args.output_len}-token answers per rate"
-    )
-    console.print(load_table(results, title))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        payload = {"model": args.model or args.config, **layout_kwargs(args), "link": args.link}
-        payload |= {"workload": args.workload, "results": [r.to_json() for r in results]}
-        Path(args.json).write_text(json.dumps(payload, indent=2))
-        console.print(f"results: {args.json}")
-    return 1 if any(r.errors for r in results) else 0
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise ConfigError(f"--rates {text!r} must be comma-separated numbers, e.g. 1,4") from None
-    if not rates or not all(r > 0 for r in rates):
-        raise ConfigError(f"--rates {text!r}: every rate must be a positive number")
-    return rates
-
-
-def load_table(results: list[LoadResult], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("mode", "rate/s", "done/s", "tokens/s", "TTFT p50", "TTFT p99"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
-    for column in ("ITL p50", "ITL p99", "errors", "RSS MiB"):
-        table.add_column(column, justify="right")
-    for r in results:
-        table.add_row(
-            r.mode,
-            f"{r.rate:g}",
-            f"{r.requests_per_s:.2f}",
-            f"{r.tokens_per_s:,.0f}",
-            *(f"{v:.0f} ms" for v in (*r.ttft_ms, *r.itl_ms)),
-            str(r.errors),
-            f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
-        )
-    return table

@@ -1,0 +1,99 @@
+"""The recurrent-state cache of linear-attention layers, next to the KV cache.
+
+A Gated DeltaNet layer keeps, per sequence, a conv state (its last ``kernel - 1`` inputs) and
+an SSM state (``[value heads, key dim, value dim]``) in place of a KV cache. They live here, in
+the row of the sequence's KV cache slot, so a slot's state is allocated, reused and dropped with
+the slot.
+
+A state is a running summary, not a log: a piece of a sequence (a prefill chunk, the later half
+of a two-chunk cut) can run only on the state after exactly its prefix. The cache records, per
+layer and slot, how many tokens its state has absorbed, and ``read`` refuses any other prefix
+with a ``StateOrderError``, so an overlap schedule that ran a later piece first fails loudly
+instead of computing on a wrong state. A piece at position 0 starts from zeros, whatever the
+slot held before (a finished or aborted request's state is never read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StateOrderError(RuntimeError):
+    """A piece of a sequence reached a linear-attention layer before the piece before it."""
+
+
+class StateCache:
+    """Per layer: ``conv [slots, channels, kernel - 1]`` and ``ssm [slots, heads, dk, dv]``,
+    grown to the highest slot used (the SSM state in float32 whatever the model's dtype: it
+    accumulates over the whole sequence)."""
+
+    def __init__(
+        self,
+        layers: dict[int, tuple[tuple[int, ...], tuple[int, ...]]],
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_slots = num_slots
+        self.shapes = layers  # layer -> (conv shape, ssm shape), without the slot dimension
+        self.dtype, self.device = dtype, torch.device(device)
+        self.conv = {
+            i: torch.zeros(0, *c, dtype=dtype, device=device) for i, (c, _) in layers.items()
+        }
+        self.ssm = {i: torch.zeros(0, *s, device=device) for i, (_, s) in layers.items()}
+        self.absorbed: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> slot -> n
+
+    def read(
+        self, layer: int, slots: list[int], prefixes: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states sequences ``slots`` start from: zeros at prefix 0, else the state after
+        exactly ``prefixes[i]`` tokens (``StateOrderError`` otherwise)."""
+        top = max(slots, default=-1) + 1
+        if top > self.num_slots:
+            raise IndexError(f"slot {top - 1} is outside the state cache's {self.num_slots} slots")
+        conv, ssm = self._reserve(layer, top)
+        have = self.absorbed[layer]
+        for slot, prefix in zip(slots, prefixes, strict=True):
+            if prefix and have.get(slot) != prefix:
+                raise StateOrderError(
+                    f"layer {layer}, slot {slot}: a piece starting at token {prefix} needs the "
+                    f"state after {prefix} tokens, but the cache holds the state after "
+                    f"{have.get(slot, 0)}; the piece before it must run this layer first"
+                )
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        keep = torch.tensor([p > 0 for p in prefixes], dtype=torch.bool, device=self.device)
+        return (
+            torch.where(keep[:, None, None], conv[index], 0.0),
+            torch.where(keep[:, None, None, None], ssm[index], 0.0),
+        )
+
+    def write(
+        self,
+        layer: int,
+        slots: list[int],
+        lengths: list[int],
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+    ) -> None:
+        """Store the states after ``lengths[i]`` tokens of sequences ``slots``."""
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.conv[layer][index] = conv.to(self.dtype)
+        self.ssm[layer][index] = ssm.float()
+        self.absorbed[layer].update(zip(slots, lengths, strict=True))
+
+    def _reserve(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = self.conv[layer], self.ssm[layer]
+        have = conv.shape[0]
+        if slots > have:
+            n = min(self.num_slots, max(slots, 2 * have))
+            with torch.inference_mode(False):  # plain tensors: writable outside inference too
+                conv = torch.cat((conv, conv.new_zeros(n - have, *conv.shape[1:])))
+                ssm = torch.cat((ssm, ssm.new_zeros(n - have, *ssm.shape[1:])))
+            self.conv[layer], self.ssm[layer] = conv, ssm
+        return conv, ssm
+
+    def allocated_bytes(self) -> int:
+        tensors = [*self.conv.values(), *self.ssm.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,132 @@
+"""Qwen3.5-MoE's Gated DeltaNet layer: linear attention over a per-sequence recurrent state.
+
+``prepare`` is the projections (per token, no cache); ``core`` reads each sequence's conv and
+SSM state from the context's ``StateCache``, runs the causal conv and the gated delta rule
+(chunked for a prefill piece, token by token for decode steps, batched), writes the new states
+and projects out. ``core`` is where a cut sequence's later piece depends on the earlier one:
+the overlap engine runs it for micro-batch i only after micro-batch i-1 ran it at the same layer
+(the stage order), and the cache's ``read`` refuses any other order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.distributed.groups import Group
+from moe_overlap.model import delta_rule
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, then times SiLU of the gate ``z``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x.to(dtype) * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameter names as the checkpoint's ``linear_attn``: ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, group: Group | None = None):
+        super().__init__()
+        group = group or Group.single()
+        if group.size > 1:
+            raise ConfigError(
+                f"{cfg.model_type}: its linear-attention layers do not run tensor parallel; "
+                f"attention TP {group.size} is refused (use --ep, or --enable-dp-attention "
+                "with --dp equal to --tp)"
+            )
+        self.layer_id = layer_id
+        h = cfg.hidden_size
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.channels = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.in_proj_qkv = ColumnLinear.even(h, self.channels, group)
+        self.in_proj_z = ColumnLinear.even(h, self.value_dim, group)
+        self.in_proj_b = ColumnLinear.even(h, self.v_heads, group)
+        self.in_proj_a = ColumnLinear.even(h, self.v_heads, group)
+        self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [channels, 1, kernel]
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.channels, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = RowLinear(self.value_dim, h, group)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, SSM state) of one sequence."""
+        return (self.channels, self.kernel - 1), (self.v_heads, self.dk, self.dv)
+
+    def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def core(
+        self,
+        ctx: ForwardContext,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+    ) -> torch.Tensor:
+        batch, cache = ctx.batch, ctx.states
+        conv_in, ssm_in = cache.read(self.layer_id, batch.slots, batch.prefix_lens)
+        weight = self.conv1d.weight[:, 0]
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv)
+        conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
+        decode = [i for i, n in enumerate(batch.extend_lens) if n == 1]
+        rows = list(batch.per_sequence())
+        if decode:  # one token each: one batched step
+            idx = torch.tensor([rows[i][2].start for i in decode], device=mixed.device)
+            seqs = torch.tensor(decode, device=mixed.device)
+            x, conv_out[seqs] = self._conv_step(mixed[idx], conv_in[seqs], weight)
+            q, k, v = self._qkv(x[:, None])
+            o, ssm_out[seqs] = delta_rule.recurrent(
+                q, k, v, g[idx][:, None], beta[idx][:, None], ssm_in[seqs]
+            )
+            out[idx] = o[:, 0].to(out.dtype)
+        for i, (_, prefix, span) in enumerate(rows):
+            if span.stop - span.start == 1:
+                continue
+            x, conv_out[i] = delta_rule.causal_conv(mixed[span], conv_in[i], weight)
+            q, k, v = self._qkv(x)
+            o, ssm_out[i] = delta_rule.chunked(q, k, v, g[span], beta[span], ssm_in[i], prefix)
+            out[span] = o.to(out.dtype)
+        cache.write(self.layer_id, batch.slots, batch.seq_lens, conv_out, ssm_out)
+        y = self.norm(out, z.view(-1, self.v_heads, self.dv))
+        return self.out_proj(y.reshape(y.shape[0], self.value_dim))
+
+    def _conv_step(
+        self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new input per sequence: ``x [B, channels]``, ``state [B, channels, kernel - 1]``."""
+        full = torch.cat((state, x[:, :, None]), dim=2)
+        return F.silu((full * weight).sum(dim=2)), full[:, :, 1:]
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the conv's output ``[.., n, channels]`` into normalised, scaled queries and
+        keys (repeated to the value heads) and values."""
+        q, k, v = x.float().split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        lead = x.shape[:-1]
+        q, k = (t.view(*lead, self.k_heads, self.dk) for t in (q, k))
+        repeat = self.v_heads // self.k_heads
+        if repeat > 1:
+            q, k = (t.repeat_interleave(repeat, dim=-2) for t in (q, k))
+        q = delta_rule.l2_normalize(q) * self.dk**-0.5
+        return q, delta_rule.l2_normalize(k), v.reshape(*lead, self.v_heads, self.dv)

@@ -1,0 +1,46 @@
+"""The attention ops of a hybrid model (Qwen3.5-MoE): most layers are Gated DeltaNet linear
+attention, whose cost is linear in the tokens and does not grow with the context."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moe_overlap.planner.work import Work
+
+if TYPE_CHECKING:  # costs.py calls in here; the type only
+    from moe_overlap.planner.costs import CostModel
+
+
+def linear_attention_seconds(costs: CostModel, w: Work) -> tuple[float, float]:
+    """One Gated DeltaNet layer's (attn_prepare, attn_core) seconds: its projections, each
+    token's update and read of a ``[heads, dk, dv]`` state, and one read and one write of each
+    sequence's float32 state, whatever its context."""
+    c, act, t = costs.spec.cfg, costs.cluster.activation_bytes, w.tokens
+    h, heads = c.hidden_size, c.linear_num_value_heads
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = heads * c.linear_value_head_dim
+    prep_w = h * (2 * key_dim + 2 * value_dim + 2 * heads)
+    state = heads * c.linear_key_head_dim * c.linear_value_head_dim
+    prepare = costs._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
+    core = costs._t(
+        2 * t * value_dim * h + 2 * 3 * t * state,  # out_proj; decay, correct, read
+        value_dim * h,
+        2 * t * h * act + 2 * w.pieces * state * 4,
+        rows=t,
+    )
+    return prepare, core
+
+
+def with_linear_layers(
+    costs: CostModel, w: Work, prepare: float, core: float, kv_per_key: float
+) -> tuple[float, float, float]:
+    """The full-attention layers' (prepare, core, KV bytes per key) averaged with the linear
+    layers' over the model's layers (the simulator runs one cost per op for every layer)."""
+    c = costs.spec.cfg
+    share = sum(not c.is_linear_layer(i) for i in range(c.num_hidden_layers)) / c.num_hidden_layers
+    lin_prepare, lin_core = linear_attention_seconds(costs, w)
+    return (
+        share * prepare + (1 - share) * lin_prepare,
+        share * core + (1 - share) * lin_core,
+        share * kv_per_key,
+    )

@@ -1,0 +1,274 @@
+"""``moe-overlap bench-serve``: the online benchmark, against servers it starts (one per overlap
+mode) or against any OpenAI-compatible server already running (``--base-url``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.engine.llm import LLM
+from moe_overlap.server.guards import ServerSettings
+from moe_overlap.server.run import Server
+from moe_overlap.tools.bench import mode_config
+from moe_overlap.tools.bench_serve import (
+    LoadResult,
+    Target,
+    free_port,
+    make_prompts,
+    prompt_lengths,
+    run_load,
+)
+from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_kwargs
+from moe_overlap.tools.layout_args import layout_kwargs
+from moe_overlap.tools.serving_metrics import parse_metrics, parse_percentiles, result_block
+
+
+def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench-serve",
+        help="online benchmark: Poisson arrivals against a server, per overlap mode",
+        description="Send a Poisson stream of streamed completions (prompt lengths from "
+        "--workload, random token ids) at each rate and report TTFT, TPOT, ITL and end-to-end "
+        "latency and throughput, with vLLM's result block and JSON keys. Without --base-url, "
+        "for each of --modes start our server with the engine flags and that overlap mode; "
+        "with --base-url, measure the OpenAI-compatible server already running there (ours, "
+        "vLLM's or SGLang's).",
+    )
+    add_model_args(bench, required=False)  # not needed with --base-url
+    add_engine_args(bench)
+    add_load_args(bench)
+    bench.set_defaults(func=cmd_bench_serve)
+
+
+def add_load_args(bench: argparse.ArgumentParser) -> None:
+    g = bench.add_argument_group("load")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="measure the server at this root URL (e.g. http://127.0.0.1:8000) instead of "
+        "starting ours; the model flags then only give the vocabulary for random prompts",
+    )
+    g.add_argument("--api-key", default=None, metavar="KEY", help="sent as a Bearer token")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the requests' model (default: the first model the server lists)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="with --base-url and no --model/--config: draw prompt token ids below this",
+    )
+    g.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated overlap modes, as for bench (default none,tbo+two-chunk,dbo; "
+        "not with --base-url)",
+    )
+    g.add_argument(
+        "--rates",
+        "--request-rate",
+        dest="rates",
+        default="1,4",
+        help="requests per second, comma-separated; inf sends all at once (default 1,4)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight (default: no limit)",
+    )
+    g.add_argument(
+        "--workload",
+        default="uniform:30-3072",
+        help="prompt lengths, in the bench's grammar (default %(default)s)",
+    )
+    g.add_argument(
+        "--num-requests",
+        "--num-prompts",
+        dest="num_requests",
+        type=int,
+        default=32,
+        help="requests per rate (default 32)",
+    )
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="soak: hold each rate for about S seconds (rate x S requests, prompts reused) "
+        "instead of --num-requests; compare errors and memory before and after",
+    )
+    g.add_argument("--output-len", type=int, default=32, help="tokens per answer (default 32)")
+    g.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="metrics to report percentiles of: ttft, tpot, itl, e2el (default %(default)s)",
+    )
+    g.add_argument(
+        "--metric-percentiles",
+        default="99",
+        help="comma-separated percentiles to report, e.g. 50,90,99 (default %(default)s)",
+    )
+    g.add_argument("--json", metavar="PATH", help="also write the results here")
+
+
+def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
+    rates = _rates(args.rates)
+    for name in ("num_requests", "output_len", "max_concurrency", "vocab_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.duration is not None and not args.duration > 0:
+        raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
+    if args.base_url and args.modes:
+        raise ConfigError(
+            "--modes picks the overlap of servers bench-serve starts; a server at "
+            "--base-url runs its own: drop one of them"
+        )
+    try:
+        metrics = (
+            parse_metrics(args.percentile_metrics),
+            parse_percentiles(args.metric_percentiles),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    modes = [m.strip() for m in (args.modes or "none,tbo+two-chunk,dbo").split(",") if m.strip()]
+    return (["external"] if args.base_url else modes), rates, metrics
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    modes, rates, metrics = _check(args)
+    overlaps = {} if args.base_url else {m: mode_config(m) for m in modes}  # bad names fail now
+    cfg = _model_config(args)
+    lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
+    if cfg is not None:
+        context = min(
+            args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        if max(lengths) + args.output_len > context:
+            raise ConfigError(
+                f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len "
+                f"{args.output_len} exceed the model's context of {context} tokens"
+            )
+    prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
+    console, results = Console(width=max(Console().width, 132)), []  # the table is wide
+    for mode in modes:
+        with _target(args, cfg, overlaps.get(mode)) as target:
+            for rate in rates:
+                count = (
+                    round(rate * args.duration)
+                    if args.duration and rate != float("inf")
+                    else len(prompts)
+                )
+                sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
+                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
+                result = run_load(
+                    target,
+                    sent,
+                    rate,
+                    args.output_len,
+                    args.seed,
+                    mode,
+                    args.max_concurrency,
+                    metrics,
+                )
+                console.print(result_block(result.summary, *metrics), highlight=False)
+                results.append(result)
+    console.print(load_table(results, _title(args)))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": args.model or args.config, "base_url": args.base_url, "link": args.link}
+        payload |= {"workload": args.workload, "results": [r.to_json() for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        console.print(f"results: {args.json}")
+    return 1 if any(r.errors for r in results) else 0
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig | None:
+    if args.model or args.config:
+        return ModelConfig.from_hf(args.model or args.config)
+    if not args.base_url:
+        raise ConfigError("bench-serve needs --model or --config for the server it starts")
+    if args.vocab_size is None:
+        raise ConfigError(
+            "with --base-url, give --vocab-size (or --model/--config) so the "
+            "random prompts hold only token ids the served model knows"
+        )
+    return None
+
+
+@contextmanager
+def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Iterator[Target]:
+    """The server at --base-url, or ours with ``overlap``, running until the block ends."""
+    if args.base_url:
+        yield Target(args.base_url, args.api_key, args.served_model_name)
+        return
+    kwargs = {**engine_kwargs(args), "overlap": overlap}
+    llm = LLM(args.model, **kwargs) if args.model else LLM(config=cfg, **kwargs)
+    port = free_port()
+    server = Server(llm, ServerSettings("bench"), port=port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the server bench-serve started did not come up")
+            time.sleep(0.05)
+        yield Target(f"http://127.0.0.1:{port}", None, "bench")
+    finally:
+        server.stop()
+        thread.join()
+
+
+def _title(args: argparse.Namespace) -> str:
+    load = f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests"
+    load += f" of {args.output_len}-token answers per rate"
+    if args.base_url:
+        return f"{args.base_url}, workload {args.workload}, {load}"
+    layout = ParallelConfig(**layout_kwargs(args)).describe()
+    name = Path(args.model or args.config).stem
+    return f"{name}, {layout}, --link {args.link}, workload {args.workload}, {load}"
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates {text!r} must be comma-separated numbers, e.g. 1,4") from None
+    if not rates or not all(r > 0 for r in rates):
+        raise ConfigError(f"--rates {text!r}: every rate must be a positive number")
+    return rates
+
+
+def load_table(results: list[LoadResult], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("mode", "rate/s", "done/s", "tokens/s", "TTFT p50", "TTFT p99"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for column in ("ITL p50", "ITL p99", "errors", "RSS MiB"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            r.mode,
+            f"{r.rate:g}",
+            f"{r.requests_per_s:.2f}",
+            f"{r.tokens_per_s:,.0f}",
+            *(f"{v:.0f} ms" for v in (*r.ttft_ms, *r.itl_ms)),
+            str(r.errors),
+            f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
+        )
+    return table

@@ -1,0 +1,277 @@
+"""Qwen3.5-MoE (hybrid: Gated DeltaNet linear attention beside gated full attention):
+transformers' logits and greedy tokens on one process, chunked prefill included; the recurrent
+state's order guard; and every overlap mode at ep=2 on real gloo ranks, two-chunk cuts included,
+against one process without overlap.
+
+transformers' oracle is its uncached forward: in 5.23 its cached ``generate`` for this model
+disagrees with its own uncached forward from the second new token on, so greedy tokens are
+checked against argmax of a full forward per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.state_cache import StateOrderError
+from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.model.loader import build_model
+from moe_overlap.overlap.split import plan_two_batch, split_batch
+from moe_overlap.runtime.model_runner import ModelRunner
+from moe_overlap.tools.bench import mode_config
+from tests.helpers import qwen3_5_hf_config, save_hf_model
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]
+TINY = dict(
+    model_type="qwen3_5_moe",
+    vocab_size=80,
+    hidden_size=32,
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    partial_rotary_factor=0.5,
+    intermediate_size=16,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,  # 8-wide heads' gated norm amplifies float noise past 1e-4
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=256,
+)
+CASES = {
+    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
+    "single-long": [[(7 * i) % 80 for i in range(45)]],
+}
+# the bench's modes; DBO's vLLM thresholds (512 prefill tokens) lowered so these batches split
+MODES = {
+    m: mode_config(m)
+    for m in ("none", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo")
+} | {"dbo": OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)}
+KW = dict(seed=0, max_num_batched_tokens=24)  # chunked prefill and MIXED steps
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_5")
+    return path, save_hf_model(qwen3_5_hf_config(), path)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+@pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill, the state carried over
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
+    path, hf = checkpoint
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    with LLM(path, **kw) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True), True)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            assert _close(out.prompt_logits, ref) <= 1e-4, len(prompt)
+            for _ in range(4):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out.token_ids == ids[len(prompt) :], len(prompt)
+
+
+def _runner(cfg: ModelConfig) -> ModelRunner:
+    return ModelRunner(
+        build_model(cfg, seed=0), LocalDispatcher(cfg.num_experts), num_slots=4, max_len=256
+    )
+
+
+def test_a_later_piece_needs_the_earlier_pieces_state():
+    runner = _runner(ModelConfig(**TINY))
+    ids = torch.arange(1, 31)
+    whole = ForwardBatch(ids, [0], [0], [30], [True])
+    first, second = split_batch(whole, plan_two_batch(whole, threshold=0.48))
+    with pytest.raises(StateOrderError, match="needs the state after 15 tokens"):
+        runner.forward_plain(second)  # the first piece has not run: refused, not wrong
+    expected = runner.forward_plain(whole)
+    torch.testing.assert_close(
+        torch.cat([runner.forward_plain(first), runner.forward_plain(second)]),
+        expected,
+        rtol=0,
+        atol=1e-4,
+    )
+    # a new sequence in a used slot starts from zeros, whatever the slot held
+    assert _close(runner.forward_plain(whole), expected) == 0.0
+
+
+def test_layouts_refused_with_the_model_and_flag():
+    cfg = ModelConfig(**TINY)
+    with pytest.raises(ConfigError, match="qwen3_5_moe.*attention TP size 2 \\(--tp 2"):
+        LLM(config=cfg, tp=2)
+    with pytest.raises(ConfigError, match="--enable-pdmux.*qwen3_5_moe"):
+        LLM(config=cfg, enable_pdmux=True)
+
+
+def test_bench_refuses_decode_workloads_it_would_replay(capsys):
+    from moe_overlap.tools.cli import main
+
+    argv = ["bench", "--config", "configs/qwen3_5-moe-tiny.json", "--workload", "decode:4:16"]
+    assert main(argv) == 2
+    assert "recurrent state cannot replay a step" in capsys.readouterr().err
+
+
+def test_config_reads_the_hubs_nested_text_config():
+    text = ModelConfig(**TINY).to_hf()
+    nested = {"model_type": "qwen3_5_moe", "text_config": text}
+    assert ModelConfig.from_hf(nested) == ModelConfig(**TINY)
+
+
+@pytest.fixture(scope="module")
+def ep2():
+    """An ep=2 engine (one spawn for every mode) and the one-process outputs without overlap."""
+    cfg = ModelConfig(**TINY)
+    with LLM(config=cfg, **KW) as one:
+        base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
+    with LLM(config=cfg, ep=2, **KW) as llm:
+        yield llm, base
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
+    llm, base = ep2
+    step, overlap = llm.executor.run, MODES[mode]
+    monkeypatch.setattr(
+        llm.executor,
+        "run",
+        lambda batches, _=None, record=False, prefill=None: step(batches, overlap, record, prefill),
+    )
+    for case, prompts in CASES.items():
+        got = llm.generate(prompts, PARAMS, return_logits=True)
+        for a, b in zip(base[case], got, strict=True):
+            assert a.token_ids == b.token_ids, (mode, case)
+            assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+    # and no fallback to one batch: every rank ran each micro-batch
+    batch = ForwardBatch(torch.tensor([5] * 13 + [7] * 9), [0, 1], [0, 0], [13, 9], [True] * 2)
+    step([batch, batch], overlap, record=True)
+    parts = overlap.num_micro_batches if overlap.mode in ("tbo", "dbo") else 1
+    for r in range(2):
+        tracks = {s.track for s in llm.executor.last_spans[r]}
+        assert {f"mb{i}" for i in range(4)} & tracks == {f"mb{i}" for i in range(parts)}, mode
+
+
+def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
+    """One long prompt per rank: two-chunk puts tokens of it in both micro-batches."""
+    llm, _ = ep2
+    ids = torch.tensor([(5 * i + 2) % 80 for i in range(40)])
+    batch = ForwardBatch(ids, [3], [0], [40], [True])
+    children = split_batch(batch, plan_two_batch(batch, threshold=0.48))
+    assert [c.slots for c in children] == [[3], [3]]  # the same sequence in both
+    assert [c.prefix_lens for c in children] == [[0], [20]]
+    plain = llm.executor.run([batch, batch], mode_config("none"))
+    got = llm.executor.run([batch, batch], mode_config("tbo+two-chunk"), record=True)
+    for r in range(2):
+        assert _close(plain[r], got[r]) <= 1e-4
+        tracks = {s.track for s in llm.executor.last_spans[r]}
+        assert {"mb0", "mb1"} <= tracks, tracks
+
+
+def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
+    """configs/qwen3_5-moe-tiny.json through ``make-model``: transformers loads what it wrote
+    (the Hub's names and config) and computes our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_overlap.tools.cli import main
+
+    assert (
+        main(["make-model", "--config", "configs/qwen3_5-moe-tiny.json", "--out", str(tmp_path)])
+        == 0
+    )
+    prompt = [(11 * i + 5) % 512 for i in range(70)]
+    with LLM(tmp_path) as llm:
+        ours = llm.generate([prompt], SamplingParams(max_new_tokens=1), return_logits=True)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert _close(ours.prompt_logits, ref) <= 1e-4
+
+
+def test_planner_costs_linear_attention_linear_in_context():
+    """The planner's attention core for Qwen3.5: only the full-attention layers' share grows
+    with the context (here 1 of 4 layers), and the time split's cost model says the same."""
+    from moe_overlap.overlap.split import CostModel as SplitCost
+    from moe_overlap.planner.cluster import load_cluster, presets
+    from moe_overlap.planner.costs import CostModel, Work
+    from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+
+    hybrid = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
+    full = ModelConfig.from_hf(
+        hybrid.to_hf() | {"layer_types": ["full_attention"] * hybrid.num_hidden_layers}
+    )
+
+    def growth(cfg: ModelConfig) -> float:
+        costs = CostModel(
+            ModelSpec(cfg, "q", False), load_cluster(presets()[0]), PlanLayout(1, 1, 1)
+        )
+
+        def core(context: int) -> float:
+            work = Work(64, 64.0, 64, 0, 64, 64.0 * context, 64 * context)
+            return costs.op_seconds(work, 128.0)["attn_core"]
+
+        return core(65536) - core(1024)
+
+    assert 0 < growth(hybrid) < 0.3 * growth(full)
+    assert SplitCost.for_model(hybrid).per_pair == 0.25 * SplitCost.for_model(full).per_pair
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2, dp=2, enable_dp_attention=True), dict(pp=2)],
+    ids=["dp-attention+moe-tp", "pp2"],
+)
+def test_other_layouts_match_one_process(ep2, layout):
+    """DP attention (attention TP 1, experts cut by moe-TP) and two pipeline stages (each
+    stage's state cache holds its own layers' states; a prompt cut between pipeline
+    micro-batches runs its pieces in order on every stage), under two-chunk TBO."""
+    _, base = ep2
+    with LLM(
+        config=ModelConfig(**TINY), overlap=mode_config("tbo+two-chunk"), **layout, **KW
+    ) as llm:
+        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    for a, b in zip(base["mixed-batch"], got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4
+
+
+def test_loads_the_hubs_multimodal_layout(tmp_path):
+    """The Hub's Qwen3.5 checkpoints nest the language model: ``text_config`` in config.json and
+    tensors under ``model.language_model.``; they load as the text model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_overlap.model.loader import save_checkpoint
+
+    cfg = ModelConfig(**TINY)
+    save_checkpoint(build_model(cfg, seed=3), tmp_path / "flat")
+    tensors = load_file(tmp_path / "flat" / "model.safetensors")
+    nested = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    (tmp_path / "hub").mkdir()
+    save_file(nested, tmp_path / "hub" / "model.safetensors")
+    config = {"model_type": "qwen3_5_moe", "text_config": cfg.to_hf(), "vision_config": {}}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(config))
+    prompt = [[4, 8, 15, 16, 23, 42] * 5]
+    outs = []
+    for where in ("flat", "hub"):
+        with LLM(tmp_path / where) as llm:
+            outs.append(llm.generate(prompt, PARAMS, return_logits=True)[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    assert _close(outs[0].prompt_logits, outs[1].prompt_logits) == 0.0
