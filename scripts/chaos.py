@@ -9,7 +9,7 @@ stops it). Lost and hung must be 0. Hostile clients (trickled headers, stalled b
 a connection flood) are counted apart: they must be cut off, and the server's memory must come
 back near where it was once they leave.
 
-    PYTHONPATH=src python scripts/chaos.py [--requests 40] [--client-timeout 60]
+    PYTHONPATH=src:. python scripts/chaos.py [--requests 40] [--client-timeout 60]
 """
 
 from __future__ import annotations
