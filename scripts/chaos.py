@@ -59,7 +59,8 @@ def serve(model: Path, port: int) -> subprocess.Popen:
     while "serving" not in proc.stderr.readline():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
-    threading.Thread(target=_keep, args=(proc,), daemon=True).start()
+    proc.reader = threading.Thread(target=_keep, args=(proc,), daemon=True)  # type: ignore[attr-defined]
+    proc.reader.start()  # type: ignore[attr-defined]
     return proc
 
 
@@ -188,10 +189,10 @@ def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-        time.sleep(0.2)
+        proc.reader.join(15)  # type: ignore[attr-defined]
     outcomes = Counter(o.split(":")[0] for o in result["out"])
     reasons = Counter(o.split(":", 1)[1] for o in result["out"] if o.startswith("error:"))
-    log = getattr(proc, "log", "")
+    log = getattr(proc, "log", "(stderr still open: not read)")
     return {
         "phase": name,
         "sent": len(result["out"]),
