@@ -199,14 +199,14 @@ def test_32_concurrent_requests_equal_offline_generate(served, offline):
         (dict(prompt=""), 400, "prompt 0 is empty"),
         (dict(prompt=[[5, 999]]), 400, "outside the vocabulary"),
         (dict(prompt="hi", stop=[""]), 400, "stop strings must be non-empty"),
-        (dict(prompt="x" * 5000), 400, "larger than --max-request-bytes"),
+        (dict(prompt="x" * 5000), 413, "larger than --max-request-bytes"),
         (dict(max_tokens=3), 400, "prompt: Field required"),
     ],
 )
 def test_bad_requests_get_an_openai_error_and_the_server_survives(served, body, status, words):
     code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
     assert code == status and words in reply["error"]["message"]
-    assert set(reply["error"]) == {"message", "type", "code"}
+    assert set(reply["error"]) == {"message", "type", "code", "param"}
     assert served.client().completions.create(model="tiny", prompt="ok", **GREEDY).choices
 
 
@@ -558,6 +558,8 @@ def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, mat
         (["--max-request-bytes", "0"], "--max-request-bytes=0 must be >= 1"),
         (["--max-prompt-tokens", "0"], "--max-prompt-tokens=0 must be >= 1"),
         (["--api-key", " "], "--api-key must not be empty"),
+        (["--header-timeout", "0"], "--header-timeout=0.0 must be > 0"),
+        (["--max-stop-sequences", "-1"], "--max-stop-sequences=-1 must be > 0"),
     ],
 )
 def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):

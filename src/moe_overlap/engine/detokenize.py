@@ -21,10 +21,19 @@ class TextStream:
         self.stopped = False
 
     def push(self, token_id: int) -> bool:
-        """Add a generated token; True when the text now holds a stop string."""
+        """Add a generated token; True when the text now holds a stop string.
+
+        Only the new tail is searched: a stop string wholly inside the text already seen would
+        have stopped the request then, so a match must end past it (cost per token: the stop
+        strings' lengths, not the output's)."""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        seen = _unchanged(self.text, text)
+        cut = -1
+        for s in self.stop:
+            i = text.find(s, max(0, seen - len(s) + 1))
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
         if cut >= 0:
             self.text, self.stopped = text[:cut], True
         else:
@@ -53,3 +62,12 @@ def _held_for_stop(text: str, stop: list[str]) -> int:
                 held = n
                 break
     return held
+
+
+def _unchanged(old: str, new: str) -> int:
+    """How many leading characters of ``new`` were already in ``old``: all of ``old`` but its
+    trailing replacement characters (bytes a later token may complete), if they agree."""
+    keep = len(old)
+    while keep and old[keep - 1] == "\ufffd":
+        keep -= 1
+    return keep if new.startswith(old[:keep]) else 0

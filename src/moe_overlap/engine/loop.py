@@ -11,11 +11,16 @@ delta over (e.g. ``call_soon_threadsafe``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import Request, SamplingParams
+
+SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
+WATCH_S = 0.5  # how often the rank watcher also looks for the engine stopping
 
 
 class EngineDead(RuntimeError):
@@ -48,11 +53,29 @@ class EngineLoop:
         self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
         self._stopping = False
         self.error: str | None = None  # why the engine died, once it has
+        self._down: str | None = None  # a rank died while the engine was idle (the watcher)
+        self._step_since: float | None = None  # when the step now running began
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
         self._thread.start()
+        if self.llm.executor.sentinels():
+            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
         return self
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (a dead or stopped rank, a step stuck longer than
+        the collective timeout), or None."""
+        executor = self.llm.executor
+        trouble = None if self.error else executor.health()
+        since, limit = self._step_since, getattr(executor, "timeout_s", None)
+        if trouble is None and since is not None and limit is not None:
+            running = time.monotonic() - since
+            if running > limit:
+                trouble = (
+                    f"a step has run {running:.0f} s, past the collective timeout ({limit:g} s)"
+                )
+        return trouble
 
     def submit(
         self,
@@ -98,29 +121,46 @@ class EngineLoop:
         try:
             while self._take_inbox():
                 if self.llm.scheduler.has_work():
-                    for req in self.llm.step():
+                    self._step_since = time.monotonic()
+                    done = self.llm.step()
+                    self._step_since = None
+                    for req in done:
                         self._tell(req)
         except BaseException as exc:  # a rank failed: every request hears why
             with self._wake:
                 self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self.llm.close()
+        self._step_since = None
         with self._wake:
             self._live.update({r.request_id: (r, cb) for r, cb in self._new})
             self._new.clear()
-        for req, listener in self._live.values():
-            listener(_delta(req, [], "", error=self.error or "the server is shutting down"))
+        for req, listener in self._live.values():  # before closing: that may wait on a rank
+            listener(_delta(req, [], "", error=self.error or SHUTTING_DOWN))
         self._live.clear()
+        if self.error:
+            self.llm.close()
+
+    def _watch(self) -> None:
+        """Wake the loop when a rank process ends, so an idle engine notices at once."""
+        sentinels = self.llm.executor.sentinels()
+        while not (self._stopping or self.error):
+            if wait(sentinels, timeout=WATCH_S):
+                with self._wake:
+                    self._down = self.llm.executor.health() or "a rank process ended"
+                    self._wake.notify()
+                return
 
     def _take_inbox(self) -> bool:
         """Add new requests and drop aborted ones; wait while there is nothing to do. False
         when the loop must stop."""
         with self._wake:
-            while not (self._stopping or self._new or self._aborted):
+            while not (self._stopping or self._new or self._aborted or self._down):
                 if self.llm.scheduler.has_work():
                     break
                 self._wake.wait()
             if self._stopping:
                 return False
+            if self._down:
+                raise EngineDead(self._down)
             new, self._new = self._new, []
             aborted, self._aborted = self._aborted, set()
         for req, listener in new:

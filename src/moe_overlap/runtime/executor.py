@@ -52,6 +52,14 @@ class Executor(ABC):
         """The driver finished a ``generate`` call (releases serving ranks)."""
         return None  # nobody waits here
 
+    def health(self) -> str | None:
+        """Why some rank cannot serve (dead, or stopped), or None; cheap, callable anytime."""
+        return None  # one process: nothing to watch
+
+    def sentinels(self) -> list[int]:
+        """File descriptors that become readable when a rank process ends (pidfds)."""
+        return []
+
     @abstractmethod
     def close(self) -> None:
         """Stop every rank; idempotent."""

@@ -9,14 +9,13 @@ the collective timeout, with an error naming it, and no child is left behind.
 from __future__ import annotations
 
 import contextlib
-import pickle
+import shutil
 import signal
-import socket
-import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import numpy as np
 import torch
@@ -28,10 +27,11 @@ from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.netns import NetnsLink
 from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import RankSpec, prefill_message
-from moe_overlap.runtime.zygote import zygote
+from moe_overlap.runtime.rank_process import RankProcess
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 _DEATH_GRACE_S = 1.0  # after a rank's error, for a peer's death (its cause) to show
+_STOPPED = ("T", "t")  # /proc states of a process stopped by a signal or a tracer
 
 
 class RankFailure(RuntimeError):
@@ -59,12 +59,6 @@ def _tensor(array) -> torch.Tensor | None:
     return None if array is None else torch.from_numpy(np.asarray(array))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SpawnedExecutor(Executor):
     def __init__(
         self,
@@ -78,6 +72,7 @@ class SpawnedExecutor(Executor):
         self.parallel = spec.parallel
         self.link_spec = link
         self.netns: NetnsLink | None = None
+        self.store_dir: str | None = None
         self.procs, self.conns = [], []
         self.closed = False
         self.last_spans = [None] * world
@@ -93,8 +88,9 @@ class SpawnedExecutor(Executor):
             self.netns = NetnsLink(self.num_ranks, self.link_spec.spec.split(":", 1)[1])
             self.netns.__enter__()
             init = f"tcp://{self.netns.rank_addr(0)}:29500"
-        else:
-            init = f"tcp://127.0.0.1:{_free_port()}"
+        else:  # a file store opens no socket; gloo binds to loopback (ifname "lo" below)
+            self.store_dir = tempfile.mkdtemp(prefix="moe-overlap-store-")
+            init = f"file://{self.store_dir}/store"
         for r in range(self.num_ranks):
             rank = RankSpec(
                 r,
@@ -103,10 +99,10 @@ class SpawnedExecutor(Executor):
                 self.timeout_s,
                 self.link_spec,
                 self.netns.netns_name(r) if self.netns else None,
-                self.netns.ifname if self.netns else None,
+                self.netns.ifname if self.netns else "lo",
                 threads,
             )
-            self.procs.append(_RankProcess(r, spec, rank))
+            self.procs.append(RankProcess(r, spec, rank))
         self.conns = [p.conn for p in self.procs]
         self._collect(list(range(self.num_ranks)), startup=True)
 
@@ -184,11 +180,46 @@ class SpawnedExecutor(Executor):
                     except (EOFError, OSError):
                         self._fail(self._death(r))
                     if msg[0] == "error":
-                        self._fail(f"rank {msg[1]} raised {msg[2]}\n{msg[3]}")
+                        stuck = self._stuck(msg, [p for p in pending if p != r])
+                        self._fail(f"{stuck}rank {msg[1]} raised {msg[2]}\n{msg[3]}")
                     replies[r] = msg[1]
                 elif self.procs[r].pidfd in ready:
                     self._fail(self._death(r))
         return [replies[r] for r in ranks]
+
+    def health(self) -> str | None:
+        if self.closed:
+            return "the ranks were stopped"
+        for r, p in enumerate(self.procs):
+            if p.ended():
+                code = p.proc.returncode  # None until the driving thread reaps it
+                return f"rank {r} died" + (f" (exit code {code})" if code is not None else "")
+            if p.state() in _STOPPED:
+                return f"rank {r} is stopped (process state {p.state()}) and cannot answer"
+        return None
+
+    def sentinels(self) -> list[int]:
+        return [] if self.closed else [p.pidfd for p in self.procs]
+
+    def _stuck(self, msg: tuple, silent: list[int]) -> str:
+        """After a rank's collective timed out: name the rank that stopped answering (a
+        stopped process, else one that stays silent while its peers report), and kill it so
+        that closing does not wait for it. "" when the error was something else."""
+        if "CollectiveTimeout" not in msg[2]:
+            return ""
+        stopped = [r for r, p in enumerate(self.procs) if p.state() in _STOPPED]
+        if not stopped:
+            deadline = time.monotonic() + _DEATH_GRACE_S
+            while silent and time.monotonic() < deadline:
+                ready = wait([self.conns[r] for r in silent], timeout=0.05)
+                silent = [r for r in silent if self.conns[r] not in ready]
+        blamed = stopped or silent
+        for r in blamed:
+            self.procs[r].proc.kill()
+        if not blamed:
+            return ""
+        how = "is stopped" if stopped else "sent nothing"
+        return f"rank {blamed[0]} stopped answering ({how}; killed); "
 
     def _death(self, r: int) -> str:
         return f"rank {r} died (exit code {self.procs[r].exitcode(1.0)})"
@@ -196,13 +227,13 @@ class SpawnedExecutor(Executor):
     def _fail(self, why: str) -> None:
         # a rank that died is the cause; the others' collective errors are its echo, and may
         # arrive while the killed process is still being torn down: look for a second
-        deadline = time.monotonic() + _DEATH_GRACE_S
+        deadline = time.monotonic() + (0.0 if "stopped answering" in why else _DEATH_GRACE_S)
         while True:
             dead = [r for r, p in enumerate(self.procs) if p.exitcode() not in (None, 0)]
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        if dead and not why.startswith(f"rank {dead[0]} "):
+        if dead and "stopped answering" not in why and not why.startswith(f"rank {dead[0]} "):
             why = f"{self._death(dead[0])}; then {why}"
         self.close()
         raise RankFailure(why)
@@ -221,33 +252,5 @@ class SpawnedExecutor(Executor):
                 p.stop(max(0.0, deadline - time.monotonic()))
             if self.netns is not None:
                 self.netns.close()
-
-
-class _RankProcess:
-    """A rank forked from this process's fork server (``zygote.py``), which imported torch and
-    the rank code once. Not multiprocessing's spawn: that would re-run the caller's
-    ``__main__``, which breaks any script without an ``if __name__ == "__main__"`` guard.
-    """
-
-    def __init__(self, rank: int, spec: EngineSpec, rank_spec: RankSpec):
-        ours, theirs = socket.socketpair()
-        try:
-            self.proc = zygote().spawn(theirs.fileno())
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        self.pidfd = self.proc.pidfd
-        self.conn.send_bytes(pickle.dumps((spec, rank_spec)))
-
-    def exitcode(self, timeout: float = 0.0) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, grace: float) -> None:
-        if self.exitcode(grace) is None:
-            self.proc.kill()
-            self.proc.wait(5.0)
-        self.conn.close()
-        self.proc.close()
+            if self.store_dir is not None:
+                shutil.rmtree(self.store_dir, ignore_errors=True)

@@ -32,6 +32,7 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
     try:
         if rank.netns:
             enter_netns(rank.netns)
+        if rank.ifname:  # loopback for ranks on one machine: nothing listens beyond it
             os.environ["GLOO_SOCKET_IFNAME"] = rank.ifname
         runner = build_rank_runner(spec, rank)
         conn.send(("ready", rank.rank))

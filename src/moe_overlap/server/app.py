@@ -10,15 +10,26 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from moe_overlap.engine.loop import EngineDead, EngineLoop
-from moe_overlap.server.guards import APIError, ServerSettings, error_response, install_guards
+from moe_overlap.engine.loop import SHUTTING_DOWN, EngineDead, EngineLoop
+from moe_overlap.server.guards import (
+    APIError,
+    ServerSettings,
+    error_body,
+    error_response,
+    install_guards,
+)
 from moe_overlap.server.observability import (
     RequestMetrics,
     ServerMetrics,
     install_observability,
     package_version,
 )
-from moe_overlap.server.protocol import ChatRequest, CompletionRequest, SamplingFields
+from moe_overlap.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    bad_unicode,
+)
 from moe_overlap.server.responses import DONE, Choice, Formatter, sse
 from moe_overlap.server.submission import Submission
 from moe_overlap.server.unsupported import unsupported_field
@@ -26,7 +37,7 @@ from moe_overlap.server.unsupported import unsupported_field
 
 def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="moe-overlap", version=package_version(), redoc_url=None)
-    install_guards(app, settings)
+    app.state.gate = install_guards(app, settings)
     metrics = app.state.metrics = install_observability(app, engine, engine.llm.spec.overlap.mode)
     created = int(time.time())
 
@@ -34,6 +45,9 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     async def health() -> JSONResponse:
         if engine.error:
             return error_response(503, f"the engine stopped: {engine.error}", "engine_dead")
+        trouble = engine.health()
+        if trouble:
+            return error_response(503, trouble, "rank_unhealthy")
         return JSONResponse({"status": "ok", **engine.stats()})
 
     @app.get("/v1/models")
@@ -65,14 +79,42 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
 
 def _check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> None:
+    """Fields this server implements, the model's name, valid Unicode, a bounded stop list."""
     refused = unsupported_field(body.model_dump(), chat)
     if refused is not None:
-        raise APIError(400, refused[1], "unsupported_parameter")
+        raise APIError(400, refused[1], "unsupported_parameter", refused[0])
+    where = bad_unicode(body)
+    if where:
+        message = f"{where} holds invalid Unicode (a lone surrogate); send valid UTF-8 text"
+        raise APIError(400, message, "invalid_value", where)
+    _check_stop(body, settings)
     if body.model is not None and body.model != settings.model_name:
         raise APIError(
             404,
             f"model {body.model!r} does not exist; this server serves {settings.model_name!r}",
             "model_not_found",
+            "model",
+        )
+
+
+def _check_stop(body: SamplingFields, settings: ServerSettings) -> None:
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stop) > settings.max_stop_sequences:
+        raise APIError(
+            400,
+            f"stop has {len(stop)} strings; this server accepts at most "
+            f"{settings.max_stop_sequences} (--max-stop-sequences)",
+            "invalid_value",
+            "stop",
+        )
+    longest = max(map(len, stop), default=0)
+    if longest > settings.max_stop_chars:
+        raise APIError(
+            400,
+            f"a stop string has {longest} characters; this server accepts at most "
+            f"{settings.max_stop_chars} (--max-stop-chars)",
+            "invalid_value",
+            "stop",
         )
 
 
@@ -137,6 +179,8 @@ async def _serve(
     try:
         async for index, delta in sub.deltas(request.is_disconnected):
             timed.delta(index, delta)
+            if delta.error and delta.error == SHUTTING_DOWN:
+                raise APIError(503, f"{SHUTTING_DOWN}; retry elsewhere", "shutting_down")
             if delta.error:
                 raise EngineDead(delta.error)
             if delta.failed:
@@ -161,7 +205,7 @@ async def _events(
         async for index, delta in sub.deltas(request.is_disconnected):
             timed.delta(index, delta)
             if delta.error:
-                yield sse(error_body(f"the engine stopped: {delta.error}"))
+                yield sse(stopped_body(delta.error))
                 break
             if delta.failed:
                 yield sse(request_failed_body(f"prompt {index} failed: {delta.failed}"))
@@ -176,9 +220,11 @@ async def _events(
         timed.close(n)
 
 
-def error_body(message: str) -> dict:
-    return {"error": {"message": message, "type": "service_unavailable", "code": "engine_dead"}}
+def stopped_body(why: str) -> dict:
+    if why == SHUTTING_DOWN:
+        return error_body(503, f"{SHUTTING_DOWN}; retry elsewhere", "shutting_down")
+    return error_body(503, f"the engine stopped: {why}", "engine_dead")
 
 
 def request_failed_body(message: str) -> dict:
-    return {"error": {"message": message, "type": "server_error", "code": "request_failed"}}
+    return error_body(500, message, "request_failed")

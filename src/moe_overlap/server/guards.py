@@ -1,9 +1,16 @@
-"""What stands before every route: the API key, the body-size bound, and errors in OpenAI's
-shape (``{"error": {"message", "type", "code"}}``) with a 4xx or 503 status."""
+"""What stands before every route: the API key, the bounded body read, and errors in OpenAI's
+shape (``{"error": {"message", "type", "code", "param"}}``) for every failure, expected or not.
+
+The body is read whole before a route sees it, within ``body_timeout`` (408 after), up to
+``max_request_bytes`` (413), and only while the bodies being read all together stay within
+``max_buffered_bytes`` (503): slow or stalled uploads cannot grow the server without bound.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,28 +30,54 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
+RETRY_AFTER_S = 5  # what a 503 from a busy or stopping server asks clients to wait
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ):
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
-def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
-    body = {"message": message, "type": ERROR_TYPES.get(status, "error"), "code": code}
-    return JSONResponse({"error": body}, status_code=status)
+def error_body(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
-def install_guards(app: FastAPI, settings: ServerSettings) -> None:
-    app.add_middleware(Guard, settings=settings)
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else {}
+    if status in (408, 413) or code == "server_busy":  # the body was not read: close
+        headers["Connection"] = "close"
+    return JSONResponse(error_body(status, message, code, param), status, headers=headers)
+
+
+@dataclass
+class Gate:
+    """Shared by the middleware and the server: open, or draining for a shutdown."""
+
+    draining: bool = False
+    buffered: int = 0  # bytes of request bodies being read now, all requests together
+    in_flight: int = 0  # requests past the gate, not yet answered
+
+
+def install_guards(app: FastAPI, settings: ServerSettings) -> Gate:
+    gate = Gate()
+    app.add_middleware(Guard, settings=settings, gate=gate)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code)
+        return error_response(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -57,44 +90,62 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> None:
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_value")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        message = f"{where}: {first.get('msg', 'invalid')}"
+        return error_response(400, message, "invalid_value", loc[0] if loc else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), None)
 
+    @app.exception_handler(Exception)  # anything else: still a JSON error, never plain text
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        message = f"internal error: {type(exc).__name__}: {str(exc)[:200]}"
+        return error_response(500, message, "internal_error")
+
+    return gate
+
 
 class Guard:
-    """ASGI middleware: the API key (every path but OPEN_PATHS), then the body read whole up to
-    ``max_request_bytes`` and replayed to the app."""
+    """ASGI middleware: a draining server's 503, the API key (every path but OPEN_PATHS),
+    then the body read whole within the bounds above and replayed to the app."""
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings):
-        self.app, self.settings = app, settings
+    def __init__(self, app: ASGIApp, settings: ServerSettings, gate: Gate):
+        self.app, self.settings, self.gate = app, settings, gate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        self.gate.in_flight += 1
+        try:
+            return await self._guarded(scope, receive, send)
+        finally:
+            self.gate.in_flight -= 1
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.gate.draining:
+            reply = error_response(503, "the server is shutting down", "shutting_down")
+            return await reply(scope, receive, send)
         headers = dict(scope["headers"])
         if not self._authorized(scope["path"], headers.get(b"authorization", b"")):
             msg = "a valid API key is required: send the header 'Authorization: Bearer KEY'"
             return await error_response(401, msg, "invalid_api_key")(scope, receive, send)
-        limit = self.settings.max_request_bytes
-        too_large = error_response(
-            400, f"the request body is larger than --max-request-bytes={limit}", "too_large"
-        )
         declared = headers.get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > limit:
-            return await too_large(scope, receive, send)
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return await too_large(scope, receive, send)
+        reserve = int(declared) if declared.isdigit() else 0
+        problem = self._refuse(reserve)
+        if problem is not None:
+            return await problem(scope, receive, send)
+        held = [reserve]  # what this body holds of the budget; it may grow as bytes come
+        self.gate.buffered += reserve
+        try:
+            body = await self._read(receive, held)
+        finally:
+            self.gate.buffered -= held[0]
+        if isinstance(body, JSONResponse):
+            return await body(scope, receive, send)
+        if body is None:
+            return None  # the client left
         replayed = False
 
         async def replay() -> Message:
@@ -106,8 +157,46 @@ class Guard:
 
         return await self.app(scope, replay, send)
 
+    def _refuse(self, size: int) -> JSONResponse | None:
+        limit = self.settings.max_request_bytes
+        if size > limit:
+            msg = f"the request body is larger than --max-request-bytes={limit}"
+            return error_response(413, msg, "too_large")
+        if self.gate.buffered + size > self.settings.max_buffered_bytes:
+            msg = "too many request bodies are being read at once; retry shortly"
+            return error_response(503, msg, "server_busy")
+        return None
+
+    async def _read(self, receive: Receive, held: list[int]) -> bytes | JSONResponse | None:
+        """The body, an error reply (too slow, too large, over the budget), or None (gone)."""
+        parts, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.settings.body_timeout
+        try:
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+                if message["type"] == "http.disconnect":
+                    return None
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > held[0]:  # chunked or understated: count what actually came
+                    problem = self._refuse(size - held[0])
+                    if problem is not None or size > self.settings.max_request_bytes:
+                        return problem or self._refuse(size)
+                    self.gate.buffered += size - held[0]
+                    held[0] = size
+                if not message.get("more_body", False):
+                    return b"".join(parts)
+        except TimeoutError:
+            msg = (
+                f"the request body took longer than --body-timeout={self.settings.body_timeout:g} s"
+            )
+            return error_response(408, msg, "body_timeout")
+
     def _authorized(self, path: str, header: bytes) -> bool:
         key = self.settings.api_key
         if key is None or path in OPEN_PATHS:
             return True
-        return secrets.compare_digest(header, f"Bearer {key}".encode())
+        scheme, _, token = header.strip().partition(b" ")
+        good = secrets.compare_digest(token.strip(), key.encode())
+        return scheme.lower() == b"bearer" and good

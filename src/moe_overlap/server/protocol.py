@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moe_overlap.engine.request import SamplingParams
+
+SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 
 # OpenAI's names for why a choice ended
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -26,9 +28,9 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 and -1 disable it
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # true is not 1
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -48,7 +50,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
 
     def prompts(self) -> list[str | list[int]]:
@@ -84,3 +86,26 @@ class ChatRequest(SamplingFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def bad_unicode(value: object, where: str = "") -> str | None:
+    """The path of the first string holding a lone surrogate (JSON allows ``"\\ud800"``; no
+    tokenizer can encode it), or None."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_none=True)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = bad_unicode(item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = bad_unicode(item, f"{where}.{i}")
+            if found:
+                return found
+    return None

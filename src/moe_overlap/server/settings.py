@@ -10,6 +10,15 @@ from moe_overlap.engine.args import setting
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LIMITS = (  # the server's bounds, each > 0
+    "max_stop_sequences",
+    "max_stop_chars",
+    "header_timeout",
+    "body_timeout",
+    "max_connections",
+    "max_buffered_bytes",
+    "shutdown_timeout",
+)
 
 
 @dataclass
@@ -36,7 +45,7 @@ class ServerSettings:
     )
     max_request_bytes: int = setting(
         DEFAULT_MAX_REQUEST_BYTES,
-        "largest request body accepted; larger ones get a 400",
+        "largest request body accepted; larger ones get a 413",
         group="server",
     )
     max_prompt_tokens: int | None = setting(
@@ -45,6 +54,36 @@ class ServerSettings:
         "context less one)",
         parse=int,
         group="server",
+    )
+    max_stop_sequences: int = setting(
+        4, "most stop strings in a request (OpenAI's limit; 400 beyond)", group="server limits"
+    )
+    max_stop_chars: int = setting(
+        256, "longest stop string, in characters (400 beyond)", group="server limits"
+    )
+    header_timeout: float = setting(
+        10.0,
+        "seconds for a request's headers to arrive, from the connection or the last reply "
+        "(the connection is closed after)",
+        group="server limits",
+    )
+    body_timeout: float = setting(
+        30.0, "seconds for a request's whole body once its headers are in (408 after)",
+        group="server limits",
+    )  # fmt: skip
+    max_connections: int = setting(
+        1024, "open connections at once; one more gets a 503 and is closed", group="server limits"
+    )
+    max_buffered_bytes: int = setting(
+        256 << 20,
+        "request body bytes being read at once, all clients together (503 beyond)",
+        group="server limits",
+    )
+    shutdown_timeout: float = setting(
+        10.0,
+        "seconds requests in flight may finish on SIGTERM/SIGINT before they are ended with "
+        "an error (a second signal stops at once)",
+        group="server limits",
     )
     log_level: str = setting(
         "info",
@@ -63,3 +102,6 @@ class ServerSettings:
             raise ConfigError(f"--max-prompt-tokens={self.max_prompt_tokens} must be >= 1")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        for name in LIMITS:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")

@@ -52,7 +52,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     with build_llm(args) as llm:
         configure_logging(args.log_level)
-        server = Server(llm, settings, args.host, args.port, args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
                 f"moe-overlap: warning: {args.host} is reachable from the network and no "
@@ -60,11 +59,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         text = "text and token ids" if llm.tokenizer is not None else "token ids only"
-        print(
+        serving = (  # printed once the address is bound, not before
             f"moe-overlap: serving {settings.model_name!r} ({text}) at "
-            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops",
-            file=sys.stderr,
+            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops\n"
+            f"moe-overlap: {llm.spec.kv_cache_summary()}"
         )
-        print(f"moe-overlap: {llm.spec.kv_cache_summary()}", file=sys.stderr, flush=True)
+        server = Server(
+            llm,
+            settings,
+            args.host,
+            args.port,
+            args.log_level,
+            on_started=lambda: print(serving, file=sys.stderr, flush=True),
+        )
         server.run()
     return 0

@@ -1,0 +1,113 @@
+"""Issue 30 at --ep 2: /health sees a stopped or dead rank at once, a stuck rank is named (not
+its peer that timed out waiting) and clients hear it before the engine closes, and the ranks
+listen on loopback only."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from moe_overlap import LLM, ModelConfig
+from moe_overlap.engine.tokenizer import write_tokenizer
+from moe_overlap.model.loader import build_model, save_checkpoint
+from tests.test_server import CFG, Running
+
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ranks")
+    save_checkpoint(build_model(ModelConfig(**CFG), seed=0), path)
+    write_tokenizer(path, CFG["vocab_size"])
+    return path
+
+
+def serve_ep2(model_dir) -> Running:
+    return Running(LLM(model_dir, ep=2, max_num_seqs=2, timeout_s=TIMEOUT_S))
+
+
+def health_within(run: Running, seconds: float, status: int) -> tuple[float, dict]:
+    start = time.monotonic()
+    while True:
+        code, reply = run.raw("GET", "/health")
+        if code == status or time.monotonic() - start > seconds:
+            return time.monotonic() - start, (code, reply)
+        time.sleep(0.05)
+
+
+def listening(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process ``pid`` listens on or talks from."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = (
+            os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+        )
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes:
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def test_stopped_rank_is_seen_by_health_and_ranks_use_loopback_only(model_dir):
+    run = serve_ep2(model_dir)
+    try:
+        executor = run.server.engine.llm.executor
+        assert run.raw("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200
+        for p in executor.procs:
+            addrs = listening(p.proc.pid)
+            assert addrs and set(addrs) <= LOOPBACK, addrs
+        os.kill(executor.procs[1].proc.pid, signal.SIGSTOP)
+        took, (code, reply) = health_within(run, 1.0, 503)
+        assert code == 503 and "rank 1 is stopped" in reply["error"]["message"] and took < 1.0
+        os.kill(executor.procs[1].proc.pid, signal.SIGCONT)
+        assert health_within(run, 1.0, 200)[1][0] == 200
+        executor.procs[1].proc.kill()  # idle: no request will notice it
+        took, (code, reply) = health_within(run, 1.0, 503)
+        assert code == 503 and "rank 1 died" in reply["error"]["message"] and took < 1.0
+        run.thread.join(10)
+        assert not run.thread.is_alive() and "rank 1 died" in str(run.error)
+    finally:
+        run.stop()
+
+
+def test_stuck_rank_is_named_and_clients_hear_before_close(model_dir):
+    run = serve_ep2(model_dir)
+    try:
+        executor = run.server.engine.llm.executor
+        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
+        body = {"prompt": "hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        events = conn.getresponse()
+        assert events.readline().startswith(b"data: {")
+        os.kill(executor.procs[1].proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        lines = [ln for ln in events.read().decode().splitlines() if ln]
+        heard = time.monotonic() - stopped
+        error = json.loads(lines[-2][len("data: ") :])["error"]
+        assert "rank 1 stopped answering" in error["message"], error
+        assert heard < TIMEOUT_S + 2.0, heard  # the collective timeout, not close's 5 s more
+        assert lines[-1] == "data: [DONE]"
+        run.thread.join(15)
+        assert all(p.proc.poll() is not None for p in executor.procs)
+    finally:
+        for p in run.server.engine.llm.executor.procs:
+            if p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+        run.stop()
