@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.table import Table
 
@@ -85,7 +86,10 @@ ModeConfig = Callable[[str], OverlapConfig]
 
 
 def run_case(case: Case, batches_for: BatchesFor, mode_config: ModeConfig) -> Outcome:
-    spec = load_model_spec(case.config)
+    config = Path(case.config)
+    if not config.exists():  # run outside the repository: the configs beside the package
+        config = Path(__file__).resolve().parents[3] / case.config
+    spec = load_model_spec(str(config))
     tp, dp, ep = case.layout
     layout = make_layout(tp, dp, ep, True)
     planner = Planner(spec, load_cluster(case.cluster), layout)
