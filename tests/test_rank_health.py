@@ -15,7 +15,7 @@ import pytest
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
-from tests.test_server import CFG, Running
+from tests.test_server import CFG, Running, _metrics
 
 TIMEOUT_S = 3.0
 
@@ -74,6 +74,7 @@ def test_stopped_rank_is_seen_by_health_and_ranks_use_loopback_only(model_dir):
         os.kill(executor.procs[1].proc.pid, signal.SIGSTOP)
         took, (code, reply) = health_within(run, 1.0, 503)
         assert code == 503 and "rank 1 is stopped" in reply["error"]["message"] and took < 1.0
+        assert _metrics(run)["moe_overlap_ranks_healthy"] == 0  # the gauge sees it too
         os.kill(executor.procs[1].proc.pid, signal.SIGCONT)
         assert health_within(run, 1.0, 200)[1][0] == 200
         executor.procs[1].proc.kill()  # idle: no request will notice it

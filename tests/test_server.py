@@ -340,6 +340,7 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, caplog):
     assert grew["moe_overlap_inter_token_latency_seconds_count"] == 2 * 5
     assert grew["moe_overlap_e2e_request_latency_seconds_count"] == 2
     assert after["moe_overlap_engine_up"] == 1 and after["moe_overlap_requests_running"] == 0
+    assert after["moe_overlap_ranks_healthy"] == 1
     assert after["moe_overlap_kv_slots_total"] == SLOTS
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
     code, version = served.raw("GET", "/version", key="")

@@ -78,6 +78,12 @@ class ServerMetrics:
             "moe_overlap_engine_up", "1 while every rank serves, 0 once one failed", registry=r
         )
         up.set_function(lambda: 0.0 if engine.error else 1.0)
+        healthy = Gauge(
+            "moe_overlap_ranks_healthy",
+            "1 while /health finds every rank serving; 0 when one died, is stopped or is stuck",
+            registry=r,
+        )
+        healthy.set_function(lambda: 0.0 if engine.health() else 1.0)
         Gauge(
             "moe_overlap_overlap_mode_info",
             "The overlap mode the engine runs",
