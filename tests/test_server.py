@@ -323,7 +323,7 @@ def _metrics(served) -> dict[str, float]:
     }
 
 
-def test_metrics_move_with_requests_and_parse_as_prometheus(served, caplog):
+def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, caplog):
     before = _metrics(served)
     client = served.client()
     with caplog.at_level(logging.INFO, logger="moe_overlap.server"):
@@ -334,7 +334,9 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, caplog):
     assert len(lines) == 2 and all("6 generated, finish length" in line for line in lines)
     grew = {k: after[k] - before.get(k, 0.0) for k in after}
     assert grew["moe_overlap_generation_tokens_total"] == 12
-    assert grew["moe_overlap_prompt_tokens_total"] > 0
+    assert grew["moe_overlap_prompt_tokens_total"] == sum(
+        len(offline.tokenizer.encode(p, add_special_tokens=False)) for p in ("one", "two")
+    )
     assert grew["moe_overlap_requests_finished_total{length}"] == 2
     assert grew["moe_overlap_time_to_first_token_seconds_count"] == 2
     assert grew["moe_overlap_inter_token_latency_seconds_count"] == 2 * 5

@@ -59,7 +59,9 @@ class ServerMetrics:
             )
         )
         self.prompt_tokens = Counter(
-            "moe_overlap_prompt_tokens", "Prompt tokens of finished requests", registry=r
+            "moe_overlap_prompt_tokens",
+            "Prompt tokens prefilled (counted at the first token)",
+            registry=r,
         )
         self.generation_tokens = Counter(
             "moe_overlap_generation_tokens", "Tokens generated", registry=r
@@ -137,8 +139,10 @@ class RequestMetrics:
         if delta.token_ids:
             if index in self.last:
                 m.itl.observe(now - self.last[index])
-            else:
+            else:  # the prompt has been prefilled: count it now, so throughput shows prefill
                 m.ttft.observe(now - self.arrived)
+                m.prompt_tokens.inc(delta.prompt_tokens)
+                m.totals[0] += delta.prompt_tokens
             self.last[index] = now
             m.generation_tokens.inc(len(delta.token_ids))
             m.totals[1] += len(delta.token_ids)
@@ -146,8 +150,6 @@ class RequestMetrics:
         if reason is not None:
             self.ended.add(index)
             m.e2e.observe(now - self.arrived)
-            m.prompt_tokens.inc(delta.prompt_tokens)
-            m.totals[0] += delta.prompt_tokens
             m.finished.labels(reason).inc()
             logger.info(
                 "%s choice %d: %d prompt tokens, %d generated, finish %s, %.3f s%s",
