@@ -8,6 +8,8 @@ import subprocess
 import torch
 
 from moe_overlap import LLM, SamplingParams
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.tools.bench import mode_config
 
 TINY = {
     "qwen3_moe": dict(
@@ -64,6 +66,19 @@ KW = dict(seed=0, max_num_batched_tokens=24)  # small budget: chunked prefill an
 def reference(cfg):
     with LLM(config=cfg, **KW) as llm:
         return {case: llm.generate(p, PARAMS, return_logits=True) for case, p in CASES.items()}
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def every_mode() -> dict[str, OverlapConfig]:
+    """The bench's seven modes, DBO's vLLM thresholds (512 prefill tokens) lowered so that
+    small test batches split."""
+    modes = ("none", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo")
+    dbo = OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
+    return {m: mode_config(m) for m in modes} | {"dbo": dbo}
 
 
 def assert_same(base, got):

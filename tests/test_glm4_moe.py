@@ -9,34 +9,23 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.tools.bench import mode_config
-from tests.helpers import glm4_hf_config, save_hf_model
+from tests.helpers import KW, PARAMS, every_mode, glm4_hf_config, max_abs_diff, save_hf_model
 
 pytest.importorskip("transformers")
 
 PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]
-MODES = {
-    m: mode_config(m)
-    for m in ("none", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo")
-} | {"dbo": OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)}
+MODES = every_mode()
 CASES = {
     "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
     "single-long": [[(7 * i) % 80 for i in range(45)]],
 }
-KW = dict(seed=0, max_num_batched_tokens=24)
-PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm4_moe")
     return path, save_hf_model(glm4_hf_config(), path)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape
-    return (a - b).abs().max().item() if a.numel() else 0.0
 
 
 @pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill
@@ -51,7 +40,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
             gen = hf.generate(
                 torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
             )[0, len(prompt) :]
-        assert _close(out.prompt_logits, ref) <= 1e-4, len(prompt)
+        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
         assert out.token_ids == gen.tolist(), len(prompt)
 
 
@@ -70,7 +59,7 @@ def test_ep2_modes_match_one_process(checkpoint):
                 got = llm.generate(prompts, PARAMS, return_logits=True)
                 for a, b in zip(base[case], got, strict=True):
                     assert a.token_ids == b.token_ids, (mode, case)
-                    assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+                    assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
 
 
 def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
@@ -86,7 +75,7 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
-    assert _close(ours.prompt_logits, ref) <= 1e-4
+    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
 
 
 def test_tp2_matches_one_process(checkpoint):
@@ -98,4 +87,4 @@ def test_tp2_matches_one_process(checkpoint):
         got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
     for a, b in zip(base, got, strict=True):
         assert a.token_ids == b.token_ids
-        assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4
+        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4

@@ -16,14 +16,13 @@ import torch
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.state_cache import StateOrderError
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.tools.bench import mode_config
-from tests.helpers import qwen3_5_hf_config, save_hf_model
+from tests.helpers import KW, PARAMS, every_mode, max_abs_diff, qwen3_5_hf_config, save_hf_model
 
 pytest.importorskip("transformers")
 
@@ -53,24 +52,13 @@ CASES = {
     "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
     "single-long": [[(7 * i) % 80 for i in range(45)]],
 }
-# the bench's modes; DBO's vLLM thresholds (512 prefill tokens) lowered so these batches split
-MODES = {
-    m: mode_config(m)
-    for m in ("none", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split", "sbo")
-} | {"dbo": OverlapConfig("dbo", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)}
-KW = dict(seed=0, max_num_batched_tokens=24)  # chunked prefill and MIXED steps
-PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+MODES = every_mode()
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_5")
     return path, save_hf_model(qwen3_5_hf_config(), path)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape
-    return (a - b).abs().max().item() if a.numel() else 0.0
 
 
 @pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill, the state carried over
@@ -83,7 +71,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
         ids = list(prompt)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
-            assert _close(out.prompt_logits, ref) <= 1e-4, len(prompt)
+            assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
             for _ in range(4):
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
         assert out.token_ids == ids[len(prompt) :], len(prompt)
@@ -110,7 +98,7 @@ def test_a_later_piece_needs_the_earlier_pieces_state():
         atol=1e-4,
     )
     # a new sequence in a used slot starts from zeros, whatever the slot held
-    assert _close(runner.forward_plain(whole), expected) == 0.0
+    assert max_abs_diff(runner.forward_plain(whole), expected) == 0.0
 
 
 def test_layouts_refused_with_the_model_and_flag():
@@ -159,7 +147,7 @@ def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
         got = llm.generate(prompts, PARAMS, return_logits=True)
         for a, b in zip(base[case], got, strict=True):
             assert a.token_ids == b.token_ids, (mode, case)
-            assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+            assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
     # and no fallback to one batch: every rank ran each micro-batch
     batch = ForwardBatch(torch.tensor([5] * 13 + [7] * 9), [0, 1], [0, 0], [13, 9], [True] * 2)
     step([batch, batch], overlap, record=True)
@@ -180,7 +168,7 @@ def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
     plain = llm.executor.run([batch, batch], mode_config("none"))
     got = llm.executor.run([batch, batch], mode_config("tbo+two-chunk"), record=True)
     for r in range(2):
-        assert _close(plain[r], got[r]) <= 1e-4
+        assert max_abs_diff(plain[r], got[r]) <= 1e-4
         tracks = {s.track for s in llm.executor.last_spans[r]}
         assert {"mb0", "mb1"} <= tracks, tracks
 
@@ -202,7 +190,7 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
-    assert _close(ours.prompt_logits, ref) <= 1e-4
+    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
 
 
 def test_planner_costs_linear_attention_linear_in_context():
@@ -249,7 +237,7 @@ def test_other_layouts_match_one_process(ep2, layout):
         got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
     for a, b in zip(base["mixed-batch"], got, strict=True):
         assert a.token_ids == b.token_ids
-        assert _close(a.prompt_logits, b.prompt_logits) <= 1e-4
+        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
 
 
 def test_loads_the_hubs_multimodal_layout(tmp_path):
@@ -275,4 +263,4 @@ def test_loads_the_hubs_multimodal_layout(tmp_path):
         with LLM(tmp_path / where) as llm:
             outs.append(llm.generate(prompt, PARAMS, return_logits=True)[0])
     assert outs[0].token_ids == outs[1].token_ids
-    assert _close(outs[0].prompt_logits, outs[1].prompt_logits) == 0.0
+    assert max_abs_diff(outs[0].prompt_logits, outs[1].prompt_logits) == 0.0

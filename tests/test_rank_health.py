@@ -12,20 +12,15 @@ import time
 
 import pytest
 
-from moe_overlap import LLM, ModelConfig
-from moe_overlap.engine.tokenizer import write_tokenizer
-from moe_overlap.model.loader import build_model, save_checkpoint
-from tests.test_server import CFG, Running, _metrics
+from moe_overlap import LLM
+from tests.test_server import Running, _metrics, served_model
 
 TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ranks")
-    save_checkpoint(build_model(ModelConfig(**CFG), seed=0), path)
-    write_tokenizer(path, CFG["vocab_size"])
-    return path
+    return served_model(tmp_path_factory, "ranks")
 
 
 def serve_ep2(model_dir) -> Running:

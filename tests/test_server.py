@@ -84,12 +84,17 @@ class Running:
         self.thread.join(30)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("served")
+def served_model(tmp_path_factory, name: str):
+    """The tiny served model with weights and a tokenizer, in a fresh directory."""
+    path = tmp_path_factory.mktemp(name)
     save_checkpoint(build_model(ModelConfig(**CFG), seed=0), path)
     write_tokenizer(path, CFG["vocab_size"])
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return served_model(tmp_path_factory, "served")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,10 @@ import time
 
 import pytest
 
-from moe_overlap import LLM, ModelConfig
+from moe_overlap import LLM
 from moe_overlap.engine.detokenize import TextStream
-from moe_overlap.engine.tokenizer import write_tokenizer
-from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server import app as app_module
-from tests.test_server import CFG, KEY, SERVE, Running, _free_port
+from tests.test_server import KEY, SERVE, Running, _free_port, served_model
 
 JSON = {"Content-Type": "application/json"}
 LIMITS = dict(
@@ -34,10 +32,7 @@ LIMITS = dict(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hostile")
-    save_checkpoint(build_model(ModelConfig(**CFG), seed=0), path)
-    write_tokenizer(path, CFG["vocab_size"])
-    return path
+    return served_model(tmp_path_factory, "hostile")
 
 
 @pytest.fixture(scope="module")

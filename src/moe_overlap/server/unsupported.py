@@ -44,7 +44,8 @@ def unsupported_field(body: Mapping, chat: bool) -> tuple[str, str] | None:
     for name, (no_ops, what) in {**_BOTH, **(_CHAT if chat else _COMPLETIONS)}.items():
         if name in body and not any(_same(body[name], v) for v in no_ops):
             return name, f"{name}={body[name]!r:.60}: {what} is not supported by this server"
-    for i, message in enumerate(body.get("messages") or [] if chat else []):
+    messages = (body.get("messages") or []) if chat else []
+    for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             kind = part.get("type") if isinstance(part, Mapping) else None

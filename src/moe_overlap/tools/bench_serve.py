@@ -166,8 +166,9 @@ def run_load(
 
 
 def rss_mib() -> float:
-    """Resident memory of this process and its children (spawned ranks), in MiB."""
-    pids = [os.getpid(), *_children(os.getpid())]
+    """Resident memory of this process and every process below it (the ranks are children of
+    the rank fork server), in MiB."""
+    pids = [os.getpid(), *_descendants(os.getpid())]
     pages = 0
     for pid in pids:
         try:
@@ -177,14 +178,14 @@ def rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             found += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
-    return found
+    return found + [d for c in found for d in _descendants(c)]
 
 
 def _stream(
