@@ -25,7 +25,7 @@ gpu-check:
 	PYTHONPATH=src $(PY) -m pytest tests/gpu -q -rs
 
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports && $(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) out

@@ -87,7 +87,8 @@ class ForwardBatch:
 
     def logit_rows(self) -> torch.Tensor:
         """Indices of the tokens whose logits this forward returns, in sequence order."""
-        rows, start = [], 0
+        rows: list[int] = []
+        start = 0
         for n, every in zip(self.extend_lens, self.all_logits, strict=True):
             rows.extend(range(start, start + n) if every else [start + n - 1])
             start += n

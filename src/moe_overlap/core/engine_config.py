@@ -23,7 +23,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
     if cfg.is_deepseek:
         per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     else:
-        per_layer = 2 * max(1, cfg.num_key_value_heads // attn_tp) * cfg.head_dim
+        per_layer = 2 * max(1, cfg.num_key_value_heads // attn_tp) * cfg.head_size
     return per_layer * cfg.num_hidden_layers * dtype_bytes
 
 

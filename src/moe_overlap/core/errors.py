@@ -2,17 +2,18 @@
 value and the fix."""
 
 import math
+from typing import TypeGuard
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or impossible."""
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A Python int that is not a bool (``True`` is an int to Python, never a count here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_finite_number(value: object) -> bool:
+def is_finite_number(value: object) -> TypeGuard[int | float]:
     """An int or float, not a bool, not NaN or infinite."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

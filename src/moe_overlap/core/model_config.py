@@ -117,7 +117,13 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        return int(self.head_size * self.partial_rotary_factor)
+
+    @property
+    def head_size(self) -> int:
+        """``head_dim`` once validated (``validate`` fills it in when the config gives none)."""
+        assert self.head_dim is not None, "read before validate()"
+        return self.head_dim
 
     @property
     def deepseek_moe(self) -> bool:

@@ -6,12 +6,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+
+class Work(Protocol):
+    """What a collective in flight offers: ``dist.Work``, or ``Works`` for several."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+    def is_completed(self) -> bool: ...
+
+    def get_future(self) -> torch.futures.Future: ...
+
+
 # waits for one work within a timeout (seconds, None: the group's), naming the operation
-WaitFn = Callable[[dist.Work, str, float | None], None]
+WaitFn = Callable[[Work, str, float | None], None]
 
 
 class CollectiveTimeout(RuntimeError):
@@ -21,7 +33,7 @@ class CollectiveTimeout(RuntimeError):
 class CommHandle:
     """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again."""
 
-    def __init__(self, wait: WaitFn, work: dist.Work | None, output: torch.Tensor, op: str) -> None:
+    def __init__(self, wait: WaitFn, work: Work | None, output: torch.Tensor, op: str) -> None:
         self._wait_fn, self._work, self._output, self._op = wait, work, output, op
 
     def on_complete(self, callback) -> None:
@@ -57,17 +69,19 @@ class Works:
     so once a completion callback is wanted a single waiter thread owns the waiting.
     """
 
-    def __init__(self, works: list[dist.Work]):
+    def __init__(self, works: list[dist.Work]) -> None:
         self.works = works
         self._waiter: threading.Thread | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
 
-    def wait(self, timeout: timedelta) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """``timeout`` None: the works' own (NCCL's watchdog enforces the group's)."""
         if self._waiter is None:
-            return all(w.wait(timeout=timeout) is not False for w in self.works)
-        if not self._done.wait(timeout.total_seconds()):
+            waits = (w.wait() if timeout is None else w.wait(timeout=timeout) for w in self.works)
+            return all(finished is not False for finished in waits)
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
             raise RuntimeError("timed out waiting for the send/recv operations")
         if self._error is not None:
             raise self._error
@@ -77,8 +91,7 @@ class Works:
         return self._done.is_set() if self._waiter else all(w.is_completed() for w in self.works)
 
     def get_future(self) -> torch.futures.Future:
-        if self._future is None:
-            self._future = torch.futures.Future()
+        if self._waiter is None:
             self._waiter = threading.Thread(target=self._wait_all, daemon=True)
             self._waiter.start()
         return self._future

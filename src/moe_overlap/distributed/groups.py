@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Works
+from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Work, Works
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
 from moe_overlap.distributed.order import CollectiveOrder, ordered
 
@@ -74,7 +74,7 @@ class Group:
     def __repr__(self) -> str:
         return f"Group({self.name!r}, ranks={self.ranks}, rank={self.rank}, {self.backend})"
 
-    def _wait(self, work: dist.Work, op: str, timeout: float | None) -> None:
+    def _wait(self, work: Work, op: str, timeout: float | None) -> None:
         limit = self.timeout if timeout is None else timedelta(seconds=timeout)
         try:
             finished = work.wait(timeout=limit)
@@ -94,7 +94,7 @@ class Group:
         )
 
     def _run(
-        self, work: dist.Work | None, output: torch.Tensor, op: str, async_op: bool
+        self, work: Work | None, output: torch.Tensor, op: str, async_op: bool
     ) -> torch.Tensor | CommHandle:
         handle = CommHandle(self._wait, work, output, op)
         if async_op:
@@ -108,7 +108,10 @@ class Group:
 
     @ordered
     def all_reduce(
-        self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+        self,
+        t: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
     ) -> torch.Tensor | CommHandle:
         """Reduce contiguous ``t`` in place across the group; returns ``t`` (or a handle to it)."""
         work = None if self.pg is None else dist.all_reduce(t, op, self.pg, async_op=True)
@@ -125,7 +128,10 @@ class Group:
 
     @ordered
     def reduce_scatter(
-        self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+        self,
+        t: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        async_op: bool = False,
     ) -> torch.Tensor | CommHandle:
         """Reduce ``t`` across the group and return this rank's slice of dim 0 (a new tensor)."""
         if t.shape[0] % self.size:
@@ -172,11 +178,15 @@ class Group:
         me, works = self.rank, []
         for p in range(self.size):
             if p != me and outs[p]:
-                works.append(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
+                works.append(
+                    _issued(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
+                )
         input = input.contiguous()
         for p in range(self.size):
             if p != me and ins[p]:
-                works.append(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
+                works.append(
+                    _issued(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
+                )
         out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
         return Works(works)
 
@@ -199,22 +209,20 @@ class Group:
         if self.pg is not None:
             self._wait(dist.barrier(self.pg, async_op=True), "barrier", timeout)
 
-    def send_dict(
-        self, tensors: dict[str, torch.Tensor], dst: int, wait: bool = True
-    ) -> Sending | None:
+    def send_dict(self, tensors: dict[str, torch.Tensor], dst: int, wait: bool = True) -> Sending:
         """Send named tensors to group rank ``dst``: metadata (names, shapes, dtypes), then data.
-        With ``wait=False`` return at once; the returned ``Sending`` waits for the sends."""
+        With ``wait=False`` return at once; the returned ``Sending``'s ``wait`` waits for the
+        sends (with ``wait=True`` they are done, and it returns at once)."""
         self._check_peer(dst)
         meta = [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in tensors.items()]
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         frames = [torch.tensor([blob.numel()]), blob] + list(tensors.values())
         frames = [f.to(self.device).contiguous() for f in frames]
-        works = [dist.isend(f, group=self.pg, group_dst=dst) for f in frames if f.numel()]
+        works = [_issued(dist.isend(f, group=self.pg, group_dst=dst)) for f in frames if f.numel()]
         sending = Sending(self, works, frames, dst)
-        if not wait:
-            return sending
-        sending.wait()
-        return None
+        if wait:
+            sending.wait()
+        return sending
 
     def recv_dict(self, src: int) -> dict[str, torch.Tensor]:
         """Receive what ``send_dict`` on group rank ``src`` sent, on this group's device."""
@@ -223,15 +231,16 @@ class Group:
         blob = self._recv(torch.empty(int(length), dtype=torch.uint8, device=self.device), src)
         meta = json.loads(bytes(blob.cpu().tolist()).decode())
         out = {k: torch.empty(s, dtype=getattr(torch, d), device=self.device) for k, s, d in meta}
-        works = [dist.irecv(t, group=self.pg, group_src=src) for t in out.values() if t.numel()]
+        works = [
+            _issued(dist.irecv(t, group=self.pg, group_src=src)) for t in out.values() if t.numel()
+        ]
         for work in works:
             self._wait(work, f"recv_dict from group rank {src}", None)
         return out
 
     def _recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self._wait(
-            dist.irecv(t, group=self.pg, group_src=src), f"recv_dict from group rank {src}", None
-        )
+        work = _issued(dist.irecv(t, group=self.pg, group_src=src))
+        self._wait(work, f"recv_dict from group rank {src}", None)
         return t
 
     def _check_peer(self, peer: int) -> None:
@@ -242,7 +251,9 @@ class Group:
 class Sending:
     """Sends in flight; holds their buffers until ``wait`` has seen every one complete."""
 
-    def __init__(self, group: Group, works: list, frames: list[torch.Tensor], dst: int):
+    def __init__(
+        self, group: Group, works: list[dist.Work], frames: list[torch.Tensor], dst: int
+    ) -> None:
         self.group, self.works, self.frames, self.dst = group, works, frames, dst
 
     def wait(self) -> None:
@@ -251,11 +262,20 @@ class Sending:
         self.works, self.frames = [], []
 
 
+def _issued(work: dist.Work | None) -> dist.Work:
+    """The work of an operation on a group this rank belongs to (torch returns None otherwise)."""
+    if work is None:
+        raise RuntimeError("a point-to-point operation was issued on a group without this rank")
+    return work
+
+
 def default_group_timeout() -> timedelta:
     """The timeout given to ``dist.init_process_group``; torch does not pass it on to new groups."""
     for device in ("cpu", "cuda"):
         try:
-            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+            world = dist.group.WORLD
+            assert world is not None, "called before init_process_group"
+            return world._get_backend(torch.device(device)).options._timeout
         except (RuntimeError, AttributeError):
             continue
     return dist.default_pg_timeout

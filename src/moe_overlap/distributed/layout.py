@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -79,14 +80,11 @@ def layout_for(par: ParallelConfig) -> ParallelLayout:
     )
     if par.replicas == 1:
         return one
-    return dataclasses.replace(
-        one,
-        world_size=par.world_size,
-        **{
-            f"{kind}_groups": _repeat(one.groups(kind), par.replica_size, par.replicas)
-            for kind in GROUP_KINDS
-        },
-    )
+    repeated: dict[str, Any] = {
+        f"{kind}_groups": _repeat(one.groups(kind), par.replica_size, par.replicas)
+        for kind in GROUP_KINDS
+    }
+    return dataclasses.replace(one, world_size=par.world_size, **repeated)
 
 
 def _repeat(groups: list[list[int]], size: int, times: int) -> list[list[int]]:

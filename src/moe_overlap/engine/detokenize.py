@@ -27,7 +27,8 @@ class TextStream:
         have stopped the request then, so a match must end past it (cost per token: the stop
         strings' lengths, not the output's)."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        decoded = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = decoded if isinstance(decoded, str) else "".join(decoded)  # one id list: a str
         seen = _unchanged(self.text, text)
         cut = -1
         for s in self.stop:

@@ -154,7 +154,7 @@ class OverlapArgs:
             ("dbo", self.enable_dbo),
         )
         chosen = [name for name, on in flags if on]
-        if self.overlap not in (None, "none", *chosen):
+        if self.overlap is not None and self.overlap not in ("none", *chosen):
             chosen.append(self.overlap)
         if len(chosen) > 1:
             raise ConfigError(

@@ -65,7 +65,8 @@ class PrefillWaves:
 
     def _take(self, group: list[Request]) -> list[Request]:
         """Whole prompts waiting in ``group``, within the token budget (at least one)."""
-        taken, tokens = [], 0
+        taken: list[Request] = []
+        tokens = 0
         for req in group:
             if req.in_prefill and (not taken or tokens + req.prompt_len <= self.budget):
                 taken.append(req)

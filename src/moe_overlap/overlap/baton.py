@@ -222,7 +222,7 @@ class DualBatchThreads:
         self.streams = streams or MicroBatchStreams(torch.device("cpu"))  # CPU: no streams
         self.last_run: _DualRun | None = None
         self._stuck: _DualRun | None = None  # a run with a thread that has not reported yet
-        self._jobs = [queue.SimpleQueue() for _ in range(2)]
+        self._jobs: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(2)]
         self._threads = [
             threading.Thread(target=_serve, args=(q,), name=f"{name}-mb{i}", daemon=True)
             for i, q in enumerate(self._jobs)

@@ -141,7 +141,7 @@ def time_balanced_cuts(batch: ForwardBatch, cost: CostModel, parts: int) -> list
     cost: quantiles of the running cost, each child keeping at least one token."""
     running = torch.cumsum(cost.token_costs(batch), 0)
     targets = running[-1] * torch.arange(1, parts, dtype=torch.float64) / parts
-    total, fixed = batch.num_tokens, []
+    total, fixed = batch.num_tokens, list[int]()
     crossings = torch.searchsorted(running, targets)
     for k, (target, i) in enumerate(zip(targets, crossings, strict=True), start=1):
         i = int(i)  # token i's running cost first reaches the target: cut before it, or after

@@ -121,7 +121,7 @@ def layer_operations(
     """``layer``'s ops in ``strategy``'s order, checked to cover exactly the layer's own ops."""
     own = own or {}
     names = strategy.moe_ops if layer.is_moe else strategy.dense_ops
-    names = [n for n in names if n not in OPTIONAL_OPS or n in layer.op_names]
+    names = tuple(n for n in names if n not in OPTIONAL_OPS or n in layer.op_names)
     covered = sorted(op for n in names if n != Y for op in (own[n].covers if n in own else (n,)))
     if covered != sorted(layer.op_names):
         raise ValueError(

@@ -14,7 +14,15 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.planner.inputs import ModelSpec
 
 # (sequences, tokens[, cached prefix]): the chunk on a prefix times attention's whole rectangle
-PREFILL_SHAPES = ((1, 256), (1, 1024), (1, 2048), (2, 1024), (32, 8), (1, 1024, 1024))
+# (seqs, new tokens, cached prefix)
+PREFILL_SHAPES = (
+    (1, 256, 0),
+    (1, 1024, 0),
+    (1, 2048, 0),
+    (2, 1024, 0),
+    (32, 8, 0),
+    (1, 1024, 1024),
+)
 DECODE_SHAPES = ((2, 16), (4, 512), (16, 256), (64, 128), (64, 384), (32, 512))  # (seqs, context)
 TINY = (2, 16)  # decode shapes whose second pass is measured: a tiny one (an op's cost),
 MID = (32, 16)  # one where every micro-batch runs every local expert (an expert's cost),

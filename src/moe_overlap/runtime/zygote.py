@@ -143,7 +143,10 @@ def _serve(sock: socket.socket) -> None:
             return  # the driver exited
         kind, *args = pickle.loads(data)
         try:
-            reply = ("ok", _fork(sock, fds, *args) if kind == "spawn" else _reap(*args))
+            reply: tuple[str, object] = (
+                "ok",
+                _fork(sock, fds, *args) if kind == "spawn" else _reap(*args),
+            )
         except Exception as exc:  # tell the driver; the server keeps serving
             reply = ("error", f"{type(exc).__name__}: {exc}")
         finally:

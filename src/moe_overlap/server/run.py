@@ -16,6 +16,7 @@ import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 
 import h11
 import uvicorn
@@ -26,7 +27,7 @@ from moe_overlap.engine.loop import EngineLoop
 from moe_overlap.server.app import build_app
 from moe_overlap.server.guards import RETRY_AFTER_S, ServerSettings, error_body
 
-GRACEFUL_S = 3.0  # uvicorn's wait for connections once every request was answered
+GRACEFUL_S = 3  # uvicorn's wait for connections once every request was answered
 DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
 POLL_S = 0.05
 _BUSY_BODY = json.dumps(
@@ -129,7 +130,7 @@ class _Http(uvicorn.Server):
 
     draining = False
 
-    def handle_exit(self, sig: int, frame: object) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.draining:
             self._captured_signals.append(sig)
             self.draining = True
@@ -145,7 +146,7 @@ def _guarded_http(timeout_s: float, max_connections: int) -> type[H11Protocol]:
 
         timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 transport.write(_BUSY)

@@ -69,11 +69,15 @@ class CaseResult:
 
 def parse_prefill(text: str) -> list[tuple[int, int]]:
     """``"1x3072,8x512"`` -> ``[(1, 3072), (8, 512)]`` (prompts x tokens)."""
-    try:
-        cases = [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
-    except ValueError:
-        cases = []
-    if not cases or any(len(c) != 2 or min(c) < 1 for c in cases):
+    cases: list[tuple[int, int]] = []
+    for part in text.split(","):
+        prompts, _, tokens = part.partition("x")
+        try:
+            cases.append((int(prompts), int(tokens)))
+        except ValueError:
+            cases = []
+            break
+    if not cases or any(min(c) < 1 for c in cases):
         raise argparse.ArgumentTypeError(f"--prefill {text!r}: want e.g. 1x3072,8x512")
     return cases
 
@@ -137,7 +141,10 @@ def bench_case(
     (on a shared machine the slower runs measure the neighbours, not the engine). With
     ``breakdown``, three more runs of each engine under the profiler say where the time went."""
     prompts = prompts_for(case, vocab, seed)
-    ours, theirs, ours_out, hf_out = [], [], None, None
+    ours: list[float] = []
+    theirs: list[float] = []
+    ours_out: list[list[int]] = []
+    hf_out: list[list[int]] = []
     # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
     with LLM(model_dir, max_model_len=case.prompt_len + case.new_tokens) as llm:
         for _ in range(repeats):
@@ -213,7 +220,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     )
     console.print(results_table(results, title))
     peak = peak_matmul_gflops() if args.breakdown else None
-    if args.breakdown:
+    if peak is not None:
         rows = [
             (r.name, engine, split)
             for r in results
