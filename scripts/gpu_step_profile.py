@@ -27,9 +27,10 @@ if device == "cuda":
 rows, profiled, phase = [], set(), ["warm-up"]
 
 with LLM(config=cfg, device=device, dtype="bfloat16", max_num_seqs=64) as llm:
-    step = llm.executor.run
+    step = llm.executor.step
 
-    def timed(batches, overlap=None, record=False, prefill=None):
+    def timed(request):
+        batches = request.batches
         kind = "decode" if all(all(b.is_decode) for b in batches) else "prefill"
         profile = phase[0] == "measured" and kind not in profiled and len(rows) > 12
         sync()
@@ -37,18 +38,18 @@ with LLM(config=cfg, device=device, dtype="bfloat16", max_num_seqs=64) as llm:
         if profile:
             profiled.add(kind)
             with torch.profiler.profile(activities=activities) as prof:
-                logits = step(batches, overlap, record, prefill)
+                reply = step(request)
                 sync()
             table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
             (out / f"step-{kind}.txt").write_text(table)
         else:
-            logits = step(batches, overlap, record, prefill)
+            reply = step(request)
             sync()
         tokens = sum(b.input_ids.numel() for b in batches)
         rows.append((phase[0], kind, tokens, (time.perf_counter() - start) * 1e3, profile))
-        return logits
+        return reply
 
-    llm.executor.run = timed
+    llm.executor.step = timed
     llm.generate(prompts + long_prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
     phase[0] = "measured"
     llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))

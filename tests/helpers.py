@@ -3,6 +3,7 @@ exactness check."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import torch
@@ -229,3 +230,17 @@ def save_hf_model(config, path, seed: int = 0):
 def netns_names() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def force_overlap(llm, overlap, monkeypatch=None) -> None:
+    """Make every step of ``llm`` run ``overlap`` (one engine serves many modes' checks);
+    a later call replaces an earlier one."""
+    step = type(llm.executor).step.__get__(llm.executor)
+
+    def forced(request):
+        return step(dataclasses.replace(request, overlap=overlap))
+
+    if monkeypatch is None:
+        llm.executor.step = forced
+    else:
+        monkeypatch.setattr(llm.executor, "step", forced)

@@ -163,10 +163,8 @@ def test_auto_decides_alike_on_every_rank_and_records_why(forced_overlap_engine)
     llm, _, overlap = forced_overlap_engine
     batch = ForwardBatch(torch.arange(60) % 70, [0], [0], [60])
     for _ in range(3):
-        llm.executor.run([batch, batch], overlap, record=True)
-        decisions = [
-            [s.name for s in spans if s.track == "decision"] for spans in llm.executor.last_spans
-        ]
+        reply = llm.executor.run([batch, batch], overlap, record=True)
+        decisions = [[s.name for s in spans if s.track == "decision"] for spans in reply.spans]
         assert decisions[0] == decisions[1] and len(decisions[0]) == 1
         chosen, times = decisions[0][0].removeprefix("auto: ").split(" ", 1)
         assert chosen in overlap.auto_modes and f"{chosen} " in times

@@ -19,7 +19,7 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.overlap_config import OverlapConfig
-from tests.helpers import CASES, KW, PARAMS, TINY
+from tests.helpers import CASES, KW, PARAMS, TINY, force_overlap
 
 MODES = {
     "none": OverlapConfig("none"),
@@ -32,10 +32,7 @@ BF16 = dict(dtype="bfloat16", **KW)
 
 def _run(llm: LLM, overlap: OverlapConfig | None = None) -> dict:
     if overlap is not None:
-        step = llm.executor.run
-        llm.executor.run = lambda batches, _=None, record=False, prefill=None: step(
-            batches, overlap, record, prefill
-        )
+        force_overlap(llm, overlap)
     return {case: llm.generate(p, PARAMS, return_logits=True) for case, p in CASES.items()}
 
 

@@ -13,6 +13,7 @@ from moe_overlap import ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.step import StepRequest, WaveSlice
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.distributed.order import CollectiveOrder, first_difference
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, serve_step
@@ -49,7 +50,8 @@ def _lanes_worker(rank, world_size, port):
         order.log = []
         if not turns:
             order.begin = lambda lanes: None
-        serve_step(runner, DECODE, None, False, (PROMPT.to_dict(), 0, 1, 1 + turns))
+        wave = WaveSlice([PROMPT], range(0, 1), 1 + turns, last=False)
+        serve_step(runner, StepRequest([DECODE], prefill=wave), 0, answers=True)
         logs.append(order.log)
     return logs
 

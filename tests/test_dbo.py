@@ -3,6 +3,7 @@ ep=1 and ep=2, and the timeline of an ep=2 run (the baton protocol is in test_op
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from unittest.mock import Mock
 
@@ -176,16 +177,14 @@ def test_shared_experts_run_between_the_combine_send_and_its_receive(monkeypatch
 
 def _spy_dbo_steps(llm) -> list[list[bool]]:
     """Per step, which ranks ran DBO (their timelines hold 'dbo segment' spans)."""
-    steps, run = [], llm.executor.run
+    steps, step = [], llm.executor.step
 
-    def recording(batches, overlap=None, record=False, prefill=None):
-        logits = run(batches, overlap, record=True, prefill=prefill)
-        steps.append(
-            [any(s.name.startswith("dbo") for s in spans) for spans in llm.executor.last_spans]
-        )
-        return logits
+    def recording(request):
+        reply = step(dataclasses.replace(request, record=True))
+        steps.append([any(s.name.startswith("dbo") for s in spans) for spans in reply.spans])
+        return reply
 
-    llm.executor.run = recording
+    llm.executor.step = recording
     return steps
 
 
@@ -220,8 +219,7 @@ def test_ep2_timeline_records_each_wait_on_the_waiters_track():
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     with LLM(config=cfg, ep=2, overlap=ONES, **KW) as llm:
         batches = [ForwardBatch(torch.arange(n), [0], [0], [n]) for n in (9, 8)]
-        llm.executor.run(batches, record=True)
-        for spans in llm.executor.last_spans:
+        for spans in llm.executor.run(batches, record=True).spans:
             tracks = {s.track for s in spans}
             assert {"mb0 wait", "mb1 wait"} <= tracks
             for me, other in (("mb0", "mb1"), ("mb1", "mb0")):

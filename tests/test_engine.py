@@ -7,9 +7,10 @@ import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.engine import scheduler as scheduler_module
-from moe_overlap.engine.sampling import sample
+from moe_overlap.core.step import SampleSpec
 from moe_overlap.model.layers import AttentionPlan
+from moe_overlap.runtime import sampler as sampler_module
+from moe_overlap.runtime.sampler import sample
 from tests.helpers import TINY
 
 PROMPTS = [[1, 5, 9, 13, 2, 8, 30, 31, 40, 41, 7, 3, 60], [4, 4, 2], [9] * 21, [70, 12]]
@@ -69,21 +70,21 @@ def test_tiny_temperatures_are_greedy_and_tiny_top_p_keeps_the_likeliest_token()
         SamplingParams(temperature=1e-6),
         SamplingParams(temperature=1.0, top_p=1e-300),  # rounds to 0 in float32
     ):
-        gen = torch.Generator().manual_seed(0)
-        assert [sample(logits, params, gen) for _ in range(20)] == [greedy] * 20
+        specs = [SampleSpec(params.temperature, params.top_p, seed=s) for s in range(20)]
+        assert [sample(logits, spec) for spec in specs] == [greedy] * 20
     assert SamplingParams(temperature=1e-39).temperature == 0.0
 
 
 def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
-    def flaky(logits, params, generator):
-        if params.seed == 13:
+    def flaky(logits, spec):
+        if spec.seed == 13:
             raise RuntimeError("injected sampling fault")
-        return sample(logits, params, generator)
+        return sample(logits, spec)
 
-    monkeypatch.setattr(scheduler_module, "sample", flaky)
+    monkeypatch.setattr(sampler_module, "sample", flaky)
     config = ModelConfig(**TINY["qwen3_moe"])
     good = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    bad = SamplingParams(max_new_tokens=5, ignore_eos=True, seed=13)
+    bad = SamplingParams(max_new_tokens=5, ignore_eos=True, seed=13, temperature=1.0)
     with LLM(config=config, seed=0, max_num_seqs=2) as llm:
         outs = llm.generate(PROMPTS[:3], [good, bad, good])
         again = llm.generate(PROMPTS[:3], good)  # the engine and its slots are intact

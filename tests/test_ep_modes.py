@@ -15,7 +15,7 @@ from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.overlap.agreement import tbo_decide, tbo_local_vote
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap, reference
 
 MODES = {
     "tbo4+time-split": OverlapConfig("tbo", num_micro_batches=4, tbo_split_policy="time"),
@@ -57,14 +57,7 @@ def engine(request):
 def _run_in(monkeypatch, llm: LLM, mode: str) -> None:
     """Make every step of ``llm`` run ``mode`` (unless the engine was built in it)."""
     if mode != ENGINE_MODE:
-        step = llm.executor.run
-        monkeypatch.setattr(
-            llm.executor,
-            "run",
-            lambda batches, _=None, record=False, prefill=None: step(
-                batches, MODES[mode], record, prefill
-            ),
-        )
+        force_overlap(llm, MODES[mode], monkeypatch)
 
 
 @pytest.mark.parametrize("case", ["mixed-batch", "single-long"])  # cuts, chunks, MIXED steps
@@ -84,9 +77,9 @@ def test_ep2_mode_really_micro_batches(engine, mode):
     plain = llm.executor.run(batches, OverlapConfig())
     got = llm.executor.run(batches, overlap, record=True)
     for r in range(2):
-        assert _same_logits(plain[r], got[r])
+        assert _same_logits(plain.logits[r], got.logits[r])
         n = MODES[mode].num_micro_batches
-        assert {f"mb{i}" for i in range(n + 1)} & _tracks(llm.executor.last_spans[r]) == {
+        assert {f"mb{i}" for i in range(n + 1)} & _tracks(got.spans[r]) == {
             f"mb{i}" for i in range(n)
         }
 
@@ -132,8 +125,8 @@ def test_tbo_agreement_on_gloo_ranks(engine, scenario):
     tbo = OverlapConfig("tbo", tbo_mode_mismatch=mismatch)
     got = executor.run([first, second], tbo, record=True)
     for r in range(2):
-        assert _same_logits(plain[r], got[r])
-        tracks = _tracks(executor.last_spans[r])
+        assert _same_logits(plain.logits[r], got.logits[r])
+        tracks = _tracks(got.spans[r])
         assert "mb0" in tracks  # the timeline recorded this rank
         assert ("mb1" in tracks) == (r in micro_batching), f"rank {r}"
 

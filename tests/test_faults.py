@@ -41,15 +41,15 @@ def expected(cfg):
 def record_steps(llm: LLM, on_step=None) -> list[int]:
     """Wrap the engine's executor: the returned list collects the tokens each step feeds, and
     ``on_step(n)`` runs before the n-th step (from 1) is handed on."""
-    run, fed = llm.executor.run, []
+    step, fed = llm.executor.step, []
 
-    def recorded_run(batches, *args, **kw):
-        fed.append(sum(b.input_ids.numel() for b in batches))
+    def recorded_step(request):
+        fed.append(sum(b.input_ids.numel() for b in request.batches))
         if on_step is not None:
             on_step(len(fed))
-        return run(batches, *args, **kw)
+        return step(request)
 
-    llm.executor.run = recorded_run
+    llm.executor.step = recorded_step
     return fed
 
 

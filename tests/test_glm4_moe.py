@@ -10,7 +10,15 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.tools.bench import mode_config
-from tests.helpers import KW, PARAMS, every_mode, glm4_hf_config, max_abs_diff, save_hf_model
+from tests.helpers import (
+    KW,
+    PARAMS,
+    every_mode,
+    force_overlap,
+    glm4_hf_config,
+    max_abs_diff,
+    save_hf_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -50,11 +58,8 @@ def test_ep2_modes_match_one_process(checkpoint):
     with LLM(config=cfg, **KW) as one:
         base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
     with LLM(config=cfg, ep=2, **KW) as llm:
-        step = llm.executor.run
         for mode, overlap in MODES.items():
-            llm.executor.run = lambda b, _=None, record=False, prefill=None, o=overlap: step(
-                b, o, record, prefill
-            )
+            force_overlap(llm, overlap)
             for case, prompts in CASES.items():
                 got = llm.generate(prompts, PARAMS, return_logits=True)
                 for a, b in zip(base[case], got, strict=True):

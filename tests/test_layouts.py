@@ -15,7 +15,7 @@ from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap
 
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -60,14 +60,7 @@ def engine(request):
 @pytest.mark.parametrize("mode", MODES)
 def test_layout_matches_one_process(engine, mode, monkeypatch):
     llm, family = engine
-    step = llm.executor.run
-    monkeypatch.setattr(
-        llm.executor,
-        "run",
-        lambda batches, _=None, record=False, prefill=None: step(
-            batches, MODES[mode], record, prefill
-        ),
-    )
+    force_overlap(llm, MODES[mode], monkeypatch)
     assert_same(_reference(family), llm.generate(PROMPTS, PARAMS, return_logits=True))
 
 
@@ -85,9 +78,9 @@ def test_layout_really_micro_batches(engine, mode):
     ]
     plain = ex.run(batches, OverlapConfig())
     got = ex.run(batches, MODES[mode], record=True)
-    for a, b in zip(plain, got, strict=True):
+    for a, b in zip(plain.logits, got.logits, strict=True):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-4)
-    for rank, spans in enumerate(ex.last_spans):
+    for rank, spans in enumerate(got.spans):
         assert {"mb0", "mb1"} <= {s.track for s in spans}, f"rank {rank}"
 
 

@@ -4,10 +4,10 @@ exact against a run without it (one process and gloo ranks), with SGLang's refus
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.step import GroupReply, StepReply
 from moe_overlap.engine.pdmux import PrefillWaves, layer_ranges
 from moe_overlap.engine.request import Request, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
@@ -28,6 +28,12 @@ def _request(i: int, n: int) -> Request:
     return Request(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=3))
 
 
+def _reply(wave_token: int | None = None) -> StepReply:
+    """An idle decode group's reply, and after a wave's last range its one token."""
+    wave = None if wave_token is None else [GroupReply([wave_token], [None], [None])]
+    return StepReply([GroupReply()], [None], wave)
+
+
 def _pdmux_scheduler(budget: int = 64) -> Scheduler:
     return Scheduler(1, 4, 128, budget, pdmux=PrefillWaves(4, 2, budget))
 
@@ -38,10 +44,10 @@ def test_a_wave_runs_beside_the_decodes_one_range_per_step():
     first = sched.schedule()  # a wave starts: layers 0-1 of the prompt, no decode yet
     assert first.prefill.layers == range(0, 2) and not first.prefill.last
     assert first.batches[0].num_tokens == 0
-    sched.update(first, [torch.zeros(0, 8)], None)
+    sched.update(first, _reply())
     second = sched.schedule()
     assert second.prefill.layers == range(2, 4) and second.prefill.last
-    sched.update(second, [torch.zeros(0, 8)], [torch.randn(1, 8)])  # the first token
+    sched.update(second, _reply(wave_token=7))  # the first token
     sched.add(_request(1, 40))
     third = sched.schedule()  # request 0 decodes while request 1's wave starts
     assert third.batches[0].num_tokens == 1 and third.prefill.batches[0].num_tokens == 40
@@ -62,9 +68,9 @@ def test_an_aborted_wave_member_keeps_its_slot_until_the_wave_ends():
     step = sched.schedule()
     sched.abort([req])
     assert len(sched.slots[0]) == 3  # still written by the wave's next range
-    sched.update(step, [torch.zeros(0, 8)], None)
+    sched.update(step, _reply())
     last = sched.schedule()
-    sched.update(last, [torch.zeros(0, 8)], [torch.randn(1, 8)])
+    sched.update(last, _reply(wave_token=7))
     assert len(sched.slots[0]) == 4 and not req.output_ids
 
 

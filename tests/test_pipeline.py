@@ -11,7 +11,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.model.tensor_parallel import pp_layers
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap
 
 PROMPTS = [p for prompts in CASES.values() for p in prompts]  # 45 tokens > budget: chunked
 MODES = {"none": OverlapConfig(), "tbo+two-chunk": OverlapConfig("tbo")}
@@ -47,15 +47,8 @@ def test_pipeline_matches_one_process(case, monkeypatch):
     cfg = ModelConfig(**{**TINY[family], **model_kw})
     base = _reference(cfg)
     with LLM(config=cfg, **layout, **KW) as llm:
-        step = llm.executor.run
         for overlap in MODES.values():
-            monkeypatch.setattr(
-                llm.executor,
-                "run",
-                lambda b, _=None, record=False, prefill=None, o=overlap: step(
-                    b, o, record, prefill
-                ),
-            )
+            force_overlap(llm, overlap, monkeypatch)
             assert_same(base, llm.generate(PROMPTS, PARAMS, return_logits=True))
 
 
@@ -75,7 +68,6 @@ def test_stages_work_on_different_micro_batches_at_once():
     cfg = ModelConfig(**TINY["deepseek_v3"])
     with LLM(config=cfg, pp=2, **KW) as llm:
         batch = ForwardBatch(torch.tensor([(3 * i) % 80 for i in range(40)]), [0], [0], [40])
-        llm.executor.run([batch], record=True)
-        first, second = llm.executor.last_spans
+        first, second = llm.executor.run([batch], record=True).spans
     span = {(rank, s.track): s for rank, spans in enumerate((first, second)) for s in spans}
     assert span[(0, "pp mb1")].start < span[(1, "pp mb0")].end

@@ -22,7 +22,15 @@ from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.tools.bench import mode_config
-from tests.helpers import KW, PARAMS, every_mode, max_abs_diff, qwen3_5_hf_config, save_hf_model
+from tests.helpers import (
+    KW,
+    PARAMS,
+    every_mode,
+    force_overlap,
+    max_abs_diff,
+    qwen3_5_hf_config,
+    save_hf_model,
+)
 
 pytest.importorskip("transformers")
 
@@ -137,12 +145,8 @@ def ep2():
 @pytest.mark.parametrize("mode", MODES)
 def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
     llm, base = ep2
-    step, overlap = llm.executor.run, MODES[mode]
-    monkeypatch.setattr(
-        llm.executor,
-        "run",
-        lambda batches, _=None, record=False, prefill=None: step(batches, overlap, record, prefill),
-    )
+    overlap = MODES[mode]
+    force_overlap(llm, overlap, monkeypatch)
     for case, prompts in CASES.items():
         got = llm.generate(prompts, PARAMS, return_logits=True)
         for a, b in zip(base[case], got, strict=True):
@@ -150,10 +154,10 @@ def test_ep2_modes_match_one_process(ep2, mode, monkeypatch):
             assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
     # and no fallback to one batch: every rank ran each micro-batch
     batch = ForwardBatch(torch.tensor([5] * 13 + [7] * 9), [0, 1], [0, 0], [13, 9], [True] * 2)
-    step([batch, batch], overlap, record=True)
+    reply = llm.executor.run([batch, batch], overlap, record=True)
     parts = overlap.num_micro_batches if overlap.mode in ("tbo", "dbo") else 1
     for r in range(2):
-        tracks = {s.track for s in llm.executor.last_spans[r]}
+        tracks = {s.track for s in reply.spans[r]}
         assert {f"mb{i}" for i in range(4)} & tracks == {f"mb{i}" for i in range(parts)}, mode
 
 
@@ -168,8 +172,8 @@ def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
     plain = llm.executor.run([batch, batch], mode_config("none"))
     got = llm.executor.run([batch, batch], mode_config("tbo+two-chunk"), record=True)
     for r in range(2):
-        assert max_abs_diff(plain[r], got[r]) <= 1e-4
-        tracks = {s.track for s in llm.executor.last_spans[r]}
+        assert max_abs_diff(plain.logits[r], got.logits[r]) <= 1e-4
+        tracks = {s.track for s in got.spans[r]}
         assert {"mb0", "mb1"} <= tracks, tracks
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 
@@ -23,7 +22,7 @@ from moe_overlap.distributed.link import parse_link
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, reference
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap, reference
 
 
 def sbo(blocks: int = 2, backend: str = "auto") -> OverlapConfig:
@@ -203,9 +202,7 @@ def ep2(request):
 @pytest.mark.parametrize("blocks", [1, 2, 7])
 def test_ep2_matches_one_process(ep2, blocks, monkeypatch):
     cfg, base, llm = ep2
-    monkeypatch.setattr(
-        llm.executor, "run", functools.partial(llm.executor.run, overlap=sbo(blocks))
-    )
+    force_overlap(llm, sbo(blocks), monkeypatch)
     for case, prompts in CASES.items():
         assert_same(base[case], llm.generate(prompts, PARAMS, return_logits=True))
 
@@ -286,8 +283,7 @@ def test_ep2_timeline_records_one_combine_piece_per_block(ep2, blocks):
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     # KV slot 0 is free between generate calls
     batches = [ForwardBatch(torch.arange(n), [0], [0], [n]) for n in (9, 3)]
-    llm.executor.run(batches, sbo(blocks), record=True)
-    for spans in llm.executor.last_spans:
+    for spans in llm.executor.run(batches, sbo(blocks), record=True).spans:
         comm = sorted((s for s in spans if s.track == "comm"), key=lambda s: s.start)
         pieces = [s for s in comm if s.name.startswith("combine")]
         assert all(s.name.startswith("combine piece") for s in pieces)  # no unsplit combine

@@ -23,10 +23,10 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
-from moe_overlap.engine import scheduler as scheduler_module
-from moe_overlap.engine.sampling import sample
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.runtime import sampler as sampler_module
+from moe_overlap.runtime.sampler import sample
 from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
 from moe_overlap.tools.bench_serve import Target, make_prompts, prompt_lengths, run_load
@@ -225,12 +225,12 @@ def test_tiny_temperature_or_top_p_is_served_and_the_server_survives(served):
 
 
 def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, monkeypatch):
-    def flaky(logits, params, generator):
-        if params.seed == 13:
+    def flaky(logits, spec):
+        if spec.seed == 13:
             raise RuntimeError("injected sampling fault")
-        return sample(logits, params, generator)
+        return sample(logits, spec)
 
-    monkeypatch.setattr(scheduler_module, "sample", flaky)
+    monkeypatch.setattr(sampler_module, "sample", flaky)
     client = served.client()
     with ThreadPoolExecutor(4) as pool:
         good = [

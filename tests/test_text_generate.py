@@ -74,15 +74,15 @@ def test_empty_text_prompt_is_refused_and_engine_stays_usable(llm):
 
 def test_failure_mid_generate_leaves_the_engine_as_before(llm, monkeypatch):
     want = llm.generate(["Hello", "The sky"], GREEDY)
-    run, calls = llm.executor.run, []
+    step, calls = llm.executor.step, []
 
-    def failing(batches, *a, **kw):
+    def failing(request):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return run(batches, *a, **kw)
+        return step(request)
 
-    monkeypatch.setattr(llm.executor, "run", failing)
+    monkeypatch.setattr(llm.executor, "step", failing)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(["Hello", "The sky"], GREEDY)
     monkeypatch.undo()

@@ -13,7 +13,7 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_cli import add_bench_commands
 from tests.gpu.common import GPUS, needs_gpus
-from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap
 
 pytestmark = needs_gpus
 MODES = {name: mode_config(name) for name in ("none", "sbo", "tbo", "tbo+two-chunk")} | {
@@ -29,11 +29,8 @@ def test_every_mode_on_nccl_matches_one_process(family):
     with LLM(config=cfg, device="cuda", **KW) as llm:
         base = {c: llm.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
     with LLM(config=cfg, device="cuda", ep=GPUS, **KW) as llm:
-        step = llm.executor.run
         for overlap in MODES.values():
-            llm.executor.run = lambda b, _=None, record=False, prefill=None, o=overlap: step(
-                b, o, record, prefill
-            )
+            force_overlap(llm, overlap)
             for case, prompts in CASES.items():
                 assert_same(base[case], llm.generate(prompts, PARAMS, return_logits=True))
 

@@ -94,6 +94,9 @@ class ForwardBatch:
             start += n
         return torch.tensor(rows, dtype=torch.long)
 
+    def __reduce__(self):  # pickled as plain lists: no tensor storage crosses processes
+        return (ForwardBatch.from_dict, (self.to_dict(),))
+
     def to_dict(self) -> dict:
         """A picklable form for broadcasting to other ranks."""
         return {

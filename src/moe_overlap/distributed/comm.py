@@ -105,3 +105,36 @@ class Works:
         if self._error is None:  # callbacks (timeline spans) run before any wait returns
             self._future.set_result(None)
         self._done.set()
+
+
+class Sending:
+    """Sends in flight; holds their buffers until ``wait`` has seen every one complete."""
+
+    def __init__(
+        self, wait: WaitFn, works: list[dist.Work], frames: list[torch.Tensor], dst: int
+    ) -> None:
+        self._wait_fn, self.works, self.frames, self.dst = wait, works, frames, dst
+
+    def wait(self) -> None:
+        for work in self.works:
+            self._wait_fn(work, f"send_dict to group rank {self.dst}", None)
+        self.works, self.frames = [], []
+
+
+def issued(work: dist.Work | None) -> dist.Work:
+    """The work of an operation on a group this rank belongs to (torch returns None otherwise)."""
+    if work is None:
+        raise RuntimeError("a point-to-point operation was issued on a group without this rank")
+    return work
+
+
+def default_group_timeout() -> timedelta:
+    """The timeout given to ``dist.init_process_group``; torch does not pass it on to new groups."""
+    for device in ("cpu", "cuda"):
+        try:
+            world = dist.group.WORLD
+            assert world is not None, "called before init_process_group"
+            return world._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return dist.default_pg_timeout

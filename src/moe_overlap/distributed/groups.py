@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.distributed.comm import CollectiveTimeout, CommHandle, Work, Works
+from moe_overlap.distributed.comm import (
+    CollectiveTimeout,
+    CommHandle,
+    Sending,
+    Work,
+    Works,
+    default_group_timeout,
+    issued,
+)
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
 from moe_overlap.distributed.order import CollectiveOrder, ordered
 
@@ -179,13 +187,13 @@ class Group:
         for p in range(self.size):
             if p != me and outs[p]:
                 works.append(
-                    _issued(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
+                    issued(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
                 )
         input = input.contiguous()
         for p in range(self.size):
             if p != me and ins[p]:
                 works.append(
-                    _issued(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
+                    issued(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
                 )
         out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
         return Works(works)
@@ -218,8 +226,8 @@ class Group:
         blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
         frames = [torch.tensor([blob.numel()]), blob] + list(tensors.values())
         frames = [f.to(self.device).contiguous() for f in frames]
-        works = [_issued(dist.isend(f, group=self.pg, group_dst=dst)) for f in frames if f.numel()]
-        sending = Sending(self, works, frames, dst)
+        works = [issued(dist.isend(f, group=self.pg, group_dst=dst)) for f in frames if f.numel()]
+        sending = Sending(self._wait, works, frames, dst)
         if wait:
             sending.wait()
         return sending
@@ -232,53 +240,20 @@ class Group:
         meta = json.loads(bytes(blob.cpu().tolist()).decode())
         out = {k: torch.empty(s, dtype=getattr(torch, d), device=self.device) for k, s, d in meta}
         works = [
-            _issued(dist.irecv(t, group=self.pg, group_src=src)) for t in out.values() if t.numel()
+            issued(dist.irecv(t, group=self.pg, group_src=src)) for t in out.values() if t.numel()
         ]
         for work in works:
             self._wait(work, f"recv_dict from group rank {src}", None)
         return out
 
     def _recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        work = _issued(dist.irecv(t, group=self.pg, group_src=src))
+        work = issued(dist.irecv(t, group=self.pg, group_src=src))
         self._wait(work, f"recv_dict from group rank {src}", None)
         return t
 
     def _check_peer(self, peer: int) -> None:
         if self.pg is None or not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{self!r} has no peer group rank {peer}")
-
-
-class Sending:
-    """Sends in flight; holds their buffers until ``wait`` has seen every one complete."""
-
-    def __init__(
-        self, group: Group, works: list[dist.Work], frames: list[torch.Tensor], dst: int
-    ) -> None:
-        self.group, self.works, self.frames, self.dst = group, works, frames, dst
-
-    def wait(self) -> None:
-        for work in self.works:
-            self.group._wait(work, f"send_dict to group rank {self.dst}", None)
-        self.works, self.frames = [], []
-
-
-def _issued(work: dist.Work | None) -> dist.Work:
-    """The work of an operation on a group this rank belongs to (torch returns None otherwise)."""
-    if work is None:
-        raise RuntimeError("a point-to-point operation was issued on a group without this rank")
-    return work
-
-
-def default_group_timeout() -> timedelta:
-    """The timeout given to ``dist.init_process_group``; torch does not pass it on to new groups."""
-    for device in ("cpu", "cuda"):
-        try:
-            world = dist.group.WORLD
-            assert world is not None, "called before init_process_group"
-            return world._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-    return dist.default_pg_timeout
 
 
 def init_process_groups(

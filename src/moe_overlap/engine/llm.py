@@ -15,6 +15,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.engine.layout_checks import check_settings
@@ -114,6 +115,7 @@ class LLM:
             else None,
         )
         self._next_id = 0
+        self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
 
     def generate(
         self,
@@ -168,8 +170,9 @@ class LLM:
         """Run one forward of every running request; return those that got a token (the
         finished ones have ``finish_reason`` set and have left the scheduler)."""
         step = self.scheduler.schedule()
-        logits = self.executor.run(step.batches, prefill=step.prefill)
-        self.scheduler.update(step, logits, self.executor.last_prefill)
+        request = StepRequest(step.batches, step.samples(), prefill=step.prefill)
+        self.last_reply = self.executor.step(request)
+        self.scheduler.update(step, self.last_reply)
         return step.sampled  # a prefill wave's requests get their first token with its last range
 
     def make_request(
@@ -197,8 +200,7 @@ class LLM:
         seed = params.seed if params.seed is not None else self.seed + self._next_id
         self._next_id += 1
         text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        gen = torch.Generator().manual_seed(seed)
-        return Request(self._next_id, ids, params, return_logits, generator=gen, text=text)
+        return Request(self._next_id, ids, params, return_logits, seed=seed, text=text)
 
     def close(self) -> None:
         self.executor.close()

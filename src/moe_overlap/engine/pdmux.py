@@ -9,22 +9,11 @@ wave's logits come back with its last range; its requests then decode like any o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.step import WaveSlice
 from moe_overlap.engine.request import Request
 
 DEFAULT_PREFILL_SPLITS = 4  # layer ranges a prompt's prefill is cut into
-
-
-@dataclass
-class PrefillSlice:
-    """What one step asks the ranks' prefill lane to run."""
-
-    batches: list[ForwardBatch]  # one per data-parallel group (idle where it has none)
-    layers: range
-    wave: int  # names the ranks' saved hidden states between ranges
-    last: bool  # the final range: the logits come back
 
 
 def layer_ranges(num_layers: int, splits: int) -> list[range]:
@@ -45,7 +34,7 @@ class PrefillWaves:
     def in_wave(self, req: Request) -> bool:
         return self.members is not None and any(req in group for group in self.members)
 
-    def next_slice(self, running: list[list[Request]], make_batch) -> PrefillSlice | None:
+    def next_slice(self, running: list[list[Request]], make_batch) -> WaveSlice | None:
         """Advance the wave in flight by one range, or start one from the waiting prompts."""
         if self.members is None:
             members = [self._take(group) for group in running]
@@ -56,7 +45,7 @@ class PrefillWaves:
         else:
             self.index += 1
         last = self.index == len(self.ranges) - 1
-        return PrefillSlice(self.batches, self.ranges[self.index], self.count, last)
+        return WaveSlice(self.batches, self.ranges[self.index], self.count, last)
 
     def finish(self) -> list[list[Request]]:
         """The wave whose last range just ran: its requests, per group."""

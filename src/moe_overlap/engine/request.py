@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.core.errors import is_finite_number, is_int
+from moe_overlap.core.step import SampleSpec, TokenLogprobs
 from moe_overlap.engine.detokenize import TextStream
 
 # Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
 SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 class InvalidRequestError(ValueError):
@@ -27,6 +29,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] | str | None = None  # strings that end the output (needs a tokenizer)
     stop_token_ids: list[int] | None = None  # token ids that end the output (kept in it)
+    # log-probabilities of each generated token and of the ``logprobs`` likeliest (0-20)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _listed("stop", self.stop, str)
@@ -48,6 +52,12 @@ class SamplingParams:
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, minimum=0, note=" (alternatives per token)")
+            if self.logprobs > MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"logprobs={self.logprobs} must be at most {MAX_LOGPROBS}"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
 
@@ -84,6 +94,8 @@ class RequestOutput:
     prompt_logits: torch.Tensor | None = None  # float32 [prompt_len, vocab]
     text: str | None = None  # the output as text (None when the model has no tokenizer)
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
+    cumulative_logprob: float | None = None  # their sum
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity, not field by field
@@ -98,9 +110,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    seed: int = 0  # with the index of each token, seeds its draw on the rank
     text: TextStream | None = None  # with a tokenizer: the output's text and stop strings
     error: str | None = None  # why this request alone failed (finish_reason "error")
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -120,8 +133,24 @@ class Request:
             return self.prompt_ids[self.num_computed : self.num_computed + budget]
         return [self.output_ids[-1]]
 
+    def sample_spec(self, fed: int) -> SampleSpec | None:
+        """How its rank samples after this step feeds ``fed`` tokens; None while those leave
+        the prompt unfinished (a middle chunk: nothing is sampled)."""
+        if self.num_computed + fed < self.prompt_len:
+            return None
+        p = self.params
+        index = len(self.output_ids)
+        return SampleSpec(p.temperature, p.top_p, p.top_k, self.seed, index, p.logprobs)
+
+    def take(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        """A token its rank sampled (with its log-probabilities when asked)."""
+        self.output_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
     def to_output(self) -> RequestOutput:
         logits = torch.cat(self.logit_chunks) if self.return_logits else None
+        asked = self.params.logprobs is not None
         return RequestOutput(
             self.request_id,
             self.prompt_ids,
@@ -130,4 +159,6 @@ class Request:
             logits,
             self.text.text if self.text is not None else None,
             self.error,
+            list(self.logprobs) if asked else None,
+            sum(lp.logprob for lp in self.logprobs) if asked else None,
         )

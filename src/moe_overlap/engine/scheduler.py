@@ -12,23 +12,28 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
     check_method,
     choose_group,
 )
-from moe_overlap.engine.pdmux import PrefillSlice, PrefillWaves
+from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import Request
-from moe_overlap.engine.sampling import sample
 
 
 @dataclass
 class Step:
     batches: list[ForwardBatch]  # one per rank; an idle rank gets an empty batch
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
-    prefill: PrefillSlice | None = None  # --enable-pdmux: the split prefill beside it
+    prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
+
+    def samples(self) -> list[list[SampleSpec | None]]:
+        """Per group, per scheduled sequence: how its rank samples its next token (None for
+        a prompt chunk that does not end the prompt)."""
+        return [[req.sample_spec(n) for req, n in group] for group in self.scheduled]
 
 
 class Scheduler:
@@ -87,23 +92,21 @@ class Scheduler:
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(_make_batch(seqs))
         prefill = self.pdmux.next_slice(self.running, _make_batch) if self.pdmux else None
+        if prefill is not None and prefill.last:
+            prefill.samples = [[r.sample_spec(r.prompt_len) for r in g] for g in self.pdmux.members]
         return Step(batches, scheduled, prefill)
 
-    def update(
-        self,
-        step: Step,
-        logits: list[torch.Tensor],
-        prefill_logits: list[torch.Tensor] | None = None,
-    ) -> list[Request]:
-        """Consume each rank's logits (and a finished prefill wave's); return the requests
-        that finished."""
+    def update(self, step: Step, reply: StepReply) -> list[Request]:
+        """Take each group's sampled tokens (and a finished prefill wave's); return the
+        requests that finished."""
         finished: list[Request] = []
-        for rank, (entries, rank_logits) in enumerate(zip(step.scheduled, logits, strict=True)):
-            self._consume(step, rank, entries, rank_logits, finished)
+        for rank, (entries, group) in enumerate(zip(step.scheduled, reply.groups, strict=True)):
+            self._consume(step, rank, entries, group, finished)
         if step.prefill is not None and step.prefill.last:
+            assert self.pdmux is not None and reply.wave is not None
             for rank, members in enumerate(self.pdmux.finish()):
                 wave = [(r, r.prompt_len) for r in members]
-                self._consume(step, rank, wave, prefill_logits[rank], finished)
+                self._consume(step, rank, wave, reply.wave[rank], finished)
             for rank, slot in self.deferred:
                 self.slots[rank].release(slot)
             self.deferred = []
@@ -114,29 +117,33 @@ class Scheduler:
         step: Step,
         rank: int,
         entries: list[tuple[Request, int]],
-        rank_logits: torch.Tensor,
+        reply: GroupReply,
         finished: list[Request],
     ) -> None:
-        row = 0
-        for req, n in entries:
-            rows = n if _wants_all_logits(req) else 1
+        row = 0  # into the logit rows of the sequences that asked for every position's
+        for i, (req, n) in enumerate(entries):
+            if _wants_all_logits(req):
+                assert reply.logits is not None
+                chunk = reply.logits[row : row + n].clone()
+                row += n
             if req not in self.running[rank]:  # aborted while its prefill wave ran
-                row += rows
                 continue
             if _wants_all_logits(req):
-                req.logit_chunks.append(rank_logits[row : row + rows].clone())
-            last = rank_logits[row + rows - 1]
-            row += rows
+                req.logit_chunks.append(chunk)
             req.num_computed += n
             if req.in_prefill:
-                continue  # a middle prompt chunk: nothing to sample yet
+                continue  # a middle prompt chunk: nothing sampled
             step.sampled.append(req)
-            try:
-                req.output_ids.append(sample(last, req.params, req.generator))
-                req.finish_reason = self._finish_reason(req)
-            except Exception as exc:  # one request's fault ends that request, not the engine
-                req.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                req.finish_reason = "error"
+            token, error = reply.token_ids[i], reply.errors[i]
+            if token is None:  # its draw failed on the rank: it ends alone
+                req.error, req.finish_reason = error or "no token was sampled", "error"
+            else:
+                try:
+                    req.take(token, reply.logprobs[i])
+                    req.finish_reason = self._finish_reason(req)
+                except Exception as exc:  # e.g. its text: this request's fault ends it alone
+                    req.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    req.finish_reason = "error"
             if req.finish_reason:
                 self.running[rank].remove(req)
                 self.slots[rank].release(req.slot)

@@ -69,6 +69,7 @@ class AutoOverlap:
         self.last_s = 0.0  # how long this rank's previous auto forward took
         self.last_choice: Choice | None = None
         self.steps = 0
+        self.last_mode = "none"  # the mode the last forward ran
 
     def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
         """The chosen mode's outputs; None on one rank, where nothing is hidden. Not under
@@ -136,6 +137,7 @@ class AutoOverlap:
 
     def _report(self, runner, choice: Choice, start: float) -> None:
         self.steps += 1
+        self.last_mode = choice.mode
         runner.timeline.add("decision", f"auto: {choice.describe()}", start, time.perf_counter())
         if self.cfg.log_overlap_decisions and self.group.rank == 0:
             print(f"[auto] forward {self.steps}: {choice.describe()}", file=sys.stderr, flush=True)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.timeline import Span
+from moe_overlap.core.step import StepReply, StepRequest
 
 
 class Executor(ABC):
@@ -22,23 +20,21 @@ class Executor(ABC):
     # batches per step, one per attention-DP group; rank r runs batch r // (num_ranks / num_dp)
     num_dp: int
     is_driver: bool = True  # False on torchrun ranks > 0, which only serve rank 0's steps
-    last_spans: list[list[Span] | None]  # per rank, the spans of the last recorded step
-    # per data-parallel group, the logits of the prefill wave whose last range just ran
-    last_prefill: list[torch.Tensor] | None = None
 
     @abstractmethod
+    def step(self, request: StepRequest) -> StepReply:
+        """Run one step: ``request.batches[d]`` on data-parallel group d's ranks (and a
+        prefill wave's layer range beside it); each group's answering rank samples."""
+
     def run(
         self,
         batches: list[ForwardBatch],
         overlap: OverlapConfig | None = None,
         record: bool = False,
-        prefill=None,
-    ) -> list[torch.Tensor]:
-        """Each attention-DP group's logits for its batch (``batches[d]`` runs on group d's
-        ranks). ``overlap``
-        overrides the engine's scheme for this step; with ``record`` each rank's timeline
-        spans land in ``last_spans``. ``prefill`` (a ``PrefillSlice``, ``--enable-pdmux``)
-        runs beside the batches; after its last range its logits land in ``last_prefill``."""
+    ) -> StepReply:
+        """A forward-only step: every group's logit rows come back (``reply.logits``), and
+        with ``record`` each rank's timeline spans (``reply.spans``)."""
+        return self.step(StepRequest(batches, None, overlap, record))
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""

@@ -59,6 +59,7 @@ class ModelRunner:
         self.timeline = timeline or Timeline()
         self._schemes: dict[tuple, object] = {}
         self.pipeline = None  # a PipelineStage under --pp: it drives forward_stage
+        self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
 
     def _scheme(self, cfg: OverlapConfig):
         key = dataclasses.astuple(cfg)
@@ -82,9 +83,12 @@ class ModelRunner:
         ``hidden_states`` and ``residual`` the next stage starts from (``inputs`` on it)."""
         cfg = overlap or self.overlap
         if cfg.mode != "none":
-            out = self._scheme(cfg).forward(batch, self, inputs)
+            scheme = self._scheme(cfg)
+            out = scheme.forward(batch, self, inputs)
             if out is not None:
+                self.last_mode = getattr(scheme, "last_mode", cfg.mode)
                 return out
+        self.last_mode = "none"
         return execute_operations(self.context(batch), self.ops, inputs)
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:

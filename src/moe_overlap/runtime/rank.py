@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.device import dist_backend, local_rank, rank_device, torch_dtype
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.step import GroupReply, StepReply, StepRequest
 from moe_overlap.core.timeline import Span, Timeline
 from moe_overlap.dispatch.factory import make_dispatcher
 from moe_overlap.distributed.groups import Group, init_process_groups
@@ -27,6 +26,7 @@ from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.runtime.pipeline import PipelineStage
 from moe_overlap.runtime.prefill_lane import PrefillLane
+from moe_overlap.runtime.sampler import answer
 
 
 @dataclass
@@ -115,38 +115,50 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
 
 
 def serve_step(
-    runner: ModelRunner,
-    batch: ForwardBatch,
-    overlap: OverlapConfig | None,
-    record: bool,
-    prefill: tuple | None = None,
-) -> tuple[torch.Tensor, list[Span] | None, torch.Tensor | None]:
-    """One forward, and with ``prefill`` = ``(batch dict, first layer, end layer, wave)`` a
-    range of a split prefill on the prefill lane at the same time. Returns the logits on the
-    CPU, the timeline's spans or None, and the prefill's logits after its last range."""
-    runner.timeline.enabled = record
+    runner: ModelRunner, request: StepRequest, group: int, answers: bool
+) -> tuple[GroupReply | None, list[Span] | None, GroupReply | None]:
+    """One forward of data-parallel ``group``'s batch, and beside it, under PD multiplexing,
+    a range of the prefill wave's layers on the prefill lane. A rank that ``answers`` for its
+    group returns the group's reply (sampled tokens, or logits), and after the wave's last
+    range the wave's; every rank returns its timeline's spans when the step is recorded."""
+    runner.timeline.enabled = request.record
+    batch, wave = request.batches[group], request.prefill
     running = None
-    if prefill is not None:
-        wave_batch, start, stop, wave = prefill
-        running = runner.prefill_lane.start(
-            ForwardBatch.from_dict(wave_batch), range(start, stop), wave
-        )
+    if wave is not None:
+        lane = runner.prefill_lane
+        running = lane.start(wave.batches[group], wave.layers, wave.wave)
     try:
-        logits = runner.forward(batch, overlap).cpu()  # the driver samples on the host
+        logits = runner.forward(batch, request.overlap)
     finally:
         if running is not None:
             runner.prefill_lane.decode_done()  # the lane's collectives stop taking turns
+    mode = runner.last_mode
     wave_logits = runner.prefill_lane.finish(running) if running is not None else None
-    spans = runner.timeline.take() if record else None
-    return logits, spans, None if wave_logits is None else wave_logits.cpu()
+    spans = runner.timeline.take() if request.record else None
+    if not answers:
+        return None, spans, None
+    reply = answer(batch, logits, request.group_samples(group), mode)
+    wave_reply = None
+    if wave is not None and wave_logits is not None:
+        samples = None if wave.samples is None else list(wave.samples[group])
+        wave_reply = answer(wave.batches[group], wave_logits, samples, "none")
+    return reply, spans, wave_reply
 
 
-def prefill_message(prefill, group: int) -> tuple | None:
-    """The part of a step's ``PrefillSlice`` that ranks of data-parallel ``group`` run."""
-    if prefill is None:
-        return None
-    layers = prefill.layers
-    return (prefill.batches[group].to_dict(), layers.start, layers.stop, prefill.wave)
+def gather_replies(
+    par, replies: list[tuple[GroupReply | None, list[Span] | None, GroupReply | None]]
+) -> StepReply:
+    """The step's reply from every rank's ``serve_step`` result, in rank order: one rank of
+    each group (attention-TP rank 0 of its last stage) answers for it."""
+    answers = [reply for r, reply in enumerate(replies) if par.answers(r)]
+    groups = [group for group, _, _ in answers]
+    assert all(g is not None for g in groups), "an answering rank sent no reply"
+    waves = [wave for _, _, wave in answers]
+    return StepReply(
+        [g for g in groups if g is not None],
+        [spans for _, spans, _ in replies],
+        None if any(w is None for w in waves) else [w for w in waves if w is not None],
+    )
 
 
 def probe_all_to_all(

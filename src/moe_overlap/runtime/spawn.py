@@ -17,16 +17,12 @@ import time
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 
-import numpy as np
-import torch
-
-from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
-from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.netns import NetnsLink
 from moe_overlap.runtime.executor import Executor
-from moe_overlap.runtime.rank import RankSpec, prefill_message
+from moe_overlap.runtime.rank import RankSpec, gather_replies
 from moe_overlap.runtime.rank_process import RankProcess
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
@@ -55,10 +51,6 @@ def _sigint_held() -> Iterator[None]:
             previous(*caught[0])
 
 
-def _tensor(array) -> torch.Tensor | None:
-    return None if array is None else torch.from_numpy(np.asarray(array))
-
-
 class SpawnedExecutor(Executor):
     def __init__(
         self,
@@ -75,7 +67,6 @@ class SpawnedExecutor(Executor):
         self.store_dir: str | None = None
         self.procs, self.conns = [], []
         self.closed = False
-        self.last_spans = [None] * world
         self._unread: set[int] = set()  # ranks whose reply to the last step is not read yet
         try:
             self._start(spec, threads_per_rank)
@@ -106,27 +97,9 @@ class SpawnedExecutor(Executor):
         self.conns = [p.conn for p in self.procs]
         self._collect(list(range(self.num_ranks)), startup=True)
 
-    def run(
-        self,
-        batches: list[ForwardBatch],
-        overlap: OverlapConfig | None = None,
-        record: bool = False,
-        prefill=None,
-    ) -> list[torch.Tensor]:
-        dicts = [b.to_dict() for b in batches]
-        par = self.parallel
-        waves = [prefill_message(prefill, g) for g in range(len(batches))]
-        replies = self._request(
-            [
-                ("step", dicts[g], overlap, record, waves[g])
-                for g in map(par.batch_of, range(self.num_ranks))
-            ]
-        )
-        self.last_spans = [spans for _, spans, _ in replies]
-        # one rank of each group (attention-TP rank 0 of its last stage) answers for it
-        answers = [reply for r, reply in enumerate(replies) if par.answers(r)]
-        self.last_prefill = [_tensor(wave) for _, _, wave in answers]
-        return [_tensor(logits) for logits, _, _ in answers]
+    def step(self, request: StepRequest) -> StepReply:
+        replies = self._request([("step", request)] * self.num_ranks)
+        return gather_replies(self.parallel, replies)
 
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)

@@ -2,7 +2,7 @@
 ``python -m moe_overlap.runtime.worker FD``.
 
 It joins the group, builds its shard, and serves the driver's messages over the socket FD:
-``("step", batch, overlap, record, prefill)``, ``("probe", ...)`` and ``("stop",)``.
+``("step", StepRequest)``, ``("probe", ...)`` and ``("stop",)``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.distributed.netns import enter_netns
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_all, serve_step
@@ -44,14 +43,9 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 link = runner.dispatcher.link
                 conn.send(("ok", probe_all_to_all(runner.group, *msg[1:], link=link)))
             else:
-                _, batch, overlap, record, wave = msg
-                logits, spans, wave_logits = serve_step(
-                    runner, ForwardBatch.from_dict(batch), overlap, record, wave
-                )
-                if not spec.parallel.answers(rank.rank):  # its group's logits, once
-                    logits = wave_logits = None
-                wave_logits = None if wave_logits is None else wave_logits.numpy()
-                conn.send(("ok", (None if logits is None else logits.numpy(), spans, wave_logits)))
+                group = spec.parallel.batch_of(rank.rank)
+                answers = spec.parallel.answers(rank.rank)
+                conn.send(("ok", serve_step(runner, msg[1], group, answers)))
     except EOFError:
         pass  # the driver went away; just exit
     except BaseException as exc:  # report anything, then die: the driver stops every rank

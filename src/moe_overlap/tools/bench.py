@@ -192,8 +192,7 @@ def run_bench(
         task = bar.add_task(f"bench {workload.spec}", total=total)
         for m in modes:  # warm-up, then one recorded forward per mode for the timeline
             executor.run(batches, configs[m])
-            executor.run(batches, configs[m], record=True)
-            recording[m] = executor.last_spans
+            recording[m] = executor.run(batches, configs[m], record=True).spans
             bar.advance(task, 2)
         for rep in range(repeat):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
@@ -203,9 +202,9 @@ def run_bench(
                 results[m].times.append(time.perf_counter() - start)
                 bar.advance(task)
             if "none" in modes:  # the same-run measurement of T_comm
-                executor.run(batches, configs["none"], record=True)
-                comm.append(_slowest_track(executor.last_spans, "comm"))
-                tp_comm.append(_slowest_track(executor.last_spans, "tp comm"))
+                spans = executor.run(batches, configs["none"], record=True).spans
+                comm.append(_slowest_track(spans, "comm"))
+                tp_comm.append(_slowest_track(spans, "tp comm"))
     t_comm = statistics.median(comm) if comm else 0.0
     t_tp = statistics.median(tp_comm) if tp_comm else 0.0
     return BenchReport(workload, results, t_comm, recording, t_tp)

@@ -33,10 +33,11 @@ _OUT_IN = re.compile(r"(\d+(?:\.\d+)?) out, (\d+(?:\.\d+)?) in\)")
 NONE = mode_config("none")
 
 
-def _timed(executor, batches, cfg, record: bool = False) -> float:
+def _timed(executor, batches, cfg, record: bool = False) -> tuple[float, list]:
+    """Seconds of one forward, and its spans per rank (with ``record``)."""
     start = time.perf_counter()
-    executor.run(batches, cfg, record=record)
-    return time.perf_counter() - start
+    spans = executor.run(batches, cfg, record=record).spans
+    return time.perf_counter() - start, spans
 
 
 def _dispatch_bytes(spans) -> tuple:
@@ -67,8 +68,8 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
     none, extra = [[] for _ in pairs], [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
-            walls[i].append(_timed(executor, batch, NONE, record=True))
-            spans = executor.last_spans
+            wall, spans = _timed(executor, batch, NONE, record=True)
+            walls[i].append(wall)
             comms[i].append(
                 max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
             )
@@ -79,8 +80,8 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
             routed[i] = _dispatch_bytes(spans)
         for i, (mode, pair) in enumerate(pairs):
             for _ in range(2):
-                none[i].append(_timed(executor, pair, NONE))
-                extra[i].append(_timed(executor, pair, TWO_PASSES[mode]) - none[i][-1])
+                none[i].append(_timed(executor, pair, NONE)[0])
+                extra[i].append(_timed(executor, pair, TWO_PASSES[mode])[0] - none[i][-1])
     samples = [
         Sample(b[0], median(w), median(c), tuple(t), r)
         for b, w, c, t, r in zip(batches, walls, comms, transfers, routed, strict=True)

@@ -1,0 +1,104 @@
+"""What the driver asks the ranks each step (``StepRequest``), and what they answer
+(``StepReply``).
+
+The ranks sample: a step's reply carries each sequence's next token id (and its
+log-probabilities when asked), not its logits. Logits travel only for sequences whose batch
+asks for every position's (``ForwardBatch.all_logits``, the exactness tests' ``return_logits``)
+and for a forward-only request (``samples`` None: the bench and the tests' logit checks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import Span
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to pick one sequence's next token from its last logits row."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    # the draw's seed: a request's seed and the index of the token it draws, so the same
+    # request gives the same tokens whichever rank samples it and in whatever batch
+    seed: int = 0
+    index: int = 0
+    logprobs: int | None = None  # None: none; k: the chosen token's and the top k's
+
+
+@dataclass
+class TokenLogprobs:
+    """One position's log-probabilities (fp32 log-softmax of the model's logits, before any
+    temperature or cut): the token's, its rank (1: the likeliest) and the ``top`` k."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class WaveSlice:
+    """PD multiplexing: the layer range of a prefill wave that ranks run beside the step."""
+
+    batches: list[ForwardBatch]  # one per data-parallel group (idle where it has none)
+    layers: range
+    wave: int  # names the ranks' saved hidden states between ranges
+    last: bool  # the final range: its sequences are sampled
+    samples: list[list[SampleSpec]] | None = None  # per group, with the last range
+
+
+@dataclass
+class StepRequest:
+    batches: list[ForwardBatch]  # one per data-parallel group
+    # per group, per sequence: how to sample its next token, or None (a prompt chunk that
+    # does not end the prompt); None for the whole step: return every logit row instead
+    samples: list[list[SampleSpec | None]] | None = None
+    overlap: OverlapConfig | None = None  # this step's scheme instead of the engine's
+    record: bool = False  # each rank's timeline spans come back
+    prefill: WaveSlice | None = None
+
+    def group_samples(self, group: int) -> list[SampleSpec | None] | None:
+        return None if self.samples is None else self.samples[group]
+
+
+@dataclass
+class GroupReply:
+    """One data-parallel group's answer for its batch (sequences in batch order)."""
+
+    token_ids: list[int | None] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)  # a sequence whose draw failed
+    # the logit rows of the sequences with ``all_logits`` (every row: a forward-only step)
+    logits: torch.Tensor | None = None
+    mode: str = "none"  # the overlap scheme the forward ran (auto's choice)
+
+    def __getstate__(self) -> dict:  # logits cross processes as NumPy, not torch's fd sharing
+        state = dict(self.__dict__)
+        if self.logits is not None:
+            state["logits"] = self.logits.numpy()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        logits = state["logits"]
+        state["logits"] = None if logits is None else torch.from_numpy(np.asarray(logits))
+        self.__dict__.update(state)
+
+
+@dataclass
+class StepReply:
+    groups: list[GroupReply]
+    spans: list[list[Span] | None]  # per rank, with ``record``
+    wave: list[GroupReply] | None = None  # per group, after a prefill wave's last range
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        """Each group's logit rows (a forward-only step returns all of them)."""
+        return [g.logits if g.logits is not None else torch.zeros(0) for g in self.groups]
