@@ -50,10 +50,12 @@ with LLM(config=cfg, device=device, dtype="bfloat16", max_num_seqs=64) as llm:
         return reply
 
     llm.executor.step = timed
-    llm.generate(prompts + long_prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    llm.generate(
+        prompts + long_prompt, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    )
     phase[0] = "measured"
-    llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    llm.generate(long_prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    llm.generate(long_prompt, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
 
 lines = [f"{p} {k} {t} tokens {ms:.1f} ms{' (profiled)' if f else ''}" for p, k, t, ms, f in rows]
 (out / "steps.txt").write_text("\n".join(lines) + "\n")

@@ -60,7 +60,7 @@ CASES = {
     "mixed-batch": [[9] * 12, [1, 2], list(range(30, 60)), [70, 71, 72], [5]],
     "one-decode-token": [[11]],
 }
-PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 KW = dict(seed=0, max_num_batched_tokens=24)  # small budget: chunked prefill and MIXED steps
 
 

@@ -66,11 +66,11 @@ def test_sampling_fields_are_checked(kw, field):
 )
 def test_non_integer_token_ids_are_refused_with_the_prompt_index(llm, prompt, match):
     with pytest.raises(InvalidRequestError, match=match):
-        llm.generate([[1, 2], prompt], SamplingParams(max_new_tokens=2))
+        llm.generate([[1, 2], prompt], SamplingParams(temperature=0, max_new_tokens=2))
 
 
 def test_integer_token_ids_of_any_integer_type_are_accepted(llm):
-    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     want = llm.generate([[5, 6, 7]], params)[0].token_ids
     for prompt in (
         [np.int64(5), np.int32(6), 7],

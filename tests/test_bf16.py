@@ -83,7 +83,9 @@ def test_bf16_matches_transformers_in_bf16(hf_checkpoint, tmp_path):
     hf = copy.deepcopy(hf).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
     with LLM(tmp_path, dtype="bfloat16") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=1), return_logits=True)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )
     with torch.no_grad():
         refs = [hf(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     _near(_row_diffs([o.prompt_logits for o in outs], refs))

@@ -25,13 +25,17 @@ def test_make_model_then_generate_prints_the_same_tokens_as_the_api(tmp_path, ca
                 "--max-new-tokens",
                 "4",
                 "--ignore-eos",
+                "--temperature",
+                "0",
             ]
         )
         == 0
     )
     lines = capsys.readouterr().out.split()
     with LLM(config=ModelConfig.from_hf(CONFIG), seed=1) as llm:
-        outs = llm.generate([[1, 2, 3], [7, 8]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        outs = llm.generate(
+            [[1, 2, 3], [7, 8]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        )
     assert lines == [",".join(map(str, o.token_ids)) for o in outs]
 
 
@@ -42,7 +46,7 @@ def test_make_model_writes_a_tokenizer_and_generate_takes_text(tmp_path, capsys)
     capsys.readouterr()
     assert main([*args, "--prompt", "The cat sat"]) == 0
     printed = capsys.readouterr().out.rstrip("\n")
-    with LLM(tmp_path) as llm:
+    with LLM(tmp_path) as llm:  # both sample at the one default temperature, same seeds
         out = llm.generate(["The cat sat"], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     assert out.text is not None and printed == out.text
 

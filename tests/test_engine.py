@@ -24,7 +24,9 @@ def config(request):
 def run(config, prompts=PROMPTS, params=None, **kw):
     with LLM(config=config, seed=0, **kw) as llm:
         return llm.generate(
-            prompts, params or SamplingParams(max_new_tokens=5, ignore_eos=True), return_logits=True
+            prompts,
+            params or SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+            return_logits=True,
         )
 
 
@@ -54,7 +56,7 @@ def test_sampling_is_seeded_and_respects_top_k(config):
     params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=3, seed=7, ignore_eos=True)
     a, b = run(config, params=params), run(config, params=params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    greedy = run(config, params=SamplingParams(max_new_tokens=8, ignore_eos=True))
+    greedy = run(config, params=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in a] != [o.token_ids for o in greedy]
     top1 = SamplingParams(max_new_tokens=8, temperature=2.0, top_k=1, seed=3, ignore_eos=True)
     assert [o.token_ids for o in run(config, params=top1)] == [o.token_ids for o in greedy]
@@ -83,7 +85,7 @@ def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
 
     monkeypatch.setattr(sampler_module, "sample", flaky)
     config = ModelConfig(**TINY["qwen3_moe"])
-    good = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    good = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
     bad = SamplingParams(max_new_tokens=5, ignore_eos=True, seed=13, temperature=1.0)
     with LLM(config=config, seed=0, max_num_seqs=2) as llm:
         outs = llm.generate(PROMPTS[:3], [good, bad, good])
@@ -96,12 +98,17 @@ def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
 
 def test_stops_on_eos_and_context():
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    first = run(cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids
+    first = run(cfg, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))[
+        0
+    ].token_ids
     cfg.eos_token_id = first[1]
-    out = run(cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=4))[0]
+    out = run(cfg, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4))[0]
     assert out.token_ids == first[:2] and out.finish_reason == "eos"
     out = run(
-        cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=50, ignore_eos=True), max_model_len=8
+        cfg,
+        [[1, 2, 3]],
+        SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True),
+        max_model_len=8,
     )[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "context"
 
@@ -118,12 +125,12 @@ def test_stops_on_eos_and_context():
 def test_bad_prompt_is_refused_and_engine_stays_usable(prompt, match):
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with LLM(config=cfg, seed=0) as llm:
-        good = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))
+        good = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=3))
         with pytest.raises(InvalidRequestError, match=match):
-            llm.generate([[1, 2, 3], prompt], SamplingParams(max_new_tokens=3))
+            llm.generate([[1, 2, 3], prompt], SamplingParams(temperature=0, max_new_tokens=3))
         assert not llm.scheduler.has_work()
         assert (
-            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].token_ids
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=3))[0].token_ids
             == good[0].token_ids
         )
 

@@ -24,7 +24,7 @@ from moe_overlap.tools.cli import main
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, netns_names, reference
 
 LONG = [[(3 * i + j) % 80 for i in range(40)] for j in range(6)]
-LONG_PARAMS = SamplingParams(max_new_tokens=20, ignore_eos=True)
+LONG_PARAMS = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
 SLOW_LINK = "model:1gbit,20ms"  # every all-to-all takes 20 ms: a step is mostly waiting
 
 

@@ -76,7 +76,9 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
     assert main(argv) == 0
     prompt = [(11 * i + 5) % 512 for i in range(70)]
     with LLM(tmp_path) as llm:
-        ours = llm.generate([prompt], SamplingParams(max_new_tokens=1), return_logits=True)[0]
+        ours = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )[0]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()

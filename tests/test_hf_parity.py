@@ -15,7 +15,9 @@ PROMPTS = [[3, 17, 42, 5, 9, 60, 2], [11, 4], [7, 7, 8, 90, 33, 21, 1, 14, 55, 1
 def test_prompt_logits_match_transformers(hf_checkpoint):
     _, path, hf = hf_checkpoint
     with LLM(path) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=1), return_logits=True)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -26,7 +28,9 @@ def test_prompt_logits_match_transformers(hf_checkpoint):
 def test_greedy_tokens_match_transformers(hf_checkpoint):
     _, path, hf = hf_checkpoint
     with LLM(path) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         with torch.no_grad():
             ref = hf.generate(

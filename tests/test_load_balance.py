@@ -34,7 +34,9 @@ def test_policy_choices(method, loads, turn, chosen):
 
 
 def _request(i: int, prompt_len: int) -> Request:
-    return Request(i, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=2))
+    return Request(
+        i, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_new_tokens=2)
+    )
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ MODES = [
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tbo_matches_no_overlap(family, case):
     cfg = ModelConfig(**TINY[family])
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     # a small token budget makes later steps MIXED (decodes beside prompt chunks)
     kw = dict(seed=0, max_num_batched_tokens=24)
     with LLM(config=cfg, **kw) as llm:
@@ -74,7 +74,7 @@ def test_query_blocks_attend_like_one_masked_call(prefix, new, block, monkeypatc
 def test_blocked_queries_are_exact(family, monkeypatch):
     monkeypatch.setattr(layers, "QUERY_BLOCK", 4)  # the tiny cases' pieces are a few tokens
     cfg = ModelConfig(**TINY[family])
-    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     prompts = CASES["single-long"] + CASES["mixed-batch"]
     kw = dict(seed=0, max_num_batched_tokens=40)
     with LLM(config=cfg, **kw) as llm:

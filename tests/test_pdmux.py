@@ -25,7 +25,7 @@ def test_layer_ranges_cover_every_layer_once(layers, splits, sizes):
 
 
 def _request(i: int, n: int) -> Request:
-    return Request(i, list(range(1, n + 1)), SamplingParams(max_new_tokens=3))
+    return Request(i, list(range(1, n + 1)), SamplingParams(temperature=0, max_new_tokens=3))
 
 
 def _reply(wave_token: int | None = None) -> StepReply:
@@ -101,12 +101,12 @@ def test_a_waves_first_token_is_reported_by_step():
     """The token sampled from a wave's last range reaches ``LLM.step``'s callers (the server's
     streams) like any other, and a one-token request finishes there."""
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
     with LLM(config=cfg, **KW) as llm:
         expected = llm.generate([[4, 5, 6]], one)[0].token_ids
     with LLM(config=cfg, enable_pdmux=True, pdmux_prefill_splits=2, **KW) as llm:
         assert llm.generate([[4, 5, 6]], one)[0].token_ids == expected
-        req = llm.make_request("prompt", [4, 5, 6], SamplingParams(max_new_tokens=3))
+        req = llm.make_request("prompt", [4, 5, 6], SamplingParams(temperature=0, max_new_tokens=3))
         llm.scheduler.add(req)
         got = [llm.step() for _ in range(2)]  # the wave's two ranges
         assert got == [[], [req]] and len(req.output_ids) == 1

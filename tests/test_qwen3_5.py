@@ -74,7 +74,9 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
     path, hf = checkpoint
     kw = {} if budget is None else dict(max_num_batched_tokens=budget)
     with LLM(path, **kw) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True), True)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True), True
+        )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = list(prompt)
         with torch.no_grad():
@@ -190,7 +192,9 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
     )
     prompt = [(11 * i + 5) % 512 for i in range(70)]
     with LLM(tmp_path) as llm:
-        ours = llm.generate([prompt], SamplingParams(max_new_tokens=1), return_logits=True)[0]
+        ours = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )[0]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()

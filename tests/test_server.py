@@ -117,7 +117,7 @@ def served(model_dir):
 
 
 def _offline(offline, prompts, max_new_tokens=6):
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
     return offline.generate(prompts, params)
 
 

@@ -156,7 +156,10 @@ def test_version(capsys):
 
 
 def test_load_format_dummy_builds_the_same_random_weights_as_hf_config():
-    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts, params = (
+        [[1, 2, 3], [4, 5]],
+        SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True),
+    )
     with LLM(CONFIG, load_format="dummy", random_seed=3) as llm:
         dummy = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(hf_config=CONFIG, seed=3) as llm:

@@ -12,7 +12,7 @@ from tests.helpers import TINY
 
 # the tiny Qwen3 with room for a byte-level tokenizer
 CFG = {**TINY["qwen3_moe"], "vocab_size": 320, "max_position_embeddings": 128, "eos_token_id": 1}
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,9 @@ def test_text_and_ids_give_the_same_output_with_its_text(llm):
 def test_stop_string_cuts_the_text_and_finishes(llm):
     full = llm.generate(["Hello"], GREEDY)[0]
     stop = full.text[len(full.text) // 2 :][:2]
-    out = llm.generate(["Hello"], SamplingParams(max_new_tokens=10, ignore_eos=True, stop=stop))
+    out = llm.generate(
+        ["Hello"], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, stop=stop)
+    )
     assert out[0].finish_reason == "stop"
     assert out[0].text == full.text[: full.text.find(stop)]
     assert out[0].token_ids == full.token_ids[: len(out[0].token_ids)]
@@ -44,7 +46,9 @@ def test_stop_string_cuts_the_text_and_finishes(llm):
 def test_stop_token_id_is_kept_and_finishes(llm):
     full = llm.generate(["Hello"], GREEDY)[0]
     stop_id = full.token_ids[3]
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True, stop_token_ids=[stop_id])
+    params = SamplingParams(
+        temperature=0, max_new_tokens=10, ignore_eos=True, stop_token_ids=[stop_id]
+    )
     out = llm.generate(["Hello"], params)[0]
     first = full.token_ids.index(stop_id)
     assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"

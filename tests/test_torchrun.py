@@ -17,7 +17,7 @@ import json, os
 from moe_overlap import LLM, ModelConfig, SamplingParams
 cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
 with LLM(config=cfg, overlap="tbo", **LAYOUT) as llm:
-    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
     with open(f"{OUT}/rank{os.environ['RANK']}.json", "w") as f:
         json.dump([o.token_ids for o in outs], f)
 """
@@ -55,7 +55,9 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
     with LLM(config=ModelConfig.from_hf("configs/deepseek-v3-tiny.json")) as llm:
         expected = [
             o.token_ids
-            for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True))
+            for o in llm.generate(
+                PROMPTS, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+            )
         ]
     assert results == [expected, []]  # rank 0 drives; rank 1 served its steps
 

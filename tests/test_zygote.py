@@ -9,7 +9,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.runtime.zygote import zygote
 from tests.helpers import TINY
 
-PARAMS = SamplingParams(max_new_tokens=3, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
 
 
 def _parent(pid: int) -> int:

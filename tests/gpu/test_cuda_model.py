@@ -31,7 +31,9 @@ def _hf_logits(hf, dtype: torch.dtype) -> list[torch.Tensor]:
 def test_fp32_matches_transformers_on_cuda(hf_checkpoint):
     _, path, hf = hf_checkpoint
     with LLM(path, device="cuda") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=1), return_logits=True)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )
     for out, ref in zip(outs, _hf_logits(hf, torch.float32), strict=True):
         assert (out.prompt_logits - ref).abs().max().item() <= 1e-4
 
@@ -40,7 +42,9 @@ def test_bf16_matches_transformers_on_cuda(hf_checkpoint, tmp_path):
     _, _, hf = hf_checkpoint
     copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(tmp_path)  # a bf16 checkpoint
     with LLM(tmp_path, device="cuda", dtype="bfloat16") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=1), return_logits=True)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )
     refs = _hf_logits(hf, torch.bfloat16)  # the same rounding as the saved checkpoint
     _near(_row_diffs([o.prompt_logits for o in outs], refs))
 

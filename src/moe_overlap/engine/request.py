@@ -12,6 +12,8 @@ from moe_overlap.engine.detokenize import TextStream
 
 # Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
 SAMPLING_EPS = 1e-5
+# vLLM's and OpenAI's default, for Python, the command line and HTTP alike
+DEFAULT_TEMPERATURE = 1.0
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
@@ -22,7 +24,7 @@ class InvalidRequestError(ValueError):
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = DEFAULT_TEMPERATURE  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None

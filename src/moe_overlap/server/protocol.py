@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from moe_overlap.engine.request import SamplingParams
+from moe_overlap.engine.request import DEFAULT_TEMPERATURE, SamplingParams
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 
@@ -25,7 +25,7 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 and -1 disable it
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)

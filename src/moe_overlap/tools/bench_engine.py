@@ -107,7 +107,7 @@ def prompts_for(case: Case, vocab: int, seed: int) -> torch.Tensor:
 
 
 def run_ours(llm: LLM, case: Case, prompts: torch.Tensor) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=case.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=case.new_tokens, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts.tolist(), params)]
 
 

@@ -17,7 +17,7 @@ from moe_overlap.distributed.netns import (
     stale_namespaces,
 )
 from moe_overlap.engine.args import ModelArgs
-from moe_overlap.engine.request import InvalidRequestError, SamplingParams
+from moe_overlap.engine.request import DEFAULT_TEMPERATURE, InvalidRequestError, SamplingParams
 from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
 from moe_overlap.tools.bench_cli import add_bench_commands
@@ -123,7 +123,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"
     )
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"0 is greedy (default {DEFAULT_TEMPERATURE}, as vLLM and the server)",
+    )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k best; 0 disables")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")

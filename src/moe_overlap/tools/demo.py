@@ -49,7 +49,7 @@ def main() -> None:
     link = pick_link(console)
 
     prompts = [list(range(10, 60)), [5, 6, 7], list(range(100, 400))]
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     with LLM(model_dir) as llm:
         alone = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(model_dir, ep=2, link=link, overlap="tbo") as llm:
