@@ -30,7 +30,7 @@ def _request(i: int, n: int) -> Request:
 
 def _reply(wave_token: int | None = None) -> StepReply:
     """An idle decode group's reply, and after a wave's last range its one token."""
-    wave = None if wave_token is None else [GroupReply([wave_token], [None], [None])]
+    wave = None if wave_token is None else [GroupReply([wave_token], [None], [None], [[]])]
     return StepReply([GroupReply()], [None], wave)
 
 

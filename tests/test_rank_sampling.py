@@ -18,6 +18,7 @@ CFG = TINY["qwen3_moe"]
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(10, 40))]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
+SCORE = SamplingParams(max_new_tokens=0, prompt_logprobs=2)  # what lm-eval's scoring sends
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def outputs():
         with LLM(config=cfg, **layout, **KW) as llm:
             got[name] = (llm.generate(PROMPTS, GREEDY), llm.generate(PROMPTS, SEEDED))
             got[name + " reply"] = llm.last_reply
+            got[name + " score"] = llm.generate(PROMPTS, SCORE)
     with LLM(config=cfg, **KW) as llm:  # every position's logits, from one forward each
         got["logits"] = [
             llm.generate(
@@ -62,6 +64,24 @@ def test_tokens_and_logprobs_are_the_same_across_ranks(outputs):
         )
     assert [o.token_ids for o in seeded_one] == [o.token_ids for o in seeded_ep]
     assert seeded_one[0].logprobs is None  # not asked
+
+
+@pytest.mark.parametrize("layout", ["one", "ep2"])
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(outputs, layout):
+    """The 30-token prompt is prefilled in chunks of at most 24 tokens: the last row of a chunk
+    scores the first token of the next."""
+    for prompt, out, full in zip(
+        PROMPTS, outputs[layout + " score"], outputs["logits"], strict=True
+    ):
+        assert out.token_ids == [] and out.finish_reason == "length"
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        for j, lp in enumerate(out.prompt_logprobs[1:]):
+            row = torch.log_softmax(full.prompt_logits[j].float(), -1)
+            assert lp.token_id == prompt[j + 1]
+            assert abs(lp.logprob - float(row[prompt[j + 1]])) <= 1e-4
+            assert lp.rank == int((row > row[prompt[j + 1]]).sum()) + 1
+            assert [t for t, _ in lp.top] == torch.topk(row, 2).indices.tolist()
 
 
 def test_a_seeded_draw_depends_on_the_seed_not_the_batch():
@@ -98,6 +118,12 @@ def test_reply_size_for_a_64_sequence_decode_step():
         ("logprobs", 21, "logprobs=21 must be at most 20"),
         ("logprobs", -1, "logprobs=-1 must be an integer >= 0"),
         ("logprobs", 2.0, "logprobs=2.0 must be an integer >= 0"),
+        ("prompt_logprobs", 21, "prompt_logprobs=21 must be at most 20"),
+        (
+            "max_new_tokens",
+            0,
+            r"max_new_tokens=0 must be an integer >= 1 \(0 needs prompt_logprobs",
+        ),
     ],
 )
 def test_bad_logprobs_are_refused_by_name(field, value, message):

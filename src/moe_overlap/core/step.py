@@ -31,6 +31,10 @@ class SampleSpec:
     seed: int = 0
     index: int = 0
     logprobs: int | None = None  # None: none; k: the chosen token's and the top k's
+    draw: bool = True  # False: a prompt chunk that does not end the prompt
+    keep_logits: bool = False  # its logit rows come back (the exactness tests)
+    prompt_logprobs: int | None = None
+    next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
 
 
 @dataclass
@@ -58,14 +62,14 @@ class WaveSlice:
 @dataclass
 class StepRequest:
     batches: list[ForwardBatch]  # one per data-parallel group
-    # per group, per sequence: how to sample its next token, or None (a prompt chunk that
-    # does not end the prompt); None for the whole step: return every logit row instead
-    samples: list[list[SampleSpec | None]] | None = None
+    # per group, per sequence: what its rank does with its logits; None for the whole step:
+    # return every logit row instead
+    samples: list[list[SampleSpec]] | None = None
     overlap: OverlapConfig | None = None  # this step's scheme instead of the engine's
     record: bool = False  # each rank's timeline spans come back
     prefill: WaveSlice | None = None
 
-    def group_samples(self, group: int) -> list[SampleSpec | None] | None:
+    def group_samples(self, group: int) -> list[SampleSpec] | None:
         return None if self.samples is None else self.samples[group]
 
 
@@ -76,7 +80,8 @@ class GroupReply:
     token_ids: list[int | None] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)  # a sequence whose draw failed
-    # the logit rows of the sequences with ``all_logits`` (every row: a forward-only step)
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # scored rows
+    # the logit rows of the sequences with ``keep_logits`` (every row: a forward-only step)
     logits: torch.Tensor | None = None
     mode: str = "none"  # the overlap scheme the forward ran (auto's choice)
 

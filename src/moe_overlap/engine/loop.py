@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from moe_overlap.engine.llm import LLM
-from moe_overlap.engine.request import Request, SamplingParams
+from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
 
 SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
 WATCH_S = 0.5  # how often the rank watcher also looks for the engine stopping
@@ -37,6 +37,8 @@ class Delta:
     finish_reason: str | None = None  # set on the request's last delta
     error: str | None = None  # the engine failed; this is the request's last delta
     failed: str | None = None  # this request alone failed; this is its last delta
+    logprobs: list[TokenLogprobs] | None = None  # of its new tokens, when asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, when asked
 
 
 Listener = Callable[[Delta], None]
@@ -179,7 +181,15 @@ class EngineLoop:
             entry[1](_delta(req, [], "", finish_reason="error", failed=req.error))
         else:
             text = req.text.delta(final=done) if req.text is not None else ""
-            entry[1](_delta(req, [req.output_ids[-1]], text, finish_reason=req.finish_reason))
+            params = req.params
+            new = req.output_ids[-1:] if params.max_new_tokens else []  # 0: only scored
+            delta = _delta(req, new, text, finish_reason=req.finish_reason)
+            if params.logprobs is not None:
+                delta.logprobs = req.logprobs[-len(new) :] if new else []
+            if params.prompt_logprobs is not None and not req.told:
+                delta.prompt_logprobs = list(req.prompt_logprobs)
+            req.told = True
+            entry[1](delta)
         if done:
             del self._live[req.request_id]
 

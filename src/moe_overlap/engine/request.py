@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # token ids that end the output (kept in it)
     # log-probabilities of each generated token and of the ``logprobs`` likeliest (0-20)
     logprobs: int | None = None
+    # log-probabilities of each prompt token after the first given the ones before it (and of
+    # the ``prompt_logprobs`` likeliest); with max_new_tokens=0 a request only scores its prompt
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _listed("stop", self.stop, str)
@@ -42,7 +45,9 @@ class SamplingParams:
         self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, int)
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, minimum=0, note=" (a token id)")
-        _integer("max_new_tokens", self.max_new_tokens, minimum=1)
+        scoring = " (0 needs prompt_logprobs: scoring a prompt)"
+        minimum = 0 if self.prompt_logprobs is not None else 1
+        _integer("max_new_tokens", self.max_new_tokens, minimum=minimum, note=scoring)
         _integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
         if self.seed is not None:
             _integer("seed", self.seed, minimum=0)
@@ -54,12 +59,12 @@ class SamplingParams:
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, minimum=0, note=" (alternatives per token)")
-            if self.logprobs > MAX_LOGPROBS:
-                raise InvalidRequestError(
-                    f"logprobs={self.logprobs} must be at most {MAX_LOGPROBS}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _integer(name, value, minimum=0, note=" (alternatives per token)")
+                if value > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name}={value} must be at most {MAX_LOGPROBS}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
 
@@ -98,6 +103,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
     cumulative_logprob: float | None = None  # their sum
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, first None
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity, not field by field
@@ -116,6 +122,8 @@ class Request:
     text: TextStream | None = None  # with a tokenizer: the output's text and stop strings
     error: str | None = None  # why this request alone failed (finish_reason "error")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
+    told: bool = False  # a listener has heard from it (the first delta carries prompt_logprobs)
 
     @property
     def prompt_len(self) -> int:
@@ -135,14 +143,28 @@ class Request:
             return self.prompt_ids[self.num_computed : self.num_computed + budget]
         return [self.output_ids[-1]]
 
-    def sample_spec(self, fed: int) -> SampleSpec | None:
-        """How its rank samples after this step feeds ``fed`` tokens; None while those leave
-        the prompt unfinished (a middle chunk: nothing is sampled)."""
-        if self.num_computed + fed < self.prompt_len:
-            return None
-        p = self.params
-        index = len(self.output_ids)
-        return SampleSpec(p.temperature, p.top_p, p.top_k, self.seed, index, p.logprobs)
+    @property
+    def needs_all_logits(self) -> bool:
+        """Its rank computes every prompt position's logits (to return or to score them)."""
+        return self.in_prefill and (self.return_logits or self.params.prompt_logprobs is not None)
+
+    def sample_spec(self, fed: int) -> SampleSpec:
+        """What its rank does with the logits of the ``fed`` tokens this step feeds: keep them,
+        score the prompt tokens they predict, and after the prompt's last chunk draw a token."""
+        p, start = self.params, self.num_computed
+        scored = p.prompt_logprobs is not None and self.in_prefill
+        return SampleSpec(
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            self.seed,
+            len(self.output_ids),
+            p.logprobs,
+            draw=start + fed >= self.prompt_len and p.max_new_tokens > 0,
+            keep_logits=self.return_logits and self.in_prefill,
+            prompt_logprobs=p.prompt_logprobs,
+            next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
+        )
 
     def take(self, token: int, logprobs: TokenLogprobs | None) -> None:
         """A token its rank sampled (with its log-probabilities when asked)."""
@@ -163,4 +185,5 @@ class Request:
             self.error,
             list(self.logprobs) if asked else None,
             sum(lp.logprob for lp in self.logprobs) if asked else None,
+            list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
         )

@@ -30,9 +30,8 @@ class Step:
     prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
 
-    def samples(self) -> list[list[SampleSpec | None]]:
-        """Per group, per scheduled sequence: how its rank samples its next token (None for
-        a prompt chunk that does not end the prompt)."""
+    def samples(self) -> list[list[SampleSpec]]:
+        """Per group, per scheduled sequence: what its rank does with its logits."""
         return [[req.sample_spec(n) for req, n in group] for group in self.scheduled]
 
 
@@ -120,22 +119,26 @@ class Scheduler:
         reply: GroupReply,
         finished: list[Request],
     ) -> None:
-        row = 0  # into the logit rows of the sequences that asked for every position's
+        row = 0  # into the logit rows of the sequences that keep theirs
         for i, (req, n) in enumerate(entries):
-            if _wants_all_logits(req):
+            keep = req.return_logits and req.in_prefill
+            if keep:
                 assert reply.logits is not None
                 chunk = reply.logits[row : row + n].clone()
                 row += n
             if req not in self.running[rank]:  # aborted while its prefill wave ran
                 continue
-            if _wants_all_logits(req):
+            if keep:
                 req.logit_chunks.append(chunk)
+            req.prompt_logprobs.extend(reply.prompt_logprobs[i])
             req.num_computed += n
             if req.in_prefill:
                 continue  # a middle prompt chunk: nothing sampled
             step.sampled.append(req)
             token, error = reply.token_ids[i], reply.errors[i]
-            if token is None:  # its draw failed on the rank: it ends alone
+            if req.params.max_new_tokens == 0:  # the prompt was only scored
+                req.finish_reason = "length"
+            elif token is None:  # its draw failed on the rank: it ends alone
                 req.error, req.finish_reason = error or "no token was sampled", "error"
             else:
                 try:
@@ -184,10 +187,6 @@ class Scheduler:
         ]
 
 
-def _wants_all_logits(req: Request) -> bool:
-    return req.return_logits and req.in_prefill
-
-
 def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
     if not seqs:
         return ForwardBatch.idle()
@@ -196,7 +195,7 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         slots=[req.slot for req, _ in seqs],
         prefix_lens=[req.num_computed for req, _ in seqs],
         extend_lens=[len(tokens) for _, tokens in seqs],
-        all_logits=[_wants_all_logits(req) for req, _ in seqs],
+        all_logits=[req.needs_all_logits for req, _ in seqs],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )
 

@@ -51,26 +51,36 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
 
 
 def answer(
-    batch: ForwardBatch, logits: torch.Tensor, samples: list[SampleSpec | None] | None, mode: str
+    batch: ForwardBatch, logits: torch.Tensor, samples: list[SampleSpec] | None, mode: str
 ) -> GroupReply:
-    """The group's reply from its logit rows (``batch.logit_rows()``'s order): each sampled
-    sequence's token and log-probabilities, and the rows of sequences with ``all_logits``.
-    ``samples`` None: a forward-only step, every row comes back."""
+    """The group's reply from its logit rows (``batch.logit_rows()``'s order): each sequence's
+    scored prompt tokens, drawn token and its log-probabilities, and the rows of those that
+    keep them. ``samples`` None: a forward-only step, every row comes back."""
     if samples is None:
         return GroupReply(logits=logits.cpu(), mode=mode)
     reply = GroupReply(mode=mode)
-    ends, kept, row = [], [], 0
-    for n, every in zip(batch.extend_lens, batch.all_logits, strict=True):
+    starts, kept, row = [], [], 0
+    for n, every, spec in zip(batch.extend_lens, batch.all_logits, samples, strict=True):
         rows = n if every else 1
-        if every:
+        if spec.keep_logits:
             kept.append(torch.arange(row, row + rows))
+        starts.append(row)
         row += rows
-        ends.append(row - 1)
-    greedy = [i for i, s in enumerate(samples) if s is not None and s.temperature == 0.0]
+    ends = [
+        start + (n if every else 1) - 1
+        for start, n, every in zip(starts, batch.extend_lens, batch.all_logits, strict=True)
+    ]
+    greedy = [i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0]
     picked = dict(zip(greedy, logits[[ends[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
+        reply.prompt_logprobs.append(
+            [
+                token_logprobs(logits[starts[i] + j], t, spec.prompt_logprobs or 0)
+                for j, t in enumerate(spec.next_ids)
+            ]
+        )
         token, lp, error = None, None, None
-        if spec is not None:
+        if spec.draw:
             try:
                 token = picked[i] if i in picked else sample(logits[ends[i]], spec)
                 if spec.logprobs is not None:
