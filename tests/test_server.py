@@ -254,8 +254,6 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logprobs", 2),
-        ("echo", True),
         ("logit_bias", {"5": 10}),
         ("presence_penalty", 0.5),
         ("frequency_penalty", -1),
@@ -280,8 +278,6 @@ def test_a_completion_field_not_implemented_is_refused_by_name(served, field, va
 @pytest.mark.parametrize(
     "extra",
     [
-        dict(logprobs=True),
-        dict(top_logprobs=3),
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         dict(
@@ -350,6 +346,7 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, cap
     assert after["moe_overlap_ranks_healthy"] == 1
     assert after["moe_overlap_kv_slots_total"] == SLOTS
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
+    assert grew["moe_overlap_forwards_total{none}"] == 12  # one at a time: 6 steps each
     code, version = served.raw("GET", "/version", key="")
     assert code == 200 and version["version"]
     code, schema = served.raw("GET", "/openapi.json", key="")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
 
@@ -58,6 +59,8 @@ class EngineLoop:
         self._down: str | None = None  # a rank died while the engine was idle (the watcher)
         self._step_since: float | None = None  # when the step now running began
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # called on the engine's thread with each step's reply (the metrics count its modes)
+        self.step_listeners: list[Callable[[StepReply], None]] = []
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -126,6 +129,7 @@ class EngineLoop:
                     self._step_since = time.monotonic()
                     done = self.llm.step()
                     self._step_since = None
+                    self._heard(self.llm.last_reply)
                     for req in done:
                         self._tell(req)
         except BaseException as exc:  # a rank failed: every request hears why
@@ -140,6 +144,12 @@ class EngineLoop:
         self._live.clear()
         if self.error:
             self.llm.close()
+
+    def _heard(self, reply: StepReply | None) -> None:
+        if reply is None:
+            return
+        for hear in self.step_listeners:
+            hear(reply)
 
     def _watch(self) -> None:
         """Wake the loop when a rank process ends, so an idle engine notices at once."""

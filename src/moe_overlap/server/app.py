@@ -18,6 +18,7 @@ from moe_overlap.server.guards import (
     error_response,
     install_guards,
 )
+from moe_overlap.server.logprobs import TokenText
 from moe_overlap.server.observability import (
     RequestMetrics,
     ServerMetrics,
@@ -30,7 +31,7 @@ from moe_overlap.server.protocol import (
     SamplingFields,
     bad_unicode,
 )
-from moe_overlap.server.responses import DONE, Choice, Formatter, sse
+from moe_overlap.server.responses import DONE, Formatter, sse
 from moe_overlap.server.submission import Submission
 from moe_overlap.server.unsupported import unsupported_field
 
@@ -58,8 +59,12 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_fields(body, settings, chat=False)
-        prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(body.prompts())]
-        call = (body, prompts, body.max_tokens, False, request)
+        texts = body.prompts()
+        prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(texts)]
+        if body.max_tokens == 0 and not body.echo:
+            message = "max_tokens=0 returns nothing without echo=true (scoring a prompt)"
+            raise APIError(400, message, "invalid_value", "max_tokens")
+        call = (body, prompts, texts, body.max_tokens, False, request)
         return await _serve(engine, settings, metrics, *call)
 
     @app.post("/v1/chat/completions")
@@ -73,7 +78,8 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
         )
         prompt = tok.encode(text, add_special_tokens=False)
         limit = body.max_completion_tokens or body.max_tokens
-        return await _serve(engine, settings, metrics, body, [prompt], limit, True, request)
+        call = (body, [prompt], None, limit, True, request)
+        return await _serve(engine, settings, metrics, *call)
 
     return app
 
@@ -153,6 +159,7 @@ async def _serve(
     metrics: ServerMetrics,
     body: SamplingFields,
     prompts: list[list[int]],
+    texts: list[str | list[int]] | None,
     limit: int | None,
     chat: bool,
     request: Request,
@@ -162,7 +169,7 @@ async def _serve(
     if engine.error:
         raise EngineDead(engine.error)
     params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
-    fmt = Formatter(chat, settings.model_name, [len(ids) for ids in prompts])
+    fmt = _formatter(engine, settings, body, prompts, texts, chat)
     timed = metrics.request(fmt.id)
     sub = Submission(engine)
     try:
@@ -175,7 +182,7 @@ async def _serve(
         usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _events(sub, fmt, len(prompts), usage, request, timed)
         return StreamingResponse(events, media_type="text/event-stream")
-    choices = [Choice() for _ in prompts]
+    choices = fmt.choices()
     try:
         async for index, delta in sub.deltas(request.is_disconnected):
             timed.delta(index, delta)
@@ -185,7 +192,7 @@ async def _serve(
                 raise EngineDead(delta.error)
             if delta.failed:
                 raise APIError(500, f"prompt {index} failed: {delta.failed}", "request_failed")
-            choices[index].add(delta)
+            fmt.add(choices[index], index, delta)
     finally:
         sub.close()
         timed.close(len(prompts))
@@ -197,7 +204,7 @@ async def _events(
 ) -> AsyncIterator[str]:
     """The stream: deltas as they come, then usage if asked, then [DONE]. A client that goes
     away cancels this generator, and ``close`` aborts what it had asked for."""
-    choices = [Choice() for _ in range(n)]
+    choices = fmt.choices()
     try:
         if fmt.chat:
             for i in range(n):
@@ -210,14 +217,36 @@ async def _events(
             if delta.failed:
                 yield sse(request_failed_body(f"prompt {index} failed: {delta.failed}"))
                 break
-            choices[index].add(delta)
-            yield fmt.chunk(index, delta)
+            fmt.add(choices[index], index, delta)
+            yield fmt.chunk(index, delta, choices[index])
         if usage:
             yield fmt.usage_chunk(choices)
         yield DONE
     finally:
         sub.close()
         timed.close(n)
+
+
+def _formatter(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    texts: list[str | list[int]] | None,
+    chat: bool,
+) -> Formatter:
+    """The call's formatter: with ``echo`` each choice starts with its prompt's text (as sent,
+    or decoded from ids), and its log-probabilities when asked."""
+    tok = engine.llm.tokenizer
+    echo = None
+    if texts is not None and getattr(body, "echo", False):
+        decode = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
+        shown = [t if isinstance(t, str) else decode(t) for t in texts]
+        echo = list(zip(prompts, shown, strict=True))
+    asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
+    return Formatter(
+        chat, settings.model_name, [len(ids) for ids in prompts], echo, asked, TokenText(tok)
+    )
 
 
 def stopped_body(why: str) -> dict:

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from moe_overlap.core.step import StepReply
 from moe_overlap.engine.loop import Delta, EngineLoop
 
 logger = logging.getLogger("moe_overlap.server")
@@ -92,6 +93,19 @@ class ServerMetrics:
             ["mode"],
             registry=r,
         ).labels(overlap_mode).set(1)
+        forwards = Counter(
+            "moe_overlap_forwards",
+            "Forwards by the overlap scheme each ran, per data-parallel group (under auto: the "
+            "mode it chose for that forward; none where a scheme declined the batch)",
+            ["mode"],
+            registry=r,
+        )
+
+        def count_modes(reply: StepReply) -> None:
+            for group in reply.groups:
+                forwards.labels(group.mode).inc()
+
+        engine.step_listeners.append(count_modes)
         self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line
         self._last_log = (time.monotonic(), 0, 0)
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from moe_overlap.engine.request import DEFAULT_TEMPERATURE, SamplingParams
+from moe_overlap.engine.request import DEFAULT_TEMPERATURE, MAX_LOGPROBS, SamplingParams
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 
@@ -35,9 +35,19 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    def token_logprobs(self) -> int | None:
+        """Alternatives per generated token to return, or None (no log-probabilities)."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to return (echo), or None."""
+        return None
+
     def params(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
+            logprobs=self.token_logprobs(),
+            prompt_logprobs=self.prompt_logprobs(),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
@@ -51,7 +61,20 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 with echo scores the prompt (lm-eval's loglikelihood)
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        if not self.echo:
+            return None
+        if self.logprobs is None and self.max_tokens == 0:
+            return 0  # the engine scores a prompt only when it computes these
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or not self.prompt:
@@ -83,6 +106,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

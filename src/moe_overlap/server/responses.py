@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from moe_overlap.engine.loop import Delta
+from moe_overlap.server.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from moe_overlap.server.protocol import FINISH_REASONS
 
 DONE = "data: [DONE]\n\n"
@@ -26,23 +27,58 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    entries: list[Entry] = field(default_factory=list)  # tokens with their logprobs
+    started: bool = False
+    last: str = ""  # the text the last delta added
+    entries_before: int = 0  # where the last delta's entries start
 
-    def add(self, delta: Delta) -> None:
-        self.text += delta.text
+    def add(self, delta: Delta, echo: tuple[list[int], str] | None = None) -> None:
+        """Take a delta; the first one echoes the prompt (its text and log-probabilities)."""
+        added = delta.text
+        self.entries_before = len(self.entries)
+        if echo is not None and not self.started:
+            ids, prompt = echo
+            added = prompt + added
+            if delta.prompt_logprobs is not None:
+                self.entries += zip(ids, delta.prompt_logprobs, strict=True)
+        self.started = True
+        self.text += added
         self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.entries += zip(delta.token_ids, delta.logprobs, strict=True)
         self.prompt_tokens = delta.prompt_tokens
         if delta.finish_reason:
             self.finish_reason = FINISH_REASONS[delta.finish_reason]
+        self.last = added
 
 
 class Formatter:
-    """The ids, timestamps and shapes of one call's responses (``chat`` or completion)."""
+    """The ids, timestamps and shapes of one call's responses (``chat`` or completion).
+    ``echo``: per choice, the prompt's ids and text to put before its output; ``logprobs``:
+    the choices carry their tokens' log-probabilities, written by ``token_text``."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: list[int]):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        prompt_tokens: list[int],
+        echo: list[tuple[list[int], str]] | None = None,
+        logprobs: bool = False,
+        token_text: TokenText | None = None,
+    ):
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens  # per choice
+        self.echo, self.logprobs = echo, logprobs
+        self.token_text = token_text or TokenText(None)
+        self._streamed_chars: dict[int, int] = {}  # per choice: its token strings' length
+
+    def choices(self) -> list[Choice]:
+        return [Choice() for _ in self.prompt_tokens]
+
+    def add(self, choice: Choice, index: int, delta: Delta) -> None:
+        choice.add(delta, None if self.echo is None else self.echo[index])
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {
@@ -62,43 +98,54 @@ class Formatter:
             "total_tokens": prompt + completion,
         }
 
-    def whole(self, choices: list[Choice]) -> dict:
+    def _logprobs(self, entries: list[Entry], offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
         if self.chat:
-            body = [
+            return chat_logprobs(entries, self.token_text)
+        return completion_logprobs(entries, self.token_text, offset)
+
+    def whole(self, choices: list[Choice]) -> dict:
+        body = []
+        for i, c in enumerate(choices):
+            if self.chat:
+                out: dict = {"message": {"role": "assistant", "content": c.text}}
+            else:
+                out = {"text": c.text}
+            body.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text},
+                    **out,
                     "finish_reason": c.finish_reason,
-                    "logprobs": None,
+                    "logprobs": self._logprobs(c.entries, 0),
                     "token_ids": c.token_ids,
                 }
-                for i, c in enumerate(choices)
-            ]
-        else:
-            body = [
-                {
-                    "index": i,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": None,
-                    "token_ids": c.token_ids,
-                }
-                for i, c in enumerate(choices)
-            ]
+            )
         name = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(name, body), "usage": self.usage(choices)}
 
-    def chunk(self, index: int, delta: Delta | None) -> str:
-        """One streamed event: a delta of choice ``index`` (None: the chat's opening role)."""
+    def chunk(self, index: int, delta: Delta | None, choice: Choice | None = None) -> str:
+        """One streamed event: a delta of choice ``index`` (None: the chat's opening role),
+        already added to ``choice``, whose last ``len(delta's tokens)`` entries it carries."""
         reason = FINISH_REASONS[delta.finish_reason] if delta and delta.finish_reason else None
         ids = delta.token_ids if delta else []
+        text, offset, entries = "", 0, []
+        if delta is not None and choice is not None:
+            text = choice.last
+            entries = choice.entries[choice.entries_before :]
+            # offsets count the token strings (vLLM's rule), as the whole response's do
+            offset = self._streamed_chars.get(index, 0)
+            chars = sum(len(self.token_text(t)) for t, _ in entries)
+            self._streamed_chars[index] = offset + chars
         if self.chat:
-            part = {"content": delta.text} if delta else {"role": "assistant", "content": ""}
-            choice = {"index": index, "delta": part, "finish_reason": reason, "token_ids": ids}
-            return sse(self._envelope("chat.completion.chunk", [choice]))
-        text = delta.text if delta else ""
-        choice = {"index": index, "text": text, "finish_reason": reason, "token_ids": ids}
-        return sse(self._envelope("text_completion", [{**choice, "logprobs": None}]))
+            part = {"content": text} if delta else {"role": "assistant", "content": ""}
+            choice_body = {"index": index, "delta": part, "finish_reason": reason}
+            logprobs = self._logprobs(entries, offset) if delta else None
+            body = {**choice_body, "logprobs": logprobs, "token_ids": ids}
+            return sse(self._envelope("chat.completion.chunk", [body]))
+        body = {"index": index, "text": text, "finish_reason": reason, "token_ids": ids}
+        logprobs = self._logprobs(entries, offset)
+        return sse(self._envelope("text_completion", [{**body, "logprobs": logprobs}]))
 
     def usage_chunk(self, choices: list[Choice]) -> str:
         name = "chat.completion.chunk" if self.chat else "text_completion"

@@ -20,14 +20,10 @@ _BOTH = {
     "response_format": ((None, {"type": "text"}), "structured output (only text)"),
 }
 _COMPLETIONS = {
-    "logprobs": ((None,), "log-probabilities"),
-    "echo": ((None, False), "echo"),
     "best_of": ((None, 1), "best_of"),
     "suffix": ((None, ""), "suffix (insertion)"),
 }
 _CHAT = {
-    "logprobs": ((None, False), "log-probabilities"),
-    "top_logprobs": ((None, 0), "log-probabilities"),
     "tools": ((None, []), "tools"),
     "tool_choice": ((None, "none", "auto"), "tools"),
     "functions": ((None, []), "functions"),

@@ -1,0 +1,126 @@
+"""Log-probabilities and echo over HTTP, with the official ``openai`` client against a server on
+two expert-parallel ranks with TBO: the values equal the offline engine's, in OpenAI's shapes,
+whole and streamed; prompt scoring (``echo`` with ``max_tokens`` 0) is what lm-eval's
+log-likelihood requests send."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_overlap import LLM, SamplingParams
+from tests.test_server import KEY, Running, served_model
+
+PROMPT = "Question 3: where is the river?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return served_model(tmp_path_factory, "logprobs")
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    run = Running(LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20), api_key=KEY)
+    yield run
+    run.stop()
+    assert run.error is None
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The offline engine's tokens and log-probabilities for PROMPT."""
+    with LLM(model_dir) as llm:
+        ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+        params = SamplingParams(
+            temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2
+        )
+        return llm, ids, llm.generate([ids], params)[0]
+
+
+def _text(llm: LLM, token_id: int) -> str:
+    return llm.tokenizer.decode([token_id])
+
+
+def test_completion_logprobs_equal_the_offline_engine(served, offline):
+    llm, _, want = offline
+    reply = served.client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = reply.choices[0].logprobs
+    assert reply.choices[0].token_ids == want.token_ids
+    assert lp.tokens == [_text(llm, t) for t in want.token_ids]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    for top, x in zip(lp.top_logprobs, want.logprobs, strict=True):
+        assert max(top, key=top.get) == _text(llm, x.top[0][0])
+        assert {_text(llm, t) for t, _ in x.top} <= set(top)
+    text = reply.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(served, offline):
+    llm, ids, want = offline
+    reply = served.client().completions.create(
+        model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.token_ids == [] and choice.text == llm.tokenizer.decode(ids)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    offline_scores = [x.logprob for x in want.prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:] == pytest.approx(offline_scores, abs=1e-4)
+    assert lp.tokens == [_text(llm, t) for t in ids]
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 0
+
+
+def test_echo_puts_the_prompt_before_the_output_whole_and_streamed(served, offline):
+    llm, ids, want = offline
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=0)
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = served.client().completions.create(**kw).choices[0]
+    assert whole.text.startswith(PROMPT) and whole.token_ids == want.token_ids
+    assert len(whole.logprobs.tokens) == len(ids) + len(want.token_ids)
+    chunks = list(served.client().completions.create(stream=True, **kw))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == whole.text
+    token_logprobs = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert token_logprobs == whole.logprobs.token_logprobs
+    offsets = [v for c in streamed if c.logprobs for v in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+
+
+def test_chat_logprobs_and_top_logprobs(served, offline):
+    llm = offline[0]
+    reply = served.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [_text(llm, t) for t in choice.token_ids]
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+        assert c.bytes == list(c.token.encode())
+    streamed = served.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}, stream=True,
+    )  # fmt: skip
+    tokens = [c.token for k in streamed if k.choices and k.choices[0].logprobs
+              for c in k.choices[0].logprobs.content]  # fmt: skip
+    assert tokens == [c.token for c in content]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "without echo"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ],
+)
+def test_bad_logprob_requests_are_refused_by_name(served, body, param, words):
+    code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    assert code == 400 and reply["error"]["param"] == param, reply
+    assert words in reply["error"]["message"]
