@@ -254,13 +254,8 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logit_bias", {"5": 10}),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("repetition_penalty", 1.2),
         ("best_of", 3),
         ("suffix", "end"),
-        ("min_tokens", 2),
         ("response_format", {"type": "json_object"}),
     ],
 )

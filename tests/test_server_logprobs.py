@@ -113,11 +113,27 @@ def test_chat_logprobs_and_top_logprobs(served, offline):
     assert tokens == [c.token for c in content]
 
 
+def test_penalties_and_logit_bias_pass_through(served, offline):
+    llm, ids, _ = offline
+    kw = dict(frequency_penalty=1.2, presence_penalty=0.4, logit_bias={9: 5.0}, min_tokens=2)
+    want = llm.generate(
+        [ids], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, **kw)
+    )[0]
+    extra = {"ignore_eos": True, "min_tokens": 2}
+    reply = served.client().completions.create(
+        model="tiny", prompt=ids, max_tokens=5, temperature=0, frequency_penalty=1.2,
+        presence_penalty=0.4, logit_bias={"9": 5.0}, extra_body=extra,
+    )  # fmt: skip
+    assert reply.choices[0].token_ids == want.token_ids
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "without echo"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, None, "logit_bias key 'x' is not a token id"),
+        ({"prompt": "hi", "presence_penalty": 3}, None, "presence_penalty=3.0 must be in [-2, 2]"),
     ],
 )
 def test_bad_logprob_requests_are_refused_by_name(served, body, param, words):

@@ -20,6 +20,22 @@ from moe_overlap.core.timeline import Span
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """vLLM's logit adjustments, made before temperature and the cuts (never to logprobs):
+    stop tokens masked until ``min_tokens`` are generated, ``logit_bias`` added, repeated
+    tokens penalised. Only a sequence that asks for one carries these, with its history."""
+
+    presence: float = 0.0  # subtracted once from every token already generated
+    frequency: float = 0.0  # subtracted per time a token was generated
+    repetition: float = 1.0  # > 1 divides positive and multiplies negative logits of seen tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()  # EOS and the stop token ids, masked below min_tokens
+    prompt_ids: tuple[int, ...] = ()  # seen, for the repetition penalty
+    output_ids: tuple[int, ...] = ()  # generated so far
+
+
+@dataclass(frozen=True)
 class SampleSpec:
     """How to pick one sequence's next token from its last logits row."""
 
@@ -35,6 +51,7 @@ class SampleSpec:
     keep_logits: bool = False  # its logit rows come back (the exactness tests)
     prompt_logprobs: int | None = None
     next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
+    penalties: Penalties | None = None
 
 
 @dataclass

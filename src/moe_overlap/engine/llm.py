@@ -200,7 +200,16 @@ class LLM:
         seed = params.seed if params.seed is not None else self.seed + self._next_id
         self._next_id += 1
         text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        return Request(self._next_id, ids, params, return_logits, seed=seed, text=text)
+        bias = [t for t in params.logit_bias or {} if t >= self.config.vocab_size]
+        if bias:
+            raise InvalidRequestError(
+                f"{where}: logit_bias names token id {bias[0]}, outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        eos = self.config.eos_token_id
+        return Request(
+            self._next_id, ids, params, return_logits, seed=seed, text=text, eos_token_id=eos
+        )
 
     def close(self) -> None:
         self.executor.close()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.core.errors import is_finite_number, is_int
-from moe_overlap.core.step import SampleSpec, TokenLogprobs
+from moe_overlap.core.step import Penalties, SampleSpec, TokenLogprobs
 from moe_overlap.engine.detokenize import TextStream
 
 # Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
@@ -36,6 +36,12 @@ class SamplingParams:
     # log-probabilities of each prompt token after the first given the ones before it (and of
     # the ``prompt_logprobs`` likeliest); with max_new_tokens=0 a request only scores its prompt
     prompt_logprobs: int | None = None
+    # vLLM's penalties and biases, applied on the ranks before temperature (never to logprobs)
+    presence_penalty: float = 0.0  # [-2, 2], once per token already generated
+    frequency_penalty: float = 0.0  # [-2, 2], per time a token was generated
+    repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of the prompt and output
+    logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
 
     def __post_init__(self) -> None:
         self.stop = _listed("stop", self.stop, str)
@@ -67,6 +73,42 @@ class SamplingParams:
                     raise InvalidRequestError(f"{name}={value} must be at most {MAX_LOGPROBS}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _number(name, value)
+            if not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
+        _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)"
+            )
+        _integer("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
+            )
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict):
+            raise InvalidRequestError(f"logit_bias={bias!r:.40} must map token ids to biases")
+        for token, value in bias.items():
+            _integer("logit_bias", token, minimum=0, note=" (a token id as key)")
+            _number(f"logit_bias[{token}]", value)
+        self.logit_bias = {t: min(100.0, max(-100.0, float(v))) for t, v in bias.items()}
+
+    @property
+    def penalised(self) -> bool:
+        """Any adjustment of the logits asked for (else the rank samples them as they are)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 def _listed(name: str, value: object, kind: type) -> list:
@@ -124,6 +166,7 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
     told: bool = False  # a listener has heard from it (the first delta carries prompt_logprobs)
+    eos_token_id: int | None = None  # masked until min_tokens are generated
 
     @property
     def prompt_len(self) -> int:
@@ -164,6 +207,24 @@ class Request:
             keep_logits=self.return_logits and self.in_prefill,
             prompt_logprobs=p.prompt_logprobs,
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
+            penalties=self._penalties() if p.penalised else None,
+        )
+
+    def _penalties(self) -> Penalties:
+        """The adjustments with the history they need (sent each step: the rank keeps none)."""
+        p = self.params
+        stops = list(p.stop_token_ids or [])
+        if self.eos_token_id is not None:
+            stops.append(self.eos_token_id)
+        return Penalties(
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+            tuple((p.logit_bias or {}).items()),
+            p.min_tokens,
+            tuple(stops),
+            tuple(self.prompt_ids) if p.repetition_penalty != 1.0 else (),
+            tuple(self.output_ids),
         )
 
     def take(self, token: int, logprobs: TokenLogprobs | None) -> None:

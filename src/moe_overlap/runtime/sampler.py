@@ -8,6 +8,7 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import GroupReply, SampleSpec, TokenLogprobs
+from moe_overlap.runtime.penalties import penalised
 
 _MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
 
@@ -70,7 +71,9 @@ def answer(
         start + (n if every else 1) - 1
         for start, n, every in zip(starts, batch.extend_lens, batch.all_logits, strict=True)
     ]
-    greedy = [i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0]
+    greedy = [
+        i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0 and not s.penalties
+    ]
     picked = dict(zip(greedy, logits[[ends[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
         reply.prompt_logprobs.append(
@@ -82,7 +85,10 @@ def answer(
         token, lp, error = None, None, None
         if spec.draw:
             try:
-                token = picked[i] if i in picked else sample(logits[ends[i]], spec)
+                last = logits[ends[i]]
+                if spec.penalties is not None:
+                    last = penalised(last, spec.penalties, spec.index)
+                token = picked[i] if i in picked else sample(last, spec)
                 if spec.logprobs is not None:
                     lp = token_logprobs(logits[ends[i]], token, spec.logprobs)
             except Exception as exc:  # this sequence alone fails; the driver says why

@@ -8,7 +8,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from moe_overlap.engine.request import DEFAULT_TEMPERATURE, MAX_LOGPROBS, SamplingParams
+from moe_overlap.engine.request import (
+    DEFAULT_TEMPERATURE,
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 
@@ -34,6 +39,12 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # null is the default, as OpenAI's clients may send it
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids
+    min_tokens: int | None = None  # vLLM's extension
 
     def token_logprobs(self) -> int | None:
         """Alternatives per generated token to return, or None (no log-probabilities)."""
@@ -55,7 +66,22 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_token_keys(self.logit_bias),
+            min_tokens=self.min_tokens or 0,
         )
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias``'s string keys as token ids; a key that is not one is refused by name."""
+    if bias is None:
+        return None
+    bad = [k for k in bias if not k.strip().isdigit()]
+    if bad:
+        raise InvalidRequestError(f"logit_bias key {bad[0]!r} is not a token id")
+    return {int(k): v for k, v in bias.items()}
 
 
 class CompletionRequest(SamplingFields):

@@ -11,11 +11,6 @@ from collections.abc import Mapping
 # field -> the values that change nothing, and what to say when another is sent
 _BOTH = {
     "n": ((None, 1), "more than one choice per prompt; send the request n times"),
-    "logit_bias": ((None, {}), "logit_bias"),
-    "presence_penalty": ((None, 0), "presence_penalty"),
-    "frequency_penalty": ((None, 0), "frequency_penalty"),
-    "repetition_penalty": ((None, 1), "repetition_penalty"),
-    "min_tokens": ((None, 0), "min_tokens"),
     "min_p": ((None, 0), "min_p"),
     "response_format": ((None, {"type": "text"}), "structured output (only text)"),
 }
