@@ -109,3 +109,42 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused(engines):
     one, _ = engines
     with pytest.raises(InvalidRequestError, match="logit_bias names token id 9999, outside"):
         one.generate([PROMPT], SamplingParams(logit_bias={9999: 1.0}))
+
+
+SAMPLED = dict(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=11)
+
+
+def test_n_returns_the_candidates_each_seeded_as_its_own_request(engines):
+    one, _ = engines
+    out = one.generate([PROMPT], SamplingParams(n=3, **SAMPLED))[0]
+    alone = [
+        one.generate([PROMPT], SamplingParams(**{**SAMPLED, "seed": 11 + k}))[0].token_ids
+        for k in range(3)
+    ]
+    assert [o.token_ids for o in out.outputs] == alone and out.token_ids == alone[0]
+    assert len({tuple(a) for a in alone}) > 1  # the seeds differ, so do the samples
+
+
+def test_best_of_returns_the_n_likeliest_candidates(engines):
+    one, _ = engines
+    out = one.generate([PROMPT], SamplingParams(n=2, best_of=4, **SAMPLED))[0]
+    scored = [
+        one.generate([PROMPT], SamplingParams(**{**SAMPLED, "seed": 11 + k}, logprobs=0))[0]
+        for k in range(4)
+    ]
+    best = sorted(scored, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in best]
+    assert out.logprobs is None and out.outputs[1].logprobs is None  # not asked
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(n=0), "n=0 must be an integer >= 1"),
+        (dict(n=3, best_of=2), "best_of=2 must be an integer >= n=3"),
+        (dict(best_of=65), "best_of=65 .* must be at most 64"),
+    ],
+)
+def test_bad_n_or_best_of_is_refused(engines, kw, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        engines[0].generate([PROMPT], SamplingParams(**kw))

@@ -140,3 +140,30 @@ def test_bad_logprob_requests_are_refused_by_name(served, body, param, words):
     code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
     assert code == 400 and reply["error"]["param"] == param, reply
     assert words in reply["error"]["message"]
+
+
+def test_n_and_best_of_over_http(served, offline):
+    llm, ids, _ = offline
+    sampled = dict(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=3)
+    want = llm.generate([ids], SamplingParams(n=2, best_of=3, **sampled))[0]
+    kw = dict(model="tiny", prompt=ids, max_tokens=5, temperature=1.0, seed=3)
+    reply = served.client().completions.create(
+        n=2, best_of=3, extra_body={"ignore_eos": True}, **kw
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.token_ids for c in reply.choices] == [o.token_ids for o in want.outputs]
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 10
+    whole = served.client().completions.create(n=2, extra_body={"ignore_eos": True}, **kw)
+    chunks = served.client().completions.create(
+        n=2, stream=True, extra_body={"ignore_eos": True}, **kw
+    )
+    texts = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in whole.choices]
+    code, body = served.raw(
+        "POST", "/v1/completions",
+        json.dumps({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}).encode(),
+    )  # fmt: skip
+    assert code == 400 and body["error"]["param"] == "best_of"

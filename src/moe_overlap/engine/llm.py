@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.step import StepReply, StepRequest
+from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.engine.layout_checks import check_settings
@@ -141,11 +143,13 @@ class LLM:
             self.executor.serve()
             return []
         try:
-            requests = [
-                self.make_request(f"prompt {i}", p, sp, return_logits)
+            asked = [
+                [self.make_request(f"prompt {i}", p, c, return_logits) for c in candidates(sp)]
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
             ]
-            return self._run(requests, progress)
+            outs = iter(self._run([req for group in asked for req in group], progress))
+            groups = zip(params, asked, strict=True)
+            return [_pick(sp, [next(outs) for _ in group]) for sp, group in groups]
         finally:
             self.executor.end_generate()  # releases torchrun ranks > 0
 
@@ -219,6 +223,18 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _pick(params: SamplingParams, outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's output: its one request's, or with n > 1 the first of the n it returns."""
+    if len(outs) == 1:
+        return outs[0]
+    picked = [outs[k] for k in chosen(params, [o.cumulative_logprob for o in outs])]
+    if params.logprobs is None:  # asked only to rank the candidates
+        for out in picked:
+            out.logprobs = out.cumulative_logprob = None
+    first = dataclasses.replace(picked[0], outputs=picked)
+    return first
 
 
 def _token_ids(where: str, prompt: object) -> list[int]:

@@ -42,6 +42,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of the prompt and output
     logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
+    n: int = 1  # outputs per prompt
+    best_of: int | None = None  # candidates per prompt, the n likeliest returned (>= n)
 
     def __post_init__(self) -> None:
         self.stop = _listed("stop", self.stop, str)
@@ -146,6 +148,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
     cumulative_logprob: float | None = None  # their sum
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, first None
+    # with n > 1: the prompt's n outputs (this one first); its other fields are outputs[0]'s
+    outputs: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity, not field by field

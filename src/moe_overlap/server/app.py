@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.loop import SHUTTING_DOWN, EngineDead, EngineLoop
+from moe_overlap.engine.request import SamplingParams
 from moe_overlap.server.guards import (
     APIError,
     ServerSettings,
@@ -31,7 +33,7 @@ from moe_overlap.server.protocol import (
     SamplingFields,
     bad_unicode,
 )
-from moe_overlap.server.responses import DONE, Formatter, sse
+from moe_overlap.server.responses import DONE, Choice, Formatter, sse
 from moe_overlap.server.submission import Submission
 from moe_overlap.server.unsupported import unsupported_field
 
@@ -169,18 +171,24 @@ async def _serve(
     if engine.error:
         raise EngineDead(engine.error)
     params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
-    fmt = _formatter(engine, settings, body, prompts, texts, chat)
+    asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
+    k = len(asked[0])
+    if body.stream and k > body.n:
+        message = f"best_of={k} > n={body.n} cannot be streamed: the best are known at the end"
+        raise APIError(400, message, "invalid_value", "best_of")
+    fmt = _formatter(engine, settings, body, prompts, texts, chat, k)
     timed = metrics.request(fmt.id)
     sub = Submission(engine)
     try:
-        for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-            sub.add(i, ids, sp)
+        for i, (ids, group) in enumerate(zip(prompts, asked, strict=True)):
+            for j, sp in enumerate(group):
+                sub.add(i * k + j, ids, sp)
     except BaseException:
         sub.close()
         raise
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(sub, fmt, len(prompts), usage, request, timed)
+        events = _events(sub, fmt, len(prompts) * k, usage, request, timed)
         return StreamingResponse(events, media_type="text/event-stream")
     choices = fmt.choices()
     try:
@@ -195,8 +203,17 @@ async def _serve(
             fmt.add(choices[index], index, delta)
     finally:
         sub.close()
-        timed.close(len(prompts))
-    return fmt.whole(choices)
+        timed.close(len(choices))
+    return fmt.whole(_best(params, choices, k))
+
+
+def _best(params: list[SamplingParams], choices: list[Choice], k: int) -> list[Choice]:
+    """Each prompt's ``n`` choices out of its ``k`` candidates (by total log-probability)."""
+    picked = []
+    for i, sp in enumerate(params):
+        group = choices[i * k : (i + 1) * k]
+        picked += [group[j] for j in chosen(sp, [c.cumulative for c in group])]
+    return picked
 
 
 async def _events(
@@ -234,6 +251,7 @@ def _formatter(
     prompts: list[list[int]],
     texts: list[str | list[int]] | None,
     chat: bool,
+    per_prompt: int,
 ) -> Formatter:
     """The call's formatter: with ``echo`` each choice starts with its prompt's text (as sent,
     or decoded from ids), and its log-probabilities when asked."""
@@ -242,11 +260,11 @@ def _formatter(
     if texts is not None and getattr(body, "echo", False):
         decode = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
         shown = [t if isinstance(t, str) else decode(t) for t in texts]
-        echo = list(zip(prompts, shown, strict=True))
+        echo = [e for e in zip(prompts, shown, strict=True) for _ in range(per_prompt)]
     asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
-    return Formatter(
-        chat, settings.model_name, [len(ids) for ids in prompts], echo, asked, TokenText(tok)
-    )
+    lengths = [len(ids) for ids in prompts]
+    name = settings.model_name
+    return Formatter(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
 
 
 def stopped_body(why: str) -> dict:

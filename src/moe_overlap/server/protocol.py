@@ -45,6 +45,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids
     min_tokens: int | None = None  # vLLM's extension
+    n: int = Field(default=1, ge=1)
 
     def token_logprobs(self) -> int | None:
         """Alternatives per generated token to return, or None (no log-probabilities)."""
@@ -52,6 +53,10 @@ class SamplingFields(BaseModel):
 
     def prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token to return (echo), or None."""
+        return None
+
+    def candidates(self) -> int | None:
+        """``best_of``: completions only."""
         return None
 
     def params(self, max_new_tokens: int) -> SamplingParams:
@@ -71,6 +76,8 @@ class SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=_token_keys(self.logit_bias),
             min_tokens=self.min_tokens or 0,
+            n=self.n,
+            best_of=self.candidates(),
         )
 
 
@@ -91,6 +98,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+
+    def candidates(self) -> int | None:
+        return self.best_of
 
     def token_logprobs(self) -> int | None:
         return self.logprobs

@@ -32,6 +32,8 @@ class Choice:
     last: str = ""  # the text the last delta added
     entries_before: int = 0  # where the last delta's entries start
 
+    cumulative: float = 0.0  # the generated tokens' log-probabilities, summed (best_of)
+
     def add(self, delta: Delta, echo: tuple[list[int], str] | None = None) -> None:
         """Take a delta; the first one echoes the prompt (its text and log-probabilities)."""
         added = delta.text
@@ -46,6 +48,7 @@ class Choice:
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.entries += zip(delta.token_ids, delta.logprobs, strict=True)
+            self.cumulative += sum(lp.logprob for lp in delta.logprobs)
         self.prompt_tokens = delta.prompt_tokens
         if delta.finish_reason:
             self.finish_reason = FINISH_REASONS[delta.finish_reason]
@@ -65,17 +68,19 @@ class Formatter:
         echo: list[tuple[list[int], str]] | None = None,
         logprobs: bool = False,
         token_text: TokenText | None = None,
+        per_prompt: int = 1,
     ):
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens  # per choice
+        self.prompt_tokens = prompt_tokens  # per prompt
+        self.per_prompt = per_prompt  # choices (candidates) per prompt; echo is per choice
         self.echo, self.logprobs = echo, logprobs
         self.token_text = token_text or TokenText(None)
         self._streamed_chars: dict[int, int] = {}  # per choice: its token strings' length
 
     def choices(self) -> list[Choice]:
-        return [Choice() for _ in self.prompt_tokens]
+        return [Choice() for _ in range(len(self.prompt_tokens) * self.per_prompt)]
 
     def add(self, choice: Choice, index: int, delta: Delta) -> None:
         choice.add(delta, None if self.echo is None else self.echo[index])

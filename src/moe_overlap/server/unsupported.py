@@ -10,12 +10,10 @@ from collections.abc import Mapping
 
 # field -> the values that change nothing, and what to say when another is sent
 _BOTH = {
-    "n": ((None, 1), "more than one choice per prompt; send the request n times"),
     "min_p": ((None, 0), "min_p"),
     "response_format": ((None, {"type": "text"}), "structured output (only text)"),
 }
 _COMPLETIONS = {
-    "best_of": ((None, 1), "best_of"),
     "suffix": ((None, ""), "suffix (insertion)"),
 }
 _CHAT = {
