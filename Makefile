@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test gpu-check lint clean
+.PHONY: demo test gpu-check lint eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 # and pytest already installed: nothing is installed, the package is read from src/.
 gpu-check:
 	PYTHONPATH=src $(PY) -m pytest tests/gpu -q -rs
+
+# lm-evaluation-harness against `serve --ep 2` with TBO (installs lm_eval, ~300 MB: not in the
+# test extra); its log-likelihoods and generations must equal the offline engine's.
+eval: $(STAMP)
+	$(BIN)/pip install -q "lm_eval[api]>=0.4.8"
+	$(BIN)/python scripts/lm_eval_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports && $(BIN)/mypy

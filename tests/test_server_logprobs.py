@@ -167,3 +167,22 @@ def test_n_and_best_of_over_http(served, offline):
         json.dumps({"prompt": "hi", "n": 1, "best_of": 2, "stream": True}).encode(),
     )  # fmt: skip
     assert code == 400 and body["error"]["param"] == "best_of"
+
+
+def test_lm_evals_loglikelihood_request_scores_a_continuation(served, offline):
+    """The body lm-eval's local-completions sends for log-likelihood (two requests batched):
+    it sums ``token_logprobs[ctxlen:-1]`` (the last entry is the generated token). `make eval`
+    runs lm-eval itself against a server; this is the same request without installing it."""
+    llm, ids, _ = offline
+    pairs = [(ids[:4], ids[4:9]), (ids[:2], ids[2:])]
+    body = {"model": "tiny", "prompt": [c + x for c, x in pairs], "temperature": 0,
+            "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    assert code == 200
+    for (ctx, cont), choice in zip(pairs, reply["choices"], strict=True):
+        got = sum(choice["logprobs"]["token_logprobs"][len(ctx) : -1])
+        scored = llm.generate([ctx + cont], SamplingParams(max_new_tokens=0, prompt_logprobs=0))
+        want = sum(lp.logprob for lp in scored[0].prompt_logprobs[len(ctx) :])
+        assert got == pytest.approx(want, abs=1e-4)
+        tops = choice["logprobs"]["top_logprobs"][len(ctx) : -1]
+        assert all(len(top) >= 1 for top in tops)
