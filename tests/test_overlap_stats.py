@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_overlap.core.overlap_stats import intersect, overlap_stats, subtract, union
 from moe_overlap.core.timeline import Span
-from moe_overlap.tools.overlap_stats import intersect, overlap_stats, subtract, union
 
 
 def test_interval_arithmetic():

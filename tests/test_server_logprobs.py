@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_overlap import LLM, SamplingParams
-from tests.test_server import KEY, Running, served_model
+from tests.test_server import KEY, Running, _metrics, served_model
 
 PROMPT = "Question 3: where is the river?"
 
@@ -22,7 +22,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    run = Running(LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20), api_key=KEY)
+    llm = LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20)
+    run = Running(llm, api_key=KEY, metrics_record_every=1)
     yield run
     run.stop()
     assert run.error is None
@@ -186,3 +187,19 @@ def test_lm_evals_loglikelihood_request_scores_a_continuation(served, offline):
         assert got == pytest.approx(want, abs=1e-4)
         tops = choice["logprobs"]["top_logprobs"][len(ctx) : -1]
         assert all(len(top) >= 1 for top in tops)
+
+
+def test_metrics_count_the_modes_run_and_the_communication_hidden(served):
+    before = _metrics(served)
+    served.client().completions.create(model="tiny", prompt="a b c d e f", max_tokens=4)
+    after = _metrics(served)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    forwards = {k: v for k, v in grew.items() if k.startswith("moe_overlap_forwards_total")}
+    assert sum(forwards.values()) >= 2 * 4  # two data-parallel groups, four steps at least
+    assert set(forwards) <= {f"moe_overlap_forwards_total{{{m}}}" for m in ("tbo", "none")}
+    comm, hidden = (
+        grew["moe_overlap_comm_seconds_total"],
+        grew["moe_overlap_comm_hidden_seconds_total"],
+    )
+    assert comm > 0 and 0 <= hidden <= comm  # every step recorded: two ranks all-to-all
+    assert 0 <= after["moe_overlap_comm_hidden_share"] <= 1

@@ -170,11 +170,11 @@ class LLM:
             raise
         return [done[req.request_id].to_output() for req in requests]
 
-    def step(self) -> list[Request]:
+    def step(self, record: bool = False) -> list[Request]:
         """Run one forward of every running request; return those that got a token (the
         finished ones have ``finish_reason`` set and have left the scheduler)."""
         step = self.scheduler.schedule()
-        request = StepRequest(step.batches, step.samples(), prefill=step.prefill)
+        request = StepRequest(step.batches, step.samples(), record=record, prefill=step.prefill)
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)
         return step.sampled  # a prefill wave's requests get their first token with its last range

@@ -48,8 +48,10 @@ Listener = Callable[[Delta], None]
 class EngineLoop:
     """Drives ``llm`` from a thread of its own. ``llm`` must not be used directly meanwhile."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, record_every: int = 0):
         self.llm = llm
+        self.record_every = record_every  # every Nth step records the ranks' timelines
+        self._steps = 0
         self._wake = threading.Condition()
         self._new: list[tuple[Request, Listener]] = []
         self._aborted: set[int] = set()
@@ -127,7 +129,9 @@ class EngineLoop:
             while self._take_inbox():
                 if self.llm.scheduler.has_work():
                     self._step_since = time.monotonic()
-                    done = self.llm.step()
+                    self._steps += 1
+                    every = self.record_every
+                    done = self.llm.step(record=every > 0 and self._steps % every == 0)
                     self._step_since = None
                     self._heard(self.llm.last_reply)
                     for req in done:

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.loop import Delta, EngineLoop
 
@@ -101,9 +102,29 @@ class ServerMetrics:
             registry=r,
         )
 
+        comm, hidden = (
+            Counter(f"moe_overlap_{name}_seconds", doc, registry=r)
+            for name, doc in (
+                ("comm", "Seconds of communication in flight, summed over ranks, in recorded "
+                 "steps (--metrics-record-every)"),
+                ("comm_hidden", "Of those, seconds during which the rank computed too"),
+            )
+        )  # fmt: skip
+        share = Gauge(
+            "moe_overlap_comm_hidden_share",
+            "Share of communication hidden behind computation in the last recorded step",
+            registry=r,
+        )
+
         def count_modes(reply: StepReply) -> None:
             for group in reply.groups:
                 forwards.labels(group.mode).inc()
+            if reply.spans and all(s is not None for s in reply.spans):
+                stats = combined([overlap_stats(s or []) for s in reply.spans])
+                comm.inc(stats.comm_s)
+                hidden.inc(stats.hidden_s)
+                if stats.hidden_share is not None:
+                    share.set(stats.hidden_share)
 
         engine.step_listeners.append(count_modes)
         self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line

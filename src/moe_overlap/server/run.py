@@ -54,7 +54,7 @@ class Server:
         log_level: str = "warning",
         on_started: Callable[[], None] | None = None,
     ):
-        self.engine = EngineLoop(llm)
+        self.engine = EngineLoop(llm, record_every=settings.metrics_record_every)
         self.settings, self.on_started = settings, on_started
         self.app = build_app(self.engine, settings)
         self.metrics = self.app.state.metrics

@@ -85,6 +85,12 @@ class ServerSettings:
         "an error (a second signal stops at once)",
         group="server limits",
     )
+    metrics_record_every: int = setting(
+        20,
+        "record every Nth step's timeline on the ranks for /metrics' share of communication "
+        "hidden (a recorded step costs a little more; 0: never)",
+        group="server",
+    )
     log_level: str = setting(
         "info",
         "log level of the server's loggers and uvicorn's (info: a line per finished request "
@@ -100,6 +106,10 @@ class ServerSettings:
             raise ConfigError(f"--max-request-bytes={self.max_request_bytes} must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ConfigError(f"--max-prompt-tokens={self.max_prompt_tokens} must be >= 1")
+        if self.metrics_record_every < 0:
+            raise ConfigError(
+                f"--metrics-record-every={self.metrics_record_every} must be >= 0 (0: never)"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
         for name in LIMITS:

@@ -24,7 +24,7 @@ from rich.progress import Progress
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD, OverlapConfig
-from moe_overlap.tools.overlap_stats import OverlapStats, combined, overlap_stats
+from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.tools.workloads import Workload
 
 DEFAULT_MODES = (
