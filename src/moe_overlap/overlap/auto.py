@@ -39,6 +39,7 @@ from moe_overlap.overlap.predict import (
     raw_times,
 )
 from moe_overlap.overlap.sbo import SingleBatchOverlap
+from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import CostModel, whole
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
@@ -71,7 +72,9 @@ class AutoOverlap:
         self.steps = 0
         self.last_mode = "none"  # the mode the last forward ran
 
-    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+    def forward(
+        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
+    ) -> dict | None:
         """The chosen mode's outputs; None on one rank, where nothing is hidden. Not under
         pipeline parallelism (``inputs``): the engine refuses auto with ``--pp``."""
         if self.group.size == 1:
@@ -120,7 +123,7 @@ class AutoOverlap:
         )
         return Step(stats, tbo.decode, float(table[LAST_S].max()))
 
-    def _run(self, mode: str, batch: ForwardBatch, runner, decode: bool, split: int | None):
+    def _run(self, mode: str, batch: ForwardBatch, runner: Runner, decode: bool, split: int | None):
         if mode == "none":
             return execute_operations(runner.context(batch), runner.ops)
         if mode == "sbo":
@@ -129,13 +132,13 @@ class AutoOverlap:
             return self.dbo.run(batch, runner, split)
         return self.schemes[mode].run(batch, runner, decode)
 
-    def _calibrate(self, runner) -> Calibration:
+    def _calibrate(self, runner: Runner) -> Calibration:
         def run_mode(mode: str, batch: ForwardBatch, scratch) -> None:
             self._run(mode, batch, scratch, False, batch.num_tokens // 2)
 
         return calibrate(runner, self.group, self.cfg.sbo_combine_blocks, run_mode)
 
-    def _report(self, runner, choice: Choice, start: float) -> None:
+    def _report(self, runner: Runner, choice: Choice, start: float) -> None:
         self.steps += 1
         self.last_mode = choice.mode
         runner.timeline.add("decision", f"auto: {choice.describe()}", start, time.perf_counter())

@@ -27,6 +27,7 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.agreement import dbo_agree
 from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
+from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import merge_outputs, split_batch, split_inputs, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 
@@ -58,14 +59,16 @@ class DualBatchOverlap:
         self.threads = DualBatchThreads(timeout_s or _baton_timeout(group), streams=streams)
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
-    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+    def forward(
+        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
+    ) -> dict | None:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = dbo_agree(batch, self.cfg, self.group)
         return self.run(batch, runner, decision.split_point, inputs) if decision.run else None
 
     def run(
-        self, batch: ForwardBatch, runner, split_point: int, inputs: dict | None = None
+        self, batch: ForwardBatch, runner: Runner, split_point: int, inputs: dict | None = None
     ) -> dict:
         """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
         rank, with tokens on both sides)."""

@@ -30,6 +30,7 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.moe import ExpertBank
 from moe_overlap.overlap.operations import Op, execute_operations
+from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.strategy import SchemeOp, build_operations, strategy_for
 
 
@@ -122,7 +123,7 @@ class SingleBatchOverlap:
         own = sbo_ops(cfg.sbo_combine_blocks, self.lane)
         self.ops = build_operations(model, strategy_for(model, "sbo"), own)
 
-    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict:
+    def forward(self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None) -> dict:
         """The outputs (logits ``[rows, vocab]``, or a pipeline stage's hidden states); an idle
         rank runs the same all-to-alls with no rows."""
         return execute_operations(runner.context(batch), self.ops, inputs)

@@ -11,6 +11,7 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
+from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import (
     CostModel,
     merge_outputs,
@@ -43,13 +44,17 @@ class TwoBatchOverlap:
             return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
         return plan_even_tokens(batch, n, self.cost)
 
-    def forward(self, batch: ForwardBatch, runner, inputs: dict | None = None) -> dict | None:
+    def forward(
+        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
+    ) -> dict | None:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = tbo_agree(batch, self.cfg, self.group)
         return self.run(batch, runner, decision.decode, inputs) if decision.run else None
 
-    def run(self, batch: ForwardBatch, runner, decode: bool, inputs: dict | None = None) -> dict:
+    def run(
+        self, batch: ForwardBatch, runner: Runner, decode: bool, inputs: dict | None = None
+    ) -> dict:
         """Micro-batch ``batch`` (every rank has agreed to) with the decode or prefill strategy."""
         plan = self.plan(batch)
         ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]

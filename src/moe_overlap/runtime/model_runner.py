@@ -7,6 +7,7 @@ each scheme is built once, on first use.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -24,10 +25,11 @@ from moe_overlap.overlap.auto import AutoOverlap
 from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.sbo import SingleBatchOverlap
+from moe_overlap.overlap.scheme import OverlapScheme
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
-SCHEMES = {
+SCHEMES: dict[str, Callable[[MoeForCausalLM, OverlapConfig, Group], OverlapScheme]] = {
     "tbo": TwoBatchOverlap,
     "sbo": SingleBatchOverlap,
     "dbo": DualBatchOverlap,
@@ -57,11 +59,11 @@ class ModelRunner:
         self.ops = build_operations(model, strategy_for(model, "none"))
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
-        self._schemes: dict[tuple, object] = {}
+        self._schemes: dict[tuple, OverlapScheme] = {}
         self.pipeline = None  # a PipelineStage under --pp: it drives forward_stage
         self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
 
-    def _scheme(self, cfg: OverlapConfig):
+    def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:
         key = dataclasses.astuple(cfg)
         if key not in self._schemes:
             self._schemes[key] = SCHEMES[cfg.mode](self.model, cfg, self.group)
