@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import to_device
-
-if TYPE_CHECKING:  # the contract lives with its backends; core only names it
-    from moe_overlap.dispatch.base import Dispatcher
 
 
 class StrictState:

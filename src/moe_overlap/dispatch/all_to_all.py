@@ -24,15 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.core.timeline import Timeline
-from moe_overlap.core.transfer import read_counts, to_device
-from moe_overlap.dispatch.base import (
+from moe_overlap.core.dispatcher import (
     Dispatcher,
     DispatchState,
     Pending,
     balanced_blocks,
     sort_by_expert,
 )
+from moe_overlap.core.timeline import Timeline
+from moe_overlap.core.transfer import read_counts, to_device
 from moe_overlap.distributed.comm import CommHandle
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
-from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.dispatch.scatter import ScatteredDispatcher

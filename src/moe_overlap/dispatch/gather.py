@@ -19,10 +19,10 @@ from itertools import accumulate
 
 import torch
 
+from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Pending, Ready
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts
 from moe_overlap.dispatch.all_to_all import InFlight
-from moe_overlap.dispatch.base import Dispatcher, DispatchState, Pending, Ready
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
 

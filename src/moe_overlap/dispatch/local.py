@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, sort_by_expert
 from moe_overlap.core.transfer import read_counts
-from moe_overlap.dispatch.base import Dispatcher, DispatchState, Ready, sort_by_expert
 
 
 class LocalDispatcher(Dispatcher):

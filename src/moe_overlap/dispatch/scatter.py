@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.dispatch.base import Dispatcher, DispatchState
+from moe_overlap.core.dispatcher import Dispatcher, DispatchState
 from moe_overlap.distributed.groups import Group
 
 

@@ -4,7 +4,7 @@ Two overlaps, no micro-batches:
 - dispatch's receive overlaps the shared experts: they run between ``dispatch_a`` (which starts
   the all-to-all) and ``dispatch_b`` (which waits for it);
 - combine overlaps the down projection: this rank's local experts run in blocks cut where the
-  rows that cross ranks balance (``dispatch/base.py: balanced_blocks``, at whole experts), and
+  rows that cross ranks balance (``core/dispatcher.py: balanced_blocks``, at whole experts), and
   as soon as a block is done its outputs start back to their source ranks while the next block
   computes.
 

@@ -13,12 +13,13 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.dispatch.base import Dispatcher
 from moe_overlap.distributed.groups import Group
+from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.auto import AutoOverlap
@@ -28,6 +29,8 @@ from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.scheme import OverlapScheme
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
+from moe_overlap.runtime.pipeline import PipelineStage
+from moe_overlap.runtime.prefill_lane import PrefillLane
 
 SCHEMES: dict[str, Callable[[MoeForCausalLM, OverlapConfig, Group], OverlapScheme]] = {
     "tbo": TwoBatchOverlap,
@@ -47,7 +50,12 @@ class ModelRunner:
         overlap: OverlapConfig | None = None,
         group: Group | None = None,
         timeline: Timeline | None = None,
+        pp_group: Group | None = None,
+        prefill_lane: tuple[Dispatcher, CollectiveOrder | None] | None = None,
     ):
+        """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
+        multiplexing's lane dispatcher and the turns its collectives take (None in one
+        process)."""
         self.model = model
         self.dispatcher = dispatcher
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
@@ -60,7 +68,9 @@ class ModelRunner:
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
         self._schemes: dict[tuple, OverlapScheme] = {}
-        self.pipeline = None  # a PipelineStage under --pp: it drives forward_stage
+        # under --pp the stage drives forward_stage; under PD-mux the lane runs prefill waves
+        self.pipeline = None if pp_group is None else PipelineStage(self, pp_group)
+        self.prefill_lane = None if prefill_lane is None else PrefillLane(self, *prefill_lane)
         self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
 
     def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:

@@ -17,7 +17,7 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
-from moe_overlap.dispatch.base import Dispatcher
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, execute_operations
@@ -25,13 +25,13 @@ from moe_overlap.overlap.strategy import build_operations, strategy_for
 
 
 class PrefillLane:
-    def __init__(self, runner, dispatcher: Dispatcher):
+    def __init__(self, runner, dispatcher: Dispatcher, order: CollectiveOrder | None = None):
         self.runner, self.dispatcher = runner, dispatcher
         self.stream = MicroBatchStreams(runner.kv_cache.device, count=1)  # no-op on CPU
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-lane")
         self.saved: dict[int, dict] = {}  # wave -> hidden states and residual after its range
         self._ops: dict[tuple[int, int], list[Op | Yield]] = {}
-        self.order: CollectiveOrder | None = None  # across ranks; None in one process
+        self.order = order  # the lanes' turns across ranks; None in one process
 
     def ops(self, layers: range) -> list[Op | Yield]:
         key = (layers.start, layers.stop)

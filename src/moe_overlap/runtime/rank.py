@@ -24,8 +24,6 @@ from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.loader import build_model
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
-from moe_overlap.runtime.pipeline import PipelineStage
-from moe_overlap.runtime.prefill_lane import PrefillLane
 from moe_overlap.runtime.sampler import answer
 
 
@@ -89,11 +87,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     )
     # every rank that shares a MoE collective takes the overlap decisions together
     moe_group = groups["ep"] if layout.pure_ep else groups["tp"]
-    runner = ModelRunner(
-        model, dispatcher, spec.kv_slots, spec.max_len, spec.overlap, moe_group, timeline
-    )
-    if par.pp > 1:
-        runner.pipeline = PipelineStage(runner, groups["pp"])
+    lane = None
     if spec.pdmux_splits:  # the prefill lane's MoE gets process groups of its own
         lane_groups = groups if rank is None else init_process_groups(layout, me, backend)
         lane_dispatcher = make_dispatcher(
@@ -105,13 +99,24 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
             link,
             timeline,
         )
-        runner.prefill_lane = PrefillLane(runner, lane_dispatcher)
+        order = None
         if rank is not None:  # two threads launch collectives: one order on every rank
-            runner.prefill_lane.order = order = CollectiveOrder()
-            for lane, of_lane in (("decode", groups), ("prefill", lane_groups)):
+            order = CollectiveOrder()
+            for name, of_lane in (("decode", groups), ("prefill", lane_groups)):
                 for group in of_lane.values():
-                    group.order, group.lane = order, lane
-    return runner
+                    group.order, group.lane = order, name
+        lane = (lane_dispatcher, order)
+    return ModelRunner(
+        model,
+        dispatcher,
+        spec.kv_slots,
+        spec.max_len,
+        spec.overlap,
+        moe_group,
+        timeline,
+        pp_group=groups["pp"] if par.pp > 1 else None,
+        prefill_lane=lane,
+    )
 
 
 def serve_step(
