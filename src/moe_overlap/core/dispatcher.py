@@ -52,6 +52,20 @@ class DispatchState:
     blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
 
 
+def in_flight(state: DispatchState) -> Pending:
+    """The communication the last ``_a`` step started (a ``_b`` step waits on it)."""
+    if state.pending is None:
+        raise RuntimeError(f"{state.owner}: a _b step ran before its _a step started anything")
+    return state.pending
+
+
+def outputs(state: DispatchState) -> torch.Tensor:
+    """The experts' output rows (set by the MoE before ``combine_a``)."""
+    if state.expert_outputs is None:
+        raise RuntimeError(f"{state.owner}: combine before the experts ran")
+    return state.expert_outputs
+
+
 class Dispatcher(ABC):
     """A backend: ``local`` (one rank, every expert), ``torch`` (all-to-all over EP ranks) or
     ``none`` (a tensor-parallel MoE: gather, partial experts, all-reduce)."""
@@ -93,7 +107,7 @@ class Dispatcher(ABC):
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         """Wait for every output row and sum each token's outputs by its router weights."""
-        return weighted_sum(state, state.pending.wait())
+        return weighted_sum(state, in_flight(state).wait())
 
 
 def balanced_blocks(rows: Sequence[int], num_blocks: int) -> list[range]:
@@ -115,7 +129,8 @@ def balanced_blocks(rows: Sequence[int], num_blocks: int) -> list[range]:
     cuts = [0]
     for b in range(1, n):  # cut b nearest b/n of the rows, leaving each block >= 1 expert
         lo, hi = cuts[-1] + 1, local - (n - b)
-        cuts.append(min(range(lo, hi + 1), key=lambda j, b=b: abs(n * ends[j] - b * total)))
+        target = b * total
+        cuts.append(min(range(lo, hi + 1), key=lambda j: abs(n * ends[j] - target)))
     cuts.append(local)
     return [range(a, z) for a, z in zip(cuts, cuts[1:], strict=False)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, sort_by_expert
+from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, outputs, sort_by_expert
 from moe_overlap.core.transfer import read_counts
 
 
@@ -33,7 +33,7 @@ class LocalDispatcher(Dispatcher):
         pass  # nothing in flight
 
     def combine_a(self, state: DispatchState) -> None:
-        state.pending = Ready(state.expert_outputs)
+        state.pending = Ready(outputs(state))
 
     def combine_a_block(self, state: DispatchState, block: int) -> None:
-        state.pending = Ready(state.expert_outputs)  # the outputs are already in place
+        state.pending = Ready(outputs(state))  # the outputs are already in place

@@ -69,7 +69,9 @@ class LLM:
             cfg, model = config, None
         else:
             model, hf_config = args.model_source()
-            cfg = ModelConfig.from_hf(model or hf_config)
+            source = model or hf_config
+            assert source is not None  # model_source gives one of the two
+            cfg = ModelConfig.from_hf(source)
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
         self._start(args, cfg, model, overlap, tokenizer)
@@ -203,7 +205,8 @@ class LLM:
             )
         seed = params.seed if params.seed is not None else self.seed + self._next_id
         self._next_id += 1
-        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        stops = params.stop if isinstance(params.stop, list) else []  # a list once checked
+        text = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
         bias = [t for t in params.logit_bias or {} if t >= self.config.vocab_size]
         if bias:
             raise InvalidRequestError(

@@ -90,9 +90,12 @@ class Scheduler:
                 budget -= len(tokens)
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(_make_batch(seqs))
-        prefill = self.pdmux.next_slice(self.running, _make_batch) if self.pdmux else None
-        if prefill is not None and prefill.last:
-            prefill.samples = [[r.sample_spec(r.prompt_len) for r in g] for g in self.pdmux.members]
+        waves = self.pdmux
+        prefill = waves.next_slice(self.running, _make_batch) if waves is not None else None
+        if waves is not None and prefill is not None and prefill.last:
+            prefill.samples = [
+                [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
+            ]
         return Step(batches, scheduled, prefill)
 
     def update(self, step: Step, reply: StepReply) -> list[Request]:
@@ -157,7 +160,7 @@ class Scheduler:
         if not req.params.ignore_eos and self.eos is not None and token == self.eos:
             return "eos"
         stopped = req.text is not None and req.text.push(token)  # every token goes to the text
-        if stopped or token in req.params.stop_token_ids:
+        if stopped or token in (req.params.stop_token_ids or []):
             return "stop"
         if len(req.output_ids) >= req.params.max_new_tokens:
             return "length"

@@ -128,17 +128,18 @@ def serve_step(
     range the wave's; every rank returns its timeline's spans when the step is recorded."""
     runner.timeline.enabled = request.record
     batch, wave = request.batches[group], request.prefill
-    running = None
+    running, lane = None, runner.prefill_lane
     if wave is not None:
-        lane = runner.prefill_lane
+        if lane is None:
+            raise RuntimeError("a prefill wave reached a rank without --enable-pdmux's lane")
         running = lane.start(wave.batches[group], wave.layers, wave.wave)
     try:
         logits = runner.forward(batch, request.overlap)
     finally:
-        if running is not None:
-            runner.prefill_lane.decode_done()  # the lane's collectives stop taking turns
+        if lane is not None and running is not None:
+            lane.decode_done()  # the lane's collectives stop taking turns
     mode = runner.last_mode
-    wave_logits = runner.prefill_lane.finish(running) if running is not None else None
+    wave_logits = lane.finish(running) if lane is not None and running is not None else None
     spans = runner.timeline.take() if request.record else None
     if not answers:
         return None, spans, None

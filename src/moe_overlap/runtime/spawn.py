@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.step import StepReply, StepRequest
@@ -65,7 +65,8 @@ class SpawnedExecutor(Executor):
         self.link_spec = link
         self.netns: NetnsLink | None = None
         self.store_dir: str | None = None
-        self.procs, self.conns = [], []
+        self.procs: list[RankProcess] = []
+        self.conns: list[Connection] = []
         self.closed = False
         self._unread: set[int] = set()  # ranks whose reply to the last step is not read yet
         try:

@@ -40,8 +40,9 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
             if msg[0] == "stop":
                 break
             if msg[0] == "probe":
-                link = runner.dispatcher.link
-                conn.send(("ok", probe_all_to_all(runner.group, *msg[1:], link=link)))
+                _, num_bytes, repeats, p2p = msg
+                link = getattr(runner.dispatcher, "link", None)  # the all-to-all backend's
+                conn.send(("ok", probe_all_to_all(runner.group, num_bytes, repeats, p2p, link)))
             else:
                 group = spec.parallel.batch_of(rank.rank)
                 answers = spec.parallel.answers(rank.rank)

@@ -114,11 +114,12 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        if isinstance(self.prompt, str) or not self.prompt:
-            return [self.prompt]
-        if isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt:
+            return [prompt] if isinstance(prompt, str) else [[]]
+        if all(isinstance(t, int) for t in prompt):
+            return [[t for t in prompt if isinstance(t, int)]]
+        return [p for p in prompt if isinstance(p, str | list)]
 
 
 class TextPart(BaseModel):

@@ -63,9 +63,12 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
     pair a ``PassSample``: the median wall without overlap, and with two micro-batches that
     plus the median of the differences between neighbouring runs (a burst of load lifts both
     runs of a difference alike)."""
-    walls, comms, transfers = ([[] for _ in batches] for _ in range(3))
-    routed = [() for _ in batches]  # the same tokens every round: the same routing
-    none, extra = [[] for _ in pairs], [[] for _ in pairs]
+    walls: list[list[float]] = [[] for _ in batches]
+    comms: list[list[float]] = [[] for _ in batches]
+    transfers: list[list] = [[] for _ in batches]
+    routed: list[tuple] = [() for _ in batches]  # the same tokens every round: the same routing
+    none: list[list[float]] = [[] for _ in pairs]
+    extra: list[list[float]] = [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
             wall, spans = _timed(executor, batch, NONE, record=True)
