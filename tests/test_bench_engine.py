@@ -86,9 +86,9 @@ def test_kv_slots_bounded_by_the_budget():
     per_slot = kv_bytes_per_token(cfg) * 4096  # 4 layers x 2 x 4 heads x 64 x 4 bytes
     assert per_slot == 32 * 2**20
     spec = EngineSpec(cfg, max_len=4096, kv_cache_bytes=100 * per_slot)
-    assert spec.slots_per_rank == DEFAULT_MAX_NUM_SEQS and spec.kv_slots == 100
+    assert spec.max_num_seqs == DEFAULT_MAX_NUM_SEQS and spec.num_slots == 100
     assert "100 sequences (capped by the KV cache budget) x 4096 tokens" in spec.kv_cache_summary()
-    assert EngineSpec(cfg, slots_per_rank=8, max_len=4096).kv_slots == 8
+    assert EngineSpec(cfg, max_num_seqs=8, max_len=4096).num_slots == 8
     with pytest.raises(ConfigError, match="holds no sequence of max_len=4096"):
         EngineSpec(cfg, max_len=4096, kv_cache_bytes=per_slot - 1)
 

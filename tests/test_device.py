@@ -66,10 +66,10 @@ def test_backend_and_rank_device_follow_the_device():
 
 def test_bf16_kv_cache_budget_holds_twice_the_slots():
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    fp32 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, slots_per_rank=10**6)
-    bf16 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, slots_per_rank=10**6, dtype="bfloat16")
+    fp32 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, max_num_seqs=10**6)
+    bf16 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, max_num_seqs=10**6, dtype="bfloat16")
     assert bf16.slot_bytes * 2 == fp32.slot_bytes
-    assert bf16.kv_slots == 2 * fp32.kv_slots
+    assert bf16.num_slots == 2 * fp32.num_slots
 
 
 def test_bf16_model_keeps_routers_and_rope_in_fp32():

@@ -49,7 +49,7 @@ def _stand_in(calls: list[int]):
 
 def _meta_runner(family: str, backend: str):
     cfg = ModelConfig(**TINY[family])
-    runner = build_rank_runner(EngineSpec(cfg, seed=0, slots_per_rank=4, max_len=64))
+    runner = build_rank_runner(EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64))
     runner.model.to("meta")
     cache = runner.kv_cache
     layers, entries = len(cache.layers), runner.model.kv_entries()

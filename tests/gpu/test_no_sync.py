@@ -24,7 +24,7 @@ DECODE = ForwardBatch(
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_a_decode_step_syncs_only_to_read_each_dispatchs_counts(family, monkeypatch):
     cfg = ModelConfig(**TINY[family])
-    runner = build_rank_runner(EngineSpec(cfg, seed=0, slots_per_rank=4, max_len=64, device="cuda"))
+    runner = build_rank_runner(EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64, device="cuda"))
     runner.forward(DECODE)  # warm-up: the cache and RoPE tables grow, kernels load
     torch.cuda.synchronize()
     reads: list[int] = []

@@ -29,13 +29,13 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
 
 @dataclass
 class EngineSpec:
-    """``slots_per_rank`` asks for sequences at once; ``kv_slots`` is what the KV cache budget
+    """``max_num_seqs`` asks for sequences at once; ``num_slots`` is what the KV cache budget
     allows at ``max_len`` tokens each, and what the cache and the scheduler use."""
 
     config: ModelConfig
     model_path: str | None = None
     seed: int = 0
-    slots_per_rank: int = DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_len: int = 4096
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -47,7 +47,7 @@ class EngineSpec:
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name
         rank_device(self.device, 0)  # likewise
-        if self.kv_slots < 1:
+        if self.num_slots < 1:
             raise ConfigError(
                 f"the KV cache budget of {_gib(self.kv_cache_bytes)} holds no sequence of "
                 f"max_len={self.max_len} tokens ({_gib(self.slot_bytes)} each); lower "
@@ -61,16 +61,16 @@ class EngineSpec:
         return kv_bytes_per_token(self.config, width, self.parallel.attn_tp) * self.max_len
 
     @property
-    def kv_slots(self) -> int:
-        """Sequences per rank: ``slots_per_rank``, or fewer if the budget holds fewer."""
-        return min(self.slots_per_rank, self.kv_cache_bytes // self.slot_bytes)
+    def num_slots(self) -> int:
+        """Sequences per rank: ``max_num_seqs``, or fewer if the budget holds fewer."""
+        return min(self.max_num_seqs, self.kv_cache_bytes // self.slot_bytes)
 
     def kv_cache_summary(self) -> str:
         """One line for start-up: slots, tokens each, and the memory they may take."""
-        capped = " (capped by the KV cache budget)" if self.kv_slots < self.slots_per_rank else ""
+        capped = " (capped by the KV cache budget)" if self.num_slots < self.max_num_seqs else ""
         return (
-            f"KV cache per rank: {self.kv_slots} sequences{capped} x {self.max_len} tokens, "
-            f"up to {_gib(self.kv_slots * self.slot_bytes)} of {_gib(self.kv_cache_bytes)}"
+            f"KV cache per rank: {self.num_slots} sequences{capped} x {self.max_len} tokens, "
+            f"up to {_gib(self.num_slots * self.slot_bytes)} of {_gib(self.kv_cache_bytes)}"
         )
 
 

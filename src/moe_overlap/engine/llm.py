@@ -109,7 +109,7 @@ class LLM:
         self.executor = start_executor(spec, link_spec, float(args.timeout))
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
-            spec.kv_slots,
+            spec.num_slots,
             max_len,
             max_num_batched_tokens,
             cfg.eos_token_id,

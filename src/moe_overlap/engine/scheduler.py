@@ -39,7 +39,7 @@ class Scheduler:
     def __init__(
         self,
         num_ranks: int,
-        slots_per_rank: int,
+        num_slots: int,
         max_len: int,
         max_num_batched_tokens: int,
         eos_token_id: int | None = None,
@@ -51,7 +51,7 @@ class Scheduler:
         self.max_len = max_len
         self.budget = max_num_batched_tokens
         self.eos = eos_token_id
-        self.slots = [SlotAllocator(slots_per_rank) for _ in range(num_ranks)]
+        self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0

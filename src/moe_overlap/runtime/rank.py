@@ -109,7 +109,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     return ModelRunner(
         model,
         dispatcher,
-        spec.kv_slots,
+        spec.num_slots,
         spec.max_len,
         spec.overlap,
         moe_group,
