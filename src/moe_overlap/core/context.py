@@ -50,21 +50,20 @@ class ForwardContext:
     batch: ForwardBatch
     kv_cache: KVCache
     dispatcher: Dispatcher
-    positions: torch.Tensor | None = None  # computed once per forward
+    positions: torch.Tensor = field(init=False)  # on the device, once per forward
     name: str = "mb0"  # the micro-batch: names its spans and its all-to-alls in the timeline
     timeline: Timeline | None = None
     state: StrictState = field(default_factory=StrictState)
     # how attention runs over this batch: built by the first attention layer, reused by the rest
     attention_plan: Any = None
     states: StateCache | None = None  # linear-attention layers' recurrent states (Qwen3.5)
-    input_ids: torch.Tensor | None = None  # the batch's ids on the device
+    input_ids: torch.Tensor = field(init=False)  # the batch's ids on the device
 
     def __post_init__(self) -> None:
         # the batch is host metadata; the cache sits on the device. Bounds come from the host
         # lists, so nothing reads the device for them
         device = self.kv_cache.device
-        if self.positions is None:
-            self.positions = to_device(self.batch.positions, device)
+        self.positions = to_device(self.batch.positions, device)
         self.input_ids = to_device(self.batch.input_ids, device)
         self.position_end = max(self.batch.seq_lens, default=0)  # RoPE and cache length bound
         self.slot_end = max(self.batch.slots, default=-1) + 1  # the cache's slot bound

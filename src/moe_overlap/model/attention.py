@@ -29,7 +29,7 @@ class GQAttention(nn.Module):
         super().__init__()
         group = group or Group.single()
         self.layer_id = layer_id
-        h, d = cfg.hidden_size, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_size
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.heads, self.head_dim = heads // group.size, d
         self.kv_heads = max(1, kv_heads // group.size)

@@ -63,7 +63,7 @@ class MoeForCausalLM(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers, in order."""
-        return list(self.model.layers.values())
+        return [layer for layer in self.model.layers.values() if isinstance(layer, DecoderLayer)]
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
         """The KV cache's entries per token (of the full-attention layers; linear-attention

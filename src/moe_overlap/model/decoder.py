@@ -8,6 +8,7 @@ to interleave them. Values that cross ops travel in ``ctx.state`` (put once, pop
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -37,6 +38,18 @@ MOE_OPS = (
 DENSE_OPS = ("prepare_attn", "attn_prepare", "attn_core", "prepare_mlp", "dense_mlp", "output")
 
 
+class TokenMixer(Protocol):
+    """What a decoder layer asks of its attention (GQA, MLA or Gated DeltaNet)."""
+
+    def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def core(self, ctx: ForwardContext, *parts: torch.Tensor) -> torch.Tensor: ...
+
+    def kv_entries(self) -> dict[str, tuple[int, ...]]: ...
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -64,9 +77,9 @@ class DecoderLayer(nn.Module):
         )
 
     @property
-    def attn(self) -> nn.Module:
+    def attn(self) -> TokenMixer:
         """The token mixer: attention, or (Qwen3.5) a linear-attention layer."""
-        return self.linear_attn if self.is_linear else self.self_attn
+        return cast(TokenMixer, self.linear_attn if self.is_linear else self.self_attn)
 
     @property
     def op_names(self) -> tuple[str, ...]:

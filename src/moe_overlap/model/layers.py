@@ -40,6 +40,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Default RoPE; ``interleaved`` pairs dims (0,1),(2,3)... as DeepSeek's checkpoints expect."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, dim: int, theta: float, interleaved: bool = False):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))

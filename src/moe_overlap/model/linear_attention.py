@@ -84,8 +84,10 @@ class GatedDeltaNet(nn.Module):
         a: torch.Tensor,
     ) -> torch.Tensor:
         batch, cache = ctx.batch, ctx.states
+        if cache is None:
+            raise RuntimeError("a linear-attention layer ran without a recurrent-state cache")
         conv_in, ssm_in = cache.read(self.layer_id, batch.slots, batch.prefix_lens)
-        weight = self.conv1d.weight[:, 0]
+        weight = self.conv1d.get_parameter("weight")[:, 0]
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv)

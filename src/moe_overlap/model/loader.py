@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.layers import RMSNorm, RotaryEmbedding
-from moe_overlap.model.moe import Router
+from moe_overlap.model.moe import ExpertBank, Router
 from moe_overlap.model.tensor_parallel import ModelParallel, Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -39,6 +39,7 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sh
             layout[name] = (tensor.detach(), getattr(tensor, "shard", None))
             continue
         bank, prefix = model.get_submodule(match[1]), match[1]
+        assert isinstance(bank, ExpertBank), f"{prefix} is not an expert bank"
         rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
         for i in range(bank.count):
             expert = f"{prefix}.{bank.first + i}"

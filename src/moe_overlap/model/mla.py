@@ -43,12 +43,13 @@ class MLAttention(nn.Module):
         self.q_lora = cfg.q_lora_rank is not None
         # the LoRA down-projections and the latent are replicated; the per-head up-projections
         # are split by heads, o_proj by its input columns (SGLang's split)
-        if not self.q_lora:  # DeepSeek-V2-Lite: a plain query projection
+        rank = cfg.q_lora_rank
+        if rank is None:  # DeepSeek-V2-Lite: a plain query projection
             self.q_proj = ColumnLinear.even(h, heads * self.qk_dim, group)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = ColumnLinear.even(cfg.q_lora_rank, heads * self.qk_dim, group)
+            self.q_a_proj = nn.Linear(h, rank, bias=False)
+            self.q_a_layernorm = RMSNorm(rank, _LORA_NORM_EPS)
+            self.q_b_proj = ColumnLinear.even(rank, heads * self.qk_dim, group)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, _LORA_NORM_EPS)
         self.kv_b_proj = ColumnLinear.even(

@@ -18,6 +18,8 @@ from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_
 class Router(nn.Module):
     """Qwen3's softmax top-k, or DeepSeek-V3's sigmoid with bias and group-limited top-k."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer, with noaux_tc only
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -130,6 +132,7 @@ class ExpertBank(nn.Module):
         offs = to_device(ends, x.device)
         block = slice(experts.start, experts.stop)
         # weights [E, out, in] as [E, in, out] views: the column-major operand the kernel wants
+        assert GROUPED_MM is not None, "grouped_fits chose a kernel this torch lacks"
         gate, up = GROUPED_MM(x, self.gate_up_proj[block].transpose(1, 2), offs=offs).chunk(2, -1)
         return GROUPED_MM(F.silu(gate) * up, self.down_proj[block].transpose(1, 2), offs=offs)
 

@@ -42,7 +42,7 @@ class Shard:
 
 
 def set_shard(param: torch.Tensor, dim: int, start: int, full: int) -> None:
-    param.shard = Shard(dim, start, full)
+    param.shard = Shard(dim, start, full)  # type: ignore[attr-defined]  # read by the loader
 
 
 def even_part(size: int, rank: int, parts: int) -> range:
