@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -72,6 +73,7 @@ class Dispatcher(ABC):
 
     name: str
     num_experts: int  # routed experts over all ranks
+    link: Any = None  # a backend's modelled link, if any (the link probe adds its time too)
 
     @abstractmethod
     def dispatch_a(

@@ -53,7 +53,10 @@ class ScatteredDispatcher(Dispatcher):
 
     def combine_b(self, state: DispatchState) -> torch.Tensor:
         mine = self.inner.combine_b(state)
-        sizes, longest = state.scattered, max(state.scattered)
+        sizes = state.scattered
+        if sizes is None:
+            raise RuntimeError(f"{state.owner}: combine_b before this dispatcher's dispatch_a")
+        longest = max(sizes)
         if longest == 0:  # the group has no tokens: every rank skips the gather
             return mine
         padded = mine.new_zeros(longest, *mine.shape[1:])

@@ -103,6 +103,7 @@ def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp]:
 
     def experts_combine_a(layer: DecoderLayer) -> Op:
         bank = layer.mlp.experts
+        assert isinstance(bank, ExpertBank), f"layer {layer.layer_id} has no routed experts"
         return ExpertsThenCombine(layer.layer_id, bank, blocks, lane)
 
     def shared_experts(layer: DecoderLayer) -> Op:

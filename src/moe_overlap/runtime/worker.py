@@ -41,7 +41,7 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 break
             if msg[0] == "probe":
                 _, num_bytes, repeats, p2p = msg
-                link = getattr(runner.dispatcher, "link", None)  # the all-to-all backend's
+                link = runner.dispatcher.link
                 conn.send(("ok", probe_all_to_all(runner.group, num_bytes, repeats, p2p, link)))
             else:
                 group = spec.parallel.batch_of(rank.rank)
