@@ -29,6 +29,7 @@ from moe_overlap.core.dispatcher import (
     DispatchState,
     Pending,
     balanced_blocks,
+    in_flight,
     sort_by_expert,
 )
 from moe_overlap.core.timeline import Timeline
@@ -174,7 +175,7 @@ class AllToAllDispatcher(Dispatcher):
         return state
 
     def dispatch_b(self, state: AllToAllState) -> None:
-        received = state.pending.wait()
+        received = in_flight(state).wait()
         state.pending = None
         recv_counts = state.recv_counts  # on the host: the order is worked out there
         # rows arrive grouped by source rank, then expert; regroup by expert, then source

@@ -19,7 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Pending, Ready
+from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Pending, Ready, in_flight
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts
 from moe_overlap.dispatch.all_to_all import InFlight
@@ -116,7 +116,7 @@ class GatherDispatcher(Dispatcher):
         return state
 
     def dispatch_b(self, state: GatherState) -> None:
-        rows = state.pending.wait()
+        rows = in_flight(state).wait()
         state.pending = None
         if state.mode == "max":
             longest = max(state.lens)
@@ -165,7 +165,7 @@ class GatherDispatcher(Dispatcher):
             state.pending = Summed([part])
 
     def combine_b(self, state: GatherState) -> torch.Tensor:
-        out = state.pending.wait()
+        out = in_flight(state).wait()
         start = sum(state.lens[: self.attn_dp.rank]) if self.attn_dp.size > 1 else 0
         return out[start : start + state.num_tokens]
 

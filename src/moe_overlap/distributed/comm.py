@@ -1,5 +1,6 @@
-"""Operations in flight: the handle ``Group`` returns for an async collective, and the
-completion of several point-to-point operations that together make one collective."""
+"""Operations in flight: the handle ``Group`` returns for an async collective, the completion
+of several point-to-point operations that together make one collective, sends in flight, and
+the timeout every wait on them defaults to."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Works:
         self._waiter: threading.Thread | None = None
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made when a callback is wanted
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """``timeout`` None: the works' own (NCCL's watchdog enforces the group's)."""
@@ -91,7 +92,8 @@ class Works:
         return self._done.is_set() if self._waiter else all(w.is_completed() for w in self.works)
 
     def get_future(self) -> torch.futures.Future:
-        if self._waiter is None:
+        if self._future is None:
+            self._future = torch.futures.Future()
             self._waiter = threading.Thread(target=self._wait_all, daemon=True)
             self._waiter.start()
         return self._future
@@ -102,7 +104,7 @@ class Works:
                 w.wait()
         except BaseException as exc:  # handed to the caller's wait
             self._error = exc
-        if self._error is None:  # callbacks (timeline spans) run before any wait returns
+        if self._error is None and self._future is not None:  # callbacks run before any wait
             self._future.set_result(None)
         self._done.set()
 

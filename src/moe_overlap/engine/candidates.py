@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from moe_overlap.core.errors import is_int
 from moe_overlap.engine.request import InvalidRequestError, SamplingParams
 
 MAX_CANDIDATES = 64  # per prompt: each is a request of its own
@@ -15,11 +16,11 @@ MAX_CANDIDATES = 64  # per prompt: each is a request of its own
 def check_candidates(params: SamplingParams) -> int:
     """How many requests the prompt becomes; refuses a bad ``n``/``best_of`` by name."""
     n, best_of = params.n, params.best_of
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n) or n < 1:
         raise InvalidRequestError(f"n={n!r} must be an integer >= 1")
     if best_of is None:
         best_of = n
-    if isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < n:
+    if not is_int(best_of) or best_of < n:
         raise InvalidRequestError(f"best_of={best_of!r} must be an integer >= n={n}")
     if best_of > MAX_CANDIDATES:
         raise InvalidRequestError(f"best_of={best_of} (or n) must be at most {MAX_CANDIDATES}")

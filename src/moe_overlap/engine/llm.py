@@ -236,8 +236,7 @@ def _pick(params: SamplingParams, outs: list[RequestOutput]) -> RequestOutput:
     if params.logprobs is None:  # asked only to rank the candidates
         for out in picked:
             out.logprobs = out.cumulative_logprob = None
-    first = dataclasses.replace(picked[0], outputs=picked)
-    return first
+    return dataclasses.replace(picked[0], outputs=picked)
 
 
 def _token_ids(where: str, prompt: object) -> list[int]:

@@ -191,9 +191,14 @@ class Request:
         return [self.output_ids[-1]]
 
     @property
+    def keeps_logits(self) -> bool:
+        """This step's logit rows go back to the caller (``return_logits``, while prefilling)."""
+        return self.return_logits and self.in_prefill
+
+    @property
     def needs_all_logits(self) -> bool:
         """Its rank computes every prompt position's logits (to return or to score them)."""
-        return self.in_prefill and (self.return_logits or self.params.prompt_logprobs is not None)
+        return self.keeps_logits or (self.in_prefill and self.params.prompt_logprobs is not None)
 
     def sample_spec(self, fed: int) -> SampleSpec:
         """What its rank does with the logits of the ``fed`` tokens this step feeds: keep them,
@@ -208,7 +213,7 @@ class Request:
             len(self.output_ids),
             p.logprobs,
             draw=start + fed >= self.prompt_len and p.max_new_tokens > 0,
-            keep_logits=self.return_logits and self.in_prefill,
+            keep_logits=self.keeps_logits,
             prompt_logprobs=p.prompt_logprobs,
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
             penalties=self._penalties() if p.penalised else None,

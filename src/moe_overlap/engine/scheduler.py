@@ -124,7 +124,7 @@ class Scheduler:
     ) -> None:
         row = 0  # into the logit rows of the sequences that keep theirs
         for i, (req, n) in enumerate(entries):
-            keep = req.return_logits and req.in_prefill
+            keep = req.keeps_logits
             if keep:
                 assert reply.logits is not None
                 chunk = reply.logits[row : row + n].clone()

@@ -70,7 +70,6 @@ class AutoOverlap:
         self.last_s = 0.0  # how long this rank's previous auto forward took
         self.last_choice: Choice | None = None
         self.steps = 0
-        self.last_mode = "none"  # the mode the last forward ran
 
     def forward(
         self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
@@ -140,7 +139,6 @@ class AutoOverlap:
 
     def _report(self, runner: Runner, choice: Choice, start: float) -> None:
         self.steps += 1
-        self.last_mode = choice.mode
         runner.timeline.add("decision", f"auto: {choice.describe()}", start, time.perf_counter())
         if self.cfg.log_overlap_decisions and self.group.rank == 0:
             print(f"[auto] forward {self.steps}: {choice.describe()}", file=sys.stderr, flush=True)

@@ -98,7 +98,8 @@ class ModelRunner:
             scheme = self._scheme(cfg)
             out = scheme.forward(batch, self, inputs)
             if out is not None:
-                self.last_mode = getattr(scheme, "last_mode", cfg.mode)
+                choice = scheme.last_choice if isinstance(scheme, AutoOverlap) else None
+                self.last_mode = choice.mode if choice is not None else cfg.mode
                 return out
         self.last_mode = "none"
         return execute_operations(self.context(batch), self.ops, inputs)

@@ -146,7 +146,7 @@ def serve_step(
     reply = answer(batch, logits, request.group_samples(group), mode)
     wave_reply = None
     if wave is not None and wave_logits is not None:
-        samples = None if wave.samples is None else list(wave.samples[group])
+        samples = None if wave.samples is None else wave.samples[group]
         wave_reply = answer(wave.batches[group], wave_logits, samples, "none")
     return reply, spans, wave_reply
 

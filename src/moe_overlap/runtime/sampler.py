@@ -20,8 +20,7 @@ def draw_seed(seed: int, index: int) -> int:
 
 
 def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
-    """One token from one row of logits (vLLM's rules: the likeliest token always survives
-    top-p, which is compared in float64 so that a tiny top_p does not drop every token)."""
+    """One token from one row of logits: greedy, temperature, top-k and top-p (vLLM's rules)."""
     if spec.temperature == 0.0:
         return int(torch.argmax(logits))
     logits = logits.float() / spec.temperature
@@ -30,7 +29,9 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if spec.top_p < 1.0:
+        # float64, so a top_p below float32's smallest value does not round to 0 and drop all
         sorted_probs, order = torch.sort(probs.double(), descending=True)
+        # keep the smallest prefix whose mass reaches top_p, and always the likeliest token
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= spec.top_p
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
@@ -39,16 +40,23 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """``token``'s log-probability in one row of logits, its rank, and the ``top`` likeliest."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
+    """Row i's ``tokens[i]``: its log-probability, its rank and the ``tops[i]`` likeliest,
+    for all the rows at once (one log-softmax, one copy to the host)."""
+    if not tokens:
+        return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs[token]
-    rank = int((logprobs > chosen).sum()) + 1
-    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
-    pairs = (
-        [] if best is None else list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-    )
-    return TokenLogprobs(token, float(chosen), rank, pairs)
+    ids = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, ids)
+    ranks = ((logprobs > chosen).sum(1) + 1).tolist()
+    best = torch.topk(logprobs, min(max(tops), logprobs.shape[1]), dim=-1)
+    values, indices = best.values.tolist(), best.indices.tolist()
+    return [
+        TokenLogprobs(t, v, r, list(zip(i[:k], w[:k], strict=True)))
+        for t, v, r, i, w, k in zip(
+            tokens, chosen.squeeze(1).tolist(), ranks, indices, values, tops, strict=True
+        )
+    ]
 
 
 def answer(
@@ -60,42 +68,45 @@ def answer(
     if samples is None:
         return GroupReply(logits=logits.cpu(), mode=mode)
     reply = GroupReply(mode=mode)
-    starts, kept, row = [], [], 0
+    starts, ends, kept, row = [], [], [], 0
     for n, every, spec in zip(batch.extend_lens, batch.all_logits, samples, strict=True):
         rows = n if every else 1
         if spec.keep_logits:
             kept.append(torch.arange(row, row + rows))
         starts.append(row)
         row += rows
-    ends = [
-        start + (n if every else 1) - 1
-        for start, n, every in zip(starts, batch.extend_lens, batch.all_logits, strict=True)
-    ]
+        ends.append(row - 1)
     greedy = [
         i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0 and not s.penalties
     ]
     picked = dict(zip(greedy, logits[[ends[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
+        scored = logits[starts[i] : starts[i] + len(spec.next_ids)]
+        top = spec.prompt_logprobs or 0
         reply.prompt_logprobs.append(
-            [
-                token_logprobs(logits[starts[i] + j], t, spec.prompt_logprobs or 0)
-                for j, t in enumerate(spec.next_ids)
-            ]
+            token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
         )
-        token, lp, error = None, None, None
+        token, error = None, None
         if spec.draw:
             try:
                 last = logits[ends[i]]
                 if spec.penalties is not None:
                     last = penalised(last, spec.penalties, spec.index)
                 token = picked[i] if i in picked else sample(last, spec)
-                if spec.logprobs is not None:
-                    lp = token_logprobs(logits[ends[i]], token, spec.logprobs)
             except Exception as exc:  # this sequence alone fails; the driver says why
-                token, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         reply.token_ids.append(token)
-        reply.logprobs.append(lp)
         reply.errors.append(error)
+    # the drawn tokens' log-probabilities, of the raw logits (never the penalised ones)
+    asked = [
+        (i, t) for i, (s, t) in enumerate(zip(samples, reply.token_ids, strict=True))
+        if s.logprobs is not None and t is not None
+    ]  # fmt: skip
+    drawn = logits[[ends[i] for i, _ in asked]]
+    tops = [samples[i].logprobs or 0 for i, _ in asked]
+    lps = token_logprobs(drawn, [t for _, t in asked], tops)
+    found = dict(zip([i for i, _ in asked], lps, strict=True))
+    reply.logprobs = [found.get(i) for i in range(len(samples))]
     if kept:
         reply.logits = logits[torch.cat(kept)].cpu()
     return reply

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.step import StepReply, StepRequest
@@ -115,10 +116,12 @@ class SpawnedExecutor(Executor):
         if self._unread:
             self._collect(sorted(self._unread))  # the interrupted step's replies
         with _sigint_held():
-            sent = 0
+            sent, pickled = 0, {}  # a message every rank gets is pickled once, not per rank
             try:
                 for conn, msg in zip(self.conns, messages, strict=True):
-                    conn.send(msg)
+                    if id(msg) not in pickled:
+                        pickled[id(msg)] = ForkingPickler.dumps(msg)
+                    conn.send_bytes(pickled[id(msg)])
                     sent += 1
             except OSError:  # its pipe is gone: the rank died while the engine was idle
                 self._fail(self._death(sent))

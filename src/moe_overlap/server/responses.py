@@ -31,7 +31,6 @@ class Choice:
     started: bool = False
     last: str = ""  # the text the last delta added
     entries_before: int = 0  # where the last delta's entries start
-
     cumulative: float = 0.0  # the generated tokens' log-probabilities, summed (best_of)
 
     def add(self, delta: Delta, echo: tuple[list[int], str] | None = None) -> None:
@@ -131,7 +130,8 @@ class Formatter:
 
     def chunk(self, index: int, delta: Delta | None, choice: Choice | None = None) -> str:
         """One streamed event: a delta of choice ``index`` (None: the chat's opening role),
-        already added to ``choice``, whose last ``len(delta's tokens)`` entries it carries."""
+        already added to ``choice``; it carries the entries that delta added (the echoed
+        prompt's too, on the first)."""
         reason = FINISH_REASONS[delta.finish_reason] if delta and delta.finish_reason else None
         ids = delta.token_ids if delta else []
         text, offset, entries = "", 0, []
