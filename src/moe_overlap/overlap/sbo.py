@@ -97,7 +97,7 @@ def _timed(layer_id: int, name: str, op: Op) -> Op:
     return run
 
 
-def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp]:
+def sbo_ops(blocks: int, lane: CommLane) -> dict[str, SchemeOp[DecoderLayer]]:
     """SBO's own ops: expert blocks each launching its combine piece, and the shared experts
     timed on the SBO track."""
 

@@ -13,11 +13,12 @@ threads the point, right after launching an all-to-all, where the other micro-ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.decoder import DENSE_OPS, DecoderLayer
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model.decoder import DENSE_OPS
 from moe_overlap.overlap.operations import YIELD, Op, Yield
 
 Y = "|"  # a yield in a strategy's op list
@@ -44,12 +45,42 @@ class Strategy:
             raise ValueError(f"strategy {self.name}: dense layers do not yield")
 
 
+class StagedLayer(Protocol):
+    """What the builder reads of a layer: the real ``DecoderLayer`` and the planner's
+    simulated layer both have it."""
+
+    @property
+    def layer_id(self) -> int: ...
+    @property
+    def is_moe(self) -> bool: ...
+    @property
+    def op_names(self) -> tuple[str, ...]: ...
+    def op(self, name: str) -> Op: ...
+
+
+L = TypeVar("L", bound=StagedLayer)
+L_co = TypeVar("L_co", bound=StagedLayer, covariant=True)
+
+
+class StagedModel(Protocol[L_co]):
+    """What the builder reads of a model (``MoeForCausalLM``, or the planner's ``SimModel``)."""
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+    @property
+    def layers(self) -> Sequence[L_co]: ...
+    @property
+    def op_embed(self) -> Op: ...
+    @property
+    def op_logits(self) -> Op: ...
+
+
 @dataclass(frozen=True)
-class SchemeOp:
+class SchemeOp(Generic[L]):
     """A scheme's own op: ``make(layer)`` builds it; it stands for the layer's ops ``covers``."""
 
     covers: tuple[str, ...]
-    make: Callable[[DecoderLayer], Op]
+    make: Callable[[L], Op]
 
 
 _ATTN = "prepare_attn attn_prepare attn_core prepare_mlp gate select_experts"
@@ -99,7 +130,7 @@ STRATEGIES: dict[tuple[str, str, str], Strategy] = {
 
 
 def strategy_for(
-    model: MoeForCausalLM,
+    model: StagedModel,
     scheme: str,
     decode: bool = False,
     strategies: Mapping[tuple[str, str, str], Strategy] | None = None,
@@ -116,7 +147,7 @@ def strategy_for(
 
 
 def layer_operations(
-    layer: DecoderLayer, strategy: Strategy, own: Mapping[str, SchemeOp] | None = None
+    layer: L, strategy: Strategy, own: Mapping[str, SchemeOp[L]] | None = None
 ) -> list[Op | Yield]:
     """``layer``'s ops in ``strategy``'s order, checked to cover exactly the layer's own ops."""
     own = own or {}
@@ -132,9 +163,9 @@ def layer_operations(
 
 
 def build_operations(
-    model: MoeForCausalLM,
+    model: StagedModel[L],
     strategy: Strategy,
-    own: Mapping[str, SchemeOp] | None = None,
+    own: Mapping[str, SchemeOp[L]] | None = None,
     layers: range | None = None,
 ) -> list[Op | Yield]:
     """The whole forward (of this pipeline stage, or of ``layers`` only) as ops with yields: the

@@ -8,7 +8,6 @@ from __future__ import annotations
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
-from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.scheme import Runner
@@ -20,13 +19,13 @@ from moe_overlap.overlap.split import (
     split_batch,
     split_inputs,
 )
-from moe_overlap.overlap.strategy import Strategy, build_operations, strategy_for
+from moe_overlap.overlap.strategy import StagedModel, Strategy, build_operations, strategy_for
 
 
 class TwoBatchOverlap:
     def __init__(
         self,
-        model: MoeForCausalLM,
+        model: StagedModel,
         cfg: OverlapConfig,
         group: Group,
         strategies: dict[tuple[str, str, str], Strategy] | None = None,

@@ -1,9 +1,9 @@
 """Simulated operations on a simulated clock, run by the engine's own schedules.
 
-``SimModel`` has the shape ``overlap/strategy.py: build_operations`` reads (``cfg``,
-``layers`` with ``layer_id``, ``is_moe``, ``op_names``, ``op(name)``, ``op_embed``,
-``op_logits``), so the strategy table builds the same op lists as for the real model, and
-``overlap/operations.py: execute_overlapped`` (the stage executor) runs them. An op does no
+``SimModel`` satisfies ``overlap/strategy.py: StagedModel``, the protocol the strategy builder
+reads (the type checker holds it to it), so the strategy table builds the same op lists as for
+the real model, and ``overlap/operations.py: execute_overlapped`` (the stage executor) runs
+them. An op does no
 arithmetic: it advances every rank's clock by its cost. Ranks run the same schedule (the
 engine's agreement makes sure of that), so one run moves all ranks at once, each with its own
 batch; an all-to-all completes when its bytes have crossed the rank's link (transfers queued
@@ -174,7 +174,7 @@ def experts_then_combine(blocks: int) -> SimOp:
     return make
 
 
-def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp]:
+def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp[SimLayer]]:
     """The simulated twin of ``overlap/sbo.py: sbo_ops`` (the same names and coverage)."""
     return {
         "experts_combine_a": SchemeOp(("experts", "combine_a"), experts_then_combine(blocks)),
