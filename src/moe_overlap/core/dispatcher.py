@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -67,9 +67,13 @@ def outputs(state: DispatchState) -> torch.Tensor:
     return state.expert_outputs
 
 
-class Dispatcher(ABC):
+S = TypeVar("S", bound=DispatchState)
+
+
+class Dispatcher(ABC, Generic[S]):
     """A backend: ``local`` (one rank, every expert), ``torch`` (all-to-all over EP ranks) or
-    ``none`` (a tensor-parallel MoE: gather, partial experts, all-reduce)."""
+    ``none`` (a tensor-parallel MoE: gather, partial experts, all-reduce). ``S`` is the state
+    its ``dispatch_a`` returns and its other steps take."""
 
     name: str
     num_experts: int  # routed experts over all ranks
@@ -83,19 +87,19 @@ class Dispatcher(ABC):
         topk_weights: torch.Tensor,
         owner: str = "mb0",
         extend: bool = True,
-    ) -> DispatchState:
+    ) -> S:
         """Sort the (token, slot) pairs by expert and start sending them to their owners.
         ``extend``: this micro-batch extends (prefill), which some backends' padding reads."""
 
     @abstractmethod
-    def dispatch_b(self, state: DispatchState) -> None:
+    def dispatch_b(self, state: S) -> None:
         """Wait for this rank's rows; fill ``expert_inputs`` and ``tokens_per_expert``."""
 
     @abstractmethod
-    def combine_a(self, state: DispatchState) -> None:
+    def combine_a(self, state: S) -> None:
         """Start sending ``expert_outputs`` back to the ranks the rows came from."""
 
-    def combine_blocks(self, state: DispatchState, num_blocks: int) -> list[range]:
+    def combine_blocks(self, state: S, num_blocks: int) -> list[range]:
         """SBO's blocks of this rank's local experts, run in order, each one's outputs sent
         back as soon as it is done: ``balanced_blocks`` of the rows each expert received (the
         all-to-all backend: of the rows that cross ranks)."""
@@ -103,11 +107,11 @@ class Dispatcher(ABC):
         return state.blocks
 
     @abstractmethod
-    def combine_a_block(self, state: DispatchState, block: int) -> None:
+    def combine_a_block(self, state: S, block: int) -> None:
         """Start sending the outputs of block ``block`` of ``combine_blocks`` only (one SBO
         piece); every rank calls it for blocks 0, 1, ... in order."""
 
-    def combine_b(self, state: DispatchState) -> torch.Tensor:
+    def combine_b(self, state: S) -> torch.Tensor:
         """Wait for every output row and sum each token's outputs by its router weights."""
         return weighted_sum(state, in_flight(state).wait())
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from moe_overlap.core.dispatcher import (
     Pending,
     balanced_blocks,
     in_flight,
+    outputs,
     sort_by_expert,
 )
 from moe_overlap.core.timeline import Timeline
@@ -57,13 +58,14 @@ class InFlight(Pending):
         label: str = "all-to-all",
         done: torch.cuda.Event | None = None,
     ):
-        self.handle, self.link, self.owner, self.timeline = handle, link, owner, timeline
+        self.handle, self.link, self.owner = handle, link, owner
         self.label, self.done = label, done  # done: the communication stream's event (CUDA)
         self.start = time.perf_counter()
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
         self.completed_at: float | None = None
-        self.recording = timeline is not None and timeline.enabled
-        if self.recording:
+        # the timeline while this all-to-all's span is still to be added
+        self.recording = timeline if timeline is not None and timeline.enabled else None
+        if self.recording is not None:
             handle.on_complete(self._completed)
 
     def _completed(self) -> None:
@@ -72,15 +74,16 @@ class InFlight(Pending):
     def wait(self, waiter: str | None = None) -> torch.Tensor:
         who = waiter or self.owner
         label = "wait" if who == self.owner else f"receive hook for {self.owner}"
-        with self.timeline.span(f"{who} wait", label) if self.recording else nullcontext():
+        recording = self.recording
+        with recording.span(f"{who} wait", label) if recording is not None else nullcontext():
             out = consume(self.done, self.handle.wait())  # every waiter's stream waits
             if self.link is not None:
                 self.link.sleep_until(self.earliest_end)
-        if self.recording:
-            self.recording = False  # one span per all-to-all, at its first wait
+        if recording is not None:
+            self.recording = None  # one span per all-to-all, at its first wait
             now = time.perf_counter()
             end = now if self.completed_at is None else min(self.completed_at, now)
-            self.timeline.add("comm", self.label, self.start, end)
+            recording.add("comm", self.label, self.start, end)
         return out
 
 
@@ -98,21 +101,25 @@ class CombinePieces(Pending):
         return self.out
 
 
-@dataclass
+def _no_rows() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.long)
+
+
+@dataclass(kw_only=True)
 class AllToAllState(DispatchState):
     """The routing layout both directions of this layer's all-to-alls share."""
 
-    counts: torch.Tensor | None = None  # [ep, local]: rows I send to each rank's local experts
-    recv_counts: torch.Tensor | None = None  # [ep, local]: rows each rank sends my experts
-    all_counts: torch.Tensor | None = None  # [ep, ep, local]: every rank's ``counts``
-    owner_blocks: list[list[range]] | None = None  # per rank, its SBO blocks
-    send: list[int] | None = None  # rows I send to each rank
-    recv: list[int] | None = None  # rows I receive from each rank
-    perm: torch.Tensor | None = None  # received (source-major) rows -> grouped by expert
-    row_of: torch.Tensor | None = None  # where each received row sits in expert_outputs
+    counts: torch.Tensor  # [ep, local]: rows I send to each rank's local experts
+    recv_counts: torch.Tensor  # [ep, local]: rows each rank sends my experts
+    all_counts: torch.Tensor  # [ep, ep, local]: every rank's ``counts``
+    send: list[int]  # rows I send to each rank
+    recv: list[int]  # rows I receive from each rank
+    owner_blocks: list[list[range]] = field(default_factory=list)  # per rank, its SBO blocks
+    perm: torch.Tensor = field(default_factory=_no_rows)  # received rows -> grouped by expert
+    row_of: torch.Tensor = field(default_factory=_no_rows)  # each received row's output row
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(Dispatcher[AllToAllState]):
     name = "torch"
 
     def __init__(
@@ -168,9 +175,17 @@ class AllToAllDispatcher(Dispatcher):
             self.timeline.add(f"{owner} wait", "counts exchange", start, time.perf_counter())
         recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
         send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
-        state.counts, state.recv_counts, state.send, state.recv = counts, recv_counts, send, recv
-        state.all_counts = everyone
+        state = AllToAllState(
+            hidden.shape[0],
+            topk_weights,
+            order,
+            owner,
+            counts=counts,
+            recv_counts=recv_counts,
+            all_counts=everyone,
+            send=send,
+            recv=recv,
+        )
         state.pending = self._start("dispatch", rows, send, recv, owner)
         return state
 
@@ -186,9 +201,10 @@ class AllToAllDispatcher(Dispatcher):
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
     def combine_a(self, state: AllToAllState) -> None:
-        outputs = torch.empty_like(state.expert_outputs)
-        outputs[state.perm] = state.expert_outputs  # back to the order they came in
-        state.pending = self._start("combine", outputs, state.recv, state.send, state.owner)
+        rows = outputs(state)
+        back = torch.empty_like(rows)
+        back[state.perm] = rows  # back to the order they came in
+        state.pending = self._start("combine", back, state.recv, state.send, state.owner)
 
     def combine_blocks(self, state: AllToAllState, num_blocks: int) -> list[range]:
         """Every rank's blocks, from the gathered counts, so a source knows which of its rows
@@ -203,18 +219,20 @@ class AllToAllDispatcher(Dispatcher):
     def combine_a_block(self, state: AllToAllState, block: int) -> None:
         """No counts are exchanged: both sides derive the piece's splits from dispatch's
         counts, so ``combine_b`` sees exactly the rows the unsplit ``combine_a`` would send."""
-        if not isinstance(state.pending, CombinePieces):
-            state.pending = CombinePieces(sum(state.send), state.expert_outputs)
+        expert_outputs = outputs(state)
+        pieces = state.pending
+        if not isinstance(pieces, CombinePieces):
+            state.pending = pieces = CombinePieces(sum(state.send), expert_outputs)
             state.row_of = torch.empty_like(state.perm)
             state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
         mine = state.blocks[block]
         outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep)
         incoming, recv = piece_layout(state.counts, [b[block] for b in state.owner_blocks])
-        device = state.expert_outputs.device
+        device = expert_outputs.device
         outgoing, incoming = to_device(outgoing, device), to_device(incoming, device)
-        rows = state.expert_outputs[state.row_of[outgoing]]
-        kind = f"combine piece {len(state.pending.pieces)}"
-        state.pending.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
+        rows = expert_outputs[state.row_of[outgoing]]
+        kind = f"combine piece {len(pieces.pieces)}"
+        pieces.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
 
 
 def piece_layout(counts: torch.Tensor, experts: list[range]) -> tuple[torch.Tensor, list[int]]:

@@ -14,12 +14,19 @@ others zero, all-reduced) whenever a batch extends, else whichever moves fewer b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Pending, Ready, in_flight
+from moe_overlap.core.dispatcher import (
+    Dispatcher,
+    DispatchState,
+    Pending,
+    Ready,
+    in_flight,
+    outputs,
+)
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts
 from moe_overlap.dispatch.all_to_all import InFlight
@@ -48,14 +55,14 @@ class Summed(Pending):
         return total
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GatherState(DispatchState):
-    lens: list[int] | None = None  # tokens of each attention-DP group
+    lens: list[int]  # tokens of each attention-DP group
     mode: str = "replicated"  # replicated | sum | max
-    all_weights: torch.Tensor | None = None  # [N, k] of every group's tokens
+    all_weights: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))  # [N, k] of all
 
 
-class GatherDispatcher(Dispatcher):
+class GatherDispatcher(Dispatcher[GatherState]):
     name = "none"
 
     def __init__(
@@ -89,12 +96,13 @@ class GatherDispatcher(Dispatcher):
         n = hidden.shape[0]
         # ids ride as floats: exact below 2**24 experts
         packed = torch.cat((hidden, topk_weights.to(hidden.dtype), topk_ids.to(hidden.dtype)), 1)
-        state = GatherState(n, topk_weights, torch.empty(0, dtype=torch.long), owner)
+        no_order = torch.empty(0, dtype=torch.long)
         if self.attn_dp.size == 1:
-            state.lens, state.pending = [n], Ready(packed)
+            state = GatherState(n, topk_weights, no_order, owner, lens=[n])
+            state.pending = Ready(packed)
             return state
         info = self.attn_dp.all_gather(torch.tensor([[n, int(extend)]]))
-        state.lens = info[:, 0].tolist()
+        state = GatherState(n, topk_weights, no_order, owner, lens=info[:, 0].tolist())
         state.mode = dp_padding_mode(state.lens, bool(info[:, 1].any()))
         total, longest, width = sum(state.lens), max(state.lens), packed.shape[1]
         if total == 0:  # every group idle: nothing to move
@@ -141,10 +149,9 @@ class GatherDispatcher(Dispatcher):
         weights = state.all_weights.reshape(-1)
         k = state.all_weights.shape[1]
         pairs = state.order[rows]
-        out = state.expert_outputs.new_zeros(
-            state.all_weights.shape[0], state.expert_outputs.shape[1]
-        )
-        out.index_add_(0, pairs // k, state.expert_outputs[rows] * weights[pairs, None])
+        expert_outputs = outputs(state)
+        out = expert_outputs.new_zeros(state.all_weights.shape[0], expert_outputs.shape[1])
+        out.index_add_(0, pairs // k, expert_outputs[rows] * weights[pairs, None])
         if self.tp.size == 1 or not out.numel():
             return Ready(out)
         nbytes = _ring_bytes(out, self.tp.size, reduce=True)

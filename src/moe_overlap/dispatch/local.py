@@ -8,7 +8,7 @@ from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, output
 from moe_overlap.core.transfer import read_counts
 
 
-class LocalDispatcher(Dispatcher):
+class LocalDispatcher(Dispatcher[DispatchState]):
     name = "local"
 
     def __init__(self, num_experts: int):

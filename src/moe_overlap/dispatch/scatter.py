@@ -6,6 +6,8 @@ drops the padding, so no padded row reaches an expert or the logits.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState
@@ -17,8 +19,8 @@ def shares(rows: int, ranks: int) -> list[int]:
     return [rows // ranks + (r < rows % ranks) for r in range(ranks)]
 
 
-class ScatteredDispatcher(Dispatcher):
-    def __init__(self, inner: Dispatcher, attn_tp: Group):
+class ScatteredDispatcher(Dispatcher[DispatchState]):
+    def __init__(self, inner: Dispatcher[Any], attn_tp: Group):
         self.inner, self.attn_tp = inner, attn_tp
         self.name, self.num_experts, self.link = inner.name, inner.num_experts, inner.link
 

@@ -59,10 +59,10 @@ class AutoOverlap:
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = CostModel.for_model(model.cfg)
         tbo = dataclasses.replace(cfg, mode="tbo", tbo_split_policy="time")
-        self.schemes = {
-            "sbo": SingleBatchOverlap(model, dataclasses.replace(cfg, mode="sbo"), group),
-            "tbo2": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=2), group),
-            "tbo3": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=3), group),
+        self.sbo = SingleBatchOverlap(model, dataclasses.replace(cfg, mode="sbo"), group)
+        self.tbo = {
+            f"tbo{n}": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=n), group)
+            for n in (2, 3)
         }
         self.dbo = DualBatchOverlap(model, dataclasses.replace(cfg, mode="dbo"), group)
         self.calibration: Calibration | None = None
@@ -126,10 +126,12 @@ class AutoOverlap:
         if mode == "none":
             return execute_operations(runner.context(batch), runner.ops)
         if mode == "sbo":
-            return self.schemes["sbo"].forward(batch, runner)
+            return self.sbo.forward(batch, runner)
         if mode == "dbo":
+            if split is None:  # choose() offers dbo only where the ranks agreed on a cut
+                raise RuntimeError("auto chose dbo without an agreed split point")
             return self.dbo.run(batch, runner, split)
-        return self.schemes[mode].run(batch, runner, decode)
+        return self.tbo[mode].run(batch, runner, decode)
 
     def _calibrate(self, runner: Runner) -> Calibration:
         def run_mode(mode: str, batch: ForwardBatch, scratch) -> None:
