@@ -182,8 +182,7 @@ def _as_slice(items: list[int]) -> slice | None:
 
 # A query block's share of a chunk that attends over a prefix: SDPA's masked path works through
 # every (query, key) pair of its rectangle, so a long chunk attends block by block, each over the
-# keys up to its own end (measured on CPU: a 3072-token sequence cut in three cost 25% more
-# attention than one causal call unblocked, 8% in blocks of 256, which beat 128 and 512).
+# keys up to its own end; the block size is the best of those tried (docs/tuning.md).
 QUERY_BLOCK = 256
 
 

@@ -159,9 +159,8 @@ class ExpertBank(nn.Module):
 
 
 # When one batched matmul over every expert (each padded to the fullest) beats a matmul per
-# expert, measured on a 2-core CPU with 8 experts of 512 x 1024, evenly loaded: 3.1x faster at 4
-# rows per expert, 1.6x at 64, 1.5x at 128, 0.9x at 256 (a GPU's loop pays a launch per expert
-# on top). Above 64 rows the padding must stay small.
+# expert: always for few rows per expert, where the loop's per-call overhead dominates; above
+# that only while the padding stays small (the measurements behind the bounds: docs/tuning.md).
 _BATCHED_ANY_ROWS = 64
 _BATCHED_EVEN_ROWS = 192
 _BATCHED_MAX_PADDING = 1.25
