@@ -170,3 +170,19 @@ def test_bench_workload_longer_than_the_context_fails_at_once(capsys):
     assert "a sequence of 1000000 tokens exceeds" in err[0]
     assert "max_position_embeddings=" in err[0]
     assert time.monotonic() - start < 5, "ranks were started before the workload was checked"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--ep", "1", "--modes", "none,dbo"],
+            "--modes dbo: --enable-dbo needs more than one rank",
+        ),
+        (["--tp", "2", "--pp", "2", "--modes", "none,auto"], "--modes auto: --overlap auto with"),
+        (["--ep", "2", "--modes", "tbo"], "--modes 'tbo' must include none, the baseline"),
+    ],
+)
+def test_bench_modes_the_layout_cannot_run_exit_2(capsys, args, message):
+    code, err = run_cli(capsys, "bench", "--hf-config", CONFIG, *args)
+    assert code == 2 and len(err) == 1 and message in err[0], err

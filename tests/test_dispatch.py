@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.distributed.groups import init_process_groups
-from moe_overlap.distributed.layout import compute_layout
+from moe_overlap.distributed.layout import layout_for
 from tests.dist_utils import init_gloo, run_workers
 
 EXPERTS, HIDDEN, TOP_K = 12, 6, 2
@@ -34,7 +35,7 @@ def expected(hidden, ids, weights):
 
 def worker(rank, world, port, case, p2p):
     init_gloo(rank, world, port)
-    group = init_process_groups(compute_layout(world, 1, 1, world, 1, False), rank, "gloo")["ep"]
+    group = init_process_groups(layout_for(ParallelConfig(ep=world)), rank, "gloo")["ep"]
     dispatcher = AllToAllDispatcher(group, EXPERTS)
     group.all_to_all = _forced(group.all_to_all, p2p)
     hidden, ids, weights = routing(case, rank, world)

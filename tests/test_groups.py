@@ -14,16 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.layout_rules import check_layout
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.comm import CollectiveTimeout
 from moe_overlap.distributed.groups import Group, init_process_groups
-from moe_overlap.distributed.layout import GROUP_KINDS, compute_layout
+from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout, layout_for
 from tests.dist_utils import WorkerError, init_gloo, run_workers
 
 # ---------------------------------------------------------------- layouts
 
 
+def compute_layout(tp: int, pp: int, ep: int, dp: int, enable_dp_attention: bool) -> ParallelLayout:
+    par = ParallelConfig(tp=tp, pp=pp, ep=ep, dp=dp, enable_dp_attention=enable_dp_attention)
+    check_layout(par)
+    return layout_for(par)
+
+
 def test_tp2_pp4_contiguous_tp_strided_pp():
-    lay = compute_layout(8, tp=2, pp=4, ep=1, dp=1, enable_dp_attention=False)
+    lay = compute_layout(tp=2, pp=4, ep=1, dp=1, enable_dp_attention=False)
     assert lay.tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lay.pp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert lay.ep_groups == [[r] for r in range(8)]
@@ -34,13 +42,13 @@ def test_tp2_pp4_contiguous_tp_strided_pp():
 
 
 def test_ep_equal_to_tp_is_the_tp_group():
-    lay = compute_layout(8, tp=4, pp=2, ep=4, dp=1, enable_dp_attention=False)
+    lay = compute_layout(tp=4, pp=2, ep=4, dp=1, enable_dp_attention=False)
     assert lay.ep_groups == lay.tp_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.moe_tp == 1 and lay.moe_tp_groups == [[r] for r in range(8)]
 
 
 def test_ep_smaller_than_tp():
-    lay = compute_layout(4, tp=4, pp=1, ep=2, dp=1, enable_dp_attention=False)
+    lay = compute_layout(tp=4, pp=1, ep=2, dp=1, enable_dp_attention=False)
     assert lay.moe_tp == 2
     assert lay.ep_groups == [[0, 2], [1, 3]]
     assert lay.moe_tp_groups == [[0, 1], [2, 3]]
@@ -49,7 +57,7 @@ def test_ep_smaller_than_tp():
 
 
 def test_dp_attention_inside_tp():
-    lay = compute_layout(4, tp=4, pp=1, ep=4, dp=2, enable_dp_attention=True)
+    lay = compute_layout(tp=4, pp=1, ep=4, dp=2, enable_dp_attention=True)
     assert lay.attn_tp == 2
     assert lay.attn_tp_groups == [[0, 1], [2, 3]]
     assert lay.attn_dp_groups == [[0, 2], [1, 3]]
@@ -60,9 +68,7 @@ def test_dp_attention_inside_tp():
 @pytest.mark.parametrize("ep", [2, 4])
 @pytest.mark.parametrize("dp", [1, "ep"])
 def test_pure_expert_parallelism(ep, dp):
-    lay = compute_layout(
-        ep, tp=1, pp=1, ep=ep, dp=ep if dp == "ep" else 1, enable_dp_attention=False
-    )
+    lay = compute_layout(tp=1, pp=1, ep=ep, dp=ep if dp == "ep" else 1, enable_dp_attention=False)
     assert lay.pure_ep and lay.dp == ep and lay.attn_tp == 1
     assert lay.ep_groups == lay.attn_dp_groups == [list(range(ep))]
     assert lay.tp_groups == lay.attn_tp_groups == [[r] for r in range(ep)]
@@ -74,22 +80,18 @@ def test_pure_expert_parallelism(ep, dp):
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        ((8, 2, 3, 1, 1, False), r"world_size=8 must equal --tp \* --pp = 2 \* 3 = 6"),
-        ((6, 4, 1, 1, 1, False), r"world_size=6 .* launch 4 ranks"),
-        ((4, 4, 1, 3, 1, False), r"--ep=3 does not divide --tp=4; choose ep in \{1, 2, 4\}"),
-        ((4, 2, 2, 4, 1, False), r"--ep=4 does not divide --tp=2"),
-        ((4, 4, 1, 1, 3, True), r"--dp=3 does not divide --tp=4; choose dp in \{1, 2, 4\}"),
-        ((4, 4, 1, 1, 2, False), r"--dp=2 needs --enable-dp-attention"),
-        ((3, 1, 1, 2, 1, False), r"world_size=3 but pure expert parallelism .*--ep=2"),
-        ((4, 1, 1, 4, 2, True), r"--dp=2 with pure expert parallelism --ep=4"),
-        ((0, 1, 1, 1, 1, False), r"world_size=0 must be a positive integer"),
-        ((4, 0, 1, 1, 1, False), r"--tp=0 must be a positive integer"),
-        ((4, 4, 1, -1, 1, False), r"--ep=-1 must be a positive integer"),
+        (dict(tp=4, ep=3), r"--ep=3 does not divide --tp=4; choose ep in \{1, 2, 4\}"),
+        (dict(tp=2, pp=2, ep=4), r"--ep=4 is larger than --tp=2"),
+        (dict(tp=4, dp=3, enable_dp_attention=True), r"--dp=3 does not divide --tp=4; choose"),
+        (dict(ep=2, pp=2), r"--pp=2 with pure expert parallelism .* --tp 2 --ep 2 --pp 2"),
+        (dict(ep=4, dp=2, enable_dp_attention=True), r"--dp=2 with pure expert parallelism"),
+        (dict(tp=0), r"--tp=0 must be an integer >= 1"),
+        (dict(tp=4, ep=-1), r"--ep=-1 must be an integer >= 1"),
     ],
 )
 def test_impossible_layouts_raise_config_error(args, match):
     with pytest.raises(ConfigError, match=match):
-        compute_layout(*args)
+        check_layout(ParallelConfig(**args))
 
 
 @st.composite
@@ -105,7 +107,7 @@ def _valid_sizes(draw):
 @given(_valid_sizes())
 def test_every_kind_partitions_the_world_and_matches_sglang_formulas(sizes):
     tp, pp, ep, dp, dp_attn = sizes
-    lay = compute_layout(tp * pp, tp, pp, ep, dp, dp_attn)
+    lay = compute_layout(tp, pp, ep, dp, dp_attn)
     for kind in GROUP_KINDS:
         flat = sorted(r for g in lay.groups(kind) for r in g)
         assert flat == list(range(tp * pp)), kind
@@ -169,7 +171,7 @@ def _payload() -> dict[str, torch.Tensor]:
 
 def collectives_worker(rank: int, ws: int, port: int) -> dict:
     init_gloo(rank, ws, port)
-    lay = compute_layout(ws, tp=1, pp=1, ep=ws, dp=1, enable_dp_attention=False)
+    lay = layout_for(ParallelConfig(ep=ws))
     groups = init_process_groups(lay, rank, "gloo")
     g = groups["ep"]
     res: dict = {"ranks": {k: v.ranks for k, v in groups.items()}, "rank": g.rank}
@@ -210,7 +212,7 @@ def gloo_run(request):
 
 def test_groups_from_layout(gloo_run):
     ws, results = gloo_run
-    lay = compute_layout(ws, tp=1, pp=1, ep=ws, dp=1, enable_dp_attention=False)
+    lay = layout_for(ParallelConfig(ep=ws))
     for rank, res in enumerate(results):
         assert res["rank"] == rank
         assert res["ranks"] == {k: lay.group_of(k, rank) for k in GROUP_KINDS} | {
@@ -265,7 +267,7 @@ def test_send_dict_recv_dict_chain(gloo_run):
 
 def timeout_worker(rank: int, ws: int, port: int, flag: str) -> dict:
     init_gloo(rank, ws, port, timeout_s=1.5)  # the default every group inherits
-    groups = init_process_groups(compute_layout(ws, 1, 1, ws, 1, False), rank, "gloo")
+    groups = init_process_groups(layout_for(ParallelConfig(ep=ws)), rank, "gloo")
     slow = Group([0, 1], rank, dist.new_group([0, 1], timeout=timedelta(seconds=30)), name="slow")
     if rank == 1:  # never joins; stays alive until rank 0 is done so no socket closes early
         deadline = time.monotonic() + 20

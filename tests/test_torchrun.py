@@ -89,3 +89,17 @@ def test_torchrun_refuses_netns_link_on_every_rank(tmp_path):
     for r in range(2):
         result = (tmp_path / f"rank{r}.txt").read_text()
         assert result.startswith("ConfigError: --link netns:1gbit cannot be used under torchrun")
+
+
+def test_torchrun_world_must_match_the_layout(monkeypatch):
+    from moe_overlap.core.engine_config import EngineSpec
+    from moe_overlap.core.errors import ConfigError
+    from moe_overlap.core.parallel_config import ParallelConfig
+    from moe_overlap.distributed.link import parse_link
+    from moe_overlap.runtime.torchrun import TorchrunExecutor
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
+    spec = EngineSpec(cfg, parallel=ParallelConfig(tp=4, ep=4))
+    with pytest.raises(ConfigError, match="torchrun started 3 processes but tp4 ep4 needs 4"):
+        TorchrunExecutor(spec, parse_link("none"), timeout_s=5)

@@ -7,8 +7,8 @@ cache. ``--ep E`` shards the routed experts ``E`` ways inside the TP world; ``tp
 is pure expert parallelism: ``E`` ranks, each its own attention-DP group (attention TP 1).
 ``--dp D`` without ``--enable-dp-attention`` starts ``D`` independent replicas of that layout
 (SGLang's data-parallel controller): no collective crosses replicas.
-The group arithmetic is ``distributed/layout.py``'s; this file holds the sizes and the model's
-divisibility rules.
+The group arithmetic is ``distributed/layout.py``'s; which combinations are legal, and which
+models fit them, ``core/layout_rules.py: check_layout`` decides.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_overlap.core.errors import ConfigError, is_int
-from moe_overlap.core.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -35,16 +34,6 @@ class ParallelConfig:
         if not isinstance(self.enable_dp_attention, bool):
             raise ConfigError(
                 f"enable_dp_attention={self.enable_dp_attention!r} must be true or false"
-            )
-        if self.pp > 1 and self.pure_ep:
-            raise ConfigError(
-                f"--pp={self.pp} with pure expert parallelism (--tp 1 --ep {self.ep}): pipeline "
-                f"stages split a TP world; use --tp {self.ep} --ep {self.ep} --pp {self.pp}"
-            )
-        if self.tp > 1 and self.ep > self.tp:
-            raise ConfigError(
-                f"--ep={self.ep} is larger than --tp={self.tp}: expert parallelism lives inside "
-                f"the TP world; set --ep to a divisor of {self.tp}, or --tp 1 for pure EP"
             )
 
     @property
@@ -110,51 +99,3 @@ class ParallelConfig:
             parts.append(f"ep{self.ep}")
         one = " ".join(parts) or "one process"
         return f"{self.replicas} replicas of {one}" if self.replicas > 1 else one
-
-
-def check_model_fits(cfg: ModelConfig, par: ParallelConfig) -> None:
-    """SGLang's refusals for a model on a layout, each naming the value and a fix."""
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    a = par.attn_tp
-    where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
-    if cfg.is_hybrid and a > 1:
-        raise ConfigError(
-            f"model_type={cfg.model_type}: its linear-attention layers do not run tensor "
-            f"parallel, so the {where} is refused; use --ep, or --enable-dp-attention with "
-            "--dp equal to --tp"
-        )
-    if heads % a:
-        raise ConfigError(
-            f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "
-            f"that tp/dp divides {heads}"
-        )
-    if not cfg.is_deepseek and kv % a and a % kv:
-        raise ConfigError(
-            f"num_key_value_heads={kv} and the {where}: one must divide the other (KV heads "
-            "are split, or replicated when fewer than the attention-TP ranks)"
-        )
-    if par.pp > cfg.num_hidden_layers:
-        raise ConfigError(
-            f"--pp={par.pp} is more stages than the model's {cfg.num_hidden_layers} layers; "
-            f"set --pp to at most {cfg.num_hidden_layers}"
-        )
-    if cfg.num_experts % par.ep:
-        raise ConfigError(
-            f"--ep={par.ep} must divide num_experts={cfg.num_experts}; choose a divisor"
-        )
-    if cfg.moe_intermediate_size % par.moe_tp:
-        raise ConfigError(
-            f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by the moe-TP "
-            f"size {par.moe_tp} (--tp {par.tp} / --ep {par.ep}); raise --ep"
-        )
-    widths = {}
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        widths["intermediate_size"] = cfg.intermediate_size
-    if cfg.n_shared_experts:
-        widths["shared experts' width"] = cfg.moe_intermediate_size * cfg.n_shared_experts
-    for name, width in widths.items():
-        if width % a:
-            raise ConfigError(
-                f"{name}={width} (dense MLPs run tensor parallel over attention TP) is not "
-                f"divisible by the {where}"
-            )

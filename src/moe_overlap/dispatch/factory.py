@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from moe_overlap.core.dispatcher import Dispatcher
-from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
@@ -18,26 +17,12 @@ from moe_overlap.distributed.modelled_link import ModelledLink
 def resolve_backend(backend: str, par: ParallelConfig) -> str:
     """``auto``: ``local`` on one rank; ``torch`` (all-to-all) when every rank of the TP world
     owns whole experts (``ep == tp``, moe-TP 1); else ``none``, SGLang's tensor-parallel MoE
-    (gather, partial experts, all-reduce). An explicit choice is checked against the layout."""
+    (gather, partial experts, all-reduce). An explicit choice is taken as given
+    (``core/layout_rules.py`` refused one the layout cannot run)."""
     if par.replica_size == 1:  # every replica is one process
-        if backend in ("torch", "none"):
-            raise ConfigError(
-                f"--moe-a2a-backend={backend} needs more than one rank per replica (--tp or "
-                "--ep > 1); use local (or auto)"
-            )
         return "local"
     if backend == "auto":
         return "torch" if par.moe_tp == 1 else "none"
-    if backend == "local":
-        raise ConfigError(
-            f"--moe-a2a-backend=local holds every expert on one rank; with {par.describe()} "
-            "use torch or none (or auto)"
-        )
-    if backend == "torch" and par.moe_tp > 1:
-        raise ConfigError(
-            f"--moe-a2a-backend=torch needs --ep equal to --tp (whole experts per rank), not "
-            f"--ep {par.ep} with --tp {par.tp}; set --ep {par.tp}, or use none (or auto)"
-        )
     return backend
 
 

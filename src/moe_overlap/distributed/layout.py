@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.parallel_config import ParallelConfig
 
 GROUP_KINDS = ("tp", "pp", "ep", "moe_tp", "attn_tp", "attn_dp")
@@ -69,15 +68,9 @@ class ParallelLayout:
 
 def layout_for(par: ParallelConfig) -> ParallelLayout:
     """The whole world's layout: one replica's groups, repeated for every replica (each block
-    of ``replica_size`` ranks), so that every kind still partitions the world."""
-    one = compute_layout(
-        par.replica_size,
-        1 if par.pure_ep else par.tp,
-        par.pp,
-        par.ep,
-        par.dp if par.replicas == 1 else 1,
-        par.enable_dp_attention,
-    )
+    of ``replica_size`` ranks), so that every kind still partitions the world. ``par`` is legal
+    (``core/layout_rules.py: check_layout`` refuses the rest before any rank starts)."""
+    one = _pure_ep_layout(par.ep) if par.pure_ep else _replica_layout(par)
     if par.replicas == 1:
         return one
     repeated: dict[str, Any] = {
@@ -92,10 +85,6 @@ def _repeat(groups: list[list[int]], size: int, times: int) -> list[list[int]]:
     return [[r + k * size for r in g] for k in range(times) for g in groups]
 
 
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
 def _runs(tp: int, pp: int, run: int) -> list[list[int]]:
     """Contiguous runs of ``run`` ranks inside each TP group."""
     return [list(range(s, s + run)) for i in range(pp) for s in range(i * tp, (i + 1) * tp, run)]
@@ -106,50 +95,17 @@ def _strided(tp: int, pp: int, stride: int) -> list[list[int]]:
     return [list(range(i * tp + j, (i + 1) * tp, stride)) for i in range(pp) for j in range(stride)]
 
 
-def compute_layout(
-    world_size: int, tp: int, pp: int, ep: int, dp: int, enable_dp_attention: bool
-) -> ParallelLayout:
-    """Place ``world_size`` ranks into TP, PP, EP, moe-TP, attention-TP and attention-DP groups.
+def _replica_layout(par: ParallelConfig) -> ParallelLayout:
+    """One replica's TP, PP, EP, moe-TP, attention-TP and attention-DP groups.
 
-    SGLang's rules: ``world_size == tp * pp``; TP groups are contiguous ranks, PP groups strided
-    by ``tp``. ``ep`` divides ``tp``, ``moe_tp = tp // ep``; EP groups take ranks ``moe_tp``
-    apart inside a TP group (the TP group itself when ``ep == tp``), moe-TP groups are the
-    contiguous runs of ``moe_tp``. Attention DP lives inside TP: ``dp`` divides ``tp``,
-    ``attn_tp = tp // dp``, attention-TP groups are contiguous runs of ``attn_tp`` and
-    attention-DP groups take ranks ``attn_tp`` apart; ``dp > 1`` needs ``enable_dp_attention``.
-
-    Pure expert parallelism (our ``LLM(ep=N)``): ``tp == pp == 1`` and ``ep > 1`` means
-    ``world_size == ep`` ranks, one EP group of all ranks, every rank its own attention-DP rank
-    (``attn_tp == 1``, effective ``dp == ep``) and no dense tensor parallelism; ``dp`` may be
-    given as 1 or ``ep``, and ``enable_dp_attention`` is implied.
-
-    Raises ``ConfigError`` naming the values and a fix for every impossible combination.
+    SGLang's arithmetic: ``tp * pp`` ranks; TP groups are contiguous ranks, PP groups strided by
+    ``tp``. ``moe_tp = tp // ep``; EP groups take ranks ``moe_tp`` apart inside a TP group (the
+    TP group itself when ``ep == tp``), moe-TP groups are the contiguous runs of ``moe_tp``.
+    Attention DP lives inside TP: ``attn_tp = tp // dp``, attention-TP groups are contiguous
+    runs of ``attn_tp`` and attention-DP groups take ranks ``attn_tp`` apart.
     """
-    sizes = {"world_size": world_size, "--tp": tp, "--pp": pp, "--ep": ep, "--dp": dp}
-    for name, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if tp == 1 and pp == 1 and ep > 1:
-        return _pure_ep_layout(world_size, ep, dp)
-    if world_size != tp * pp:
-        hint = f" or --pp={world_size // tp}" if world_size % tp == 0 else ""
-        raise ConfigError(
-            f"world_size={world_size} must equal --tp * --pp = {tp} * {pp} = {tp * pp} "
-            f"(dp lives inside tp); launch {tp * pp} ranks{hint}"
-        )
-    if tp % ep:
-        raise ConfigError(
-            f"--ep={ep} does not divide --tp={tp}; choose ep in {_divisors(tp)}"
-            + (" (or --tp=1 --pp=1 for pure expert parallelism)" if pp == 1 else "")
-        )
-    if dp > 1 and not enable_dp_attention:
-        raise ConfigError(
-            f"--dp={dp} needs --enable-dp-attention (data parallelism lives inside "
-            f"--tp={tp}); add --enable-dp-attention or set --dp=1"
-        )
-    if tp % dp:
-        raise ConfigError(f"--dp={dp} does not divide --tp={tp}; choose dp in {_divisors(tp)}")
-    moe_tp, attn_tp = tp // ep, tp // dp
+    tp, pp, ep, dp = par.tp, par.pp, par.ep, par.replica_attn_dp
+    moe_tp, attn_tp, world_size = tp // ep, tp // dp, tp * pp
     return ParallelLayout(
         world_size=world_size,
         tp=tp,
@@ -158,7 +114,7 @@ def compute_layout(
         dp=dp,
         moe_tp=moe_tp,
         attn_tp=attn_tp,
-        enable_dp_attention=enable_dp_attention,
+        enable_dp_attention=par.enable_dp_attention,
         pure_ep=False,
         tp_groups=_runs(tp, pp, tp),
         pp_groups=[list(range(j, world_size, tp)) for j in range(tp)],
@@ -169,21 +125,14 @@ def compute_layout(
     )
 
 
-def _pure_ep_layout(world_size: int, ep: int, dp: int) -> ParallelLayout:
-    if world_size != ep:
-        raise ConfigError(
-            f"world_size={world_size} but pure expert parallelism (--tp=1 --pp=1 --ep={ep}) "
-            f"runs one rank per EP rank; launch {ep} ranks or set --ep={world_size}"
-        )
-    if dp not in (1, ep):
-        raise ConfigError(
-            f"--dp={dp} with pure expert parallelism --ep={ep}: every rank is its own "
-            f"attention-DP rank; set --dp=1 or --dp={ep}"
-        )
+def _pure_ep_layout(ep: int) -> ParallelLayout:
+    """Pure expert parallelism (``--tp 1 --ep N``): ``ep`` ranks, one EP group of all of them,
+    every rank its own attention-DP rank (``attn_tp == 1``, effective ``dp == ep``) and no
+    dense tensor parallelism."""
     alone = [[r] for r in range(ep)]
     everyone = [list(range(ep))]
     return ParallelLayout(
-        world_size=world_size,
+        world_size=ep,
         tp=1,
         pp=1,
         ep=ep,

@@ -9,6 +9,7 @@ from statistics import median
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -65,15 +66,14 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for mode in modes:
-        mode_config(mode)  # a clear error for a malformed name
     if "none" not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     par = ParallelConfig(**layout_kwargs(args))
-    if par.pp > 1 and "auto" in modes:
-        raise ConfigError("--modes with auto cannot run with --pp > 1; drop auto")
-    if par.world_size < 2 and "dbo" in modes:
-        raise ConfigError("--modes with dbo needs 2 or more ranks (--ep or --tp)")
+    for mode in modes:  # each mode on this layout, as the engine would check it
+        try:
+            check_layout(par, overlap=mode_config(mode))
+        except ConfigError as exc:
+            raise ConfigError(f"--modes {mode}: {exc}") from None
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     cfg = ModelConfig.from_hf(model_path(args))

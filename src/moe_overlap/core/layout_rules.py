@@ -1,0 +1,173 @@
+"""Which parallel layouts are legal: ``check_layout`` decides every refusal, each a ConfigError
+naming the bad value and the fix. The rest of the code computes from a legal layout (the
+groups in ``distributed/layout.py``, the dispatcher backend in ``dispatch/factory.py``) and
+refuses nothing itself.
+
+The rules are SGLang's where it has them (sizes, a model's divisibility, PD multiplexing), and
+ours where a mode needs something of the layout (auto under pipeline stages, DBO or a link on
+one rank).
+"""
+
+from __future__ import annotations
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
+
+
+def check_layout(
+    par: ParallelConfig,
+    cfg: ModelConfig | None = None,
+    overlap: OverlapConfig | None = None,
+    link: str | None = None,
+    pdmux: bool = False,
+) -> None:
+    """Refuse ``par`` if it is not a layout; then, given them, if ``cfg`` does not fit it, if
+    ``overlap``'s mode or backend needs something it lacks, if ``link`` (the ``--link`` spec
+    of an emulated link, None for none) has no link to emulate, or if PD multiplexing (``pdmux``) cannot run on it."""
+    _check_sizes(par)
+    if cfg is not None:
+        _check_model(cfg, par)
+    overlap = overlap or OverlapConfig()
+    _check_backend(overlap.moe_a2a_backend, par)
+    _check_modes(par, overlap, link)
+    if pdmux:
+        _check_pdmux(par, overlap, cfg)
+
+
+def divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def _check_sizes(par: ParallelConfig) -> None:
+    tp, ep, dp, pp = par.tp, par.ep, par.dp, par.pp
+    if par.pure_ep:
+        if pp > 1:
+            raise ConfigError(
+                f"--pp={pp} with pure expert parallelism (--tp 1 --ep {ep}): pipeline stages "
+                f"split a TP world; use --tp {ep} --ep {ep} --pp {pp}"
+            )
+        if dp not in (1, ep):
+            raise ConfigError(
+                f"--dp={dp} with pure expert parallelism --ep={ep}: every rank is its own "
+                f"attention-DP rank; set --dp=1 or --dp={ep}"
+            )
+        return
+    if tp > 1 and ep > tp:
+        raise ConfigError(
+            f"--ep={ep} is larger than --tp={tp}: expert parallelism lives inside the TP world; "
+            f"set --ep to a divisor of {tp}, or --tp 1 for pure EP"
+        )
+    if tp % ep:
+        raise ConfigError(
+            f"--ep={ep} does not divide --tp={tp}; choose ep in {divisors(tp)}"
+            + (" (or --tp=1 --pp=1 for pure expert parallelism)" if pp == 1 else "")
+        )
+    if par.enable_dp_attention and tp % dp:
+        raise ConfigError(f"--dp={dp} does not divide --tp={tp}; choose dp in {divisors(tp)}")
+
+
+def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
+    """SGLang's refusals for a model on a layout."""
+    heads, kv, a = cfg.num_attention_heads, cfg.num_key_value_heads, par.attn_tp
+    where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
+    if cfg.is_hybrid and a > 1:
+        raise ConfigError(
+            f"model_type={cfg.model_type}: its linear-attention layers do not run tensor "
+            f"parallel, so the {where} is refused; use --ep, or --enable-dp-attention with "
+            "--dp equal to --tp"
+        )
+    if heads % a:
+        raise ConfigError(
+            f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "
+            f"that tp/dp divides {heads}"
+        )
+    if not cfg.is_deepseek and kv % a and a % kv:
+        raise ConfigError(
+            f"num_key_value_heads={kv} and the {where}: one must divide the other (KV heads "
+            "are split, or replicated when fewer than the attention-TP ranks)"
+        )
+    if par.pp > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"--pp={par.pp} is more stages than the model's {cfg.num_hidden_layers} layers; "
+            f"set --pp to at most {cfg.num_hidden_layers}"
+        )
+    if cfg.num_experts % par.ep:
+        raise ConfigError(
+            f"--ep={par.ep} must divide num_experts={cfg.num_experts}; choose a divisor"
+        )
+    if cfg.moe_intermediate_size % par.moe_tp:
+        raise ConfigError(
+            f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by the moe-TP "
+            f"size {par.moe_tp} (--tp {par.tp} / --ep {par.ep}); raise --ep"
+        )
+    widths = {}
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        widths["intermediate_size"] = cfg.intermediate_size
+    if cfg.n_shared_experts:
+        widths["shared experts' width"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+    for name, width in widths.items():
+        if width % a:
+            raise ConfigError(
+                f"{name}={width} (dense MLPs run tensor parallel over attention TP) is not "
+                f"divisible by the {where}"
+            )
+
+
+def _check_backend(backend: str, par: ParallelConfig) -> None:
+    """``--moe-a2a-backend``'s explicit choices against the layout (``auto`` always fits)."""
+    if par.replica_size == 1:  # every replica is one process
+        if backend in ("torch", "none"):
+            raise ConfigError(
+                f"--moe-a2a-backend={backend} needs more than one rank per replica (--tp or "
+                "--ep > 1); use local (or auto)"
+            )
+        return
+    if backend == "local":
+        raise ConfigError(
+            f"--moe-a2a-backend=local holds every expert on one rank; with {par.describe()} "
+            "use torch or none (or auto)"
+        )
+    if backend == "torch" and par.moe_tp > 1:
+        raise ConfigError(
+            f"--moe-a2a-backend=torch needs --ep equal to --tp (whole experts per rank), not "
+            f"--ep {par.ep} with --tp {par.tp}; set --ep {par.tp}, or use none (or auto)"
+        )
+
+
+def _check_modes(par: ParallelConfig, overlap: OverlapConfig, link: str | None) -> None:
+    if overlap.mode == "auto" and par.pp > 1:
+        raise ConfigError(
+            f"--overlap auto with --pp {par.pp}: auto calibrates on whole forwards, which a "
+            "pipeline stage does not run; choose tbo, sbo or dbo (they run inside each stage)"
+        )
+    if overlap.mode == "dbo" and par.replica_size == 1:
+        raise ConfigError(
+            "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"
+        )
+    if par.replica_size == 1 and link is not None:
+        raise ConfigError(
+            f"--link {link} needs more than one rank (--ep or --tp > 1): one process has no "
+            "link to emulate"
+        )
+
+
+def _check_pdmux(par: ParallelConfig, overlap: OverlapConfig, cfg: ModelConfig | None) -> None:
+    """SGLang's refusals for PD multiplexing, and ours (the prefill lane's MoE has its own
+    groups, but attention TP would share the model's)."""
+    if par.pp > 1:
+        raise ConfigError("--enable-pdmux does not combine with --pp (as in SGLang); drop one")
+    if overlap.mode in ("tbo", "dbo", "auto"):
+        raise ConfigError(
+            f"--enable-pdmux does not combine with overlap {overlap.mode} (SGLang refuses "
+            "two-batch overlap with it); use none or sbo"
+        )
+    if par.attn_tp > 1:
+        raise ConfigError(
+            f"--enable-pdmux needs attention TP 1, not {par.attn_tp} (--tp {par.tp} / --dp "
+            f"{par.attn_dp}): the prefill lane shares the model's attention-TP group; use "
+            "--enable-dp-attention with --dp equal to --tp, or pure --ep"
+        )
+    if cfg is not None and cfg.is_hybrid:  # the prefill lane has no recurrent-state cache
+        raise ConfigError(f"--enable-pdmux does not support model_type={cfg.model_type}")
