@@ -204,7 +204,7 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
 def test_planner_costs_linear_attention_linear_in_context():
     """The planner's attention core for Qwen3.5: only the full-attention layers' share grows
     with the context (here 1 of 4 layers), and the time split's cost model says the same."""
-    from moe_overlap.overlap.split import CostModel as SplitCost
+    from moe_overlap.core.model_flops import ModelFlops
     from moe_overlap.planner.cluster import load_cluster, presets
     from moe_overlap.planner.costs import CostModel, Work
     from moe_overlap.planner.inputs import ModelSpec, PlanLayout
@@ -226,7 +226,7 @@ def test_planner_costs_linear_attention_linear_in_context():
         return core(65536) - core(1024)
 
     assert 0 < growth(hybrid) < 0.3 * growth(full)
-    assert SplitCost.for_model(hybrid).per_pair == 0.25 * SplitCost.for_model(full).per_pair
+    assert ModelFlops.for_model(hybrid).per_pair == 0.25 * ModelFlops.for_model(full).per_pair
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.overlap.split import (
-    CostModel,
     balanced_seq_split,
     half_token_seq,
     merge_logits,
@@ -181,7 +181,7 @@ def test_merge_logits_restores_the_parent_rows(lens, flags, threshold):
     assert torch.equal(merge_logits(batch, plan, [fake(c) for c in children]), fake(batch))
 
 
-COST = CostModel(per_token=1000.0, per_pair=1.0)
+COST = ModelFlops(per_token=1000.0, per_pair=1.0, expert_share=0.5, shared_share=0.0)
 
 
 @settings(max_examples=600, deadline=None)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
@@ -40,7 +41,7 @@ from moe_overlap.overlap.predict import (
 )
 from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.scheme import Runner
-from moe_overlap.overlap.split import CostModel, whole
+from moe_overlap.overlap.split import whole
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
 FLOPS, TOKENS, SEQS, LAST_S, VOTES = 0, 1, 2, 3, 4  # rows; VOTES.. holds tbo_local_vote's four
@@ -57,7 +58,7 @@ class Step:
 class AutoOverlap:
     def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
         self.model, self.cfg, self.group = model, cfg, group
-        self.cost = CostModel.for_model(model.cfg)
+        self.cost = ModelFlops.for_model(model.cfg)
         tbo = dataclasses.replace(cfg, mode="tbo", tbo_split_policy="time")
         self.sbo = SingleBatchOverlap(model, dataclasses.replace(cfg, mode="sbo"), group)
         self.tbo = {

@@ -21,11 +21,12 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.predict import Calibration, StepStats, raw_times
-from moe_overlap.overlap.split import CostModel, whole
+from moe_overlap.overlap.split import whole
 
 SHAPES = ((1, 128), (1, 384), (1, 768), (48, 4))  # (sequences, tokens each), from position 0
 MODE_SHAPE = (1, 768)  # where each mode's starting factor is measured
@@ -60,13 +61,6 @@ def shape_batch(seqs: int, tokens: int, vocab: int) -> ForwardBatch:
     return ForwardBatch(ids, list(range(seqs)), [0] * seqs, [tokens] * seqs)
 
 
-def model_shares(cfg: ModelConfig) -> tuple[float, float]:
-    """Of one token's FLOPs (split.CostModel): the routed experts' and the shared experts'."""
-    per_token = CostModel.for_model(cfg).per_token
-    expert = 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return expert * cfg.num_experts_per_tok / per_token, expert * cfg.n_shared_experts / per_token
-
-
 def _fit(xs: list[list[float]], ys: list[float]) -> list[float]:
     """Least squares, each column scaled to unit size first (FLOPs dwarf sequence counts)."""
     x = torch.tensor(xs, dtype=torch.float64)
@@ -80,7 +74,7 @@ def calibrate(
 ) -> Calibration:
     """``run_mode(mode, batch, scratch_runner)`` runs one forward of ``batch`` in ``mode``."""
     model, cfg = runner.model, runner.model.cfg
-    cost = CostModel.for_model(cfg)
+    cost = ModelFlops.for_model(cfg)
     layers = cfg.num_hidden_layers
     kv = runner.kv_cache  # the scratch caches sit where the real one does
     caches = {
@@ -113,7 +107,6 @@ def calibrate(
             fitted = group.all_reduce(fitted) / group.size
         kappa, per_seq, per_pass, latency, per_token_s = fitted.tolist()
         bytes_per_token = _bytes_per_token(cfg, group.size, next(model.parameters()).element_size())
-        expert_share, shared_share = model_shares(cfg)
         cal = Calibration(
             kappa=max(kappa, 1e-15),
             per_seq=max(per_seq, 0.0),
@@ -122,8 +115,8 @@ def calibrate(
             bytes_per_s=bytes_per_token / per_token_s if per_token_s > 0 else float("inf"),
             bytes_per_token=bytes_per_token,
             moe_layers=sum(cfg.is_moe_layer(i) for i in range(layers)),
-            expert_share=expert_share,
-            shared_share=shared_share,
+            expert_share=cost.expert_share,
+            shared_share=cost.shared_share,
             sbo_blocks=sbo_blocks,
         )
         _measure_factors(cal, runner, group, caches[MODE_SHAPE], cost, run_mode)

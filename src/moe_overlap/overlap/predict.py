@@ -42,7 +42,7 @@ EXPLORE_WEIGHT = 1.0  # an explored mode's factor is what its try measured
 
 @dataclass
 class Calibration:
-    kappa: float  # seconds of compute per FLOP of a batch (split.CostModel FLOPs)
+    kappa: float  # seconds of compute per FLOP of a batch (core/model_flops.py: ModelFlops)
     per_seq: float  # seconds per sequence (per-sequence attention and cache work)
     per_pass: float  # seconds of fixed cost per micro-batch pass through every op
     latency: float  # seconds per all-to-all besides its bytes

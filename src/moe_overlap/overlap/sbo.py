@@ -16,6 +16,7 @@ every rank knows each owner's blocks from the counts dispatch gathered.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -61,6 +62,17 @@ class CommLane:
                 )
 
 
+def experts_then_combine(
+    num_blocks: int, run_block: Callable[[int], None], send_piece: Callable[[int], None]
+) -> None:
+    """SBO's combine overlap, the one loop the engine (``ExpertsThenCombine``) and the planner's
+    simulator both run: block i of the local experts computes, then its piece of the combine
+    starts back at once and stays in flight while block i + 1 computes."""
+    for i in range(num_blocks):
+        run_block(i)
+        send_piece(i)
+
+
 @dataclass
 class ExpertsThenCombine:
     """One MoE layer's ``experts`` and ``combine_a``, interleaved block by block."""
@@ -74,12 +86,14 @@ class ExpertsThenCombine:
         d = ctx.state.get("dispatch")
         d.expert_outputs = torch.empty_like(d.expert_inputs)
         blocks = ctx.dispatcher.combine_blocks(d, self.num_blocks)  # by crossing rows
-        for i, experts in enumerate(blocks):
+
+        def run_block(i: int) -> None:
             with _span(ctx, f"layer {self.layer_id} experts {i}/{len(blocks)}"):
                 self.bank.run_experts(
-                    d.expert_inputs, d.tokens_per_expert, d.expert_outputs, experts
+                    d.expert_inputs, d.tokens_per_expert, d.expert_outputs, blocks[i]
                 )
-            ctx.dispatcher.combine_a_block(d, i)  # in flight while the next block computes
+
+        experts_then_combine(len(blocks), run_block, lambda i: ctx.dispatcher.combine_a_block(d, i))
 
 
 def _span(ctx: ForwardContext, name: str):

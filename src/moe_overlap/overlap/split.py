@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.model_flops import ModelFlops
 
 
 @dataclass(frozen=True)
@@ -88,55 +89,7 @@ def seq_split(lens: list[int], index: int) -> Plan:
     ]
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Estimated time of a micro-batch: ``per_token`` for every token (the linear layers and
-    experts) plus ``per_pair`` for every query-key pair attention scores (a later chunk of a
-    cut sequence attends over the earlier one, so equal tokens are not equal time)."""
-
-    per_token: float
-    per_pair: float
-
-    @classmethod
-    def for_model(cls, cfg) -> CostModel:
-        h = cfg.hidden_size
-        if cfg.is_deepseek:
-            heads_dim = cfg.num_attention_heads * (
-                cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-            )
-            attn = h * (cfg.q_lora_rank or 0) + h * cfg.kv_lora_rank + 2 * heads_dim * h
-        else:
-            heads_dim = 2 * cfg.num_attention_heads * cfg.head_dim
-            attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-            attn += cfg.num_attention_heads * cfg.head_dim * h
-        experts = (
-            3 * h * cfg.moe_intermediate_size * (cfg.num_experts_per_tok + cfg.n_shared_experts)
-        )
-        experts += 3 * h * cfg.shared_expert_intermediate_size
-        if cfg.is_hybrid:  # only the full-attention layers' cost grows with the context
-            layers = cfg.num_hidden_layers
-            share = sum(not cfg.is_linear_layer(i) for i in range(layers)) / layers
-            v_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            k_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            linear = h * (2 * k_dim + 3 * v_dim) + 3 * cfg.linear_key_head_dim * v_dim
-            attn, heads_dim = share * attn + (1 - share) * linear, share * heads_dim
-        return cls(per_token=2.0 * (attn + experts), per_pair=2.0 * heads_dim)
-
-    def cost(self, batch: ForwardBatch, child: list[Piece]) -> float:
-        total = 0.0
-        for p in child:
-            prefix = batch.prefix_lens[p.seq] + p.start
-            total += self.per_token * p.length + self.per_pair * p.length * (
-                prefix + (p.length + 1) / 2
-            )
-        return total
-
-    def token_costs(self, batch: ForwardBatch) -> torch.Tensor:
-        """The estimated cost of each new token: a token at position p attends to p + 1 keys."""
-        return self.per_token + self.per_pair * (batch.positions.double() + 1)
-
-
-def time_balanced_cuts(batch: ForwardBatch, cost: CostModel, parts: int) -> list[int]:
+def time_balanced_cuts(batch: ForwardBatch, cost: ModelFlops, parts: int) -> list[int]:
     """Token offsets cutting the batch into ``parts`` children of (nearly) equal estimated
     cost: quantiles of the running cost, each child keeping at least one token."""
     running = torch.cumsum(cost.token_costs(batch), 0)
@@ -152,7 +105,7 @@ def time_balanced_cuts(batch: ForwardBatch, cost: CostModel, parts: int) -> list
     return fixed
 
 
-def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None = None) -> Plan:
+def plan_two_batch(batch: ForwardBatch, threshold: float, cost: ModelFlops | None = None) -> Plan:
     """SGLang's two-batch split: decode gives the first micro-batch floor(n / 2) sequences;
     extend balances tokens by sequence, and cuts a sequence in two (two-chunk overlap) when
     that split is lopsided. With a ``cost`` model the cut balances estimated time instead of
@@ -166,7 +119,7 @@ def plan_two_batch(batch: ForwardBatch, threshold: float, cost: CostModel | None
     return seq_split(lens, balanced_seq_split(lens))
 
 
-def plan_even_tokens(batch: ForwardBatch, parts: int, cost: CostModel | None = None) -> Plan:
+def plan_even_tokens(batch: ForwardBatch, parts: int, cost: ModelFlops | None = None) -> Plan:
     """N micro-batches of (nearly) equal token counts, cutting sequences where needed; with a
     ``cost`` model, of (nearly) equal estimated time instead."""
     total = batch.num_tokens

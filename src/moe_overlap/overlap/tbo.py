@@ -6,13 +6,13 @@ Whether to micro-batch, and with which strategy, is agreed across ranks (agreeme
 from __future__ import annotations
 
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import (
-    CostModel,
     merge_outputs,
     plan_even_tokens,
     plan_two_batch,
@@ -31,7 +31,7 @@ class TwoBatchOverlap:
         strategies: dict[tuple[str, str, str], Strategy] | None = None,
     ):
         self.model, self.cfg, self.group = model, cfg, group
-        self.cost = CostModel.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
+        self.cost = ModelFlops.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
         self.strategies = {d: strategy_for(model, "tbo", d, strategies) for d in (False, True)}
         self.ops = {d: build_operations(model, self.strategies[d]) for d in (False, True)}
 

@@ -1,5 +1,8 @@
 """The seconds each operation of a layer takes for one micro-batch on each rank.
 
+The sizes (weights per op, FLOPs per query-key pair, KV per key) are the model's one cost model,
+``core/model_flops.py: op_sizes``; this file turns them into time on a cluster.
+
 Each op's time is ``max(FLOPs / rate, bytes / HBM rate) + a fixed overhead``: GEMMs at the
 cluster's GEMM rate (FP8 weights at the FP8 rate), attention at its own rate with FLOPs that grow
 with the query-key pairs computed (where the cluster says a chunk with a prefix computes its
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_flops import op_sizes
 from moe_overlap.planner.cluster import Cluster, ep_rate
 from moe_overlap.planner.hybrid import with_linear_layers
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
@@ -71,6 +75,7 @@ class CostModel:
         )
         self._fixed = self.over  # the current micro-batch's per-op cost (``micro_batch``)
         c = spec.cfg
+        self.sizes = op_sizes(c, layout.attn_tp)
         self.local_experts = c.num_experts / layout.ep
         shares = cluster.expert_shares
         if shares and len(shares) != layout.world:
@@ -182,14 +187,12 @@ class CostModel:
         return nbytes / rate + self.cluster.a2a_latency_us * 1e-6
 
     def op_seconds(self, w: Work, received: float) -> dict[str, float]:
-        c, tp, cl = self.spec.cfg, self.layout.attn_tp, self.cluster
+        c, cl, s = self.spec.cfg, self.cluster, self.sizes
         h, act = c.hidden_size, cl.activation_bytes
         row = h * act
         prepare, core, kv_per_key = self._attention(w)
         experts_active = self.local_experts * (1 - math.exp(-received / self.local_experts))
-        expert_w = 3 * h * c.moe_intermediate_size
-        # DeepSeek's shared experts are routed-expert wide; Qwen3.5's one has its own width
-        shared_w = expert_w * c.n_shared_experts + 3 * h * c.shared_expert_intermediate_size
+        expert_w, shared_w = s.expert, s.shared
         out = {
             "attn_prepare": prepare,
             "attn_core": core
@@ -197,10 +200,7 @@ class CostModel:
             + w.prefill_pieces * cl.seq_overhead_us * 1e-6
             + w.decode_tokens * cl.decode_seq_overhead_us * 1e-6,
             "gate": self._t(
-                2 * w.moe_tokens * h * c.num_experts,
-                h * c.num_experts,
-                w.moe_tokens * row,
-                rows=w.moe_tokens,
+                2 * w.moe_tokens * s.gate, s.gate, w.moe_tokens * row, rows=w.moe_tokens
             ),
             "dispatch_a": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
             "dispatch_b": self._t(0, 0, 2 * received * row),
@@ -219,15 +219,10 @@ class CostModel:
                 2 * w.moe_tokens * shared_w, shared_w, 3 * w.moe_tokens * row, rows=w.moe_tokens
             ),
             "dense_mlp": self._t(
-                2 * w.tokens * 3 * h * c.intermediate_size / tp,
-                3 * h * c.intermediate_size / tp,
-                3 * w.tokens * row,
-                rows=w.tokens,
+                2 * w.tokens * s.dense, s.dense, 3 * w.tokens * row, rows=w.tokens
             ),
             "embed": self._t(0, 0, 2 * w.tokens * row),
-            "logits": self._t(
-                2 * w.pieces * h * c.vocab_size / tp, h * c.vocab_size / tp, 0, rows=w.pieces
-            ),
+            "logits": self._t(2 * w.pieces * s.logits, s.logits, 0, rows=w.pieces),
         }
         for name in ELEMENTWISE:
             out[name] = self._t(0, 0, 3 * w.tokens * row)
@@ -236,33 +231,14 @@ class CostModel:
     def _attention(self, w: Work) -> tuple[float, float, float]:
         """(attn_prepare seconds, attn_core seconds before KV reads, KV bytes per cached key
         still to read: none where a fused decode kernel has read them)."""
-        c, tp, act = self.spec.cfg, self.layout.attn_tp, self.cluster.activation_bytes
-        h, heads, t = c.hidden_size, c.num_attention_heads / tp, w.tokens
-        if c.is_deepseek:
-            qk, v, lora, rope = (
-                c.qk_nope_head_dim + c.qk_rope_head_dim,
-                c.v_head_dim,
-                c.kv_lora_rank,
-                c.qk_rope_head_dim,
-            )
-            q_w = (
-                h * c.q_lora_rank + c.q_lora_rank * heads * qk if c.q_lora_rank else h * heads * qk
-            )
-            prep_w = q_w + h * (lora + rope)
-            prefill = t - w.decode_tokens
-            # prefill decompresses every key it reads (MHA form); decode absorbs (MQA form)
-            up_w = lora * heads * (c.qk_nope_head_dim + v)
-            up_flops = 2 * (w.keys if prefill else 0) * up_w + 2 * w.decode_tokens * up_w
-            attn_flops = 2 * w.pairs * heads * ((qk + v) if prefill else (2 * lora + rope))
-            o_w = heads * v * h
-            kv_per_key = (lora + rope) * act
-        else:
-            d = c.head_dim or h // c.num_attention_heads
-            prep_w = h * (heads + 2 * c.num_key_value_heads / tp) * d
-            up_flops, up_w = 0.0, 0.0
-            attn_flops = 4 * w.pairs * heads * d
-            o_w = heads * d * h
-            kv_per_key = 2 * c.num_key_value_heads / tp * d * act
+        c, s, act = self.spec.cfg, self.sizes, self.cluster.activation_bytes
+        h, t = c.hidden_size, w.tokens
+        prep_w, o_w, up_w = s.attn_prepare, s.attn_output, s.attn_up
+        prefill = t - w.decode_tokens
+        # MLA: prefill decompresses every key it reads (MHA form); decode absorbs (MQA form)
+        up_flops = 2 * (w.keys if prefill else 0) * up_w + 2 * w.decode_tokens * up_w
+        attn_flops = w.pairs * (s.pair_flops if prefill else s.decode_pair_flops)
+        kv_per_key = s.kv_elements * act
         prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
         core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
         decode_rate = self.cluster.decode_attention_tflops * 1e12

@@ -15,16 +15,13 @@ def linear_attention_seconds(costs: CostModel, w: Work) -> tuple[float, float]:
     """One Gated DeltaNet layer's (attn_prepare, attn_core) seconds: its projections, each
     token's update and read of a ``[heads, dk, dv]`` state, and one read and one write of each
     sequence's float32 state, whatever its context."""
-    c, act, t = costs.spec.cfg, costs.cluster.activation_bytes, w.tokens
-    h, heads = c.hidden_size, c.linear_num_value_heads
-    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-    value_dim = heads * c.linear_value_head_dim
-    prep_w = h * (2 * key_dim + 2 * value_dim + 2 * heads)
-    state = heads * c.linear_key_head_dim * c.linear_value_head_dim
+    s, act, t = costs.sizes, costs.cluster.activation_bytes, w.tokens
+    h = costs.spec.cfg.hidden_size
+    prep_w, out_w, state = s.linear_prepare, s.linear_output, s.linear_state
     prepare = costs._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
     core = costs._t(
-        2 * t * value_dim * h + 2 * 3 * t * state,  # out_proj; decay, correct, read
-        value_dim * h,
+        2 * t * out_w + 2 * 3 * t * state,  # out_proj; decay, correct, read
+        out_w,
         2 * t * h * act + 2 * w.pieces * state * 4,
         rows=t,
     )
@@ -36,8 +33,7 @@ def with_linear_layers(
 ) -> tuple[float, float, float]:
     """The full-attention layers' (prepare, core, KV bytes per key) averaged with the linear
     layers' over the model's layers (the simulator runs one cost per op for every layer)."""
-    c = costs.spec.cfg
-    share = sum(not c.is_linear_layer(i) for i in range(c.num_hidden_layers)) / c.num_hidden_layers
+    share = costs.sizes.full_share
     lin_prepare, lin_core = linear_attention_seconds(costs, w)
     return (
         share * prepare + (1 - share) * lin_prepare,

@@ -19,6 +19,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.timeline import Span
 from moe_overlap.model.decoder import DENSE_OPS, MOE_OPS
 from moe_overlap.overlap.operations import Yield
+from moe_overlap.overlap.sbo import experts_then_combine
 from moe_overlap.overlap.strategy import SchemeOp
 from moe_overlap.planner.costs import CostModel, MicroBatchCost
 
@@ -151,23 +152,24 @@ def _receive(layer_id: int, kind: str) -> SimOp:
     return op
 
 
-def experts_then_combine(blocks: int) -> SimOp:
-    """SBO's ``experts_combine_a``: each block of experts, then its combine piece at once."""
+def sim_experts_then_combine(blocks: int) -> Callable[[SimLayer], SimOp]:
+    """SBO's ``experts_combine_a``, run by the engine's own block loop: each block of experts,
+    then its combine piece at once; the combine is done when its last piece arrives."""
 
     def make(layer: SimLayer) -> SimOp:
         def op(ctx: SimContext, **_) -> None:
-            done: list[float] | None = None
-            name = f"layer {layer.layer_id}"
-            for b in range(blocks):  # the blocks after the first make calls of their own
+            name, sent = f"layer {layer.layer_id}", []
+
+            def run_block(b: int) -> None:  # the blocks after the first make calls of their own
                 ctx.run(f"{name} experts {b}/{blocks}", "experts", 1 / blocks, b > 0)
                 ctx.run(f"{name} combine_a {b}", "combine_a", 1 / blocks, b > 0)
-                sent = ctx.clocks.launch(
-                    f"{name} combine piece {b}", ctx.cost, "combine", 1 / blocks
-                )
-                done = (
-                    sent if done is None else [max(a, c) for a, c in zip(done, sent, strict=True)]
-                )
-            ctx.pending["combine"] = done
+
+            def send_piece(b: int) -> None:
+                label = f"{name} combine piece {b}"
+                sent.append(ctx.clocks.launch(label, ctx.cost, "combine", 1 / blocks))
+
+            experts_then_combine(blocks, run_block, send_piece)
+            ctx.pending["combine"] = [max(ends) for ends in zip(*sent, strict=True)]
 
         return op
 
@@ -177,7 +179,7 @@ def experts_then_combine(blocks: int) -> SimOp:
 def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp[SimLayer]]:
     """The simulated twin of ``overlap/sbo.py: sbo_ops`` (the same names and coverage)."""
     return {
-        "experts_combine_a": SchemeOp(("experts", "combine_a"), experts_then_combine(blocks)),
+        "experts_combine_a": SchemeOp(("experts", "combine_a"), sim_experts_then_combine(blocks)),
     }
 
 
