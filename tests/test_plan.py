@@ -187,8 +187,12 @@ def test_deepseek_v3_61_layers_plans_in_under_2_s(tmp_path) -> None:
 
 
 def test_layout_errors_are_clear() -> None:
-    with pytest.raises(ConfigError, match="--dp=3 must divide"):
+    with pytest.raises(ConfigError, match="--dp=3 does not divide --tp=16"):
         make_layout(16, 3, 16, True)
+    with pytest.raises(ConfigError, match="--ep=16 must divide num_experts=8"):
+        make_layout(None, None, 16, False, load_model_spec("configs/qwen3-moe-tiny.json").cfg)
+    with pytest.raises(ConfigError, match="--ep=2 with --tp=4: the planner models whole experts"):
+        make_layout(4, None, 2, False)
     assert make_layout(16, 2, 16, True).attn_tp == 8
     assert make_layout(8, None, 8, False).dp_groups == 1
 

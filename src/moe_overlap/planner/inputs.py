@@ -12,7 +12,9 @@ from pathlib import Path
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
+from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -66,21 +68,26 @@ class PlanLayout:
         return rank // self.attn_tp
 
 
-def make_layout(tp: int | None, dp: int | None, ep: int, dp_attention: bool) -> PlanLayout:
-    """``--ep`` alone (the engine's own layout): ``ep`` ranks, each with its own batch."""
-    if ep < 1 or (tp is not None and tp < 1) or (dp is not None and dp < 1):
-        raise ConfigError("--tp, --dp and --ep must be >= 1")
+def make_layout(
+    tp: int | None, dp: int | None, ep: int, dp_attention: bool, cfg: ModelConfig | None = None
+) -> PlanLayout:
+    """``--ep`` alone (the engine's own layout): ``ep`` ranks, each with its own batch. Legal
+    layouts are the engine's (``core/layout_rules.py``, and ``cfg`` must fit); the planner
+    models those with whole experts per GPU (``--ep`` 1 or ``--tp``) and one replica."""
     if tp is None:
-        if dp not in (None, ep):
-            raise ConfigError(f"--dp={dp} without --tp: the ranks are --ep={ep}, one batch each")
-        return PlanLayout(ep, ep, 1)
-    if ep not in (1, tp):
-        raise ConfigError(f"--ep={ep} must be 1 or --tp={tp} (experts over every GPU)")
-    if dp_attention:
-        dp = dp or tp
-        if tp % dp:
-            raise ConfigError(f"--dp={dp} must divide --tp={tp} with --enable-dp-attention")
-        return PlanLayout(tp, ep, tp // dp)
-    if dp not in (None, 1):
-        raise ConfigError(f"--dp={dp} needs --enable-dp-attention (else every GPU sees all)")
-    return PlanLayout(tp, ep, tp)
+        par = ParallelConfig(ep=ep, dp=1 if dp is None else dp)
+    else:
+        dp = dp if dp is not None else tp if dp_attention else 1
+        par = ParallelConfig(tp=tp, dp=dp, ep=ep, enable_dp_attention=dp_attention)
+    check_layout(par, cfg)
+    if par.replicas > 1:
+        raise ConfigError(
+            f"--dp={par.dp} without --enable-dp-attention runs {par.dp} independent replicas; "
+            "plan one (drop --dp), or add --enable-dp-attention"
+        )
+    if not par.pure_ep and ep not in (1, par.tp):
+        raise ConfigError(
+            f"--ep={ep} with --tp={par.tp}: the planner models whole experts per GPU; set --ep "
+            f"to 1 or {par.tp}"
+        )
+    return PlanLayout(par.stage_size, ep, par.attn_tp)

@@ -91,7 +91,7 @@ def run_case(case: Case, batches_for: BatchesFor, mode_config: ModeConfig) -> Ou
         config = Path(__file__).resolve().parents[3] / case.config
     spec = load_model_spec(str(config))
     tp, dp, ep = case.layout
-    layout = make_layout(tp, dp, ep, True)
+    layout = make_layout(tp, dp, ep, True, spec.cfg)
     planner = Planner(spec, load_cluster(case.cluster), layout)
     batches = batches_for(case.workload, layout)
     seconds = {

@@ -46,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.hf_config)
     # the engine's defaults: --tp 1 with --ep N is pure EP, and --dp 1 leaves the groups to --tp
     tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
-    layout = make_layout(tp, dp, args.ep, args.enable_dp_attention)
+    layout = make_layout(tp, dp, args.ep, args.enable_dp_attention, spec.cfg)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     configs = {m: mode_config(m) for m in names}
     if "none" not in configs:
