@@ -18,8 +18,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.llm import LLM
-from moe_overlap.server.guards import ServerSettings
-from moe_overlap.server.run import Server
+from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_serve import (
     LoadResult,
@@ -227,6 +226,8 @@ def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Itera
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
     kwargs = {**engine_kwargs(args), "overlap": overlap}
+    from moe_overlap.server.run import Server  # FastAPI loads only when we serve
+
     llm = LLM(**kwargs)
     port = free_port()
     server = Server(llm, ServerSettings("bench"), port=port)

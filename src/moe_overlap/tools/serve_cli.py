@@ -8,8 +8,6 @@ from pathlib import Path
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.runtime.torchrun import launched_by_torchrun
-from moe_overlap.server.observability import configure_logging
-from moe_overlap.server.run import Server
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.cli_args import (
     add_engine_args,
@@ -51,6 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
         )
     with build_llm(args) as llm:
+        # the serving stack (FastAPI, uvicorn) loads only for the commands that serve, so
+        # bench and plan run where it is not installed (a GPU machine with torch alone)
+        from moe_overlap.server.observability import configure_logging
+        from moe_overlap.server.run import Server
+
         configure_logging(args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
