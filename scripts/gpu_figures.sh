@@ -22,10 +22,13 @@ c = json.load(open("configs/qwen3-30b-a3b.json"))
 c["num_hidden_layers"] = 4
 json.dump(c, open(sys.argv[1], "w"), indent=1)
 PY
-for w in decode:64:512 single-long:3072; do
-  cli bench --hf-config "$cfg" --device cuda --ep 1 --dtype bfloat16 --link none --repeat 5 \
-    --workload "$w" --modes none 2>&1 | tail -25 | tee "$out/bench-${w//:/-}.txt"
-done
+bench() {
+  cli bench --hf-config "$cfg" --device cuda --ep 1 --dtype bfloat16 --link none --repeat 5 "$@"
+}
+bench --workload decode:64:512 --modes none,tbo 2>&1 | tail -14 | tee "$out/bench-decode.txt"
+bench --workload decode:64:512 --modes none,tbo --disable-cuda-graph 2>&1 | tail -14 |
+  tee "$out/bench-decode-eager.txt"
+bench --workload single-long:3072 --modes none,tbo 2>&1 | tail -14 | tee "$out/bench-prefill.txt"
 
 # 3. one decode and one prefill step under the profiler: host syncs and kernel time
 "$py" scripts/gpu_step_profile.py "$cfg" "$out/profile" cuda 2>&1 | tail -30

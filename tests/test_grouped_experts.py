@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_overlap.core.dispatcher import host_counts
+from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model import moe
 from moe_overlap.model.moe import grouped_fits
 from tests.test_experts import BANK, EXPERTS, HIDDEN, per_expert
@@ -76,3 +78,21 @@ def test_the_grouped_path_matches_per_expert_and_its_blocks_are_exact(counts, mo
         BANK.run_experts(x, counts, blocks, range(0, cut))
         BANK.run_experts(x, counts, blocks, range(cut, EXPERTS))
         assert torch.equal(whole, blocks)
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm_runs(), reason="this torch has no CPU grouped_mm")
+def test_the_local_dispatch_feeds_the_grouped_gemm_its_device_counts_unread(monkeypatch):
+    """The local backend leaves its counts on the device; where the experts run grouped they
+    take them there (nothing read: what lets a CUDA graph hold a decode step), and give the
+    rows the host-counts path gives."""
+    monkeypatch.setattr(moe, "grouped_fits", lambda *args: True)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(7, HIDDEN, generator=gen)
+    ids = torch.randint(EXPERTS, (7, 2), generator=gen)
+    weights = torch.rand(7, 2, generator=gen)
+    state = LocalDispatcher(EXPERTS).dispatch_a(hidden, ids, weights)
+    assert state.tokens_per_expert is None and state.counts is not None
+    on_device = BANK.run_dispatched(state)
+    assert state.tokens_per_expert is None  # the device's counts were enough
+    assert torch.equal(on_device, BANK(state.expert_inputs, host_counts(state)))
+    assert host_counts(state) == torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from moe_overlap import ModelConfig
+from moe_overlap.core import dispatcher
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.dispatch import all_to_all, gather, local
+from moe_overlap.dispatch import all_to_all, gather
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.distributed.groups import Group
@@ -68,7 +69,7 @@ def _meta_runner(family: str, backend: str):
 @pytest.mark.parametrize("mode", ["none", "sbo", "tbo"])
 def test_forward_reads_the_device_once_per_dispatch(family, backend, mode, monkeypatch):
     calls: list[int] = []
-    for module in (local, all_to_all, gather):
+    for module in (dispatcher, all_to_all, gather):
         monkeypatch.setattr(module, "read_counts", _stand_in(calls))
     runner, moe_layers = _meta_runner(family, backend)
     overlap = None if mode == "none" else OverlapConfig(mode, tbo_min_tokens=1)

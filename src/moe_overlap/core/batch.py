@@ -8,6 +8,27 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass
+class DecodeInputs:
+    """A decode batch's per-sequence inputs already on the device, one row per sequence: the
+    static buffers a CUDA graph was captured on (``runtime/cuda_graphs.py``). The forward reads
+    them instead of sending the batch's host lists; ``max_len`` bounds every sequence's length
+    (the attention's padded key count, RoPE's and the cache's bound)."""
+
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B] = the sequence's length before this token
+    slots: torch.Tensor  # [B] KV cache slots
+    lens: torch.Tensor  # [B] keys each attends over (positions + 1)
+    max_len: int
+
+    def rows(self, start: int, stop: int) -> DecodeInputs:
+        """Sequences ``start .. stop - 1``: views, so a micro-batch reads the same buffers."""
+        cut = slice(start, stop)
+        return DecodeInputs(
+            self.input_ids[cut], self.positions[cut], self.slots[cut], self.lens[cut], self.max_len
+        )
+
+
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill (possibly a later chunk of a prompt)
     DECODE = "decode"  # one new token per sequence
@@ -32,6 +53,8 @@ class ForwardBatch:
     all_logits: list[bool] = field(default_factory=list)
     # Per sequence: True if its last token is a decode step (for the mode and split policies).
     is_decode: list[bool] = field(default_factory=list)
+    # a decode batch whose inputs sit in device buffers already (a CUDA graph's); never pickled
+    device_inputs: DecodeInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.slots)
@@ -84,6 +107,13 @@ class ForwardBatch:
         for slot, prefix, n in zip(self.slots, self.prefix_lens, self.extend_lens, strict=True):
             yield slot, prefix, slice(start, start + n)
             start += n
+
+    @property
+    def every_row_is_a_logit_row(self) -> bool:
+        """One logit row per token, in order (a decode batch): no rows to pick."""
+        return all(
+            n == 1 or every for n, every in zip(self.extend_lens, self.all_logits, strict=True)
+        )
 
     def logit_rows(self) -> torch.Tensor:
         """Indices of the tokens whose logits this forward returns, in sequence order."""

@@ -62,6 +62,11 @@ class ForwardContext:
     def __post_init__(self) -> None:
         # the batch is host metadata; the cache sits on the device. Bounds come from the host
         # lists, so nothing reads the device for them
+        staged = self.batch.device_inputs
+        if staged is not None:  # a CUDA graph's buffers: bounds cover any batch they hold
+            self.positions, self.input_ids = staged.positions, staged.input_ids
+            self.position_end, self.slot_end = staged.max_len, self.kv_cache.num_slots
+            return
         device = self.kv_cache.device
         self.positions = to_device(self.batch.positions, device)
         self.input_ids = to_device(self.batch.input_ids, device)

@@ -16,6 +16,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from moe_overlap.core.transfer import read_counts
+
 
 class Pending(ABC):
     """Communication in flight. ``wait`` returns its rows; a second ``wait`` returns at once.
@@ -46,11 +48,24 @@ class DispatchState:
     order: torch.Tensor  # (token, slot) pairs sorted by destination expert
     owner: str = "mb0"  # the micro-batch this belongs to, for the timeline
     expert_inputs: torch.Tensor | None = None  # rows grouped by local expert
-    tokens_per_expert: list[int] = field(default_factory=list)
+    # rows per local expert on the host; None while only the device has them (``counts``)
+    tokens_per_expert: list[int] | None = None
+    counts: torch.Tensor | None = None  # the same, on the device (the local backend)
     expert_outputs: torch.Tensor | None = None
     pending: Pending | None = None
     scattered: list[int] | None = None  # rows each attention-TP rank dispatched (scatter.py)
     blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
+
+
+def host_counts(state: DispatchState) -> list[int]:
+    """Rows per local expert on the host. A backend that deferred the dispatch's one read of
+    the device (the local one: a grouped GEMM takes the device's counts) reads them here, the
+    first time something on the host needs them."""
+    if state.tokens_per_expert is None:
+        if state.counts is None:
+            raise RuntimeError(f"{state.owner}: the experts' counts before the dispatch made them")
+        state.tokens_per_expert = read_counts(state.counts, state.order.numel()).tolist()
+    return state.tokens_per_expert
 
 
 def in_flight(state: DispatchState) -> Pending:
@@ -103,7 +118,7 @@ class Dispatcher(ABC, Generic[S]):
         """SBO's blocks of this rank's local experts, run in order, each one's outputs sent
         back as soon as it is done: ``balanced_blocks`` of the rows each expert received (the
         all-to-all backend: of the rows that cross ranks)."""
-        state.blocks = balanced_blocks(state.tokens_per_expert, num_blocks)
+        state.blocks = balanced_blocks(host_counts(state), num_blocks)
         return state.blocks
 
     @abstractmethod

@@ -43,6 +43,7 @@ class EngineSpec:
     pdmux_splits: int = 0  # --enable-pdmux: layer ranges per prefill (0: off)
     device: str = "cpu"  # "cpu" or "cuda" (core/device.py resolves "auto" before this)
     dtype: str = "float32"  # weights and KV cache; float32 is the exactness reference
+    cuda_graph_max_bs: int = 0  # decode batches up to this size replay from CUDA graphs (0: off)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name

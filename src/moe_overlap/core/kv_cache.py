@@ -75,6 +75,14 @@ class KVCache:
         finite values, to be masked."""
         return self.layers[layer][name][slots, :length]
 
+    def allocate_all(self) -> None:
+        """Every buffer at its full ``num_slots x max_len`` now, so none moves later (a CUDA
+        graph holds their addresses)."""
+        with self._lock:
+            for buffers in self.layers:
+                for name in buffers:
+                    self._reserve(buffers, name, self.num_slots, self.max_len)
+
     def _reserve(self, buffers: dict, name: str, slots: int, length: int) -> torch.Tensor:
         buf = buffers[name]
         have_slots, have_len = buf.shape[0], buf.shape[1]

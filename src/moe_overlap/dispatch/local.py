@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, outputs, sort_by_expert
-from moe_overlap.core.transfer import read_counts
 
 
 class LocalDispatcher(Dispatcher[DispatchState]):
@@ -23,9 +22,10 @@ class LocalDispatcher(Dispatcher[DispatchState]):
         extend: bool = True,
     ) -> DispatchState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
-        state = DispatchState(hidden.shape[0], topk_weights, order, owner)
-        tokens_per_expert = read_counts(counts, order.numel()).tolist()  # the one read
-        state.expert_inputs, state.tokens_per_expert = rows, tokens_per_expert
+        state = DispatchState(hidden.shape[0], topk_weights, order, owner, counts=counts)
+        # the counts stay on the device: a grouped GEMM takes them there (no read, and a
+        # CUDA graph can hold the step); other paths read them once (``host_counts``)
+        state.expert_inputs = rows
         state.pending = Ready(rows)
         return state
 

@@ -137,6 +137,17 @@ class LayoutArgs:
     )
     device: str = setting("cpu", DEVICE_HELP, choices=DEVICES, group="device")
     dtype: str = setting("float32", DTYPE_HELP, choices=tuple(DTYPES), group="device")
+    cuda_graph_max_bs: int = setting(
+        64,
+        "on CUDA, decode batches of up to this many sequences per rank replay from CUDA graphs "
+        "(one per batch-size and key-length bucket, captured when first met); where the "
+        "step communicates (--ep/--tp/--pp > 1, PD-mux) or the model has linear attention, "
+        "decode runs eagerly",
+        group="device",
+    )
+    disable_cuda_graph: bool = setting(
+        False, "decode eagerly, without CUDA graphs (there are none on CPU)", group="device"
+    )
     link: str = setting(
         "none",
         "how ranks talk: none (loopback), netns:RATE (each rank in a network namespace, links "

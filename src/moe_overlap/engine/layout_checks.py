@@ -22,7 +22,12 @@ def check_settings(
     args: EngineArgs, cfg: ModelConfig, overlap: OverlapConfig
 ) -> tuple[ParallelConfig, LinkSpec, str]:
     """Refuse illegal settings; return the layout, the parsed link and the resolved device."""
-    for name, minimum in (("max_num_seqs", 1), ("seed", 0), ("max_num_batched_tokens", 1)):
+    for name, minimum in (
+        ("max_num_seqs", 1),
+        ("seed", 0),
+        ("max_num_batched_tokens", 1),
+        ("cuda_graph_max_bs", 1),
+    ):
         _check_int(name, getattr(args, name), minimum)
     if args.max_model_len is not None:
         _check_int("max_model_len", args.max_model_len, minimum=1)

@@ -103,6 +103,7 @@ class LLM:
             parallel=par,
             device=device,
             dtype=dtype,
+            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         )
         spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
         self.spec, self.parallel = spec, par

@@ -83,5 +83,6 @@ class MoeForCausalLM(nn.Module):
     ) -> dict:
         if residual is not None:
             hidden_states = residual + hidden_states
-        rows = to_device(ctx.batch.logit_rows(), hidden_states.device)
-        return {"logits": self.lm_head(self.model.norm(hidden_states[rows])).float()}
+        if not ctx.batch.every_row_is_a_logit_row:
+            hidden_states = hidden_states[to_device(ctx.batch.logit_rows(), hidden_states.device)]
+        return {"logits": self.lm_head(self.model.norm(hidden_states)).float()}

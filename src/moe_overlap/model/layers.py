@@ -60,6 +60,10 @@ class RotaryEmbedding(nn.Module):
             x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
         return x * cos + _rotate_half(x) * sin
 
+    def allocate(self, positions: int) -> None:
+        """The table for ``positions`` now, so it never moves later (a CUDA graph holds it)."""
+        self._table(positions)
+
     def _table(self, need: int) -> torch.Tensor:
         have = self._cos_sin.shape[0]
         if need > have:
@@ -133,6 +137,10 @@ class AttentionPlan:
     @classmethod
     def of(cls, batch: ForwardBatch, device: torch.device | str = "cpu") -> AttentionPlan:
         """The plan of ``batch``, its index tensors on ``device`` (the KV cache's)."""
+        staged = batch.device_inputs
+        if staged is not None:  # decode rows in device buffers: every key count is masked
+            rows = torch.arange(0)  # unread: all_decode
+            return cls(staged.slots, rows, staged.slots, staged.lens, staged.max_len, [], True)
         rows, slots, lens = [], [], []
         groups: dict[tuple[int, int], list[tuple[int, slice]]] = {}
         for slot, prefix, span in batch.per_sequence():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.dispatcher import DispatchState, host_counts
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.transfer import to_device
 from moe_overlap.model.layers import GatedMLP
@@ -95,6 +96,20 @@ class ExpertBank(nn.Module):
         self.run_experts(x, tokens_per_expert, out, range(len(tokens_per_expert)))
         return out
 
+    def run_dispatched(self, d: DispatchState) -> torch.Tensor:
+        """The experts over a dispatch's rows: on the device's counts where they run as one
+        grouped GEMM and the host has not read them (no read of the device at all), else on
+        the host's."""
+        x = d.expert_inputs
+        assert x is not None, "the experts ran before the dispatch delivered their rows"
+        if d.tokens_per_expert is None and d.counts is not None and self.grouped(x):
+            offs = d.counts.cumsum(0, dtype=torch.int32)
+            return self._grouped(x, offs, range(self.count))
+        return self.forward(x, host_counts(d))
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        return grouped_fits(x.device, x.dtype, (x.shape[1], self.intermediate))
+
     def run_experts(
         self, x: torch.Tensor, tokens_per_expert: list[int], out: torch.Tensor, experts: range
     ) -> None:
@@ -108,9 +123,10 @@ class ExpertBank(nn.Module):
         rows = slice(ends[experts.start], ends[experts.stop])
         if rows.start == rows.stop:
             return
-        if grouped_fits(x.device, x.dtype, (x.shape[1], self.intermediate)):
+        if self.grouped(x):
             counts = tokens_per_expert[experts.start : experts.stop]
-            out[rows] = self._grouped(x[rows], counts, experts)
+            offs = to_device(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)
+            out[rows] = self._grouped(x[rows], offs, experts)
             return
         height = max(tokens_per_expert)
         if _batched_pays(tokens_per_expert, height):
@@ -124,12 +140,10 @@ class ExpertBank(nn.Module):
             gate, up = F.linear(x[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
             out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
 
-    def _grouped(self, x: torch.Tensor, counts: list[int], experts: range) -> torch.Tensor:
-        """The experts' rows as one grouped GEMM per projection, no padding: ``offs`` ends each
-        expert's rows (int32, sent from the host's counts). An SBO block passes its slice of
-        the rows and of the counts, so its groups are the whole forward's, cut at a boundary."""
-        ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
-        offs = to_device(ends, x.device)
+    def _grouped(self, x: torch.Tensor, offs: torch.Tensor, experts: range) -> torch.Tensor:
+        """The experts' rows as one grouped GEMM per projection, no padding: ``offs`` (int32, on
+        the device) ends each expert's rows. An SBO block passes its slice of the rows and its
+        experts' ends, so its groups are the whole forward's, cut at a boundary."""
         block = slice(experts.start, experts.stop)
         # weights [E, out, in] as [E, in, out] views: the column-major operand the kernel wants
         assert GROUPED_MM is not None, "grouped_fits chose a kernel this torch lacks"
@@ -249,7 +263,7 @@ class SparseMoeBlock(nn.Module):
 
     def op_experts(self, ctx: ForwardContext) -> None:
         d = ctx.state.get("dispatch")
-        d.expert_outputs = self.experts(d.expert_inputs, d.tokens_per_expert)
+        d.expert_outputs = self.experts.run_dispatched(d)
 
     def op_combine_a(self, ctx: ForwardContext) -> None:
         ctx.dispatcher.combine_a(ctx.state.get("dispatch"))

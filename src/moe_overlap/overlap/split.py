@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
 
 
@@ -148,9 +148,21 @@ def split_batch(batch: ForwardBatch, plan: Plan) -> list[ForwardBatch]:
                 extend_lens=[p.length for p in child],
                 all_logits=[batch.all_logits[p.seq] for p in child],
                 is_decode=[batch.is_decode[p.seq] for p in child],
+                device_inputs=_staged_rows(batch, child),
             )
         )
     return children
+
+
+def _staged_rows(batch: ForwardBatch, child: list[Piece]) -> DecodeInputs | None:
+    """A child's rows of the parent's device buffers (a CUDA graph's decode batch, cut by
+    sequences into contiguous runs of one-token pieces)."""
+    if batch.device_inputs is None:
+        return None
+    first, last = child[0].seq, child[-1].seq
+    if [p.seq for p in child] != list(range(first, last + 1)) or any(p.length != 1 for p in child):
+        raise ValueError("a decode batch in device buffers splits only into runs of sequences")
+    return batch.device_inputs.rows(first, last + 1)
 
 
 def merge_logits(batch: ForwardBatch, plan: Plan, logits: list[torch.Tensor]) -> torch.Tensor:

@@ -7,6 +7,7 @@ each scheme is built once, on first use.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
@@ -29,9 +30,11 @@ from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.scheme import OverlapScheme
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
+from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.pipeline import PipelineStage
 from moe_overlap.runtime.prefill_lane import PrefillLane
 
+log = logging.getLogger(__name__)
 SCHEMES: dict[str, Callable[[MoeForCausalLM, OverlapConfig, Group], OverlapScheme]] = {
     "tbo": TwoBatchOverlap,
     "sbo": SingleBatchOverlap,
@@ -52,16 +55,27 @@ class ModelRunner:
         timeline: Timeline | None = None,
         pp_group: Group | None = None,
         prefill_lane: tuple[Dispatcher, CollectiveOrder | None] | None = None,
+        cuda_graph_max_bs: int = 0,
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
-        process)."""
+        process); ``cuda_graph_max_bs``: decode batches up to this size replay from CUDA graphs
+        where the model and layout allow (0: never)."""
         self.model = model
         self.dispatcher = dispatcher
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         device, dtype = model_placement(model)  # the cache is kept in the model's dtype
-        self.kv_cache = KVCache(
-            model.cfg.num_hidden_layers, num_slots, max_len, model.kv_entries(), dtype, device
+        why_not = DecodeGraphs.supported(model, device, dispatcher, pp_group, prefill_lane)
+        graphs = cuda_graph_max_bs > 0 and why_not is None
+        if cuda_graph_max_bs > 0 and why_not and device.type == "cuda":
+            log.warning("decode runs without CUDA graphs: %s", why_not)
+        self.kv_cache = KVCache(  # with graphs, one more slot: the padding rows' scratch
+            model.cfg.num_hidden_layers,
+            num_slots + graphs,
+            max_len,
+            model.kv_entries(),
+            dtype,
+            device,
         )
         self.states = StateCache(model.state_shapes(), num_slots, dtype, device)
         self.ops = build_operations(model, strategy_for(model, "none"))
@@ -72,6 +86,9 @@ class ModelRunner:
         self.pipeline = None if pp_group is None else PipelineStage(self, pp_group)
         self.prefill_lane = None if prefill_lane is None else PrefillLane(self, *prefill_lane)
         self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
+        self.graphs = (
+            DecodeGraphs(model, self.kv_cache, self._logits, cuda_graph_max_bs) if graphs else None
+        )
 
     def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:
         key = dataclasses.astuple(cfg)
@@ -85,7 +102,14 @@ class ModelRunner:
         pipeline stage before the last)."""
         if self.pipeline is not None:
             return self.pipeline.forward(batch, overlap)
-        return self.forward_stage(batch, overlap)["logits"]
+        cfg = overlap or self.overlap
+        if self.graphs is not None and not self.timeline.enabled and self.graphs.covers(batch, cfg):
+            self.last_mode = cfg.mode  # what the captured forward ran
+            return self.graphs.forward(batch, cfg)
+        return self._logits(batch, cfg)
+
+    def _logits(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:
+        return self.forward_stage(batch, cfg)["logits"]
 
     @torch.inference_mode()
     def forward_stage(

@@ -116,6 +116,7 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
         timeline,
         pp_group=groups["pp"] if par.pp > 1 else None,
         prefill_lane=lane,
+        cuda_graph_max_bs=spec.cuda_graph_max_bs,
     )
 
 

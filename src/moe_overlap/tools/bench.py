@@ -25,6 +25,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD, OverlapConfig
 from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
+from moe_overlap.core.step import SampleSpec, StepReply, StepRequest
 from moe_overlap.tools.workloads import Workload
 
 DEFAULT_MODES = (
@@ -191,23 +192,30 @@ def run_bench(
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"bench {workload.spec}", total=total)
         for m in modes:  # warm-up, then one recorded forward per mode for the timeline
-            executor.run(batches, configs[m])
-            recording[m] = executor.run(batches, configs[m], record=True).spans
+            step(executor, batches, configs[m])
+            recording[m] = step(executor, batches, configs[m], record=True).spans
             bar.advance(task, 2)
         for rep in range(repeat):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for m in order:
                 start = time.perf_counter()
-                executor.run(batches, configs[m])
+                step(executor, batches, configs[m])
                 results[m].times.append(time.perf_counter() - start)
                 bar.advance(task)
             if "none" in modes:  # the same-run measurement of T_comm
-                spans = executor.run(batches, configs["none"], record=True).spans
+                spans = step(executor, batches, configs["none"], record=True).spans
                 comm.append(_slowest_track(spans, "comm"))
                 tp_comm.append(_slowest_track(spans, "tp comm"))
     t_comm = statistics.median(comm) if comm else 0.0
     t_tp = statistics.median(tp_comm) if tp_comm else 0.0
     return BenchReport(workload, results, t_comm, recording, t_tp)
+
+
+def step(executor, batches: list[ForwardBatch], overlap, record: bool = False) -> StepReply:
+    """One timed step as a server runs it: the ranks sample each sequence's next token
+    (greedy) and send back ids, not logits."""
+    samples = [[SampleSpec()] * b.num_seqs for b in batches]
+    return executor.step(StepRequest(batches, samples, overlap, record))
 
 
 def _slowest_track(per_rank: list, track: str) -> float:

@@ -11,7 +11,7 @@ from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.flags import add_fields, from_args
 
-DEVICE_FLAGS = ("device", "dtype")
+DEVICE_FLAGS = ("device", "dtype", "cuda_graph_max_bs", "disable_cuda_graph")
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:

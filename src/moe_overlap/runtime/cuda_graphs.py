@@ -1,0 +1,169 @@
+"""Decode steps replayed from CUDA graphs (SGLang's ``--cuda-graph-max-bs`` and
+``--disable-cuda-graph``).
+
+A decode step launches a few hundred kernels that each run for microseconds, so on a GPU the
+host's launches, not the GPU, bound it. A graph captured once replays the whole forward in one
+launch. Graphs need fixed shapes and fixed memory, so:
+
+- a batch runs in the graph of the smallest captured size that holds it (1, 2, 4, 8, then
+  every 8), its rows past the batch padding that writes only the cache's scratch slot (the
+  runner's last, which no sequence owns);
+- keys are padded to a power of two (256 at least, up to ``max_len``) and masked per sequence;
+- the inputs (ids, positions, slots, key counts) are copied into the graph's own device
+  buffers before each replay; the forward reads them there (``ForwardBatch.device_inputs``);
+- the KV cache and RoPE tables are allocated whole before the first capture (a buffer that
+  grew later would move under the captured pointers);
+- a graph is captured the first time its (size, key length, overlap) is met, after one warm-up
+  run; graphs share one memory pool.
+
+What the graph holds must never read the device from the host: the dispatch's counts stay on
+the device, which the local backend's grouped GEMM allows (bf16 on sm90+, one rank). Every
+other step runs eagerly, as before: prefill and mixed steps, other backends, linear-attention
+layers (their state cache indexes by the host's slots), pipeline stages, PD multiplexing,
+recorded steps, and overlap modes other than none and TBO.
+
+With ``capture=False`` the same padded, buffer-fed forward runs eagerly instead of replaying:
+the CPU tests check everything here but the capture itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.transfer import to_device
+from moe_overlap.model.layers import RotaryEmbedding
+from moe_overlap.model.moe import ExpertBank, grouped_fits
+
+MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
+GRAPH_MODES = ("none", "tbo")
+
+
+def graph_sizes(max_bs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every 8 up to ``max_bs`` (and it)."""
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8))
+    return sorted({*sizes, max_bs})
+
+
+def key_bucket(length: int, max_len: int) -> int:
+    """Keys a graph pads ``length`` to: the next power of two from ``MIN_KEYS``, at most
+    ``max_len``."""
+    return min(max_len, max(MIN_KEYS, 1 << (length - 1).bit_length()))
+
+
+@dataclass
+class _Graph:
+    staged: torch.Tensor  # [4, size] int64 on the device: ids, positions, slots, key counts
+    replay: Callable[[], torch.Tensor]  # the logits, in the graph's own buffer
+
+
+class DecodeGraphs:
+    """One runner's decode graphs. ``forward_eager`` is the runner's forward without graphs;
+    the cache's last slot is the scratch slot padding rows write."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache,
+        forward_eager: Callable[[ForwardBatch, OverlapConfig], torch.Tensor],
+        max_bs: int,
+        capture: bool = True,
+    ):
+        self.kv_cache, self.forward_eager, self.capture = kv_cache, forward_eager, capture
+        self.sizes = graph_sizes(max_bs)
+        self.scratch = kv_cache.num_slots - 1
+        self.device = kv_cache.device
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+        kv_cache.allocate_all()
+        for m in model.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.allocate(kv_cache.max_len)
+
+    @staticmethod
+    def supported(model: torch.nn.Module, device: torch.device, dispatcher, *stages) -> str | None:
+        """Why ``model`` cannot decode from graphs here, or None. ``stages``: the runner's
+        pipeline group and PD-mux lane, which rule graphs out when set."""
+        if device.type != "cuda":
+            return "CUDA graphs run on CUDA devices only"
+        if dispatcher.name != "local" or any(s is not None for s in stages):
+            return (
+                "the step communicates (expert, tensor or pipeline parallel, PD-mux), and its "
+                "dispatch sizes its transfers on the host"
+            )
+        if getattr(model, "state_shapes", dict)():
+            return "linear-attention layers index their state cache from the host"
+        for m in model.modules():
+            if isinstance(m, ExpertBank):
+                weights = m.gate_up_proj
+                if not grouped_fits(device, weights.dtype, (weights.shape[-1], m.intermediate)):
+                    return "the experts do not run as one grouped GEMM (bf16 on sm90+)"
+        return None
+
+    def covers(self, batch: ForwardBatch, cfg: OverlapConfig) -> bool:
+        return (
+            batch.mode == ForwardMode.DECODE
+            and batch.num_seqs <= self.sizes[-1]
+            and cfg.mode in GRAPH_MODES
+        )
+
+    def forward(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:
+        n = batch.num_seqs
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        keys = key_bucket(max(batch.seq_lens), self.kv_cache.max_len)
+        key = (size, keys, dataclasses.astuple(cfg))
+        graph = self.graphs.get(key) or self._capture(size, keys, cfg)
+        self.graphs[key] = graph
+        pad = size - n
+        lens = batch.seq_lens
+        host = torch.tensor(
+            [
+                batch.input_ids.tolist() + [0] * pad,
+                [x - 1 for x in lens] + [0] * pad,
+                batch.slots + [self.scratch] * pad,
+                lens + [1] * pad,
+            ],
+            dtype=torch.long,
+        )
+        graph.staged.copy_(to_device(host, self.device), non_blocking=True)
+        return graph.replay()[:n].clone()  # the graph's buffer is the next replay's too
+
+    def _capture(self, size: int, keys: int, cfg: OverlapConfig) -> _Graph:
+        staged = torch.zeros(4, size, dtype=torch.long, device=self.device)
+        staged[2].fill_(self.scratch)
+        staged[3].fill_(1)
+        batch = ForwardBatch(
+            torch.zeros(size, dtype=torch.long),
+            [self.scratch] * size,
+            [keys - 1] * size,  # the host's view: every sequence at the bucket's length
+            [1] * size,
+            is_decode=[True] * size,
+            device_inputs=DecodeInputs(staged[0], staged[1], staged[2], staged[3], keys),
+        )
+
+        def run() -> torch.Tensor:
+            return self.forward_eager(batch, cfg)
+
+        if not self.capture:
+            return _Graph(staged, run)
+        side = torch.cuda.Stream(self.device)  # warm up off the default stream, as torch asks
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = run()
+        self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return _Graph(staged, replay)

@@ -1,0 +1,62 @@
+"""On a GPU: decode replayed from CUDA graphs gives the buffer-fed forward's logits bit for bit
+and the eager engine's greedy tokens, in bf16 (the grouped GEMM's dtype) with and without TBO."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.runtime.cuda_graphs import DecodeGraphs
+from moe_overlap.runtime.rank import build_rank_runner
+from tests.gpu.common import needs_gpu
+from tests.helpers import TINY
+
+pytestmark = needs_gpu
+MODES = {"none": OverlapConfig("none"), "tbo": OverlapConfig("tbo", tbo_min_tokens=1)}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
+    cfg = ModelConfig(**TINY[family])
+    spec = EngineSpec(cfg, seed=0, max_num_seqs=6, max_len=300, device="cuda", dtype="bfloat16")
+    spec.cuda_graph_max_bs = 4
+    runner = build_rank_runner(spec)
+    assert runner.graphs is not None, DecodeGraphs.supported(
+        runner.model, torch.device("cuda"), runner.dispatcher
+    )
+    gen = torch.Generator().manual_seed(0)
+    runner.forward(
+        ForwardBatch(torch.randint(cfg.vocab_size, (45,), generator=gen), [0, 3], [0, 0], [5, 40])
+    )
+    step = ForwardBatch(
+        torch.tensor([1, 2, 3]), [0, 3, 5], [5, 40, 0], [1, 1, 1], is_decode=[True] * 3
+    )
+    step.prefix_lens[2] = 0  # a sequence whose first token is this decode
+    overlap = MODES[mode]
+    eager = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, 4, capture=False)
+    expected = eager.forward(step, overlap)
+    replayed = runner.forward(step, overlap)
+    assert runner.graphs.graphs, "the step did not run from a graph"
+    assert torch.equal(replayed, expected)
+    again = runner.forward(step, overlap)  # a second replay: the same buffers, the same logits
+    assert torch.equal(again, replayed)
+
+
+@pytest.mark.parametrize("overlap", [{}, {"enable_two_batch_overlap": True, "tbo_min_tokens": 1}])
+def test_graph_decode_gives_the_eager_engines_tokens(overlap):
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    prompts = [[1 + i, 5, 9, 2 * i + 3][: 1 + i % 4] for i in range(7)]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    tokens = {}
+    for graphs in (True, False):
+        kw = dict(config=cfg, device="cuda", dtype="bfloat16", seed=0, max_num_seqs=8)
+        with LLM(**kw, disable_cuda_graph=not graphs, **overlap) as llm:
+            tokens[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+            used = llm.executor.runner.graphs
+            assert (used is not None and bool(used.graphs)) == graphs
+    assert tokens[True] == tokens[False]

@@ -1,0 +1,81 @@
+"""Decode from CUDA graphs, everything but the capture: the padded, buffer-fed forward a graph
+holds (``DecodeGraphs(capture=False)`` runs it eagerly) gives the eager decode's logits, and its
+padding rows write only the scratch slot. The capture itself runs in tests/gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ConfigError, ModelConfig
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.runtime.cuda_graphs import DecodeGraphs, graph_sizes, key_bucket
+from moe_overlap.runtime.rank import build_rank_runner
+from tests.helpers import TINY, max_abs_diff
+
+SLOTS, LENGTHS = [0, 2, 5], [3, 40, 300]  # one context past the shortest key bucket (256)
+
+
+def test_sizes_and_key_buckets():
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_sizes(3) == [1, 2, 3]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert [key_bucket(n, 4096) for n in (1, 256, 257, 3000, 4096)] == [256, 256, 512, 4096, 4096]
+    assert key_bucket(300, 400) == 400  # never past max_len
+
+
+def _prefilled(family: str):
+    cfg = ModelConfig(**TINY[family])
+    # one slot more than the sequences use: the last is the graphs' scratch slot
+    runner = build_rank_runner(EngineSpec(cfg, seed=0, max_num_seqs=7, max_len=600))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(cfg.vocab_size, (sum(LENGTHS),), generator=gen)
+    runner.forward(ForwardBatch(ids, SLOTS, [0, 0, 0], LENGTHS))
+    return runner, cfg
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
+    runner, cfg = _prefilled(family)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, max_bs=4, capture=False)
+    step = ForwardBatch(torch.tensor([7, 8, 9]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
+    untouched = {k: v[[1, 3, 4]].clone() for k, v in runner.kv_cache.layers[0].items()}
+    for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1)):
+        eager = runner.forward(step, overlap)
+        runner.graphs = graphs
+        assert graphs.covers(step, overlap)
+        replayed = runner.forward(step, overlap)
+        runner.graphs = None
+        assert replayed.shape == eager.shape == (3, cfg.vocab_size)
+        assert max_abs_diff(replayed, eager) <= 1e-4
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    # the batch of 3 ran in the graph of 4: the padding row wrote the scratch slot only
+    assert {k[0] for k in graphs.graphs} == {4}
+    assert {k[1] for k in graphs.graphs} == {512}
+    for name, rows in untouched.items():
+        assert torch.equal(runner.kv_cache.layers[0][name][[1, 3, 4]], rows)
+    assert runner.kv_cache.layers[0][name].shape[:2] == (7, 600)  # allocated whole
+
+
+def test_prefill_and_other_modes_stay_eager():
+    runner, _ = _prefilled("qwen3_moe")
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, max_bs=2, capture=False)
+    decode = ForwardBatch(torch.tensor([1, 2, 3]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
+    assert not graphs.covers(decode, OverlapConfig("none"))  # 3 sequences > max_bs 2
+    prefill = ForwardBatch(torch.tensor([1, 2]), [1], [0], [2])
+    assert not graphs.covers(prefill, OverlapConfig("none"))
+    assert not graphs.covers(decode.__class__(*_two(decode)), OverlapConfig("sbo"))
+    assert DecodeGraphs.supported(runner.model, torch.device("cpu"), runner.dispatcher) == (
+        "CUDA graphs run on CUDA devices only"
+    )
+
+
+def _two(batch: ForwardBatch):
+    return batch.input_ids[:2], batch.slots[:2], batch.prefix_lens[:2], [1, 1], [False] * 2
+
+
+def test_cuda_graph_max_bs_below_one_is_refused():
+    with pytest.raises(ConfigError, match="--cuda-graph-max-bs=0 must be an integer >= 1"):
+        LLM(config=ModelConfig(**TINY["qwen3_moe"]), cuda_graph_max_bs=0)
