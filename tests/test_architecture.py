@@ -9,8 +9,15 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moe_overlap"
 ROOT = SRC.parents[1]
-# imported where used: matplotlib only when plotting, PyYAML only for --config
-LAZY_OK = {"matplotlib", "matplotlib.pyplot", "yaml"}
+# imported where used: matplotlib only when plotting, PyYAML only for --config, the serving
+# stack (FastAPI, uvicorn) only in the commands that serve
+LAZY_OK = {
+    "matplotlib",
+    "matplotlib.pyplot",
+    "yaml",
+    "moe_overlap.server.run",
+    "moe_overlap.server.observability",
+}
 SHORT_FUNCTIONS = ("tools", "engine")  # every function there fits on a screen
 
 
@@ -58,3 +65,20 @@ def test_no_import_inside_a_function() -> None:
                         if not set(names) <= LAZY_OK:
                             hidden.append(f"{path.relative_to(SRC)}:{inner.lineno} {names}")
     assert not hidden, f"imports inside functions: {hidden}"
+
+
+def test_the_cli_runs_without_the_serving_stack() -> None:
+    """A GPU machine may have torch and no FastAPI: bench and plan still start."""
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client'):\n"
+        "    sys.modules[name] = None  # importing it now raises ImportError\n"
+        "from moe_overlap.tools.cli import main\n"
+        "try:\n"
+        "    main(['bench', '--help'])\n"
+        "except SystemExit as e:\n"
+        "    sys.exit(e.code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--workload" in done.stdout

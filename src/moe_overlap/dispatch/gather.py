@@ -24,6 +24,7 @@ from moe_overlap.core.dispatcher import (
     DispatchState,
     Pending,
     Ready,
+    host_counts,
     in_flight,
     outputs,
 )
@@ -164,7 +165,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
 
     def combine_a_block(self, state: GatherState, block: int) -> None:
         experts = state.blocks[block]  # every rank holds the same rows, so the same blocks
-        ends = list(accumulate(state.tokens_per_expert, initial=0))
+        ends = list(accumulate(host_counts(state), initial=0))
         part = self._partial(state, slice(ends[experts.start], ends[experts.stop]))
         if isinstance(state.pending, Summed):
             state.pending.parts.append(part)

@@ -139,8 +139,8 @@ class AttentionPlan:
         """The plan of ``batch``, its index tensors on ``device`` (the KV cache's)."""
         staged = batch.device_inputs
         if staged is not None:  # decode rows in device buffers: every key count is masked
-            rows = torch.arange(0)  # unread: all_decode
-            return cls(staged.slots, rows, staged.slots, staged.lens, staged.max_len, [], True)
+            unread = torch.arange(0)  # decode rows are every row (all_decode)
+            return cls(staged.slots, unread, staged.slots, staged.lens, staged.max_len, [], True)
         rows, slots, lens = [], [], []
         groups: dict[tuple[int, int], list[tuple[int, slice]]] = {}
         for slot, prefix, span in batch.per_sequence():

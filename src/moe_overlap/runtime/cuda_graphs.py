@@ -80,7 +80,7 @@ class DecodeGraphs:
         self.scratch = kv_cache.num_slots - 1
         self.device = kv_cache.device
         self.graphs: dict[tuple, _Graph] = {}
-        self.pool = None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by all
         kv_cache.allocate_all()
         for m in model.modules():
             if isinstance(m, RotaryEmbedding):
@@ -160,7 +160,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = run()
-        self.pool = graph.pool()
 
         def replay() -> torch.Tensor:
             graph.replay()
