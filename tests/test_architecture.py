@@ -9,8 +9,15 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moe_overlap"
 ROOT = SRC.parents[1]
-# imported where used: matplotlib only when plotting, PyYAML only for --config
-LAZY_OK = {"matplotlib", "matplotlib.pyplot", "yaml"}
+# imported where used: matplotlib only when plotting, PyYAML only for --config, the serving
+# stack (FastAPI, uvicorn) only in the commands that serve
+LAZY_OK = {
+    "matplotlib",
+    "matplotlib.pyplot",
+    "yaml",
+    "moe_overlap.server.observability",
+    "moe_overlap.server.run",
+}
 SHORT_FUNCTIONS = ("tools", "engine")  # every function there fits on a screen
 
 
@@ -58,3 +65,9 @@ def test_no_import_inside_a_function() -> None:
                         if not set(names) <= LAZY_OK:
                             hidden.append(f"{path.relative_to(SRC)}:{inner.lineno} {names}")
     assert not hidden, f"imports inside functions: {hidden}"
+
+
+def test_one_calibration_fit() -> None:
+    # auto's start-up calibration and `plan --cluster this` fit costs with core/cost_fit.py only
+    fitting = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "lstsq" in p.read_text())
+    assert fitting == ["core/cost_fit.py"], fitting
