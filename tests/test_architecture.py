@@ -15,8 +15,8 @@ LAZY_OK = {
     "matplotlib",
     "matplotlib.pyplot",
     "yaml",
-    "moe_overlap.server.run",
     "moe_overlap.server.observability",
+    "moe_overlap.server.run",
 }
 SHORT_FUNCTIONS = ("tools", "engine")  # every function there fits on a screen
 
@@ -82,3 +82,9 @@ def test_the_cli_runs_without_the_serving_stack() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--workload" in done.stdout
+
+
+def test_one_calibration_fit() -> None:
+    # auto's start-up calibration and `plan --cluster this` fit costs with core/cost_fit.py only
+    fitting = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "lstsq" in p.read_text())
+    assert fitting == ["core/cost_fit.py"], fitting

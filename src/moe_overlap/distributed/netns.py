@@ -140,8 +140,9 @@ class NetnsLink:
 
     @property
     def burst_bytes(self) -> int:
-        # 1 ms of traffic, at least one 64 KiB GSO packet (a 32 KiB bucket held 2gbit to 0.65x);
-        # larger buckets let the first burst through free, which flatters short transfers
+        # 1 ms of traffic, at least one 64 KiB GSO packet (smaller buckets hold a fast link
+        # below its rate: docs/tuning.md); larger ones let the first burst through free, which
+        # flatters short transfers
         return max(round(self.bytes_per_s / 1000), 64 * 1024 + 1514)
 
     def netns_name(self, rank: int) -> str:

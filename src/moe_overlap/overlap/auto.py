@@ -135,7 +135,7 @@ class AutoOverlap:
         return self.tbo[mode].run(batch, runner, decode)
 
     def _calibrate(self, runner: Runner) -> Calibration:
-        def run_mode(mode: str, batch: ForwardBatch, scratch) -> None:
+        def run_mode(mode: str, batch: ForwardBatch, scratch: Runner) -> None:
             self._run(mode, batch, scratch, False, batch.num_tokens // 2)
 
         return calibrate(runner, self.group, self.cfg.sbo_combine_blocks, run_mode)

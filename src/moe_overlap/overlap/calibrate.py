@@ -2,8 +2,8 @@
 
 Every rank runs the same synthetic batches in the same order, into a scratch KV cache (the
 engine's own cache holds live sequences): plain forwards of a few shapes fit compute (seconds
-per FLOP, per sequence and per pass) and communication (latency and rate) from the timeline;
-then each candidate mode runs once and its measured time over the prediction is its starting
+per FLOP, per sequence and per pass) and communication (latency and rate) from the timeline,
+with the fit ``plan --cluster this`` uses too (``core/cost_fit.py``); then each candidate mode runs once and its measured time over the prediction is its starting
 factor. The fits are averaged and the times maxed over ranks, so every rank holds the same
 calibration and takes the same decisions.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.cost_fit import LinkFit, fit_costs, fit_link
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.model_flops import ModelFlops
@@ -26,33 +26,34 @@ from moe_overlap.core.state_cache import StateCache
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.predict import Calibration, StepStats, raw_times
+from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import whole
 
 SHAPES = ((1, 128), (1, 384), (1, 768), (48, 4))  # (sequences, tokens each), from position 0
 MODE_SHAPE = (1, 768)  # where each mode's starting factor is measured
 
 
-@dataclass
+RunMode = Callable[[str, ForwardBatch, Runner], None]  # one forward of a batch in a mode
+
+
 class ScratchRunner:
-    """The runner's model, dispatcher and timeline over a scratch KV cache."""
+    """The runner's model, ops, dispatcher and timeline over scratch caches (a ``Runner``)."""
 
-    runner: object
-    kv_cache: KVCache
-    states: StateCache | None = None  # a scratch recurrent-state cache (hybrid models)
-
-    def __post_init__(self) -> None:
-        kv = self.kv_cache
-        shapes = self.runner.model.state_shapes()
-        self.states = StateCache(shapes, kv.num_slots, kv.dtype, kv.device)
-
-    @property
-    def ops(self) -> list:
-        return self.runner.ops
+    def __init__(self, runner: Runner, kv_cache: KVCache) -> None:
+        self.model, self.ops, self.timeline = runner.model, runner.ops, runner.timeline
+        self.dispatcher = runner.dispatcher
+        self.kv_cache = kv_cache
+        shapes = self.model.state_shapes()  # a scratch recurrent-state cache (hybrid models)
+        self.states = StateCache(shapes, kv_cache.num_slots, kv_cache.dtype, kv_cache.device)
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
-        r = self.runner
         return ForwardContext(
-            batch, self.kv_cache, r.dispatcher, name=name, timeline=r.timeline, states=self.states
+            batch,
+            self.kv_cache,
+            self.dispatcher,
+            name=name,
+            timeline=self.timeline,
+            states=self.states,
         )
 
 
@@ -61,17 +62,7 @@ def shape_batch(seqs: int, tokens: int, vocab: int) -> ForwardBatch:
     return ForwardBatch(ids, list(range(seqs)), [0] * seqs, [tokens] * seqs)
 
 
-def _fit(xs: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares, each column scaled to unit size first (FLOPs dwarf sequence counts)."""
-    x = torch.tensor(xs, dtype=torch.float64)
-    scale = x.abs().amax(dim=0).clamp_min(1e-30)
-    y = torch.tensor(ys, dtype=torch.float64)[:, None]
-    return (torch.linalg.lstsq(x / scale, y).solution[:, 0] / scale).tolist()
-
-
-def calibrate(
-    runner, group: Group, sbo_blocks: int, run_mode: Callable[[str, ForwardBatch, object], None]
-) -> Calibration:
+def calibrate(runner: Runner, group: Group, sbo_blocks: int, run_mode: RunMode) -> Calibration:
     """``run_mode(mode, batch, scratch_runner)`` runs one forward of ``batch`` in ``mode``."""
     model, cfg = runner.model, runner.model.cfg
     cost = ModelFlops.for_model(cfg)
@@ -83,8 +74,10 @@ def calibrate(
     timeline = runner.timeline
     saved, was = timeline.spans, timeline.enabled
     timeline.spans, timeline.enabled = [], True
+    bytes_per_token = _bytes_per_token(cfg, group.size, next(model.parameters()).element_size())
     try:
-        compute, comm = [], []
+        compute: list[tuple[list[float], float]] = []  # ([FLOPs, sequences, 1], seconds)
+        comm: list[tuple[float, float]] = []  # (bytes, seconds) per all-to-all
         for shape in SHAPES:
             batch = shape_batch(*shape, cfg.vocab_size)
             scratch = ScratchRunner(runner, caches[shape])
@@ -97,22 +90,20 @@ def calibrate(
             waits = sum(s.end - s.start for s in spans if s.track.endswith(" wait"))
             flops = cost.cost(batch, whole(batch))
             compute.append(([flops, shape[0], 1.0], wall - waits))
-            comm += [(batch.num_tokens, s.end - s.start) for s in spans if s.track == "comm"]
-        kappa, per_seq, per_pass = _fit([x for x, _ in compute], [y for _, y in compute])
-        latency, per_token_s = (
-            _fit([[1.0, t] for t, _ in comm], [d for _, d in comm]) if comm else (0.0, 0.0)
-        )
-        fitted = torch.tensor([kappa, per_seq, per_pass, latency, per_token_s], dtype=torch.float64)
+            sent = batch.num_tokens * bytes_per_token
+            comm += [(sent, s.end - s.start) for s in spans if s.track == "comm"]
+        costs = fit_costs([x for x, _ in compute], [y for _, y in compute], required=(0,))
+        link = fit_link(comm)
+        fitted = torch.tensor([*costs, link.latency_s, link.s_per_byte], dtype=torch.float64)
         if group.size > 1:
             fitted = group.all_reduce(fitted) / group.size
-        kappa, per_seq, per_pass, latency, per_token_s = fitted.tolist()
-        bytes_per_token = _bytes_per_token(cfg, group.size, next(model.parameters()).element_size())
+        kappa, per_seq, per_pass, latency, s_per_byte = fitted.tolist()
         cal = Calibration(
-            kappa=max(kappa, 1e-15),
-            per_seq=max(per_seq, 0.0),
-            per_pass=max(per_pass, 0.0),
-            latency=max(latency, 0.0),
-            bytes_per_s=bytes_per_token / per_token_s if per_token_s > 0 else float("inf"),
+            kappa=max(kappa, 1e-15),  # FLOPs always cost something: predictions stay ordered
+            per_seq=per_seq,
+            per_pass=per_pass,
+            latency=latency,
+            bytes_per_s=LinkFit(latency, s_per_byte).bytes_per_s,
             bytes_per_token=bytes_per_token,
             moe_layers=sum(cfg.is_moe_layer(i) for i in range(layers)),
             expert_share=cost.expert_share,
@@ -125,7 +116,14 @@ def calibrate(
         timeline.spans, timeline.enabled = saved, was
 
 
-def _measure_factors(cal, runner, group, cache, cost, run_mode) -> None:
+def _measure_factors(
+    cal: Calibration,
+    runner: Runner,
+    group: Group,
+    cache: KVCache,
+    cost: ModelFlops,
+    run_mode: RunMode,
+) -> None:
     batch = shape_batch(*MODE_SHAPE, runner.model.cfg.vocab_size)
     flops = cost.cost(batch, whole(batch))
     stats = StepStats(

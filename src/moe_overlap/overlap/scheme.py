@@ -8,6 +8,7 @@ from typing import Protocol
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
@@ -18,6 +19,7 @@ class Runner(Protocol):
     model: MoeForCausalLM
     ops: list[Op | Yield]  # the model's whole op list, run in order without overlap
     kv_cache: KVCache
+    dispatcher: Dispatcher  # the rank's all-to-all; calibration runs scratch forwards over it
     timeline: Timeline
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext: ...

@@ -18,20 +18,23 @@ or the other way round:
    gives on a unit cluster (GEMM FLOPs, attention FLOPs, cached keys read, prefill and decode
    sequence passes, 1).
 
-Fits are non-negative and weighted by relative error: a 30 ms decode step counts as much as a
-300 ms prefill.
+Steps 1 and 3 are ``core/cost_fit.py``'s fit, the one ``--overlap auto`` calibrates with too:
+non-negative, weighted by relative error (a 30 ms decode step counts as much as a 300 ms
+prefill). Step 2 fits seconds, not ratios: its targets are differences that can be 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+from typing import TypedDict
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.cost_fit import fit_costs, fit_link, nnls
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.cluster import Cluster, overheads_us
 from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 from moe_overlap.planner.measurements import (
@@ -64,46 +67,42 @@ UNIT = Cluster(
     activation_bytes=4,  # the engine's float32 rows
     attention_full_rectangle_with_prefix=True,
 )
+
+
+class UnitCost(TypedDict, total=False):
+    """One compute cost of ``Cluster`` set to 1 second per unit (a FLOP, a byte, a pass)."""
+
+    gemm_tflops_bf16: float
+    attention_tflops: float
+    kv_read_gbps: float
+    seq_overhead_us: float
+    decode_seq_overhead_us: float
+
+
 UNITS = (  # each feature: the plan's seconds with one cost at 1 per unit, the rest free
-    dict(gemm_tflops_bf16=1e-12),
-    dict(attention_tflops=1e-12),
-    dict(kv_read_gbps=1e-9),
-    dict(seq_overhead_us=1e6),
-    dict(decode_seq_overhead_us=1e6),
+    UnitCost(gemm_tflops_bf16=1e-12),
+    UnitCost(attention_tflops=1e-12),
+    UnitCost(kv_read_gbps=1e-9),
+    UnitCost(seq_overhead_us=1e6),
+    UnitCost(decode_seq_overhead_us=1e6),
+)
+# per-micro-batch overheads (op, expert, DBO switch), each alone at 1 s
+UNIT_OVERHEADS = (
+    overheads_us(1.0, 0.0, 0.0),
+    overheads_us(0.0, 1.0, 0.0),
+    overheads_us(0.0, 0.0, 1.0),
 )
 
 
-def nnls(x: torch.Tensor, y: torch.Tensor, required: tuple[int, ...] = ()) -> torch.Tensor:
-    """Least squares with every coefficient >= 0: the best of the fits on each subset of the
-    columns whose coefficients all come out non-negative (a handful of columns here). Subsets
-    keep the ``required`` columns when some such fit exists (a CPU always pays for GEMMs)."""
-    cols = x.shape[1]
-    best, best_err = None, float("inf")
-    for k in range(1, cols + 1):
-        for subset in itertools.combinations(range(cols), k):
-            if not set(required) <= set(subset):
-                continue
-            sol = torch.linalg.lstsq(x[:, subset], y[:, None]).solution[:, 0]
-            if (sol < 0).any():
-                continue
-            err = float((x[:, subset] @ sol - y).square().sum())
-            if err < best_err:
-                best_err, best = err, torch.zeros(cols, dtype=x.dtype)
-                best[list(subset)] = sol
-    if best is None:
-        return nnls(x, y) if required else torch.zeros(cols, dtype=x.dtype)
-    return best
+class LinkFields(TypedDict):
+    """The link and routing part of a fitted ``Cluster`` (its fields of the same names)."""
 
-
-def relative_nnls(
-    rows: list[list[float]], targets: list[float], required: tuple[int, ...] = ()
-) -> list[float]:
-    """Non-negative coefficients minimising the relative errors (columns scaled to 1)."""
-    x = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor(targets, dtype=torch.float64)
-    weight = 1 / y.abs().clamp_min(1e-9)
-    scale = x.abs().amax(dim=0).clamp_min(1e-30)
-    return (nnls(x / scale * weight[:, None], y * weight, required) / scale).tolist()
+    intra_node_a2a_gbps: float
+    inter_node_a2a_gbps: float
+    a2a_latency_us: float
+    a2a_bytes_factor: float
+    expert_shares: tuple[float, ...]
+    expert_imbalance: float
 
 
 def features(
@@ -119,24 +118,29 @@ def features(
     return row
 
 
-def fit_link(samples: list[Sample]) -> tuple[float, float]:
+def fit_this_link(samples: list[Sample]) -> tuple[float, float]:
     """(latency seconds, bytes per second) from every all-to-all: time = lat + bytes / rate.
     Spans name their bytes in MB to two decimals: those under 0.1 MB are too coarse to use."""
     pairs = [t for s in samples for t in s.transfers if t[0] >= 0.1e6]
-    latency, per_byte = relative_nnls([[1.0, b] for b, _ in pairs], [d for _, d in pairs])
-    return latency, 1 / per_byte if per_byte > 0 else HUGE
+    if not pairs:
+        raise ConfigError(
+            "--cluster this: no all-to-all of 0.1 MB or more was measured, so the link cannot be "
+            "fitted; use a model with a larger hidden size or more ranks"
+        )
+    link = fit_link(pairs)
+    return link.latency_s, 1 / link.s_per_byte if link.s_per_byte > 0 else HUGE
 
 
 def bytes_factors(
     spec: ModelSpec, layout: PlanLayout, samples: list[Sample], shares: tuple[float, ...]
-) -> list[float]:
+) -> list[float | None]:
     """Per sample, the bytes its all-to-alls carried over what routing by ``shares`` (even if
     none) would carry (each rank's link carries max(sent, received) rows, more than the mean
     when the model routes unevenly); None where its transfers are under 0.1 MB (named too
     coarsely to count)."""
     unit = dataclasses.replace(UNIT, nodes=layout.world, expert_shares=shares)
     costs = CostModel(spec, unit, layout)
-    out = []
+    out: list[float | None] = []
     for s in samples:
         sizes = [b for b, _ in s.transfers if b >= 0.1e6]
         even = sum(costs.micro_batch([s.batch] * layout.world).a2a_bytes[0])
@@ -156,10 +160,10 @@ def fit_cluster(
     spec: ModelSpec, layout: PlanLayout, samples: list[Sample], passes: list[PassSample]
 ) -> Cluster:
     """This machine as a Cluster, fitted in the module's steps."""
-    latency, rate = fit_link(samples)
+    latency, rate = fit_this_link(samples)
     shares = expert_shares(spec, samples, layout.world)
     loads, typical_load = imbalances(spec, samples)
-    link = dict(
+    link = LinkFields(
         intra_node_a2a_gbps=rate / 1e9,
         inter_node_a2a_gbps=rate / 1e9,
         a2a_latency_us=latency * 1e6,
@@ -172,23 +176,24 @@ def fit_cluster(
     # an all-to-all makes the other's span longer; the plan counts that as its compute)
     computes = []
     for s, factor in zip(samples, bytes_factors(spec, layout, samples, shares), strict=True):
-        own = link | {"a2a_bytes_factor": factor or link["a2a_bytes_factor"]}
+        own = LinkFields(**link)
+        own["a2a_bytes_factor"] = factor or link["a2a_bytes_factor"]
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
         comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds
         computes.append(s.wall_s - comm)
-    # each shape's experts as its own routing loaded them: with even loads the rates took on
-    # the routing's luck (the prefill shapes' busiest ranks held 1.16-1.23x the mean rows)
+    # each shape's experts as its own routing loaded them: with even loads the rates would take
+    # on the routing's luck (docs/planner.md, Known limits: a layer waits for its busiest rank)
     rows = [
         [*features(spec, layout, s.batch, load), 1.0]
         for s, load in zip(samples, loads, strict=True)
     ]
-    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = relative_nnls(
+    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = fit_costs(
         rows, computes, required=(0, 1)
     )
     kinds = {_key(p): p for p in passes}  # one pass per (mode, shape) stands for its repeats
     in_pair = [_pair_overhead_seconds(spec, layout, p) for p in kinds.values()]
     measured = [_median([p.two_s - p.none_s for p in passes if _key(p) == k]) for k in kinds]
-    overheads = [0.0] * len(OVERHEADS)
+    overheads = [0.0] * len(UNIT_OVERHEADS)
     for step in range(8):  # overheads: the measured extra less what the plan adds beyond them
         cluster = Cluster(
             name="this",
@@ -210,7 +215,7 @@ def fit_cluster(
             sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
             f"{DECODE_SHAPES}, decode {TINY}, {MID} and {LONG} with and without two micro-batches"},
             **link,
-            **{name: o * 1e6 for name, o in zip(OVERHEADS, overheads, strict=True)},
+            **overheads_us(*overheads),
         )  # fmt: skip
         beyond = [  # per pair: the plan's extra with the overheads taken out
             _two_minus_none(spec, cluster, layout, p) - _dot(overheads, units)
@@ -228,10 +233,7 @@ def fit_cluster(
     raise AssertionError("unreachable")
 
 
-OVERHEADS = ("op_overhead_us", "expert_overhead_us", "switch_overhead_us")
-
-
-def _key(p: PassSample) -> tuple:
+def _key(p: PassSample) -> tuple[str, int, int]:
     return (p.mode, p.batch.num_seqs, p.batch.prefix_lens[0])
 
 
@@ -239,19 +241,19 @@ def _dot(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
 
 
-def _overhead_seconds(spec, layout, batch, mode: str = "none") -> list[float]:
-    """Per overhead in ``OVERHEADS``, the plan's seconds with it at 1 s and all else free."""
+def _overhead_seconds(
+    spec: ModelSpec, layout: PlanLayout, batch: ForwardBatch, mode: str = "none"
+) -> list[float]:
+    """Per overhead in ``UNIT_OVERHEADS``, the plan's seconds with it at 1 s and all else free."""
     out = []
-    for name in OVERHEADS:
-        cluster = dataclasses.replace(
-            UNIT, nodes=layout.world, overheads_beyond_first=True, **{name: 1e6}
-        )
+    for one in UNIT_OVERHEADS:
+        cluster = dataclasses.replace(UNIT, nodes=layout.world, overheads_beyond_first=True, **one)
         cfg = TWO_PASSES[mode] if mode != "none" else OverlapConfig()
         out.append(Planner(spec, cluster, layout).plan(mode, cfg, [batch] * layout.world).seconds)
     return out
 
 
-def _pair_overhead_seconds(spec, layout, p: PassSample) -> list[float]:
+def _pair_overhead_seconds(spec: ModelSpec, layout: PlanLayout, p: PassSample) -> list[float]:
     two = _overhead_seconds(spec, layout, p.batch, p.mode)
     none = _overhead_seconds(spec, layout, p.batch)
     return [t - n for t, n in zip(two, none, strict=True)]
@@ -261,7 +263,7 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _two_minus_none(spec, cluster, layout, p: PassSample) -> float:
+def _two_minus_none(spec: ModelSpec, cluster: Cluster, layout: PlanLayout, p: PassSample) -> float:
     planner = Planner(spec, cluster, layout)
     batches = [p.batch] * layout.world
     two = planner.plan(p.mode, TWO_PASSES[p.mode], batches).seconds

@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 from moe_overlap.planner import gpus
@@ -49,6 +49,24 @@ _NON_NEGATIVE = (
     "gemm_half_rows",
     "decode_attention_tflops",
 )
+
+
+class Overheads(TypedDict):
+    """A cluster's fixed costs that each micro-batch after the first adds (``Cluster``'s
+    fields of the same names), as ``dataclasses.replace`` takes them."""
+
+    op_overhead_us: float
+    expert_overhead_us: float
+    switch_overhead_us: float
+
+
+def overheads_us(op_s: float, expert_s: float, switch_s: float) -> Overheads:
+    """``Overheads`` from seconds."""
+    return Overheads(
+        op_overhead_us=op_s * 1e6,
+        expert_overhead_us=expert_s * 1e6,
+        switch_overhead_us=switch_s * 1e6,
+    )
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ class CostModel:
         bytes per element."""
         c, ep, cl = self.spec.cfg, self.layout.ep, self.cluster
         k, per_node = c.num_experts_per_tok, min(ep, cl.gpus_per_node)
-        per_elem = cl.activation_bytes
+        per_elem: float = cl.activation_bytes
         if self.spec.fp8_weights and cl.gemm_tflops_fp8:
             per_elem = (1 + 1 / 32 + cl.activation_bytes) / 2
         row = c.hidden_size * per_elem

@@ -17,13 +17,14 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.timeline import Span
+from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import dbo_decide, dbo_local_column, tbo_decide, tbo_local_vote
-from moe_overlap.overlap.operations import execute_overlapped
+from moe_overlap.overlap.operations import Op, Yield, execute_overlapped
 from moe_overlap.overlap.predict import MARGIN
 from moe_overlap.overlap.split import split_batch, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
-from moe_overlap.planner.cluster import Cluster
+from moe_overlap.planner.cluster import Cluster, overheads_us
 from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 from moe_overlap.planner.simulate import (
@@ -70,12 +71,12 @@ class Planner:
         self.costs = CostModel(spec, cluster, layout)
         self.first_costs = self.costs  # the first micro-batch's (and none's)
         if cluster.overheads_beyond_first:
-            free = dict(op_overhead_us=0.0, expert_overhead_us=0.0, switch_overhead_us=0.0)
+            free = overheads_us(0.0, 0.0, 0.0)
             self.first_costs = CostModel(spec, dataclasses.replace(cluster, **free), layout)
         self.model = SimModel(spec.cfg)
-        self._ops: dict[str, list] = {}
+        self._ops: dict[str, list[Op | Yield]] = {}
 
-    def ops(self, scheme: str, blocks: int = 2) -> list:
+    def ops(self, scheme: str, blocks: int = 2) -> list[Op | Yield]:
         key = f"{scheme}{blocks}"
         if key not in self._ops:
             own = sbo_sim_ops(blocks) if scheme == "sbo" else None
@@ -99,20 +100,24 @@ class Planner:
             return self._run(mode, [batches], ops, 0, record)
         return self._run(mode, [batches], self.ops("none"), 0, record)
 
-    def _tbo(self, mode, cfg, batches, record) -> ModePlan:
+    def _tbo(
+        self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
+    ) -> ModePlan:
         columns = [tbo_local_vote(b, cfg.tbo_min_tokens) for b in batches]
         votes = [min(v) for v in zip(*columns, strict=True)]  # the all-reduce(MIN)
         decision = tbo_decide(votes, cfg.tbo_mode_mismatch)
         if not decision.run:
             out = self._run(mode, [batches], self.ops("none"), 0, record, agree=True)
             return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
-        tbo = TwoBatchOverlap(self.model, cfg, None)
+        tbo = TwoBatchOverlap(self.model, cfg, Group.single(name="ep"))  # its plan needs no peers
         per_rank = [split_batch(b, tbo.plan(b)) for b in batches]
         micro = [list(mb) for mb in zip(*per_rank, strict=True)]
         strategy = tbo.strategies[decision.decode]
         return self._run(mode, micro, tbo.ops[decision.decode], strategy.delta_stages, record, True)
 
-    def _dbo(self, mode, cfg, batches, record) -> ModePlan:
+    def _dbo(
+        self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
+    ) -> ModePlan:
         table = torch.tensor([dbo_local_column(b, cfg) for b in batches], dtype=torch.int64).T
         decision = dbo_decide(table)
         if not decision.run:
@@ -125,7 +130,9 @@ class Planner:
         # DBO's baton threads alternate at the same yields: the stage order with no lag
         return self._run(mode, micro, self.ops("dbo"), 0, record, agree=True)
 
-    def _auto(self, mode, cfg, batches, record) -> ModePlan:
+    def _auto(
+        self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
+    ) -> ModePlan:
         plans = {
             name: self.plan(name, candidate, batches, record)
             for name, candidate in AUTO_CANDIDATES.items()
@@ -140,7 +147,7 @@ class Planner:
         self,
         mode: str,
         micro: list[list[ForwardBatch]],
-        ops: list,
+        ops: list[Op | Yield],
         delta: int,
         record: bool,
         agree: bool = False,

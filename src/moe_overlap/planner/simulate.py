@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.timeline import Span
 from moe_overlap.model.decoder import DENSE_OPS, MOE_OPS
-from moe_overlap.overlap.operations import Yield
+from moe_overlap.overlap.operations import Op, Yield
 from moe_overlap.overlap.sbo import experts_then_combine
 from moe_overlap.overlap.strategy import SchemeOp
 from moe_overlap.planner.costs import CostModel, MicroBatchCost
@@ -117,14 +117,14 @@ SimOp = Callable[..., None]
 def _compute(layer_id: int, name: str) -> SimOp:
     label = f"layer {layer_id} {name}"
 
-    def op(ctx: SimContext, **_) -> None:
+    def op(ctx: SimContext, **_: object) -> None:
         ctx.run(label, name)
 
     return op
 
 
 def _attn_core(layer_id: int) -> SimOp:
-    def op(ctx: SimContext, **_) -> None:
+    def op(ctx: SimContext, **_: object) -> None:
         ctx.run(f"layer {layer_id} attn_core", "attn_core")
         if any(ctx.cost.allreduce_s):  # attention TP's all-reduce: blocking, all ranks meet
             ctx.clocks.barrier()
@@ -134,7 +134,7 @@ def _attn_core(layer_id: int) -> SimOp:
 
 
 def _send(layer_id: int, kind: str) -> SimOp:
-    def op(ctx: SimContext, **_) -> None:
+    def op(ctx: SimContext, **_: object) -> None:
         ctx.run(f"layer {layer_id} {kind}_a", f"{kind}_a")
         if kind == "dispatch":
             ctx.clocks.barrier()  # the per-expert counts are exchanged synchronously first
@@ -145,7 +145,7 @@ def _send(layer_id: int, kind: str) -> SimOp:
 
 
 def _receive(layer_id: int, kind: str) -> SimOp:
-    def op(ctx: SimContext, **_) -> None:
+    def op(ctx: SimContext, **_: object) -> None:
         ctx.clocks.wait(ctx.name, ctx.pending.pop(kind))
         ctx.run(f"layer {layer_id} {kind}_b", f"{kind}_b")
 
@@ -157,7 +157,7 @@ def sim_experts_then_combine(blocks: int) -> Callable[[SimLayer], SimOp]:
     then its combine piece at once; the combine is done when its last piece arrives."""
 
     def make(layer: SimLayer) -> SimOp:
-        def op(ctx: SimContext, **_) -> None:
+        def op(ctx: SimContext, **_: object) -> None:
             name, sent = f"layer {layer.layer_id}", []
 
             def run_block(b: int) -> None:  # the blocks after the first make calls of their own
@@ -183,10 +183,10 @@ def sbo_sim_ops(blocks: int) -> dict[str, SchemeOp[SimLayer]]:
     }
 
 
-def with_switches(ops: list) -> list:
+def with_switches(ops: list[Op | Yield]) -> list[Op | Yield]:
     """DBO's op list with the hand-over to the other baton thread charged after each yield."""
     switch = _compute(-1, "switch")
-    out = []
+    out: list[Op | Yield] = []
     for op in ops:
         out.append(op)
         if isinstance(op, Yield):
@@ -198,6 +198,7 @@ class SimLayer:
     def __init__(self, cfg: ModelConfig, layer_id: int):
         self.layer_id = layer_id
         self.is_moe = cfg.is_moe_layer(layer_id)
+        self.op_names: tuple[str, ...]
         if not self.is_moe:
             self.op_names = DENSE_OPS
         elif cfg.n_shared_experts or cfg.shared_expert_intermediate_size:
