@@ -1,5 +1,6 @@
 """The communication stream's wait (a modelled link's transfer time) lasts the asked wall-clock
-time, measured by CUDA events, and the host does not wait for it."""
+time, measured by CUDA events, and the host does not wait for it. Each timed wait queues behind
+a short one, so the events time the wait and not the host's launch of it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _timed_waits(use_triton: bool) -> list[tuple[float, float, float, bool]]:
     for seconds in WAITS_S:
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         with torch.cuda.stream(stream):
+            gpu_wait.hold_stream(0.005, device, use_triton)  # busy while the host launches
             start.record()
             host = time.perf_counter()
             gpu_wait.hold_stream(seconds, device, use_triton)

@@ -17,6 +17,7 @@ except ImportError:
     triton = None
 
 _SLEEP_PROBE_CYCLES = 20_000_000
+_SLEEP_WARM_CYCLES = 100_000_000  # an idle GPU's clock is low: boost it before the probe
 _cycles_per_s: dict[int, float] = {}  # per device: torch.cuda._sleep's cycles per second
 
 if triton is not None:
@@ -27,7 +28,7 @@ if triton is not None:
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["duration_ns"])  # one compile, not one per alignment
     def _spin(duration_ns):
         start = _now()
         now = start
@@ -56,7 +57,7 @@ def sleep_cycles_per_s(device: torch.device) -> float:
     if index not in _cycles_per_s:
         with torch.cuda.device(device):
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            torch.cuda._sleep(1000)  # warm up
+            torch.cuda._sleep(_SLEEP_WARM_CYCLES)
             start.record()
             torch.cuda._sleep(_SLEEP_PROBE_CYCLES)
             end.record()
