@@ -41,6 +41,7 @@ class EngineSpec:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pdmux_splits: int = 0  # --enable-pdmux: layer ranges per prefill (0: off)
+    emulate_peers: int = 0  # bench --emulate-peers: one process as rank 0 of ep=N (0: off)
     device: str = "cpu"  # "cpu" or "cuda" (core/device.py resolves "auto" before this)
     dtype: str = "float32"  # weights and KV cache; float32 is the exactness reference
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay from CUDA graphs (0: off)

@@ -10,7 +10,7 @@ one rank).
 
 from __future__ import annotations
 
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -22,14 +22,19 @@ def check_layout(
     overlap: OverlapConfig | None = None,
     link: str | None = None,
     pdmux: bool = False,
+    emulate_peers: int = 0,
 ) -> None:
     """Refuse ``par`` if it is not a layout; then, given them, if ``cfg`` does not fit it, if
     ``overlap``'s mode or backend needs something it lacks, if ``link`` (the ``--link`` spec
-    of an emulated link, None for none) has no link to emulate, or if PD multiplexing (``pdmux``) cannot run on it."""
+    of an emulated link, None for none) has no link to emulate, or if PD multiplexing
+    (``pdmux``) cannot run on it. ``emulate_peers`` N > 0 (``bench --emulate-peers``): one
+    process plays rank 0 of ``--ep N``, and the rest is checked on that layout."""
+    overlap = overlap or OverlapConfig()
+    if emulate_peers:
+        par = _check_emulation(par, emulate_peers, cfg, overlap.moe_a2a_backend, link, pdmux)
     _check_sizes(par)
     if cfg is not None:
         _check_model(cfg, par)
-    overlap = overlap or OverlapConfig()
     _check_backend(overlap.moe_a2a_backend, par)
     _check_modes(par, overlap, link)
     if pdmux:
@@ -151,6 +156,51 @@ def _check_modes(par: ParallelConfig, overlap: OverlapConfig, link: str | None) 
             f"--link {link} needs more than one rank (--ep or --tp > 1): one process has no "
             "link to emulate"
         )
+
+
+def _check_emulation(
+    par: ParallelConfig,
+    peers: int,
+    cfg: ModelConfig | None,
+    backend: str,
+    link: str | None,
+    pdmux: bool,
+) -> ParallelConfig:
+    """``--emulate-peers``'s refusals; returns the layout the one process emulates."""
+    if not is_int(peers) or peers < 2:
+        raise ConfigError(
+            f"--emulate-peers={peers!r}: emulate an EP group of 2 or more ranks (0: off)"
+        )
+    flags = {"--ep": par.ep, "--tp": par.tp, "--dp": par.dp, "--pp": par.pp}
+    for flag, value in flags.items():
+        if value != 1:
+            raise ConfigError(
+                f"{flag}={value} with --emulate-peers {peers}: emulation runs one process as "
+                f"rank 0 of --ep {peers}; drop {flag} (the emulated group is --ep {peers})"
+            )
+    if par.enable_dp_attention:
+        raise ConfigError(
+            f"--enable-dp-attention with --emulate-peers {peers}: the emulated rank runs "
+            "attention alone (pure EP); drop --enable-dp-attention"
+        )
+    if cfg is not None and cfg.num_experts % peers:
+        raise ConfigError(
+            f"--emulate-peers={peers} must divide num_experts={cfg.num_experts} (each rank "
+            f"holds num_experts / N); choose N in {divisors(cfg.num_experts)} other than 1"
+        )
+    if backend not in ("auto", "torch"):
+        raise ConfigError(
+            f"--moe-a2a-backend={backend} with --emulate-peers {peers}: emulation runs the "
+            "all-to-all dispatcher; use torch (or auto)"
+        )
+    if link is not None and not link.startswith("model:"):
+        raise ConfigError(
+            f"--link {link} with --emulate-peers {peers}: emulated peers have no network to "
+            "shape; use --link model:BANDWIDTH,LATENCY (e.g. model:400mbit,50us) or none"
+        )
+    if pdmux:
+        raise ConfigError(f"--enable-pdmux with --emulate-peers {peers}: drop one")
+    return ParallelConfig(ep=peers)
 
 
 def _check_pdmux(par: ParallelConfig, overlap: OverlapConfig, cfg: ModelConfig | None) -> None:

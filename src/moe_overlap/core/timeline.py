@@ -7,6 +7,7 @@ Disabled by default and then costs one attribute check per stage. Spans use
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class Timeline:
     def __init__(self) -> None:
         self.enabled = False
         self.spans: list[Span] = []  # list.append is thread-safe: DBO records from two threads
+        self._later: list[tuple[str, str, Callable[[], tuple[float, float]]]] = []
 
     def add(self, track: str, name: str, start: float, end: float) -> None:
         if self.enabled:
@@ -39,6 +41,13 @@ class Timeline:
         finally:
             self.spans.append(Span(track, name, start, time.perf_counter()))
 
+    def add_later(self, track: str, name: str, times: Callable[[], tuple[float, float]]) -> None:
+        """A span whose (start, end) only ``times()`` knows once the forward ran (a CUDA
+        event's elapsed time); called by ``take``."""
+        if self.enabled:
+            self._later.append((track, name, times))
+
     def take(self) -> list[Span]:
         spans, self.spans = self.spans, []
-        return spans
+        later, self._later = self._later, []
+        return spans + [Span(track, name, *times()) for track, name, times in later]

@@ -12,7 +12,8 @@ experts finish.
 
 On CUDA every all-to-all runs on the rank's communication stream (``distributed/streams.py``):
 launched after the compute that produced its rows, consumed after an event, the modelled link's
-delay held on that stream, never on the host.
+delay held on that stream, never on the host. A recorded forward's all-to-all span lasts what
+CUDA events measured on that stream, not the host's launch-to-wait time.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ class InFlight(Pending):
         timeline: Timeline | None,
         label: str = "all-to-all",
         done: torch.cuda.Event | None = None,
+        began: torch.cuda.Event | None = None,
     ):
         self.handle, self.link, self.owner = handle, link, owner
         self.label, self.done = label, done  # done: the communication stream's event (CUDA)
+        self.began = began  # CUDA, while recording: a timing event before the transfer
         self.start = time.perf_counter()
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
         self.completed_at: float | None = None
@@ -79,12 +82,21 @@ class InFlight(Pending):
             out = consume(self.done, self.handle.wait())  # every waiter's stream waits
             if self.link is not None:
                 self.link.sleep_until(self.earliest_end)
-        if recording is not None:
+        if recording is not None and self.began is not None:
+            self.recording = None  # on the GPU: its length from the stream's events
+            recording.add_later("comm", self.label, self._gpu_span)
+        elif recording is not None:
             self.recording = None  # one span per all-to-all, at its first wait
             now = time.perf_counter()
             end = now if self.completed_at is None else min(self.completed_at, now)
             recording.add("comm", self.label, self.start, end)
         return out
+
+    def _gpu_span(self) -> tuple[float, float]:
+        """From the launch, as long as the communication stream took (events, not host)."""
+        assert self.began is not None and self.done is not None
+        self.done.synchronize()
+        return self.start, self.start + self.began.elapsed_time(self.done) / 1e3
 
 
 class CombinePieces(Pending):
@@ -142,7 +154,9 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         sent, received = (sum(n) - n[me] for n in (send, recv))
         off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
+        timed = self.timeline is not None and self.timeline.enabled and self.comm.on_gpu
         with self.comm.launch():
+            began = self.comm.done(timing=True) if timed else None
             # rows (dispatch's sorted rows, combine's outputs, an SBO piece) came from the
             # compute stream and are read here: without this the allocator could hand their
             # memory to the next compute-stream allocation while the transfer still reads it
@@ -152,10 +166,10 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
                 handle.wait()
                 if link is not None:
                     self.comm.delay(link.latency_s + off_rank / link.bytes_per_s)
-                link, done = None, self.comm.done()
+                link, done = None, self.comm.done(timing=timed)
         out_mb, in_mb = sent * row_bytes / 1e6, received * row_bytes / 1e6
         label = f"{kind} {off_rank / 1e6:.2f} MB ({owner}; {out_mb:.2f} out, {in_mb:.2f} in)"
-        return InFlight(handle, link, off_rank, owner, self.timeline, label, done)
+        return InFlight(handle, link, off_rank, owner, self.timeline, label, done, began)
 
     def dispatch_a(
         self,
@@ -170,7 +184,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         # (gloo beside NCCL), never queued behind an all-to-all still on the device
         counts = read_counts(counts, order.numel()).view(self.ep, self.local)
         start = time.perf_counter()
-        everyone = self.group.all_gather(counts.reshape(1, -1)).view(-1, self.ep, self.local)
+        everyone = self.exchange_counts(counts)
         if self.timeline is not None:  # a blocking exchange: the ranks meet here
             self.timeline.add(f"{owner} wait", "counts exchange", start, time.perf_counter())
         recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
@@ -188,6 +202,10 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         )
         state.pending = self._start("dispatch", rows, send, recv, owner)
         return state
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``counts`` (rows to each rank's local experts): ``[ep, ep, local]``."""
+        return self.group.all_gather(counts.reshape(1, -1)).view(-1, self.ep, self.local)
 
     def dispatch_b(self, state: AllToAllState) -> None:
         received = in_flight(state).wait()

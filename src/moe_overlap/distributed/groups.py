@@ -125,6 +125,13 @@ class Group:
         work = None if self.pg is None else dist.all_reduce(t, op, self.pg, async_op=True)
         return self._run(work, t, "all_reduce", async_op)
 
+    def gather_columns(self, column: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``column`` side by side (``[len, size]``, group-rank order), by one
+        all-reduce (SUM) of a table holding only this rank's (vLLM's agreement tables)."""
+        table = column.new_zeros((column.shape[0], self.size))
+        table[:, self.rank] = column
+        return self.all_reduce(table) if self.size > 1 else table
+
     @ordered
     def all_gather(self, t: torch.Tensor, async_op: bool = False) -> torch.Tensor | CommHandle:
         """Every rank's ``t`` (same shape on all) concatenated along dim 0, in group-rank order."""

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-_SLEEP_PROBE_CYCLES = 20_000_000
+from moe_overlap.distributed.gpu_wait import hold_stream, sleep_cycles_per_s
 
 
 class CommStream:
@@ -23,7 +23,6 @@ class CommStream:
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
-        self._cycles_per_s: float | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -49,27 +48,22 @@ class CommStream:
 
     def delay(self, seconds: float) -> None:
         """Hold the communication stream (neither the host nor the compute stream) for
-        ``seconds``: a modelled link's transfer time. Call inside ``launch``."""
-        if self.stream is None or seconds <= 0:
-            return
-        torch.cuda._sleep(int(seconds * self.cycles_per_s()))
+        ``seconds`` of wall-clock time: a modelled link's transfer time. Call inside
+        ``launch``."""
+        if self.stream is not None:
+            hold_stream(seconds, self.device)
 
-    def done(self) -> torch.cuda.Event | None:
-        """An event after everything queued on the communication stream (None on CPU)."""
-        return None if self.stream is None else self.stream.record_event()
+    def done(self, timing: bool = False) -> torch.cuda.Event | None:
+        """An event after everything queued on the communication stream (None on CPU);
+        ``timing``: one that ``elapsed_time`` can read."""
+        if self.stream is None:
+            return None
+        return self.stream.record_event(torch.cuda.Event(enable_timing=timing))
 
     def cycles_per_s(self) -> float:
-        """GPU clock cycles per second of ``torch.cuda._sleep``, measured once."""
-        if self._cycles_per_s is None:
-            with torch.cuda.device(self.device):
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                torch.cuda._sleep(1000)  # warm up
-                start.record()
-                torch.cuda._sleep(_SLEEP_PROBE_CYCLES)
-                end.record()
-                end.synchronize()
-                self._cycles_per_s = _SLEEP_PROBE_CYCLES / (start.elapsed_time(end) / 1e3)
-        return self._cycles_per_s
+        """GPU clock cycles per second of ``torch.cuda._sleep`` (the fallback wait), measured
+        once."""
+        return sleep_cycles_per_s(self.device)
 
 
 def consume(event: torch.cuda.Event | None, tensor: torch.Tensor) -> torch.Tensor:

@@ -166,3 +166,19 @@ class LayoutArgs:
     def layout_kwargs(self) -> dict[str, Any]:
         names = ("tp", "dp", "ep", "enable_dp_attention", "pp")
         return {name: getattr(self, name) for name in names}
+
+
+@dataclass
+class BenchArgs:
+    """Settings of ``moe-overlap bench`` alone (no serving command takes them)."""
+
+    emulate_peers: int = setting(
+        0,
+        "measure overlap on one device (two NCCL ranks cannot share a GPU): this one process "
+        "plays rank 0 of --ep N, with its E/N experts and its own tokens through the unchanged "
+        "model, overlap schemes and all-to-all dispatcher; each all-to-all is a device copy "
+        "plus the --link model's time for the rows that would cross to the N-1 emulated "
+        "peers, which by symmetry send back as many. Needs --ep 1; logits mean nothing; 0: off",
+        metavar="N",
+        group="bench",
+    )

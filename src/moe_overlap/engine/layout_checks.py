@@ -19,9 +19,10 @@ from moe_overlap.engine.load_balance import check_method
 
 
 def check_settings(
-    args: EngineArgs, cfg: ModelConfig, overlap: OverlapConfig
+    args: EngineArgs, cfg: ModelConfig, overlap: OverlapConfig, emulate_peers: int = 0
 ) -> tuple[ParallelConfig, LinkSpec, str]:
-    """Refuse illegal settings; return the layout, the parsed link and the resolved device."""
+    """Refuse illegal settings; return the layout, the parsed link and the resolved device
+    (``emulate_peers``: the bench's ``--emulate-peers``; the layout stays the one process)."""
     for name, minimum in (
         ("max_num_seqs", 1),
         ("seed", 0),
@@ -46,7 +47,7 @@ def check_settings(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     emulated = None if link.kind == "none" else link.spec
-    check_layout(par, cfg, overlap, emulated, args.enable_pdmux)
+    check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers)
     return par, link, device
 
 

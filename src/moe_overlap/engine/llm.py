@@ -17,6 +17,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.step import StepReply, StepRequest
+from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
@@ -41,7 +42,9 @@ class LLM:
     The keyword arguments are ``EngineArgs``'s fields, the command line's flags with ``_`` for
     ``-`` (``max_num_seqs``, ``enable_two_batch_overlap``, ``load_format``, ...), SGLang's and
     vLLM's names too (``tensor_parallel_size``, ``context_length``); ``overlap`` may also be a
-    whole ``OverlapConfig``, and ``timeout_s`` is ``timeout``.
+    whole ``OverlapConfig``, and ``timeout_s`` is ``timeout``. ``emulate_peers`` N (the bench's
+    ``--emulate-peers``): this one process is rank 0 of ``ep=N``, its peers emulated; its
+    logits mean nothing, its timing is the point.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class LLM:
         config: ModelConfig | None = None,
         tokenizer: str | Path | None = None,
         timeout_s: float | None = None,
+        emulate_peers: int = BenchArgs.emulate_peers,
         **settings: Any,
     ):
         overlap = settings.pop("overlap", None)
@@ -74,7 +78,7 @@ class LLM:
             cfg = ModelConfig.from_hf(source)
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
-        self._start(args, cfg, model, overlap, tokenizer)
+        self._start(args, cfg, model, overlap, tokenizer, emulate_peers)
 
     def _start(
         self,
@@ -83,8 +87,9 @@ class LLM:
         model: str | None,
         overlap: OverlapConfig,
         tokenizer: str | Path | None,
+        emulate_peers: int = 0,
     ) -> None:
-        par, link_spec, device = check_settings(args, cfg, overlap)  # every refusal
+        par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -106,6 +111,7 @@ class LLM:
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
         )
         spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
+        spec.emulate_peers = emulate_peers
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache

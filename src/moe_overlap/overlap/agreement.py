@@ -121,11 +121,7 @@ def dbo_decide(table: torch.Tensor) -> DboDecision:
 
 def dbo_gather_table(batch: ForwardBatch, cfg: OverlapConfig, group: Group) -> torch.Tensor:
     """Every rank's column, by one all-reduce(SUM) over the EP group (no collective alone)."""
-    table = torch.zeros(4, group.size, dtype=torch.int64)
-    table[:, group.rank] = torch.tensor(dbo_local_column(batch, cfg), dtype=torch.int64)
-    if group.size > 1:
-        table = group.all_reduce(table, op=dist.ReduceOp.SUM)
-    return table
+    return group.gather_columns(torch.tensor(dbo_local_column(batch, cfg), dtype=torch.int64))
 
 
 def dbo_agree(batch: ForwardBatch, cfg: OverlapConfig, group: Group) -> DboDecision:

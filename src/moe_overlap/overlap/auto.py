@@ -45,7 +45,6 @@ from moe_overlap.overlap.split import whole
 from moe_overlap.overlap.tbo import TwoBatchOverlap
 
 FLOPS, TOKENS, SEQS, LAST_S, VOTES = 0, 1, 2, 3, 4  # rows; VOTES.. holds tbo_local_vote's four
-ROWS = VOTES + 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +100,9 @@ class AutoOverlap:
 
     def agree(self, batch: ForwardBatch) -> Step:
         """One all-reduce: every rank's column of work, votes and last forward time."""
-        table = torch.zeros(ROWS, self.group.size, dtype=torch.float64)
         column = [self.cost.cost(batch, whole(batch)), batch.num_tokens, batch.num_seqs]
         column += [self.last_s, *tbo_local_vote(batch, self.cfg.tbo_min_tokens)]
-        table[:, self.group.rank] = torch.tensor(column, dtype=torch.float64)
-        if self.group.size > 1:
-            table = self.group.all_reduce(table)
+        table = self.group.gather_columns(torch.tensor(column, dtype=torch.float64))
         tokens = [int(t) for t in table[TOKENS].tolist()]
         tbo = tbo_decide(
             table[VOTES:].min(dim=1).values.long().tolist(), self.cfg.tbo_mode_mismatch

@@ -12,7 +12,7 @@ from moe_overlap.runtime.torchrun import TorchrunExecutor, launched_by_torchrun
 
 def start_executor(spec: EngineSpec, link: LinkSpec, timeout_s: float) -> Executor:
     if spec.parallel.world_size == 1:
-        return LocalExecutor(spec)
+        return LocalExecutor(spec, link)
     if launched_by_torchrun():
         return TorchrunExecutor(spec, link, timeout_s)
     return SpawnedExecutor(spec, link, timeout_s)

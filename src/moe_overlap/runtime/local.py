@@ -1,9 +1,11 @@
-"""The one-process executor: this process holds every expert; nothing is communicated."""
+"""The one-process executor: this process holds every expert and nothing is communicated, or
+(``bench --emulate-peers``) it is rank 0 of an EP group whose peers are emulated."""
 
 from __future__ import annotations
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.step import StepReply, StepRequest
+from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import build_rank_runner, serve_step
 
@@ -11,8 +13,8 @@ from moe_overlap.runtime.rank import build_rank_runner, serve_step
 class LocalExecutor(Executor):
     num_ranks = num_dp = 1
 
-    def __init__(self, spec: EngineSpec):
-        self.runner = build_rank_runner(spec)
+    def __init__(self, spec: EngineSpec, link: LinkSpec | None = None):
+        self.runner = build_rank_runner(spec, link_spec=link)
 
     def step(self, request: StepRequest) -> StepReply:
         reply, spans, wave = serve_step(self.runner, request, 0, answers=True)

@@ -11,11 +11,15 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.core.device import dist_backend, local_rank, rank_device, torch_dtype
+from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.step import GroupReply, StepReply, StepRequest
 from moe_overlap.core.timeline import Span, Timeline
+from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
 from moe_overlap.dispatch.factory import make_dispatcher
+from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.distributed.groups import Group, init_process_groups
 from moe_overlap.distributed.layout import GROUP_KINDS, layout_for
 from moe_overlap.distributed.link import LinkSpec
@@ -41,10 +45,14 @@ class RankSpec:
     threads: int = 1
 
 
-def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRunner:
+def build_rank_runner(
+    spec: EngineSpec, rank: RankSpec | None = None, link_spec: LinkSpec | None = None
+) -> ModelRunner:
     """This rank's ModelRunner over its shard of the layout; ``rank=None`` is the one-process
-    engine (no torch.distributed at all)."""
-    par = spec.parallel
+    engine (no torch.distributed at all), or under ``spec.emulate_peers`` N rank 0 of ep=N
+    with emulated peers over ``link_spec`` (``dispatch/emulated.py``)."""
+    peers = spec.emulate_peers
+    par = ParallelConfig(ep=peers) if peers else spec.parallel
     layout = layout_for(par)
     device = rank_device(spec.device, 0 if rank is None else local_rank(rank.rank))
     if device.type == "cuda":
@@ -53,6 +61,10 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     if rank is None:
         me, link = 0, None
         groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
+        if peers:
+            groups["ep"] = EmulatedGroup(peers, device)
+            if link_spec is not None and link_spec.kind == "model":
+                link = ModelledLink.from_spec(link_spec)
     else:
         if rank.world_size != par.world_size:
             raise ConfigError(
@@ -82,9 +94,21 @@ def build_rank_runner(spec: EngineSpec, rank: RankSpec | None = None) -> ModelRu
     model = build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
     timeline = Timeline()
     groups["attn_tp"].timeline = timeline  # attention/vocabulary all-reduces and all-gathers
-    dispatcher = make_dispatcher(
-        spec.overlap.moe_a2a_backend, spec.config.num_experts, par, groups, coords, link, timeline
-    )
+    ep_group = groups["ep"]
+    if isinstance(ep_group, EmulatedGroup):
+        dispatcher: Dispatcher = EmulatedAllToAllDispatcher(
+            ep_group, spec.config.num_experts, link, timeline
+        )
+    else:
+        dispatcher = make_dispatcher(
+            spec.overlap.moe_a2a_backend,
+            spec.config.num_experts,
+            par,
+            groups,
+            coords,
+            link,
+            timeline,
+        )
     # every rank that shares a MoE collective takes the overlap decisions together
     moe_group = groups["ep"] if layout.pure_ep else groups["tp"]
     lane = None

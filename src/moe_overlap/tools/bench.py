@@ -6,7 +6,10 @@ soon as it starts, so the sum of its communication spans (the slowest rank's) is
 communicating, and ``T_comp = T_none - T_comm``. The physical limit of a forward is
 ``max(T_comp, T_comm)``. Each mode's "comm hidden" is read off its own recorded forward: the
 share of the time communication was in flight while some micro-batch computed (0-100%,
-tools/overlap_stats.py). ``saving_vs_limit`` in the JSON is the older figure
+core/overlap_stats.py; on CUDA, where compute spans are host launch times, from the forward
+times instead); its share of the limit is ``limit / T_mode``. On CUDA a forward is timed from
+a synchronized device to a synchronized device, and an all-to-all's span lasts what CUDA events
+measured on the communication stream. ``saving_vs_limit`` in the JSON is the older figure
 ``(T_none - T_mode) / (T_none - limit)``: it assumes every mode computes as long as ``none`` and
 so can pass 100% where splitting makes compute faster.
 """
@@ -83,6 +86,7 @@ class BenchReport:
     t_comm: float  # the MoE's communication (all-to-all, or the gather backend's collectives)
     recording: dict  # mode -> rank -> spans of one recorded forward
     t_tp_comm: float = 0.0  # attention-TP all-reduces and all-gathers: blocking in every mode
+    on_gpu: bool = False  # CUDA: stage spans are host launch times (the "comm" ones are not)
 
     @property
     def t_none(self) -> float:
@@ -107,6 +111,19 @@ class BenchReport:
             return None
         return (self.t_none - self.results[mode].median) / room
 
+    def limit_share(self, mode: str) -> float:
+        """How near the mode came to the physical limit: ``limit / T_mode``."""
+        return self.limit / self.results[mode].median
+
+    def hidden(self, mode: str) -> float | None:
+        """The share of the MoE's communication the mode hid: off its recorded timeline; on
+        CUDA, where compute spans are host launch times, ``(T_none - T_mode) / T_comm``."""
+        if not self.on_gpu:
+            return self.overlap(mode).hidden_share
+        if self.t_comm <= 0:
+            return None
+        return min(max((self.t_none - self.results[mode].median) / self.t_comm, 0.0), 1.0)
+
     def overlap(self, mode: str) -> OverlapStats:
         """Compute, communication and their overlap in the mode's recorded forward (all ranks)."""
         return combined([overlap_stats(spans or []) for spans in self.recording[mode]])
@@ -119,7 +136,8 @@ class BenchReport:
                 "median_s": r.median,
                 "tokens_per_s": self.workload.tokens / r.median,
                 "speedup": self.speedup(name),
-                "comm_hidden": self.overlap(name).hidden_share,
+                "comm_hidden": self.hidden(name),
+                "limit_share": self.limit_share(name),
                 "saving_vs_limit": self.saving_vs_limit(name),
             }
         return {
@@ -182,6 +200,7 @@ def run_bench(
     seed: int = 0,
     progress: bool = True,
     overrides: dict | None = None,
+    on_gpu: bool = False,
 ) -> BenchReport:
     configs = {m: (overrides or {}).get(m) or mode_config(m) for m in modes}
     batches = make_batches(workload, vocab, seed)
@@ -198,8 +217,10 @@ def run_bench(
         for rep in range(repeat):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for m in order:
+                _sync()
                 start = time.perf_counter()
                 step(executor, batches, configs[m])
+                _sync()  # on CUDA the forward's kernels, not their launches
                 results[m].times.append(time.perf_counter() - start)
                 bar.advance(task)
             if "none" in modes:  # the same-run measurement of T_comm
@@ -208,7 +229,12 @@ def run_bench(
                 tp_comm.append(_slowest_track(spans, "tp comm"))
     t_comm = statistics.median(comm) if comm else 0.0
     t_tp = statistics.median(tp_comm) if tp_comm else 0.0
-    return BenchReport(workload, results, t_comm, recording, t_tp)
+    return BenchReport(workload, results, t_comm, recording, t_tp, on_gpu)
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():  # this process runs the forward on a GPU (one process)
+        torch.cuda.synchronize()
 
 
 def step(executor, batches: list[ForwardBatch], overlap, record: bool = False) -> StepReply:

@@ -14,7 +14,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.engine.args import LayoutArgs
+from moe_overlap.engine.args import BenchArgs, LayoutArgs
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
@@ -29,7 +29,7 @@ from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
 from moe_overlap.tools.report import bench_table
 from moe_overlap.tools.trace import write_outputs
-from moe_overlap.tools.workloads import parse_workload
+from moe_overlap.tools.workloads import Workload, parse_workload
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -68,28 +68,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "none" not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    par = ParallelConfig(**layout_kwargs(args))
+    par, peers = ParallelConfig(**layout_kwargs(args)), args.emulate_peers
+    check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
     for mode in modes:  # each mode on this layout, as the engine would check it
         try:
-            check_layout(par, overlap=mode_config(mode))
+            check_layout(par, overlap=mode_config(mode), emulate_peers=peers)
         except ConfigError as exc:
             raise ConfigError(f"--modes {mode}: {exc}") from None
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     cfg = ModelConfig.from_hf(model_path(args))
-    workload = parse_workload(args.workload, par.attn_dp, args.seed)  # a batch per DP group
+    workload = bench_workload(args, cfg, peers or par.attn_dp)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    if longest > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"--workload {args.workload}: a sequence of {longest} tokens exceeds the model's "
-            f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
-        )
-    if workload.decode and cfg.is_hybrid:
-        raise ConfigError(
-            f"--workload {args.workload}: a decode workload times the same decode step again and "
-            f"again, and model_type={cfg.model_type}'s recurrent state cannot replay a step; "
-            "bench its prefill (single-long, uniform)"
-        )
     slots = max(len(lengths) for lengths in workload.lengths)
     source = (
         {"model": args.model, "load_format": args.load_format} if args.model else {"config": cfg}
@@ -104,6 +94,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         **device_kwargs(args),
         max_num_seqs=slots,
         max_model_len=longest,
+        emulate_peers=peers,
     ) as llm:
         auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
         report = run_bench(
@@ -114,15 +105,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cfg.vocab_size,
             args.seed,
             overrides={"auto": auto},
+            on_gpu=llm.spec.device == "cuda",
         )
-    title = (
-        f"{Path(model_path(args)).stem}, {par.describe()}, --link {args.link}, "
-        f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
-    )
-    console.print(bench_table(report, title))
+    console.print(bench_table(report, bench_title(args, par, workload)))
     payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
+    payload |= {"emulate_peers": peers} if peers else {}
     write_outputs(console, report.recording, args, payload | report.to_json())
     return 0
+
+
+def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Workload:
+    """Each rank's timed forward (under --emulate-peers N, rank 0's of N), checked against
+    the model."""
+    workload = parse_workload(args.workload, ranks, args.seed)  # a batch per DP group
+    if args.emulate_peers:  # the one real rank's tokens; its peers' are alike by symmetry
+        workload = Workload(workload.spec, workload.lengths[:1], workload.context)
+    longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
+    if longest > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"--workload {args.workload}: a sequence of {longest} tokens exceeds the model's "
+            f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
+        )
+    if workload.decode and cfg.is_hybrid:
+        raise ConfigError(
+            f"--workload {args.workload}: a decode workload times the same decode step again and "
+            f"again, and model_type={cfg.model_type}'s recurrent state cannot replay a step; "
+            "bench its prefill (single-long, uniform)"
+        )
+    return workload
+
+
+def bench_title(args: argparse.Namespace, par: ParallelConfig, workload: Workload) -> str:
+    name, peers = Path(model_path(args)).stem, args.emulate_peers
+    if peers:
+        return (
+            f"{name}, rank 0 of ep{peers} in one process (--emulate-peers {peers}: its peers "
+            f"emulated, its logits meaningless), --link {args.link}, workload {workload.spec} "
+            f"({workload.tokens} tokens per forward on this rank; each peer runs as many)"
+        )
+    return (
+        f"{name}, {par.describe()}, --link {args.link}, "
+        f"workload {workload.spec} ({workload.tokens} tokens per forward over all ranks)"
+    )
 
 
 def add_bench_commands(sub) -> None:
@@ -181,4 +205,5 @@ def add_bench_commands(sub) -> None:
     )
     bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
     add_fields(bench, OverlapArgs, only=("log_overlap_decisions",))
+    add_fields(bench, BenchArgs)
     bench.set_defaults(func=cmd_bench)

@@ -6,14 +6,23 @@ from rich.table import Table
 
 from moe_overlap.tools.bench import BenchReport
 
+HIDDEN_CPU = (
+    "the share of the time the MoE's communication was in flight while some micro-batch "
+    "computed, in the mode's recorded forward"
+)
+HIDDEN_GPU = (
+    "(T_none - T_mode) / T_comm, the communication time the mode took off the forward (on "
+    "CUDA the compute spans are host launch times)"
+)
+
 
 def bench_table(report: BenchReport, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    table.add_column("mode", no_wrap=True)
-    for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "hidden"):
-        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("mode", no_wrap=True, min_width=max(map(len, report.results)))
+    for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "hidden", "of limit"):
+        table.add_column(name, justify="right")  # a narrow terminal wraps these, not modes
     for mode, r in report.results.items():
-        hidden = report.overlap(mode).hidden_share
+        hidden = report.hidden(mode)
         table.add_row(
             mode,
             f"{report.workload.tokens / r.median:,.0f}",
@@ -21,6 +30,7 @@ def bench_table(report: BenchReport, title: str) -> Table:
             f"{min(r.times) * 1e3:.0f}-{max(r.times) * 1e3:.0f}",
             f"{report.speedup(mode):.2f}x",
             "-" if hidden is None else f"{hidden:.0%}",
+            f"{report.limit_share(mode):.0%}",
         )
     tp = ""
     if report.t_tp_comm:
@@ -28,9 +38,8 @@ def bench_table(report: BenchReport, title: str) -> Table:
     table.caption = (
         f"T_comp {report.t_comp * 1e3:.1f} ms, T_comm {report.t_comm * 1e3:.1f} ms (MoE "
         f"all-to-all or gather/all-reduce){tp}, from the no-overlap forwards; physical limit "
-        f"max(T_comp, T_comm){' + T_tp' if tp else ''} = {report.limit * 1e3:.1f} ms; hidden: "
-        "the share of the time the MoE's communication was in flight while some micro-batch "
-        "computed, in the mode's recorded forward"
+        f"max(T_comp, T_comm){' + T_tp' if tp else ''} = {report.limit * 1e3:.1f} ms; of "
+        f"limit: limit / ms per forward; hidden: {HIDDEN_GPU if report.on_gpu else HIDDEN_CPU}"
     )
     table.caption_justify = "left"
     return table
