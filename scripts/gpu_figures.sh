@@ -37,3 +37,24 @@ for k in decode prefill; do
   grep -E "cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|Self CPU time total|Self CUDA time total" \
     "$out/profile/step-$k.txt"
 done 2>&1 | tee "$out/profile-summary.txt"
+
+# 4. overlap on one GPU: rank 0 of ep=8 (--emulate-peers 8), over a modelled link whose bandwidth
+#    is chosen so that T_comm ~ T_comp (one calibration run, then every mode)
+emulated() {
+  cli bench --hf-config "$cfg" --device cuda --dtype bfloat16 --emulate-peers 8 "$@"
+}
+for w in ${EMULATE_WORKLOADS:-single-long:3072}; do
+  name=${w//:/-}
+  emulated --workload "$w" --modes none --repeat 3 --link model:400gbit,20us \
+    --json "$out/emulate-$name-probe.json" > /dev/null 2>&1
+  bw=$("$py" - "$out/emulate-$name-probe.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"{400 * r['t_comm_s'] / r['t_comp_s']:.1f}gbit")  # the rate at which T_comm = T_comp
+PY
+)
+  echo "== emulated ep=8, $w, link model:$bw,20us"
+  emulated --workload "$w" --link "model:$bw,20us" --repeat 5 \
+    --modes none,sbo,dbo,tbo,tbo+two-chunk,tbo+time-split,tbo3+time-split 2>&1 | tail -24 |
+    tee "$out/emulate-$name.txt"
+done
