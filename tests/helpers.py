@@ -244,3 +244,35 @@ def force_overlap(llm, overlap, monkeypatch=None) -> None:
         llm.executor.step = forced
     else:
         monkeypatch.setattr(llm.executor, "step", forced)
+
+
+def gpt_oss_hf_config(**overrides):
+    from transformers import GptOssConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,  # one sliding layer, one full
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,  # the 600-token prompt crosses it
+        max_position_embeddings=1024,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=32,
+        ),
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)

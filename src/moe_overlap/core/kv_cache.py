@@ -68,12 +68,12 @@ class KVCache:
                 buf[slots, positions] = values
 
     def gather(
-        self, layer: int, name: str, slots: torch.Tensor | slice, length: int
+        self, layer: int, name: str, slots: torch.Tensor | slice, length: int, start: int = 0
     ) -> torch.Tensor:
-        """Entries ``[0, length)`` of several sequences, ``[num_slots, length, ...]`` (a copy, or
-        a view for a slice of slots); rows past a sequence's own length hold zeros or stale
-        finite values, to be masked."""
-        return self.layers[layer][name][slots, :length]
+        """Entries ``[start, length)`` of several sequences, ``[num_slots, length - start,
+        ...]`` (a copy, or a view for a slice of slots); rows past a sequence's own length hold
+        zeros or stale finite values, to be masked."""
+        return self.layers[layer][name][slots, start:length]
 
     def _reserve(self, buffers: dict, name: str, slots: int, length: int) -> torch.Tensor:
         buf = buffers[name]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
+from moe_overlap.core.family_checks import validate_hybrid, validate_windowed
 from moe_overlap.core.hf_config import check_model_type, fields_from_hf, hf_from_fields, read_json
 
 _POSITIVE_INTS = (
@@ -34,13 +35,6 @@ _BOOLS = (
     "use_qk_norm",
 )
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_LINEAR_DIMS = (
-    "linear_conv_kernel_dim",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-)
 _CHOICES = {
     "scoring_func": ("softmax", "sigmoid"),
     "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
@@ -99,6 +93,13 @@ class ModelConfig:
     # GLM-4.5: biased q/k/v projections, optional per-head q/k norm
     attention_bias: bool = False
     use_qk_norm: bool = True
+    # GPT-OSS: "sliding_attention" layers (layer_types) see the last sliding_window keys; every
+    # layer has learned sinks; YaRN RoPE (rope_scaling); experts with biases and a clamped
+    # SwiGLU (swiglu_limit 0: plain SwiGLU)
+    sliding_window: int = 0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,6 +115,19 @@ class ModelConfig:
 
     def is_linear_layer(self, layer_id: int) -> bool:
         return self.is_hybrid and self.layer_types[layer_id] == "linear_attention"
+
+    def window(self, layer_id: int) -> int:
+        """The keys a query of this layer sees, itself included (0: all before it)."""
+        sliding = self.layer_types and self.layer_types[layer_id] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
+    def has_sinks(self, layer_id: int) -> bool:
+        """The layer's softmax has a learned per-head sink (GPT-OSS: every layer)."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def is_gpt_oss(self) -> bool:
+        return self.model_type == "gpt_oss"
 
     @property
     def rotary_dim(self) -> int:
@@ -180,9 +194,11 @@ class ModelConfig:
         else:
             self._validate_qwen3()
         if self.is_hybrid:
-            self._validate_hybrid()
+            validate_hybrid(self)
         if self.model_type == "glm4_moe":
-            self._validate_rotary()
+            self.validate_rotary()
+        if self.is_gpt_oss:
+            validate_windowed(self)
 
     def _validate_qwen3(self) -> None:
         if not isinstance(self.mlp_only_layers, list) or not all(
@@ -234,28 +250,7 @@ class ModelConfig:
                 f"[0, num_hidden_layers={self.num_hidden_layers}]"
             )
 
-    def _validate_hybrid(self) -> None:
-        kinds = ("linear_attention", "full_attention")
-        if (
-            not isinstance(self.layer_types, list)
-            or len(self.layer_types) != self.num_hidden_layers
-            or any(t not in kinds for t in self.layer_types)
-        ):
-            raise ConfigError(
-                f"layer_types={self.layer_types!r} must list {self.num_hidden_layers} entries "
-                f"(num_hidden_layers), each one of {', '.join(kinds)}"
-            )
-        for name in _LINEAR_DIMS:
-            _require_int(name, getattr(self, name), minimum=1)
-        _require_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError(
-                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
-                f"linear_num_value_heads={self.linear_num_value_heads}"
-            )
-        self._validate_rotary()
-
-    def _validate_rotary(self) -> None:
+    def validate_rotary(self) -> None:
         if not is_finite_number(self.partial_rotary_factor) or not (
             0 < self.partial_rotary_factor <= 1
         ):
