@@ -1,5 +1,6 @@
 """Validation of the families whose layers differ by kind: Qwen3.5's linear-attention layers,
-GPT-OSS's sliding-window layers (the window, YaRN's parameters, the clamped SwiGLU)."""
+GPT-OSS's and MiMo-V2-Flash's sliding-window layers (the window, YaRN's parameters, the clamped
+SwiGLU, MiMo's sliding layers' KV heads and RoPE base)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,40 @@ def _validate_yarn(params: object) -> None:
         value = params.get(key)
         if value is not None and (not is_finite_number(value) or value <= 0):
             raise ConfigError(f"YaRN's {key}={value!r} must be a positive number")
+
+
+def validate_mimo(cfg: ModelConfig) -> None:
+    _require_int("v_head_dim", cfg.v_head_dim, 1)
+    _require_int("swa_num_key_value_heads", cfg.swa_num_key_value_heads, 1)
+    if cfg.num_attention_heads % cfg.swa_num_key_value_heads:
+        raise ConfigError(
+            f"swa_num_key_value_heads={cfg.swa_num_key_value_heads} does not divide "
+            f"num_attention_heads={cfg.num_attention_heads}"
+        )
+    for name in ("swa_rope_theta", "attention_value_scale"):
+        value = getattr(cfg, name)
+        if not is_finite_number(value) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive number")
+    cfg.validate_rotary()
+
+
+def validate_deepseek_moe(cfg: ModelConfig) -> None:
+    _require_int("n_shared_experts", cfg.n_shared_experts, minimum=0)
+    _require_int("first_k_dense_replace", cfg.first_k_dense_replace, minimum=0)
+    if cfg.num_experts % cfg.n_group:
+        raise ConfigError(
+            f"n_group={cfg.n_group} must be positive and divide n_routed_experts={cfg.num_experts}"
+        )
+    if cfg.topk_group > cfg.n_group:
+        raise ConfigError(f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]")
+    per_group = cfg.num_experts // cfg.n_group
+    if cfg.num_experts_per_tok > cfg.topk_group * per_group:
+        raise ConfigError(
+            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in "
+            f"topk_group={cfg.topk_group} groups of {per_group}"
+        )
+    if cfg.first_k_dense_replace > cfg.num_hidden_layers:
+        raise ConfigError(
+            f"first_k_dense_replace={cfg.first_k_dense_replace} must be in "
+            f"[0, num_hidden_layers={cfg.num_hidden_layers}]"
+        )

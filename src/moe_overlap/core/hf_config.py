@@ -16,6 +16,8 @@ from moe_overlap.core.hf_families import (
     Reader,
     glm4_fields,
     gpt_oss_fields,
+    mimo_fields,
+    mimo_hf,
     qwen3_5_fields,
     rope_params,
 )
@@ -25,11 +27,13 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe",
     "glm4_moe",
     "gpt_oss",
+    "mimo_v2_flash",
     "deepseek_v3",
     "deepseek_v2",
 )
 _ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
@@ -171,6 +175,8 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         return common | glm4_fields(raw, reader)
     if model_type == "gpt_oss":
         return common | gpt_oss_fields(raw, reader)
+    if model_type == "mimo_v2_flash":
+        return common | mimo_fields(raw, reader)
     v3 = model_type == "deepseek_v3"
     return common | dict(
         num_experts=reader.get("n_routed_experts"),
@@ -206,6 +212,8 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
         out |= {"num_local_experts": fields["num_experts"], "head_dim": fields["head_dim"]}
         del out["moe_intermediate_size"], out["norm_topk_prob"]  # intermediate_size says it
         return out | {k: fields[k] for k in _GPT_OSS}
+    if fields["model_type"] == "mimo_v2_flash":
+        return out | mimo_hf(fields)
     if fields["model_type"] == "qwen3_5_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         out["model_type"] = "qwen3_5_moe_text"  # what transformers' causal LM class reads

@@ -16,6 +16,19 @@ YARN_KEYS = (
     "attention_factor",
 )
 
+_MIMO = (
+    "head_dim",
+    "v_head_dim",
+    "layer_types",
+    "sliding_window",
+    "swa_num_key_value_heads",
+    "attention_value_scale",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "attention_bias",
+)
+
 
 class Reader:
     """Reads required fields and names the missing one."""
@@ -130,3 +143,94 @@ def _default_layer_types(reader: Reader) -> list[str]:
             "positive integers (or give layer_types)"
         )
     return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+
+
+def mimo_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
+    """MiMo-V2-Flash: sliding layers (with twice the KV heads and a sink per head) beside full
+    ones, each kind with its own RoPE base; partial RoPE; K heads wider than V heads with V
+    scaled; DeepSeek-V3's sigmoid routing without shared experts; dense layers by
+    ``mlp_layer_types``. Reads transformers' names and the Hub's (``hybrid_layer_pattern``,
+    ``moe_layer_freq``, ``sliding_window_size``, ``swa_*``)."""
+    n = reader.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise ConfigError(f"num_hidden_layers={n!r} must be a positive integer")
+    kinds = raw.get("layer_types") or _from_pattern(raw.get("hybrid_layer_pattern"), n)
+    mlp = raw.get("mlp_layer_types") or _mlp_from_freq(raw.get("moe_layer_freq"), n)
+    per_kind = raw.get("rope_parameters") or {}
+    full = per_kind.get("full_attention") or {}
+    swa = per_kind.get("sliding_attention") or {}
+    window = raw.get("sliding_window", 129)
+    if raw.get("sliding_window_size") is not None:  # the Hub's: keys before the query
+        window = raw["sliding_window_size"] + 1
+    for name in ("swa_head_dim", "swa_v_head_dim", "swa_num_attention_heads"):
+        plain = {"swa_head_dim": "head_dim", "swa_v_head_dim": "v_head_dim"}.get(
+            name, "num_attention_heads"
+        )
+        if raw.get(name) is not None and raw[name] != raw.get(plain, raw[name]):
+            raise ConfigError(
+                f"{name}={raw[name]} differs from {plain}={raw.get(plain)}: sliding layers with "
+                "other head shapes than the full layers are not supported (transformers' "
+                "MiMo-V2-Flash has none)"
+            )
+    if raw.get("add_full_attention_sink_bias"):
+        raise ConfigError("add_full_attention_sink_bias=true is not supported for mimo_v2_flash")
+    factor = full.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.334))
+    if swa.get("partial_rotary_factor", factor) != factor:
+        raise ConfigError(
+            f"partial_rotary_factor {swa['partial_rotary_factor']} (sliding layers) differs from "
+            f"{factor} (full layers); one factor for both is supported"
+        )
+    return dict(
+        num_experts=reader.get_any("n_routed_experts", "num_local_experts"),
+        head_dim=raw.get("head_dim", 192),
+        v_head_dim=raw.get("v_head_dim", 128),
+        layer_types=kinds,
+        mlp_only_layers=[i for i, kind in enumerate(mlp) if kind == "dense"],
+        sliding_window=window,
+        swa_num_key_value_heads=raw.get("swa_num_key_value_heads")
+        or 2 * reader.get("num_key_value_heads"),
+        rope_theta=full.get("rope_theta", raw.get("rope_theta", 5_000_000.0)),
+        swa_rope_theta=swa.get("rope_theta", raw.get("swa_rope_theta", 10_000.0)),
+        partial_rotary_factor=factor,
+        attention_value_scale=raw.get("attention_value_scale") or 1.0,
+        n_group=raw.get("n_group") or 1,
+        topk_group=raw.get("topk_group") or 1,
+        routed_scaling_factor=raw.get("routed_scaling_factor") or 1.0,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        attention_bias=raw.get("attention_bias", False),
+        use_qk_norm=False,
+    )
+
+
+def _from_pattern(pattern: Any, n: int) -> list[str]:
+    if pattern is None:  # transformers' default: full at 0 and every sixth layer
+        return [
+            "full_attention" if i == 0 or not (i + 1) % 6 else "sliding_attention" for i in range(n)
+        ]
+    return ["sliding_attention" if p else "full_attention" for p in pattern]
+
+
+def _mlp_from_freq(freq: Any, n: int) -> list[str]:
+    if freq is None:  # transformers' default: the first layer dense
+        return ["dense"] + ["sparse"] * (n - 1)
+    return ["sparse" if f else "dense" for f in freq]
+
+
+def mimo_hf(fields: dict[str, Any]) -> dict[str, Any]:
+    """MiMo-V2-Flash's fields in transformers' names (``hf_from_fields``)."""
+    factor = fields["partial_rotary_factor"]
+    n = fields["num_hidden_layers"]
+    return {
+        "n_routed_experts": fields["num_experts"],
+        "mlp_layer_types": [
+            "dense" if i in fields["mlp_only_layers"] else "sparse" for i in range(n)
+        ],
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+            for kind, theta in (
+                ("full_attention", fields["rope_theta"]),
+                ("sliding_attention", fields["swa_rope_theta"]),
+            )
+        },
+    } | {k: fields[k] for k in _MIMO}

@@ -57,12 +57,14 @@ def op_sizes(cfg: ModelConfig, tp: int = 1) -> OpSizes:
         up = lora * heads * (cfg.qk_nope_head_dim + v)
         pair, decode_pair, kv = 2 * heads * (qk + v), 2 * heads * (2 * lora + rope), lora + rope
     else:
-        d = cfg.head_dim or h // cfg.num_attention_heads
+        d, dv = cfg.head_size, cfg.value_head_size  # MiMo: V heads narrower than Q/K heads
         queries = 2 * heads if cfg.is_hybrid else heads  # Qwen3.5: each head's output gate too
-        prepare = h * (queries + 2 * cfg.num_key_value_heads / tp) * d
-        output, up = heads * d * h, 0.0
-        pair = decode_pair = 4 * heads * d
-        kv = 2 * cfg.num_key_value_heads / tp * d
+        n = cfg.num_hidden_layers  # MiMo's sliding layers have more KV heads: their average
+        kv_heads = sum(cfg.kv_heads(i) for i in range(n)) / n / tp
+        prepare = h * (queries * d + kv_heads * (d + dv))
+        output, up = heads * dv * h, 0.0
+        pair = decode_pair = 2 * heads * (d + dv)
+        kv = kv_heads * (d + dv)
     layers = cfg.num_hidden_layers
     linear = sum(cfg.is_linear_layer(i) for i in range(layers))
     sliding = sum(cfg.window(i) > 0 for i in range(layers))

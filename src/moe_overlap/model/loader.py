@@ -39,6 +39,8 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sl
             if model.is_first:
                 continue  # the embedding's own tensor
             name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
+        if model.cfg.is_mimo:  # the Hub's name of its sinks
+            name = name.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")
         if model.cfg.is_gpt_oss:  # its router is mlp.router, its experts fused tensors
             name = name.replace(".mlp.gate.", ".mlp.router.")
             fused = _FUSED_PARAM.fullmatch(name)
