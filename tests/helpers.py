@@ -244,3 +244,77 @@ def force_overlap(llm, overlap, monkeypatch=None) -> None:
         llm.executor.step = forced
     else:
         monkeypatch.setattr(llm.executor, "step", forced)
+
+
+def gpt_oss_hf_config(**overrides):
+    from transformers import GptOssConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,  # one sliding layer, one full
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,  # the 600-token prompt crosses it
+        max_position_embeddings=1024,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=32,
+        ),
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
+def mimo_hf_config(**overrides):
+    from transformers import MiMoV2FlashConfig
+
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=1,  # the sliding layers have 2
+        head_dim=24,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        sliding_window=128,
+        attention_value_scale=0.7,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "partial_rotary_factor": 0.334,
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.334,
+            },
+        },
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return MiMoV2FlashConfig(**kw)

@@ -21,10 +21,10 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
     MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
     share, at least one)."""
     if cfg.is_deepseek:
-        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    else:
-        per_layer = 2 * max(1, cfg.num_key_value_heads // attn_tp) * cfg.head_size
-    return per_layer * cfg.num_hidden_layers * dtype_bytes
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype_bytes
+    width = cfg.head_size + cfg.value_head_size  # one K and one V head
+    heads = sum(max(1, cfg.kv_heads(i) // attn_tp) for i in range(cfg.num_hidden_layers))
+    return heads * width * dtype_bytes
 
 
 @dataclass

@@ -11,9 +11,29 @@ from pathlib import Path
 from typing import Any
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.hf_families import (
+    YARN_KEYS,
+    Reader,
+    glm4_fields,
+    gpt_oss_fields,
+    mimo_fields,
+    mimo_hf,
+    qwen3_5_fields,
+    rope_params,
+)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "glm4_moe",
+    "gpt_oss",
+    "mimo_v2_flash",
+    "deepseek_v3",
+    "deepseek_v2",
+)
 _ARCHITECTURES = {
+    "gpt_oss": "GptOssForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
@@ -47,6 +67,13 @@ _GLM4 = (
     "routed_scaling_factor",
     "attention_bias",
     "use_qk_norm",
+)
+_GPT_OSS = (
+    "layer_types",
+    "sliding_window",
+    "attention_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
 )
 _QWEN3_5 = (
     "head_dim",
@@ -109,9 +136,11 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     raw = _text_part(raw)
     model_type = check_model_type(raw.get("model_type"))
     for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag) and not (flag == "attention_bias" and model_type == "glm4_moe"):
+        biased = flag == "attention_bias" and model_type in ("glm4_moe", "gpt_oss")
+        if raw.get(flag) and not biased:
             raise ConfigError(f"{flag}=true is not supported for {model_type}")
-    reader = _Reader(raw)
+    reader = Reader(raw)
+    oss = model_type == "gpt_oss"
     common = dict(
         model_type=model_type,
         vocab_size=reader.get("vocab_size"),
@@ -123,10 +152,11 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         intermediate_size=reader.get("intermediate_size")
         if model_type != "qwen3_5_moe"
         else raw.get("intermediate_size") or reader.get("moe_intermediate_size"),
-        moe_intermediate_size=reader.get("moe_intermediate_size"),
-        num_experts_per_tok=reader.get("num_experts_per_tok"),
+        # GPT-OSS names the experts' width intermediate_size (its reader fills these two)
+        moe_intermediate_size=reader.get("moe_intermediate_size") if not oss else None,
+        num_experts_per_tok=reader.get("num_experts_per_tok") if not oss else None,
         rms_norm_eps=reader.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(raw),
+        rope_theta=_rope_theta(raw, model_type),
         max_position_embeddings=reader.get("max_position_embeddings", 4096),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         eos_token_id=_first_eos(raw.get("eos_token_id")),
@@ -140,9 +170,13 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
             decoder_sparse_step=raw.get("decoder_sparse_step", 1),
         )
     if model_type == "qwen3_5_moe":
-        return common | _qwen3_5_fields(raw, reader)
+        return common | qwen3_5_fields(raw, reader)
     if model_type == "glm4_moe":
-        return common | _glm4_fields(raw, reader)
+        return common | glm4_fields(raw, reader)
+    if model_type == "gpt_oss":
+        return common | gpt_oss_fields(raw, reader)
+    if model_type == "mimo_v2_flash":
+        return common | mimo_fields(raw, reader)
     v3 = model_type == "deepseek_v3"
     return common | dict(
         num_experts=reader.get("n_routed_experts"),
@@ -173,6 +207,13 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
     if fields["model_type"] == "glm4_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _GLM4}
+    if fields["model_type"] == "gpt_oss":
+        out["rope_parameters"] |= fields["rope_scaling"]
+        out |= {"num_local_experts": fields["num_experts"], "head_dim": fields["head_dim"]}
+        del out["moe_intermediate_size"], out["norm_topk_prob"]  # intermediate_size says it
+        return out | {k: fields[k] for k in _GPT_OSS}
+    if fields["model_type"] == "mimo_v2_flash":
+        return out | mimo_hf(fields)
     if fields["model_type"] == "qwen3_5_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         out["model_type"] = "qwen3_5_moe_text"  # what transformers' causal LM class reads
@@ -189,92 +230,38 @@ def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _qwen3_5_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
-    for flag in ("attn_output_gate",):
-        if raw.get(flag) is False:
-            raise ConfigError(f"{flag}=false is not supported: Qwen3.5's attention is gated")
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    return dict(
-        num_experts=reader.get_any("num_experts", "num_local_experts"),
-        head_dim=raw.get("head_dim"),
-        layer_types=raw.get("layer_types") or _default_layer_types(reader),
-        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
-        linear_key_head_dim=raw.get("linear_key_head_dim", 128),
-        linear_value_head_dim=raw.get("linear_value_head_dim", 128),
-        linear_num_key_heads=raw.get("linear_num_key_heads", 16),
-        linear_num_value_heads=raw.get("linear_num_value_heads", 32),
-        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
-        partial_rotary_factor=params.get(
-            "partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)
-        ),
-    )
-
-
-def _glm4_fields(raw: dict[str, Any], reader: _Reader) -> dict[str, Any]:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    return dict(
-        num_experts=reader.get_any("n_routed_experts", "num_local_experts"),
-        head_dim=raw.get("head_dim"),
-        first_k_dense_replace=raw.get("first_k_dense_replace", 1),
-        n_shared_experts=raw.get("n_shared_experts", 1),
-        n_group=raw.get("n_group") or 1,
-        topk_group=raw.get("topk_group") or 1,
-        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-        attention_bias=raw.get("attention_bias", False),
-        use_qk_norm=raw.get("use_qk_norm", False),
-        partial_rotary_factor=params.get(
-            "partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)
-        ),
-    )
-
-
-def _default_layer_types(reader: _Reader) -> list[str]:
-    # transformers' default: every fourth layer full attention, the rest linear
-    n = reader.get("num_hidden_layers")
-    interval = reader.raw.get("full_attention_interval", 4)
-    if not isinstance(n, int) or not isinstance(interval, int) or interval < 1:
-        raise ConfigError(
-            f"num_hidden_layers={n!r} and full_attention_interval={interval!r} must be "
-            "positive integers (or give layer_types)"
-        )
-    return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-
-
-class _Reader:
-    """Reads required fields and names the missing one."""
-
-    def __init__(self, raw: dict[str, Any]):
-        self.raw = raw
-
-    def get(self, key: str, default: Any = ...) -> Any:
-        if key in self.raw and self.raw[key] is not None:
-            return self.raw[key]
-        if default is ...:
-            raise ConfigError(f"config.json is missing the required field {key!r}")
-        return default
-
-    def get_any(self, *keys: str) -> Any:
-        for key in keys:
-            if self.raw.get(key) is not None:
-                return self.raw[key]
-        raise ConfigError(
-            f"config.json is missing the required field {' or '.join(map(repr, keys))}"
-        )
-
-
-def _rope_theta(raw: dict[str, Any]) -> Any:
+def _rope_theta(raw: dict[str, Any], model_type: str) -> Any:
     # transformers 5 nests it under rope_parameters; older configs keep it at the top.
     params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or params
-    if not isinstance(scaling, dict):
-        raise ConfigError(f"rope_scaling={scaling!r} must be an object")
+    scaling = rope_params(raw)
     # Qwen3.5's multimodal RoPE (mrope) is plain RoPE for text, where its three position ids
-    # are equal
-    if scaling.get("rope_type", scaling.get("type", "default")) not in ("default", None):
-        raise ConfigError(f"rope scaling {scaling!r} is not supported; only default RoPE")
-    return params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    # are equal; GPT-OSS's YaRN is computed (model/rope.py), DeepSeek's is not
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", None) and not (model_type == "gpt_oss" and kind == "yarn"):
+        raise ConfigError(
+            f"rope scaling {scaling!r} is not supported for {model_type}; only default RoPE"
+            + (" (and YaRN for gpt_oss)" if kind == "yarn" else "")
+        )
+    if kind == "yarn" and set(scaling) - {"rope_type", "type", "rope_theta", *YARN_KEYS}:
+        unknown = sorted(set(scaling) - {"rope_type", "type", "rope_theta", *YARN_KEYS})
+        raise ConfigError(f"YaRN parameters {unknown} are not supported; known: {YARN_KEYS}")
+    default = 150000.0 if model_type == "gpt_oss" else 10000.0  # transformers' defaults
+    return params.get("rope_theta", raw.get("rope_theta", default))
+
+
+def refuse_quantized(raw: dict[str, Any], where: str) -> None:
+    """Weights are loaded as bf16 or fp32 tensors under the checkpoint's names: a quantized
+    checkpoint (GPT-OSS's MXFP4 experts, FP8 blocks) is refused before any rank reads it."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    raise ConfigError(
+        f"{where}: config.json has quantization_config quant_method={method!r}; quantized "
+        "weights are not supported. Load a bf16 checkpoint (for MXFP4 GPT-OSS: load it in "
+        "transformers with Mxfp4Config(dequantize=True) and save_pretrained), or plan with "
+        "--hf-config and random weights"
+    )
 
 
 def _first_eos(eos: Any) -> Any:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
 
 class KVCache:
-    """Per layer, named buffers of shape ``[num_slots, max_len, *entry_shape]``.
+    """Per layer, named buffers of shape ``[num_slots, max_len, *entry_shape]`` (the same
+    entries in every layer, or each layer's own).
 
     GQA stores ``k`` and ``v``; MLA stores its compressed ``latent`` and rotated ``k_pe``.
     The buffers grow (zero-filled) to the highest slot and the longest sequence written so far,
@@ -20,7 +22,7 @@ class KVCache:
         num_layers: int,
         num_slots: int,
         max_len: int,
-        entries: dict[str, tuple[int, ...]],
+        entries: dict[str, tuple[int, ...]] | Sequence[dict[str, tuple[int, ...]]],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
@@ -31,12 +33,15 @@ class KVCache:
         # PD multiplexing stores from two threads: a buffer may grow (be replaced) under one
         # while the other writes, so writes and growth take turns
         self._lock = threading.Lock()
+        # one dict: every layer's entries; a sequence: each layer's own (MiMo's sliding layers
+        # have more KV heads than its full ones)
+        per_layer = [entries] * num_layers if isinstance(entries, dict) else list(entries)
         self.layers = [
             {
                 name: torch.zeros(0, 0, *shape, dtype=dtype, device=device)
-                for name, shape in entries.items()
+                for name, shape in layer.items()
             }
-            for _ in range(num_layers)
+            for layer in per_layer
         ]
 
     def store(
@@ -68,12 +73,12 @@ class KVCache:
                 buf[slots, positions] = values
 
     def gather(
-        self, layer: int, name: str, slots: torch.Tensor | slice, length: int
+        self, layer: int, name: str, slots: torch.Tensor | slice, length: int, start: int = 0
     ) -> torch.Tensor:
-        """Entries ``[0, length)`` of several sequences, ``[num_slots, length, ...]`` (a copy, or
-        a view for a slice of slots); rows past a sequence's own length hold zeros or stale
-        finite values, to be masked."""
-        return self.layers[layer][name][slots, :length]
+        """Entries ``[start, length)`` of several sequences, ``[num_slots, length - start,
+        ...]`` (a copy, or a view for a slice of slots); rows past a sequence's own length hold
+        zeros or stale finite values, to be masked."""
+        return self.layers[layer][name][slots, start:length]
 
     def allocate_all(self) -> None:
         """Every buffer at its full ``num_slots x max_len`` now, so none moves later (a CUDA

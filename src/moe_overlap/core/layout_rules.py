@@ -75,7 +75,7 @@ def _check_sizes(par: ParallelConfig) -> None:
 
 def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
     """SGLang's refusals for a model on a layout."""
-    heads, kv, a = cfg.num_attention_heads, cfg.num_key_value_heads, par.attn_tp
+    heads, a = cfg.num_attention_heads, par.attn_tp
     where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
     if cfg.is_hybrid and a > 1:
         raise ConfigError(
@@ -88,11 +88,18 @@ def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
             f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "
             f"that tp/dp divides {heads}"
         )
-    if not cfg.is_deepseek and kv % a and a % kv:
-        raise ConfigError(
-            f"num_key_value_heads={kv} and the {where}: one must divide the other (KV heads "
-            "are split, or replicated when fewer than the attention-TP ranks)"
-        )
+    kv_counts = {cfg.kv_heads(i) for i in range(cfg.num_hidden_layers)}  # MiMo: two
+    for kv in sorted(kv_counts) if not cfg.is_deepseek else ():
+        if kv % a and a % kv:
+            name = (
+                "num_key_value_heads"
+                if kv == cfg.num_key_value_heads
+                else "swa_num_key_value_heads"
+            )
+            raise ConfigError(
+                f"{name}={kv} and the {where}: one must divide the other (KV heads are split, "
+                "or replicated when fewer than the attention-TP ranks)"
+            )
     if par.pp > cfg.num_hidden_layers:
         raise ConfigError(
             f"--pp={par.pp} is more stages than the model's {cfg.num_hidden_layers} layers; "

@@ -8,6 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
+from moe_overlap.core.family_checks import (
+    validate_deepseek_moe,
+    validate_hybrid,
+    validate_mimo,
+    validate_windowed,
+)
 from moe_overlap.core.hf_config import check_model_type, fields_from_hf, hf_from_fields, read_json
 
 _POSITIVE_INTS = (
@@ -34,13 +40,6 @@ _BOOLS = (
     "use_qk_norm",
 )
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_LINEAR_DIMS = (
-    "linear_conv_kernel_dim",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-)
 _CHOICES = {
     "scoring_func": ("softmax", "sigmoid"),
     "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
@@ -99,6 +98,18 @@ class ModelConfig:
     # GLM-4.5: biased q/k/v projections, optional per-head q/k norm
     attention_bias: bool = False
     use_qk_norm: bool = True
+    # GPT-OSS: "sliding_attention" layers (layer_types) see the last sliding_window keys; every
+    # layer has learned sinks; YaRN RoPE (rope_scaling); experts with biases and a clamped
+    # SwiGLU (swiglu_limit 0: plain SwiGLU)
+    sliding_window: int = 0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 0.0
+    # MiMo-V2-Flash: its sliding layers' KV heads and RoPE base; V scaled after its projection
+    # (v_head_dim: the V heads' width, narrower than head_dim)
+    swa_num_key_value_heads: int = 0
+    swa_rope_theta: float = 0.0
+    attention_value_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +126,37 @@ class ModelConfig:
     def is_linear_layer(self, layer_id: int) -> bool:
         return self.is_hybrid and self.layer_types[layer_id] == "linear_attention"
 
+    def window(self, layer_id: int) -> int:
+        """The keys a query of this layer sees, itself included (0: all before it)."""
+        sliding = self.layer_types and self.layer_types[layer_id] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
+    def has_sinks(self, layer_id: int) -> bool:
+        """The layer's softmax has a learned per-head sink (GPT-OSS: every layer; MiMo: the
+        sliding ones)."""
+        return self.is_gpt_oss or (self.is_mimo and self.window(layer_id) > 0)
+
+    def kv_heads(self, layer_id: int) -> int:
+        if self.is_mimo and self.window(layer_id):
+            return self.swa_num_key_value_heads
+        return self.num_key_value_heads
+
+    def rope_base(self, layer_id: int) -> float:
+        return self.swa_rope_theta if self.is_mimo and self.window(layer_id) else self.rope_theta
+
+    @property
+    def value_head_size(self) -> int:
+        """The V heads' width (MiMo's are narrower than its Q/K heads)."""
+        return self.v_head_dim if self.is_mimo else self.head_size
+
+    @property
+    def is_gpt_oss(self) -> bool:
+        return self.model_type == "gpt_oss"
+
+    @property
+    def is_mimo(self) -> bool:
+        return self.model_type == "mimo_v2_flash"
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_size * self.partial_rotary_factor)
@@ -127,12 +169,13 @@ class ModelConfig:
 
     @property
     def deepseek_moe(self) -> bool:
-        """DeepSeek-V3's MoE: grouped routing, shared experts, dense first layers (GLM-4.5 too)."""
-        return self.is_deepseek or self.model_type == "glm4_moe"
+        """DeepSeek-V3's MoE: grouped routing, shared experts, dense first layers (GLM-4.5 and
+        MiMo-V2-Flash too, MiMo's dense layers listed in mlp_only_layers)."""
+        return self.is_deepseek or self.model_type in ("glm4_moe", "mimo_v2_flash")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         if self.deepseek_moe:
-            return layer_id >= self.first_k_dense_replace
+            return layer_id >= self.first_k_dense_replace and layer_id not in self.mlp_only_layers
         return (
             layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
         )
@@ -174,15 +217,19 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}"
             )
         if self.deepseek_moe:
-            self._validate_deepseek_moe()
+            validate_deepseek_moe(self)
         if self.is_deepseek:
             self._validate_mla()
         else:
             self._validate_qwen3()
         if self.is_hybrid:
-            self._validate_hybrid()
+            validate_hybrid(self)
         if self.model_type == "glm4_moe":
-            self._validate_rotary()
+            self.validate_rotary()
+        if self.is_gpt_oss or self.is_mimo:
+            validate_windowed(self)
+        if self.is_mimo:
+            validate_mimo(self)
 
     def _validate_qwen3(self) -> None:
         if not isinstance(self.mlp_only_layers, list) or not all(
@@ -211,51 +258,7 @@ class ModelConfig:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
 
-    def _validate_deepseek_moe(self) -> None:
-        _require_int("n_shared_experts", self.n_shared_experts, minimum=0)
-        _require_int("first_k_dense_replace", self.first_k_dense_replace, minimum=0)
-        if self.num_experts % self.n_group:
-            raise ConfigError(
-                f"n_group={self.n_group} must be positive and divide n_routed_experts={self.num_experts}"
-            )
-        if self.topk_group > self.n_group:
-            raise ConfigError(
-                f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"
-            )
-        per_group = self.num_experts // self.n_group
-        if self.num_experts_per_tok > self.topk_group * per_group:
-            raise ConfigError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts in "
-                f"topk_group={self.topk_group} groups of {per_group}"
-            )
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            raise ConfigError(
-                f"first_k_dense_replace={self.first_k_dense_replace} must be in "
-                f"[0, num_hidden_layers={self.num_hidden_layers}]"
-            )
-
-    def _validate_hybrid(self) -> None:
-        kinds = ("linear_attention", "full_attention")
-        if (
-            not isinstance(self.layer_types, list)
-            or len(self.layer_types) != self.num_hidden_layers
-            or any(t not in kinds for t in self.layer_types)
-        ):
-            raise ConfigError(
-                f"layer_types={self.layer_types!r} must list {self.num_hidden_layers} entries "
-                f"(num_hidden_layers), each one of {', '.join(kinds)}"
-            )
-        for name in _LINEAR_DIMS:
-            _require_int(name, getattr(self, name), minimum=1)
-        _require_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError(
-                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
-                f"linear_num_value_heads={self.linear_num_value_heads}"
-            )
-        self._validate_rotary()
-
-    def _validate_rotary(self) -> None:
+    def validate_rotary(self) -> None:
         if not is_finite_number(self.partial_rotary_factor) or not (
             0 < self.partial_rotary_factor <= 1
         ):

@@ -35,7 +35,9 @@ class OpSizes:
     linear_prepare: float  # Gated DeltaNet: its input projections
     linear_output: float  # its output projection
     linear_state: float  # elements of one sequence's recurrent state
-    full_share: float  # of the layers: full attention (1.0 without linear attention)
+    full_share: float  # of the layers: softmax attention (1.0 without linear attention)
+    sliding_share: float  # of the layers: sliding-window attention (GPT-OSS), within full_share
+    window: int  # keys a sliding layer's query sees (its pairs and KV reads stop growing there)
     gate: float  # the router
     expert: float  # one routed expert (gate, up and down projections)
     shared: float  # every shared expert of a MoE layer
@@ -55,14 +57,17 @@ def op_sizes(cfg: ModelConfig, tp: int = 1) -> OpSizes:
         up = lora * heads * (cfg.qk_nope_head_dim + v)
         pair, decode_pair, kv = 2 * heads * (qk + v), 2 * heads * (2 * lora + rope), lora + rope
     else:
-        d = cfg.head_dim or h // cfg.num_attention_heads
+        d, dv = cfg.head_size, cfg.value_head_size  # MiMo: V heads narrower than Q/K heads
         queries = 2 * heads if cfg.is_hybrid else heads  # Qwen3.5: each head's output gate too
-        prepare = h * (queries + 2 * cfg.num_key_value_heads / tp) * d
-        output, up = heads * d * h, 0.0
-        pair = decode_pair = 4 * heads * d
-        kv = 2 * cfg.num_key_value_heads / tp * d
+        n = cfg.num_hidden_layers  # MiMo's sliding layers have more KV heads: their average
+        kv_heads = sum(cfg.kv_heads(i) for i in range(n)) / n / tp
+        prepare = h * (queries * d + kv_heads * (d + dv))
+        output, up = heads * dv * h, 0.0
+        pair = decode_pair = 2 * heads * (d + dv)
+        kv = kv_heads * (d + dv)
     layers = cfg.num_hidden_layers
     linear = sum(cfg.is_linear_layer(i) for i in range(layers))
+    sliding = sum(cfg.window(i) > 0 for i in range(layers))
     value_heads = cfg.linear_num_value_heads
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value_dim = value_heads * cfg.linear_value_head_dim
@@ -78,6 +83,8 @@ def op_sizes(cfg: ModelConfig, tp: int = 1) -> OpSizes:
         linear_output=value_dim * h if linear else 0,
         linear_state=value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim,
         full_share=(layers - linear) / layers,
+        sliding_share=sliding / layers,
+        window=cfg.sliding_window if sliding else 0,
         gate=h * cfg.num_experts,
         expert=expert,
         # DeepSeek's shared experts are routed-expert wide; Qwen3.5's one has its own width
@@ -104,12 +111,15 @@ class ModelFlops:
     """A MoE layer's FLOPs for a micro-batch: ``per_token`` for every token (projections,
     routed and shared experts; a linear-attention layer's state update) plus ``per_pair`` for
     every query-key pair of full attention (a later chunk of a cut sequence attends over the
-    earlier one, so equal tokens are not equal time)."""
+    earlier one, so equal tokens are not equal time), and ``window_pair`` for each of a sliding
+    layer's pairs, at most ``window`` per token."""
 
     per_token: float
     per_pair: float
     expert_share: float  # of ``per_token``: the routed experts
     shared_share: float  # of ``per_token``: the shared experts
+    window_pair: float = 0.0
+    window: int = 0
 
     @classmethod
     def for_model(cls, cfg: ModelConfig) -> ModelFlops:
@@ -121,9 +131,11 @@ class ModelFlops:
         per_token = 2.0 * (attention + routed + s.shared)
         return cls(
             per_token=per_token,
-            per_pair=s.full_share * s.pair_flops,
+            per_pair=(s.full_share - s.sliding_share) * s.pair_flops,
             expert_share=2.0 * routed / per_token,
             shared_share=2.0 * s.shared / per_token,
+            window_pair=s.sliding_share * s.pair_flops,
+            window=s.window,
         )
 
     def cost(self, batch: ForwardBatch, child: Sequence[Piece]) -> float:
@@ -134,8 +146,14 @@ class ModelFlops:
             total += self.per_token * p.length + self.per_pair * p.length * (
                 prefix + (p.length + 1) / 2
             )
+            if self.window_pair:
+                seen = torch.arange(prefix + 1, prefix + p.length + 1).clamp(max=self.window)
+                total += self.window_pair * float(seen.sum())
         return total
 
     def token_costs(self, batch: ForwardBatch) -> torch.Tensor:
-        """The FLOPs of each new token: a token at position p attends to p + 1 keys."""
-        return self.per_token + self.per_pair * (batch.positions.double() + 1)
+        """The FLOPs of each new token: a token at position p attends to p + 1 keys (at most
+        ``window`` in a sliding layer)."""
+        keys = batch.positions.double() + 1
+        costs = self.per_token + self.per_pair * keys
+        return costs + self.window_pair * keys.clamp(max=self.window) if self.window else costs

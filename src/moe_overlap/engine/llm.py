@@ -14,6 +14,7 @@ from rich.progress import Progress
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.hf_config import read_json, refuse_quantized
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.step import StepReply, StepRequest
@@ -76,6 +77,8 @@ class LLM:
             source = model or hf_config
             assert source is not None  # model_source gives one of the two
             cfg = ModelConfig.from_hf(source)
+            if model is not None:  # weights to load: refused before any rank starts
+                refuse_quantized(read_json(model), model)
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
         self._start(args, cfg, model, overlap, tokenizer, emulate_peers)

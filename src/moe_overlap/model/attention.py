@@ -1,7 +1,8 @@
 """Grouped-query attention with per-head q/k RMSNorm (Qwen3-MoE); Qwen3.5-MoE's variant has
 an output gate per head (``q_proj`` yields each head's query then its gate) and zero-centred
 q/k norms; GLM-4.5's has biased q/k/v and the q/k norm optional. Qwen3.5 and GLM-4.5 rotate
-only the first ``rotary_dim`` dims of each head."""
+only the first ``rotary_dim`` dims of each head. GPT-OSS's has biases on every projection,
+learned sinks, YaRN RoPE and, in its sliding layers, a window (``model/window_attention.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from moe_overlap.model.layers import (
     causal_attention,
     decode_attention,
 )
-from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear, set_shard
+from moe_overlap.model.window_attention import decode_attention as window_decode
+from moe_overlap.model.window_attention import extend_attention, first_key
 
 
 class GQAttention(nn.Module):
@@ -29,28 +32,36 @@ class GQAttention(nn.Module):
         super().__init__()
         group = group or Group.single()
         self.layer_id = layer_id
-        h, d = cfg.hidden_size, cfg.head_size
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.heads, self.head_dim = heads // group.size, d
+        h, d, dv = cfg.hidden_size, cfg.head_size, cfg.value_head_size
+        heads, kv_heads = cfg.num_attention_heads, cfg.kv_heads(layer_id)
+        self.heads, self.head_dim, self.v_dim = heads // group.size, d, dv
         self.kv_heads = max(1, kv_heads // group.size)
         # the first KV head this rank holds: its share, or the one its query heads map to
         first_kv = group.rank * self.heads // (heads // kv_heads)
-        kv_rows = range(first_kv * d, (first_kv + self.kv_heads) * d)
+        kv_heads_held = range(first_kv, first_kv + self.kv_heads)
         self.gated, bias = cfg.is_hybrid, cfg.attention_bias
         self.q_proj = ColumnLinear.even(h, heads * d * (2 if self.gated else 1), group, bias)
-        self.k_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
-        self.v_proj = ColumnLinear(h, kv_heads * d, kv_rows, bias)
-        self.o_proj = RowLinear(heads * d, h, group)
+        self.k_proj = ColumnLinear(h, kv_heads * d, _rows(kv_heads_held, d), bias)
+        self.v_proj = ColumnLinear(h, kv_heads * dv, _rows(kv_heads_held, dv), bias)
+        self.v_scale = cfg.attention_value_scale  # MiMo: V scaled before it is cached
+        self.o_proj = RowLinear(heads * dv, h, group, bias and cfg.is_gpt_oss)
         self.qk_norm = cfg.use_qk_norm  # GLM-4.5 may have none
         if self.qk_norm:
             offset = 1.0 if cfg.is_hybrid else 0.0
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset)
         self.rotary_dim = cfg.rotary_dim
-        self.rotary = RotaryEmbedding(self.rotary_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(
+            self.rotary_dim, cfg.rope_base(layer_id), scaling=cfg.rope_scaling
+        )
+        self.window = cfg.window(layer_id)
+        self.sinks = None
+        if cfg.has_sinks(layer_id):  # one learned logit per query head, cut like the heads
+            self.sinks = nn.Parameter(torch.zeros(self.heads))
+            set_shard(self.sinks, 0, group.rank * self.heads, heads)
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
-        return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
+        return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.v_dim)}
 
     def prepare(self, ctx: ForwardContext, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
@@ -63,7 +74,9 @@ class GQAttention(nn.Module):
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.v_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
         end = ctx.position_end
         q, k = self._rotate(q, ctx.positions, end), self._rotate(k, ctx.positions, end)
         return (q, k, v) if gate is None else (q, k, v, gate)
@@ -85,7 +98,9 @@ class GQAttention(nn.Module):
         plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
         cache.store(layer, plan.slots, ctx.positions, (ctx.position_end, ctx.slot_end), k=k, v=v)
         scale = self.head_dim**-0.5
-        out = q.new_empty(q.shape[0], self.heads, self.head_dim)
+        if self.window or self.sinks is not None:
+            return self._output(self._windowed(ctx, plan, q, scale), gate)
+        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
             keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
             values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
@@ -101,5 +116,41 @@ class GQAttention(nn.Module):
             q_group = q[group.rows].unflatten(0, (-1, group.new))
             attended = causal_attention(q_group, keys, values, group.prefix, scale)
             out[group.rows] = attended.flatten(0, 1)
-        out = out.reshape(out.shape[0], self.heads * self.head_dim)
+        return self._output(out, gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        out = out.reshape(out.shape[0], self.heads * self.v_dim)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def _windowed(
+        self, ctx: ForwardContext, plan: AttentionPlan, q: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Sink and window attention: each group reads only the keys its window reaches (the
+        cache still holds the whole context)."""
+        cache, layer, window, sinks = ctx.kv_cache, self.layer_id, self.window, self.sinks
+        out = q.new_empty(q.shape[0], self.heads, self.v_dim)
+        if plan.decode_max_len:
+            start = first_key(plan.decode_min_len - 1, window)
+            keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len, start)
+            values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len, start)
+            q_dec = q if plan.all_decode else q[plan.decode_rows]
+            lens = plan.decode_lens
+            dec = window_decode(q_dec, keys, values, lens, start, scale, window, sinks)
+            if plan.all_decode:
+                return dec
+            out[plan.decode_rows] = dec
+        for group in plan.extends:
+            start = first_key(group.prefix, window)
+            keys = cache.gather(layer, "k", group.slots, group.length, start)
+            values = cache.gather(layer, "v", group.slots, group.length, start)
+            q_group = q[group.rows].unflatten(0, (-1, group.new))
+            attended = extend_attention(
+                q_group, keys, values, group.prefix, start, scale, window, sinks
+            )
+            out[group.rows] = attended.flatten(0, 1)
+        return out
+
+
+def _rows(kv_heads: range, width: int) -> range:
+    """The projection rows of KV heads ``kv_heads``, each ``width`` wide."""
+    return range(kv_heads.start * width, kv_heads.stop * width)

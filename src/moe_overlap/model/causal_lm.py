@@ -65,11 +65,15 @@ class MoeForCausalLM(nn.Module):
         """This stage's decoder layers, in order."""
         return [layer for layer in self.model.layers.values() if isinstance(layer, DecoderLayer)]
 
-    def kv_entries(self) -> dict[str, tuple[int, ...]]:
+    def kv_entries(self) -> dict[str, tuple[int, ...]] | list[dict[str, tuple[int, ...]]]:
         """The KV cache's entries per token (of the full-attention layers; linear-attention
-        layers store none, and their buffers stay empty)."""
-        full = [x for x in self.layers if not x.is_linear]
-        return full[0].attn.kv_entries() if full else {}
+        layers store none, and their buffers stay empty); per global layer when this stage's
+        attention layers differ (MiMo-V2-Flash)."""
+        full = {x.layer_id: x.attn.kv_entries() for x in self.layers if not x.is_linear}
+        kinds = list(full.values())
+        if all(k == kinds[0] for k in kinds):
+            return kinds[0] if kinds else {}
+        return [full.get(i, {}) for i in range(self.cfg.num_hidden_layers)]
 
     def state_shapes(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Per linear-attention layer of this stage: its (conv, SSM) state shapes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.transfer import to_device
 from moe_overlap.distributed.groups import Group
+from moe_overlap.model.rope import rope_frequencies
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
@@ -38,13 +40,20 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE; ``interleaved`` pairs dims (0,1),(2,3)... as DeepSeek's checkpoints expect."""
+    """Default RoPE, or YaRN (``scaling``: its parameters); ``interleaved`` pairs dims
+    (0,1),(2,3)... as DeepSeek's checkpoints expect."""
 
     inv_freq: torch.Tensor  # a buffer
 
-    def __init__(self, dim: int, theta: float, interleaved: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        theta: float,
+        interleaved: bool = False,
+        scaling: dict[str, Any] | None = None,
+    ):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq, self.factor = rope_frequencies(dim, theta, scaling or {})  # YaRN: scaling
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = interleaved
         self._cos_sin = inv_freq.new_zeros(0, 2, dim)  # per position, grown on demand
@@ -72,6 +81,8 @@ class RotaryEmbedding(nn.Module):
                 freqs = torch.arange(n, dtype=torch.float, device=self.inv_freq.device)[:, None]
                 emb = torch.cat((freqs * self.inv_freq,) * 2, dim=-1)
                 self._cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)
+                if self.factor != 1.0:
+                    self._cos_sin *= self.factor
         return self._cos_sin
 
 
@@ -124,6 +135,7 @@ class AttentionPlan:
     decode_slots: torch.Tensor | slice  # [B], or a slice when they are consecutive (no copy)
     decode_lens: torch.Tensor | None  # [B] keys each attends over; None: all decode_max_len
     decode_max_len: int
+    decode_min_len: int  # the shortest: a sliding window's decode reads from its first key
     extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
 
@@ -176,6 +188,7 @@ class AttentionPlan:
             decode_slots=_as_slice(slots) or longs(slots),
             decode_lens=longs(lens) if len(set(lens)) > 1 else None,  # equal: no mask
             decode_max_len=max(lens, default=0),
+            decode_min_len=min(lens, default=0),
             extends=extends,
             all_decode=not extends,
         )

@@ -12,28 +12,44 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from moe_overlap.core.hf_config import read_json, refuse_quantized
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.layers import RMSNorm, RotaryEmbedding
-from moe_overlap.model.moe import ExpertBank, Router
+from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.router import Router
 from moe_overlap.model.tensor_parallel import ModelParallel, Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+_FUSED_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+Slice = Shard | FusedExperts | None  # which part of the checkpoint tensor a tensor holds
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing a tensor, holds one of the wrong shape, or is unreadable."""
 
 
-def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Shard | None]]:
+def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Slice]]:
     """Map each checkpoint tensor name this rank needs to the tensor (or view) it fills, and
     which slice of the checkpoint tensor that is (None: all of it)."""
-    layout = {}
+    layout: dict[str, tuple[torch.Tensor, Slice]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             if model.is_first:
                 continue  # the embedding's own tensor
             name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
+        if model.cfg.is_mimo:  # the Hub's name of its sinks
+            name = name.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")
+        if model.cfg.is_gpt_oss:  # its router is mlp.router, its experts fused tensors
+            name = name.replace(".mlp.gate.", ".mlp.router.")
+            fused = _FUSED_PARAM.fullmatch(name)
+            if fused is not None:
+                bank = model.get_submodule(fused[1])
+                assert isinstance(bank, ExpertBank), f"{fused[1]} is not an expert bank"
+                where = FusedExperts.of(name.rsplit(".", 1)[1], bank, model.cfg.num_experts)
+                layout[name] = (tensor.detach(), where)
+                continue
         match = _EXPERT_PARAM.fullmatch(name)
         if match is None:
             layout[name] = (tensor.detach(), getattr(tensor, "shard", None))
@@ -54,17 +70,19 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sh
     return layout
 
 
-def _full_shape(dest: torch.Tensor, shard: Shard | None) -> tuple[int, ...]:
+def _full_shape(dest: torch.Tensor, shard: Slice) -> tuple[int, ...]:
     return tuple(dest.shape) if shard is None else shard.full_shape(dest.shape)
 
 
-def _fill(dest: torch.Tensor, shard: Shard | None, whole: torch.Tensor) -> None:
+def _fill(dest: torch.Tensor, shard: Slice, whole: torch.Tensor) -> None:
     dest.copy_(whole if shard is None else shard.take(whole, dest.shape))
 
 
 def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     """Fill ``model`` from ``path/*.safetensors``; read only the tensors this rank owns."""
     path = Path(path)
+    if (path / "config.json").is_file():
+        refuse_quantized(read_json(path), str(path))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
@@ -140,13 +158,18 @@ def save_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` in the Hub layout (one process, all experts)."""
     layout = checkpoint_layout(model)
     if any(
-        shard is not None and dest.shape != _full_shape(dest, shard)
+        not shard.is_whole
+        if isinstance(shard, FusedExperts)
+        else shard is not None and dest.shape != _full_shape(dest, shard)
         for dest, shard in layout.values()
     ):
         raise ValueError("save_checkpoint needs the whole model (one process), not a rank's shard")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: dest.contiguous().clone() for k, (dest, _) in layout.items()}
+    tensors = {
+        k: (shard.whole(dest) if isinstance(shard, FusedExperts) else dest).contiguous().clone()
+        for k, (dest, shard) in layout.items()
+    }
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
 

@@ -13,60 +13,8 @@ from moe_overlap.core.dispatcher import DispatchState, host_counts
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.transfer import to_device
 from moe_overlap.model.layers import GatedMLP
+from moe_overlap.model.router import Router
 from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
-
-
-class Router(nn.Module):
-    """Qwen3's softmax top-k, or DeepSeek-V3's sigmoid with bias and group-limited top-k."""
-
-    e_score_correction_bias: torch.Tensor  # a buffer, with noaux_tc only
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
-        if cfg.topk_method == "noaux_tc":
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
-
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(topk_ids [T, k], topk_weights [T, k])``."""
-        cfg = self.cfg
-        if cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1, dtype=torch.float32)
-        if cfg.topk_method == "greedy":
-            weights, ids = torch.topk(scores, cfg.num_experts_per_tok, dim=-1)
-        else:
-            choice = scores
-            if cfg.topk_method == "noaux_tc":
-                choice = scores + self.e_score_correction_bias
-            ids = _group_limited_topk(choice, cfg)
-            weights = scores.gather(1, ids)
-        # transformers' DeepSeek-V2 router ignores norm_topk_prob (it only scales)
-        if cfg.norm_topk_prob and cfg.model_type != "deepseek_v2":
-            weights = weights / (
-                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.deepseek_moe else 0)
-            )
-        return ids, weights * cfg.routed_scaling_factor
-
-
-def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    tokens = choice.shape[0]
-    # explicit sizes: an idle micro-batch has zero tokens, and view(0, g, -1) is ambiguous
-    grouped = choice.view(tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
-    if cfg.topk_method == "noaux_tc":
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
-    else:  # DeepSeek-V2 group_limited_greedy
-        group_scores = grouped.max(dim=-1).values
-    group_idx = torch.topk(group_scores, cfg.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
-    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, cfg.num_experts)
-    masked = choice.masked_fill(~expert_mask, float("-inf"))
-    return torch.topk(masked, cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
 
 
 class ExpertBank(nn.Module):
@@ -77,10 +25,19 @@ class ExpertBank(nn.Module):
     Each expert's gate and up projections are one ``[2 * intermediate, hidden]`` matrix (one
     matmul); the checkpoint keeps them as ``experts.N.gate_proj`` and ``experts.N.up_proj``
     (``model/loader.py: checkpoint_layout`` maps the names to the two halves).
+
+    GPT-OSS's experts (``swiglu`` = (alpha, limit)) add biases and clamp their SwiGLU; with
+    moe-TP the down projection's bias is added by the rank holding the first rows only.
     """
 
     def __init__(
-        self, hidden: int, inter_full: int, first: int, count: int, inter_rows: range | None = None
+        self,
+        hidden: int,
+        inter_full: int,
+        first: int,
+        count: int,
+        inter_rows: range | None = None,
+        swiglu: tuple[float, float] | None = None,
     ):
         super().__init__()
         inter_rows = inter_rows or range(inter_full)
@@ -89,6 +46,23 @@ class ExpertBank(nn.Module):
         self.intermediate = intermediate = len(inter_rows)
         self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(count, hidden, intermediate))
+        self.swiglu = swiglu
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if swiglu is not None:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(count, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.zeros(count, hidden))
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.swiglu is None:
+            return F.silu(gate) * up
+        alpha, limit = self.swiglu
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def _down_bias(self) -> torch.Tensor | None:
+        """The down projection's bias where this rank adds it (the first moe-TP rows)."""
+        return self.down_proj_bias if self.inter_start == 0 else None
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """Run rows of ``x`` grouped by local expert (``tokens_per_expert[e]`` rows each)."""
@@ -133,12 +107,14 @@ class ExpertBank(nn.Module):
             counts = tokens_per_expert[experts.start : experts.stop]
             out[rows] = self._padded(x[rows], counts, height, experts)
             return
+        up_b, down_b = self.gate_up_proj_bias, self._down_bias()
         for e in experts:
             start, end = ends[e], ends[e + 1]
             if start == end:
                 continue
-            gate, up = F.linear(x[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+            h = F.linear(x[start:end], self.gate_up_proj[e], None if up_b is None else up_b[e])
+            down = None if down_b is None else down_b[e]
+            out[start:end] = F.linear(self._act(h), self.down_proj[e], down)
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor, experts: range) -> torch.Tensor:
         """The experts' rows as one grouped GEMM per projection, no padding: ``offs`` (int32, on
@@ -147,8 +123,16 @@ class ExpertBank(nn.Module):
         block = slice(experts.start, experts.stop)
         # weights [E, out, in] as [E, in, out] views: the column-major operand the kernel wants
         assert GROUPED_MM is not None, "grouped_fits chose a kernel this torch lacks"
-        gate, up = GROUPED_MM(x, self.gate_up_proj[block].transpose(1, 2), offs=offs).chunk(2, -1)
-        return GROUPED_MM(F.silu(gate) * up, self.down_proj[block].transpose(1, 2), offs=offs)
+        h = GROUPED_MM(x, self.gate_up_proj[block].transpose(1, 2), offs=offs)
+        rows = None
+        if self.gate_up_proj_bias is not None:
+            rows = to_device(
+                torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)), x.device
+            )
+            h = h + self.gate_up_proj_bias[block][rows]
+        y = GROUPED_MM(self._act(h), self.down_proj[block].transpose(1, 2), offs=offs)
+        down_b = self._down_bias()
+        return y if down_b is None or rows is None else y + down_b[block][rows]
 
     def _padded(
         self, x: torch.Tensor, counts: list[int], height: int, experts: range
@@ -167,8 +151,14 @@ class ExpertBank(nn.Module):
         if n == 1:  # torch's bmm of one matrix sums in another order for some heights (5 rows
             # on CPU): as two it gives the bits a block of several experts gives (SBO's blocks)
             rows, gate_up_w, down_w = (t.expand(2, *t.shape[1:]) for t in (rows, gate_up_w, down_w))
-        gate, up = torch.bmm(rows, gate_up_w.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, down_w.transpose(1, 2))[:n].flatten(0, 1)
+        h = torch.bmm(rows, gate_up_w.transpose(1, 2))
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[block][:, None].expand(h.shape[0], 1, -1)
+        y = torch.bmm(self._act(h), down_w.transpose(1, 2))
+        down_b = self._down_bias()
+        if down_b is not None:
+            y = y + down_b[block][:, None].expand(y.shape[0], 1, -1)
+        y = y[:n].flatten(0, 1)
         return y if where is None else y[where]
 
 
@@ -231,6 +221,7 @@ class SparseMoeBlock(nn.Module):
             par.ep_rank * local,
             local,
             even_part(cfg.moe_intermediate_size, par.moe_tp_rank, par.moe_tp_size),
+            (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.is_gpt_oss else None,
         )
         self.shared_experts = None
         if cfg.n_shared_experts:

@@ -105,18 +105,20 @@ class ColumnLinear(nn.Module):
 class RowLinear(nn.Module):
     """Input columns sharded over ``group``; the partial products are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, group: Group):
+    def __init__(self, in_features: int, out_features: int, group: Group, bias: bool = False):
         super().__init__()
         cols = even_part(in_features, group.rank, group.size)
         self.weight = nn.Parameter(torch.zeros(out_features, len(cols)))
         set_shard(self.weight, 1, cols.start, in_features)
         self.group = group
+        # GPT-OSS's o_proj: the whole bias on every rank, added once, after the all-reduce
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.group.size > 1 and y.numel():  # every rank of the group has the same rows
             self.group.all_reduce(y)
-        return y
+        return y if self.bias is None else y + self.bias
 
 
 def _vocab_part(vocab: int, group: Group) -> range:

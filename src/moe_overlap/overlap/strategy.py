@@ -115,6 +115,21 @@ DBO = Strategy(
         f"{_ATTN} dispatch_a | dispatch_b experts combine_a shared_experts | combine_b output"
     ),
 )
+# SGLang's MiMoV2 TBO (``_compute_moe_mimov2_layer_operations_strategy_tbo``): no shared
+# experts; prefill cuts where DeepSeek's does; decode gives dispatch_a a stage of its own and
+# ends each layer with combine_b and output in one stage, then a yield
+MIMO_TBO_PREFILL = Strategy(
+    "mimo-tbo-prefill",
+    parse_ops(f"{_ATTN} dispatch_a | dispatch_b experts combine_a | combine_b output"),
+)
+MIMO_TBO_DECODE = Strategy(
+    "mimo-tbo-decode",
+    parse_ops(
+        "prepare_attn attn_prepare | attn_core prepare_mlp gate select_experts |"
+        " dispatch_a | dispatch_b experts combine_a | combine_b output |"
+    ),
+    delta_stages=2,
+)
 _BY_SCHEME = {
     "none": {"prefill": PLAIN, "decode": PLAIN},
     "tbo": {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
@@ -126,6 +141,9 @@ STRATEGIES: dict[tuple[str, str, str], Strategy] = {
     for scheme, phases in _BY_SCHEME.items()
     for phase, strategy in phases.items()
     for family in FAMILIES
+} | {
+    ("tbo", "mimo_v2_flash", "prefill"): MIMO_TBO_PREFILL,
+    ("tbo", "mimo_v2_flash", "decode"): MIMO_TBO_DECODE,
 }
 
 

@@ -114,7 +114,8 @@ class CostModel:
     def micro_batch(self, children: list[ForwardBatch]) -> MicroBatchCost:
         """``children[r]``: rank r's micro-batch (idle ranks: an empty batch)."""
         rect = self.cluster.attention_full_rectangle_with_prefix
-        works = [Work.of(b, self.layout.attn_tp, rect) for b in children]
+        window = self.sizes.window
+        works = [Work.of(b, self.layout.attn_tp, rect, window) for b in children]
         routed = self.spec.cfg.num_experts_per_tok * sum(w.moe_tokens for w in works)
         hot = self.cluster.expert_imbalance if self.layout.ep > 1 else 1.0
         received = routed / self.layout.ep * hot  # the busiest rank's: the layer waits for it
@@ -237,20 +238,29 @@ class CostModel:
         prefill = t - w.decode_tokens
         # MLA: prefill decompresses every key it reads (MHA form); decode absorbs (MQA form)
         up_flops = 2 * (w.keys if prefill else 0) * up_w + 2 * w.decode_tokens * up_w
-        attn_flops = w.pairs * (s.pair_flops if prefill else s.decode_pair_flops)
         kv_per_key = s.kv_elements * act
         prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
         core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
         decode_rate = self.cluster.decode_attention_tflops * 1e12
-        if decode_rate and w.decode_tokens == t:  # one fused kernel (FlashMLA): compute or
-            # KV reads bound it, not their sum
-            kv_s = kv_per_key * w.keys / self.cluster.kv_bytes_per_s
-            core, kv_per_key = core + max(attn_flops / decode_rate, kv_s), 0.0
-        else:
-            core += attn_flops / self.attn
+        kv_rate = self.cluster.kv_bytes_per_s
+
+        def pairs_seconds(pairs: float, keys: int) -> tuple[float, float]:
+            """(seconds, KV bytes per key still to read) of ``pairs`` over ``keys``."""
+            flops = pairs * (s.pair_flops if prefill else s.decode_pair_flops)
+            if decode_rate and w.decode_tokens == t:  # one fused kernel (FlashMLA): compute
+                # or KV reads bound it, not their sum
+                return max(flops / decode_rate, kv_per_key * keys / kv_rate), 0.0
+            return flops / self.attn, kv_per_key
+
+        attn_s, kv_left = pairs_seconds(w.pairs, w.keys)
         if c.is_hybrid:  # most layers are linear attention (planner/hybrid.py)
-            return with_linear_layers(self, w, prepare, core, kv_per_key)
-        return prepare, core, kv_per_key
+            return with_linear_layers(self, w, prepare, core + attn_s, kv_left)
+        if s.sliding_share:  # sliding layers: their pairs and KV reads stop at the window
+            sliding = s.sliding_share / s.full_share
+            win_s, win_left = pairs_seconds(w.window_pairs, w.window_keys)
+            win_s += win_left * w.window_keys / kv_rate
+            attn_s, kv_left = (1 - sliding) * attn_s + sliding * win_s, (1 - sliding) * kv_left
+        return prepare, core + attn_s, kv_left
 
     def link_seconds(self, nbytes: list[float]) -> float:
         """A transfer's time on one rank's links (no latency): NVLink and RDMA at once."""

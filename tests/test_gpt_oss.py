@@ -1,0 +1,178 @@
+"""GPT-OSS (``gpt_oss``: attention with learned sinks, sliding-window and full layers, YaRN RoPE,
+biases everywhere; top-k-then-softmax routing; biased experts with a clamped SwiGLU):
+transformers' logits and greedy tokens on one process, chunked prefill and a prompt longer
+than the window included; every overlap mode at ep=2 on real gloo ranks against one process
+without overlap; the Hub's layout, and its MXFP4 checkpoints refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.tools.bench import mode_config
+from tests.helpers import (
+    KW,
+    PARAMS,
+    every_mode,
+    force_overlap,
+    gpt_oss_hf_config,
+    max_abs_diff,
+    save_hf_model,
+)
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]  # 600 > the window
+MODES = every_mode()
+CASES = {
+    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
+    "single-long": [[(7 * i) % 80 for i in range(45)]],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return path, save_hf_model(gpt_oss_hf_config(), path)
+
+
+@pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
+    path, hf = checkpoint
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    with LLM(path, **kw) as llm:
+        outs = llm.generate(PROMPTS, PARAMS, return_logits=True)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+            gen = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+            )[0, len(prompt) :]
+        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
+        assert out.token_ids == gen.tolist(), len(prompt)
+
+
+def test_the_window_and_sinks_matter(checkpoint):
+    """The oracle would not see a lost window or sink: without either, the logits move."""
+    path, hf = checkpoint
+    prompt = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        ref = hf(prompt).logits[0]
+        hf.config.sliding_window = 10_000
+        for layer in hf.model.layers:
+            layer.self_attn.sliding_window = 10_000
+        no_window = hf(prompt).logits[0]
+        hf.config.sliding_window = 128
+        for layer in hf.model.layers:
+            layer.self_attn.sliding_window = hf.config.sliding_window
+    assert max_abs_diff(no_window[200:], ref[200:]) > 1e-2
+
+
+def test_ep2_modes_match_one_process(checkpoint):
+    """One ep=2 engine (one spawn) runs every mode; each matches one process without overlap."""
+    cfg = ModelConfig.from_hf(checkpoint[0])
+    with LLM(config=cfg, **KW) as one:
+        base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
+    with LLM(config=cfg, ep=2, **KW) as llm:
+        for mode, overlap in MODES.items():
+            force_overlap(llm, overlap)
+            for case, prompts in CASES.items():
+                got = llm.generate(prompts, PARAMS, return_logits=True)
+                for a, b in zip(base[case], got, strict=True):
+                    assert a.token_ids == b.token_ids, (mode, case)
+                    assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+
+
+def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from moe_overlap.tools.cli import main
+
+    argv = ["make-model", "--hf-config", "configs/gpt-oss-tiny.json", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    prompt = [(11 * i + 5) % 512 for i in range(200)]  # past the 128-token window
+    with LLM(tmp_path) as llm:
+        ours = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2), dict(tp=2, dp=2, enable_dp_attention=True), dict(pp=2)],
+    ids=["tp2", "dp-attention+moe-tp", "pp2"],
+)
+def test_other_layouts_match_one_process(checkpoint, layout):
+    """Attention TP (each rank half the heads and their sinks, the o_proj bias added once after
+    the all-reduce), DP attention with moe-TP (the down bias added by one moe-TP rank) and two
+    pipeline stages, under two-chunk TBO."""
+    cfg = ModelConfig.from_hf(checkpoint[0])
+    with LLM(config=cfg, **KW) as one:
+        base = one.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    with LLM(config=cfg, overlap=mode_config("tbo+two-chunk"), **layout, **KW) as llm:
+        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    for a, b in zip(base, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+
+
+def test_mxfp4_checkpoints_are_refused_with_the_fix(checkpoint, tmp_path):
+    path, _ = checkpoint
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="quant_method='mxfp4'.*dequantize=True"):
+        LLM(tmp_path)
+
+
+def test_the_hubs_config_reads_as_the_same_model():
+    """The Hub's GPT-OSS config.json spells RoPE as rope_scaling + rope_theta and the top-k as
+    experts_per_token."""
+    ours = json.loads(Path("configs/gpt-oss-tiny.json").read_text())
+    params = ours.pop("rope_parameters")
+    hub = ours | {
+        "rope_theta": params.pop("rope_theta"),
+        "rope_scaling": params,
+        "experts_per_token": ours.pop("num_experts_per_tok"),
+    }
+    assert ModelConfig.from_hf(hub) == ModelConfig.from_hf("configs/gpt-oss-tiny.json")
+
+
+def test_planner_caps_sliding_layers_at_the_window():
+    """Half the layers slide over 128 keys: the cost model's pairs per token stop growing there
+    for them, and the planner's attention core grows half as fast with the context."""
+    from moe_overlap.core.model_flops import ModelFlops, op_sizes
+    from moe_overlap.planner.cluster import load_cluster, presets
+    from moe_overlap.planner.costs import CostModel
+    from moe_overlap.planner.inputs import ModelSpec, PlanLayout
+    from moe_overlap.planner.work import Work
+
+    cfg = ModelConfig.from_hf("configs/gpt-oss-tiny.json")
+    full = ModelConfig.from_hf(cfg.to_hf() | {"layer_types": ["full_attention"] * 4})
+    sizes = op_sizes(cfg)
+    assert (sizes.sliding_share, sizes.window) == (0.5, 128)
+    flops = ModelFlops.for_model(cfg)
+    assert flops.per_pair == flops.window_pair == 0.5 * ModelFlops.for_model(full).per_pair
+
+    def growth(model: ModelConfig) -> float:
+        costs = CostModel(
+            ModelSpec(model, "g", False), load_cluster(presets()[0]), PlanLayout(1, 1, 1)
+        )
+
+        def core(context: int) -> float:
+            batch = ForwardBatch(torch.zeros(64, dtype=torch.long), [0], [context], [64], [False])
+            return costs.op_seconds(Work.of(batch, 1, False, costs.sizes.window), 64.0)["attn_core"]
+
+        return core(65536) - core(1024)
+
+    assert 0.45 < growth(cfg) / growth(full) < 0.55

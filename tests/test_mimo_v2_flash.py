@@ -1,0 +1,166 @@
+"""MiMo-V2-Flash (``mimo_v2_flash``: sliding-window layers with sinks and twice the KV heads
+beside full layers, each kind with its own RoPE base, partial RoPE, Q/K heads wider than V heads
+with V scaled; DeepSeek-V3's sigmoid routing without shared experts; a dense first layer):
+transformers' logits and greedy tokens on one process, chunked prefill and a prompt longer than
+the window included; its own TBO strategy row; every overlap mode at ep=2 on real gloo ranks
+against one process without overlap; the Hub's config and tensor names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.model.loader import build_model
+from moe_overlap.overlap.strategy import build_operations, strategy_for
+from moe_overlap.tools.bench import mode_config
+from tests.helpers import (
+    KW,
+    PARAMS,
+    every_mode,
+    force_overlap,
+    max_abs_diff,
+    mimo_hf_config,
+    save_hf_model,
+)
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]  # 600 > the window
+MODES = every_mode()
+CASES = {
+    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
+    "single-long": [[(7 * i) % 80 for i in range(45)]],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mimo_v2_flash")
+    return path, save_hf_model(mimo_hf_config(), path)
+
+
+@pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
+    path, hf = checkpoint
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    with LLM(path, **kw) as llm:
+        outs = llm.generate(PROMPTS, PARAMS, return_logits=True)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+            gen = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+            )[0, len(prompt) :]
+        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
+        assert out.token_ids == gen.tolist(), len(prompt)
+
+
+def test_its_own_tbo_rows_are_sglangs_mimov2_order():
+    model = build_model(ModelConfig.from_hf("configs/mimo-v2-flash-tiny.json"))
+    moe = next(layer for layer in model.layers if layer.is_moe)
+
+    def stages(decode: bool) -> list[list[str]]:
+        strategy = strategy_for(model, "tbo", decode)
+        names = [
+            getattr(op, "__name__", "|").removeprefix("op_")
+            for op in build_operations(
+                model, strategy, layers=range(moe.layer_id, moe.layer_id + 1)
+            )
+        ]
+        return [part.split() for part in " ".join(names).split("|")]
+
+    assert stages(False) == [
+        [
+            "prepare_attn",
+            "attn_prepare",
+            "attn_core",
+            "prepare_mlp",
+            "gate",
+            "select_experts",
+            "dispatch_a",
+        ],
+        ["dispatch_b", "experts", "combine_a"],
+        ["combine_b", "output"],
+    ]
+    assert strategy_for(model, "tbo", True).delta_stages == 2
+    assert stages(True) == [
+        ["prepare_attn", "attn_prepare"],
+        ["attn_core", "prepare_mlp", "gate", "select_experts"],
+        ["dispatch_a"],
+        ["dispatch_b", "experts", "combine_a"],
+        ["combine_b", "output"],
+        [],
+    ]
+
+
+def test_ep2_modes_match_one_process(checkpoint):
+    """One ep=2 engine (one spawn) runs every mode; each matches one process without overlap."""
+    cfg = ModelConfig.from_hf(checkpoint[0])
+    with LLM(config=cfg, **KW) as one:
+        base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
+    with LLM(config=cfg, ep=2, **KW) as llm:
+        for mode, overlap in MODES.items():
+            force_overlap(llm, overlap)
+            for case, prompts in CASES.items():
+                got = llm.generate(prompts, PARAMS, return_logits=True)
+                for a, b in zip(base[case], got, strict=True):
+                    assert a.token_ids == b.token_ids, (mode, case)
+                    assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+
+
+def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from moe_overlap.tools.cli import main
+
+    argv = ["make-model", "--hf-config", "configs/mimo-v2-flash-tiny.json", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    prompt = [(11 * i + 5) % 512 for i in range(200)]  # past the window
+    with LLM(tmp_path) as llm:
+        ours = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
+        )[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=2), dict(tp=2, dp=2, enable_dp_attention=True), dict(pp=2)],
+    ids=["tp2", "dp-attention+moe-tp", "pp2"],
+)
+def test_other_layouts_match_one_process(checkpoint, layout):
+    """Attention TP (the full layers' one KV head replicated, the sliding layers' two split),
+    DP attention with moe-TP and two pipeline stages, under two-chunk TBO."""
+    cfg = ModelConfig.from_hf(checkpoint[0])
+    with LLM(config=cfg, **KW) as one:
+        base = one.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    with LLM(config=cfg, overlap=mode_config("tbo+two-chunk"), **layout, **KW) as llm:
+        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
+    for a, b in zip(base, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+
+
+def test_the_hubs_config_reads_as_the_same_model():
+    """The Hub's config.json: hybrid_layer_pattern, moe_layer_freq, sliding_window_size (keys
+    before the query), rope_theta and swa_rope_theta, swa_num_key_value_heads."""
+    ours = ModelConfig.from_hf("configs/mimo-v2-flash-tiny.json")
+    hub = {
+        k: v
+        for k, v in ours.to_hf().items()
+        if k not in ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window")
+    } | {
+        "hybrid_layer_pattern": [int(t == "sliding_attention") for t in ours.layer_types],
+        "moe_layer_freq": [int(ours.is_moe_layer(i)) for i in range(ours.num_hidden_layers)],
+        "sliding_window_size": ours.sliding_window - 1,
+        "rope_theta": ours.rope_theta,
+        "swa_rope_theta": ours.swa_rope_theta,
+        "partial_rotary_factor": ours.partial_rotary_factor,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+    }
+    assert ModelConfig.from_hf(hub) == ours
