@@ -10,7 +10,7 @@ import torch
 from moe_overlap.core.dispatcher import host_counts
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model import moe
-from moe_overlap.model.moe import grouped_fits
+from moe_overlap.model.moe import ExpertBank, grouped_fits
 from tests.test_experts import BANK, EXPERTS, HIDDEN, per_expert
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
@@ -96,3 +96,22 @@ def test_the_local_dispatch_feeds_the_grouped_gemm_its_device_counts_unread(monk
     assert state.tokens_per_expert is None  # the device's counts were enough
     assert torch.equal(on_device, BANK(state.expert_inputs, host_counts(state)))
     assert host_counts(state) == torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
+
+
+@pytest.mark.skipif(not _cpu_grouped_mm_runs(), reason="this torch has no CPU grouped_mm")
+def test_biased_experts_take_each_rows_bias_from_the_device_offsets(monkeypatch):
+    """GPT-OSS's experts (biases, clamped SwiGLU): the grouped path finds each row's expert
+    from ``offs`` on the device, and matches the per-expert loop, whole and in SBO blocks."""
+    gen = torch.Generator().manual_seed(4)
+    biased = ExpertBank(HIDDEN, 32, first=0, count=EXPERTS, swiglu=(1.702, 7.0))
+    for p in biased.parameters():
+        p.data = torch.randn(p.shape, generator=gen) / HIDDEN**0.5
+    counts = [3, 0, 5, 1, 0, 4]
+    x = torch.randn(sum(counts), HIDDEN, generator=gen)
+    loop = biased(x, counts)  # grouped_fits is False on CPU: the per-expert path
+    monkeypatch.setattr(moe, "grouped_fits", lambda *args: True)
+    assert torch.allclose(biased(x, counts), loop, atol=1e-5, rtol=1e-5)
+    blocks = torch.full_like(x, float("nan"))
+    biased.run_experts(x, counts, blocks, range(0, 3))
+    biased.run_experts(x, counts, blocks, range(3, EXPERTS))
+    assert torch.allclose(blocks, loop, atol=1e-5, rtol=1e-5)

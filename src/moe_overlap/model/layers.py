@@ -151,8 +151,16 @@ class AttentionPlan:
         """The plan of ``batch``, its index tensors on ``device`` (the KV cache's)."""
         staged = batch.device_inputs
         if staged is not None:  # decode rows in device buffers: every key count is masked
-            unread = torch.arange(0)  # decode rows are every row (all_decode)
-            return cls(staged.slots, unread, staged.slots, staged.lens, staged.max_len, [], True)
+            return cls(
+                slots=staged.slots,
+                decode_rows=torch.arange(0),  # unread: every row is a decode row
+                decode_slots=staged.slots,
+                decode_lens=staged.lens,
+                decode_max_len=staged.max_len,
+                decode_min_len=1,  # a padding row's; a window then reads from key 0, masked
+                extends=[],
+                all_decode=True,
+            )
         rows, slots, lens = [], [], []
         groups: dict[tuple[int, int], list[tuple[int, slice]]] = {}
         for slot, prefix, span in batch.per_sequence():

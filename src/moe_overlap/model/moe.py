@@ -125,10 +125,9 @@ class ExpertBank(nn.Module):
         assert GROUPED_MM is not None, "grouped_fits chose a kernel this torch lacks"
         h = GROUPED_MM(x, self.gate_up_proj[block].transpose(1, 2), offs=offs)
         rows = None
-        if self.gate_up_proj_bias is not None:
-            rows = to_device(
-                torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)), x.device
-            )
+        if self.gate_up_proj_bias is not None:  # each row's expert, from the device's offsets
+            index = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+            rows = torch.searchsorted(offs, index, right=True)
             h = h + self.gate_up_proj_bias[block][rows]
         y = GROUPED_MM(self._act(h), self.down_proj[block].transpose(1, 2), offs=offs)
         down_b = self._down_bias()
