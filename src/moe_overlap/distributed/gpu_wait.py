@@ -1,12 +1,22 @@
 """Hold a CUDA stream for a span of wall-clock time: a modelled link's transfer time.
 
-A one-program Triton kernel spins on PTX ``%globaltimer`` (nanoseconds, the same clock on
-every SM, independent of the SM clock's boost and throttling) until the asked time has passed
-since it started. Where Triton is missing, ``torch.cuda._sleep`` spins for a number of SM
-cycles calibrated once against CUDA events, which drifts when the clock changes.
+Three ways, by what the wait occupies while it holds the stream:
+
+- ``host`` (the default): a host function on the stream (``cuLaunchHostFunc``) that is libc's
+  ``usleep``: the driver's callback thread sleeps, the stream waits behind it, and no SM is
+  held, as a copy engine or an RDMA NIC moving the rows holds none. No Python runs in it, so
+  it never waits for the GIL.
+- ``globaltimer``: a one-program Triton kernel spinning on PTX ``%globaltimer`` (nanoseconds,
+  independent of the SM clock). It holds one SM for the whole wait, as a communication kernel
+  does, and a persistent kernel (a grouped GEMM launched on every SM) cannot finish until it
+  ends: the measured overlap is then the SM contention's, not the link's.
+- ``sleep``: ``torch.cuda._sleep`` for a number of SM cycles calibrated once against CUDA
+  events; drifts when the clock changes, and holds an SM too. The fallback of both.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -36,18 +46,57 @@ if triton is not None:
             now = _now()
 
 
-def hold_stream(seconds: float, device: torch.device, use_triton: bool = True) -> None:
+WAYS = ("host", "globaltimer", "sleep")
+_USLEEP_MAX_US = 900_000  # usleep may refuse a second or more: longer waits are queued in parts
+
+
+def hold_stream(seconds: float, device: torch.device, how: str = "host") -> None:
     """Queue on ``device``'s current stream a wait of ``seconds`` of wall-clock time, counted
-    from when the stream reaches it; neither the host nor other streams wait. One program
-    spinning on ``%globaltimer`` (Triton), or with ``use_triton=False`` or without Triton a
-    calibrated ``torch.cuda._sleep``. Checked on a GPU by ``tests/gpu/test_stream_wait.py``."""
+    from when the stream reaches it; neither the host nor other streams wait. ``how``: one of
+    ``WAYS`` (see above); a way this machine lacks falls back to ``sleep``. Checked on a GPU
+    by ``tests/gpu/test_stream_wait.py``."""
     if seconds <= 0:
         return
-    if triton is not None and use_triton:
+    if how == "host" and _host_function_wait(seconds, device):
+        return
+    if how in ("host", "globaltimer") and triton is not None:
         with torch.cuda.device(device):
             _spin[(1,)](int(seconds * 1e9), num_warps=1)
         return
     torch.cuda._sleep(int(seconds * sleep_cycles_per_s(device)))
+
+
+def _host_function_wait(seconds: float, device: torch.device) -> bool:
+    """``usleep`` as a host function on the current stream; False where the driver or libc
+    cannot be reached."""
+    launch, usleep = _driver_calls()
+    if launch is None:
+        return False
+    stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+    left = round(seconds * 1e6)
+    while left > 0:
+        part = min(left, _USLEEP_MAX_US)
+        if launch(stream, usleep, ctypes.c_void_p(part)) != 0:  # CUresult 0: CUDA_SUCCESS
+            raise RuntimeError("cuLaunchHostFunc failed: the stream's wait cannot be queued")
+        left -= part
+    return True
+
+
+_driver: list = []  # (cuLaunchHostFunc, usleep's address), found once; (None, None) if absent
+
+
+def _driver_calls() -> tuple:
+    if not _driver:
+        try:
+            cuda, libc = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)
+            launch = cuda.cuLaunchHostFunc
+            launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            launch.restype = ctypes.c_int
+            # usleep(useconds_t) called as void (*)(void *): the argument is the microseconds
+            _driver.append((launch, ctypes.cast(libc.usleep, ctypes.c_void_p)))
+        except (OSError, AttributeError):
+            _driver.append((None, None))
+    return _driver[0]
 
 
 def sleep_cycles_per_s(device: torch.device) -> float:
