@@ -210,11 +210,16 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
     def dispatch_b(self, state: AllToAllState) -> None:
         received = in_flight(state).wait()
         state.pending = None
-        recv_counts = state.recv_counts  # on the host: the order is worked out there
-        # rows arrive grouped by source rank, then expert; regroup by expert, then source
-        source = torch.arange(recv_counts.numel()).repeat_interleave(recv_counts.reshape(-1))
+        recv_counts = state.recv_counts
+        # rows arrive grouped by source rank, then expert; regroup by expert, then source. The
+        # order is worked out on the device (a row per received row: on the host it would cost
+        # milliseconds per dispatch), from the host's counts sent over and their known total
+        groups = to_device(recv_counts.reshape(-1), received.device)
+        source = torch.arange(groups.numel(), device=received.device).repeat_interleave(
+            groups, output_size=received.shape[0]
+        )
         by_expert = source % self.local * self.ep + source // self.local
-        state.perm = to_device(torch.argsort(by_expert, stable=True), received.device)
+        state.perm = torch.argsort(by_expert, stable=True)
         state.expert_inputs = received[state.perm]
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
@@ -244,27 +249,38 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
             state.row_of = torch.empty_like(state.perm)
             state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
         mine = state.blocks[block]
-        outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep)
-        incoming, recv = piece_layout(state.counts, [b[block] for b in state.owner_blocks])
         device = expert_outputs.device
-        outgoing, incoming = to_device(outgoing, device), to_device(incoming, device)
+        outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep, device)
+        blocks = [b[block] for b in state.owner_blocks]
+        incoming, recv = piece_layout(state.counts, blocks, device)
         rows = expert_outputs[state.row_of[outgoing]]
         kind = f"combine piece {len(pieces.pieces)}"
         pieces.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
 
 
-def piece_layout(counts: torch.Tensor, experts: list[range]) -> tuple[torch.Tensor, list[int]]:
+def piece_layout(
+    counts: torch.Tensor, experts: list[range], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, list[int]]:
     """The rows of local experts ``experts[p]`` of each rank p in a buffer grouped by (rank,
-    local expert). Host tensors in, host tensors out (the caller sends the positions over).
+    local expert): their positions on ``device``, and the rows per rank.
 
-    ``counts[p, e]`` is the size of group (p, e). Returns their positions in buffer order and
-    the rows per rank. A source rank applies it to the counts it sent and each owner's block,
-    an expert owner to the counts it received and its own block, so both agree on every
-    piece's splits and row order.
+    ``counts[p, e]`` (on the host) is the size of group (p, e). A source rank applies it to the
+    counts it sent and each owner's block, an expert owner to the counts it received and its own
+    block, so both agree on every piece's splits and row order. The positions, a row each, are
+    made on the device from the groups' host offsets: the host does no per-row work and reads
+    nothing back.
     """
     ranks, local = counts.shape
-    expert = torch.arange(local, device=counts.device)
-    inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts])
-    in_row = inside.reshape(-1).repeat_interleave(counts.reshape(-1))
-    per_rank = (counts * inside).sum(1)
-    return in_row.nonzero().reshape(-1), per_rank.tolist()
+    expert = torch.arange(local)
+    inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts]).reshape(-1)
+    sizes = counts.reshape(-1)
+    chosen = sizes * inside
+    group_start = torch.cumsum(sizes, 0) - sizes  # where each group begins in the buffer
+    out_start = torch.cumsum(chosen, 0) - chosen  # and in the piece
+    total = int(chosen.sum())
+    shift = to_device(group_start - out_start, device)
+    group = torch.arange(sizes.numel(), device=device).repeat_interleave(
+        to_device(chosen, device), output_size=total
+    )
+    positions = torch.arange(total, device=device) + shift[group]
+    return positions, chosen.view(ranks, local).sum(1).tolist()
