@@ -14,15 +14,16 @@ from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY
+from tests.test_cuda_graphs import MODELS
 
 pytestmark = needs_gpu
 MODES = {"none": OverlapConfig("none"), "tbo": OverlapConfig("tbo", tbo_min_tokens=1)}
 
 
-@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
-    cfg = ModelConfig(**TINY[family])
+    cfg = MODELS[family]()
     spec = EngineSpec(cfg, seed=0, max_num_seqs=6, max_len=300, device="cuda", dtype="bfloat16")
     spec.cuda_graph_max_bs = 4
     runner = build_rank_runner(spec)
@@ -30,13 +31,11 @@ def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
         runner.model, torch.device("cuda"), runner.dispatcher
     )
     gen = torch.Generator().manual_seed(0)
-    runner.forward(
-        ForwardBatch(torch.randint(cfg.vocab_size, (45,), generator=gen), [0, 3], [0, 0], [5, 40])
-    )
+    prompts = torch.randint(cfg.vocab_size, (205,), generator=gen)
+    runner.forward(ForwardBatch(prompts, [0, 3], [0, 0], [5, 200]))  # 200: past a 128 window
     step = ForwardBatch(
-        torch.tensor([1, 2, 3]), [0, 3, 5], [5, 40, 0], [1, 1, 1], is_decode=[True] * 3
-    )
-    step.prefix_lens[2] = 0  # a sequence whose first token is this decode
+        torch.tensor([1, 2, 3]), [0, 3, 5], [5, 200, 0], [1, 1, 1], is_decode=[True] * 3
+    )  # slot 5's first token: a sequence of one
     overlap = MODES[mode]
     eager = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, 4, capture=False)
     expected = eager.forward(step, overlap)
