@@ -10,24 +10,16 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.tools.bench import mode_config
+from tests.family_checks import BUDGETS, CASES, ep2_modes_match_one_process, matches_transformers
 from tests.helpers import (
     KW,
     PARAMS,
-    every_mode,
-    force_overlap,
     glm4_hf_config,
     max_abs_diff,
     save_hf_model,
 )
 
 pytest.importorskip("transformers")
-
-PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]
-MODES = every_mode()
-CASES = {
-    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
-    "single-long": [[(7 * i) % 80 for i in range(45)]],
-}
 
 
 @pytest.fixture(scope="module")
@@ -36,35 +28,13 @@ def checkpoint(tmp_path_factory):
     return path, save_hf_model(glm4_hf_config(), path)
 
 
-@pytest.mark.parametrize("budget", [None, 24])  # 24: chunked prefill
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_logits_and_greedy_tokens_match_transformers(checkpoint, budget):
-    path, hf = checkpoint
-    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
-    with LLM(path, **kw) as llm:
-        outs = llm.generate(PROMPTS, PARAMS, return_logits=True)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float()
-            gen = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
-            )[0, len(prompt) :]
-        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
-        assert out.token_ids == gen.tolist(), len(prompt)
+    matches_transformers(*checkpoint, budget)
 
 
 def test_ep2_modes_match_one_process(checkpoint):
-    """One ep=2 engine (one spawn) runs every mode; each matches one process without overlap."""
-    cfg = ModelConfig.from_hf(checkpoint[0])
-    with LLM(config=cfg, **KW) as one:
-        base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in CASES.items()}
-    with LLM(config=cfg, ep=2, **KW) as llm:
-        for mode, overlap in MODES.items():
-            force_overlap(llm, overlap)
-            for case, prompts in CASES.items():
-                got = llm.generate(prompts, PARAMS, return_logits=True)
-                for a, b in zip(base[case], got, strict=True):
-                    assert a.token_ids == b.token_ids, (mode, case)
-                    assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
+    ep2_modes_match_one_process(ModelConfig.from_hf(checkpoint[0]))
 
 
 def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):

@@ -1,0 +1,48 @@
+"""The checks every model family's test file runs: one process against transformers (logits
+and greedy tokens, chunked prefill too), and every overlap mode at ep=2 on gloo ranks against
+one process without overlap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moe_overlap import LLM, ModelConfig
+from tests.helpers import KW, PARAMS, every_mode, force_overlap, max_abs_diff
+
+PROMPTS = [[(7 * i + 3) % 96 for i in range(n)] for n in (1, 37, 600)]
+CASES = {
+    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
+    "single-long": [[(7 * i) % 80 for i in range(45)]],
+}
+BUDGETS = [None, 24]  # 24 tokens per forward: chunked prefill
+
+
+def matches_transformers(path: Path, hf, budget: int | None, prompts=PROMPTS) -> None:
+    """Our logits within 1e-4 of ``hf``'s and the same 4 greedy tokens, prompt by prompt."""
+    kw = {} if budget is None else dict(max_num_batched_tokens=budget)
+    with LLM(path, **kw) as llm:
+        outs = llm.generate(prompts, PARAMS, return_logits=True)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+            gen = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+            )[0, len(prompt) :]
+        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
+        assert out.token_ids == gen.tolist(), len(prompt)
+
+
+def ep2_modes_match_one_process(cfg: ModelConfig, cases=CASES) -> None:
+    """One ep=2 engine (one spawn) runs every mode; each matches one process without overlap."""
+    with LLM(config=cfg, **KW) as one:
+        base = {c: one.generate(p, PARAMS, return_logits=True) for c, p in cases.items()}
+    with LLM(config=cfg, ep=2, **KW) as llm:
+        for mode, overlap in every_mode().items():
+            force_overlap(llm, overlap)
+            for case, prompts in cases.items():
+                got = llm.generate(prompts, PARAMS, return_logits=True)
+                for a, b in zip(base[case], got, strict=True):
+                    assert a.token_ids == b.token_ids, (mode, case)
+                    assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, (mode, case)
