@@ -42,8 +42,10 @@ def _timed_waits(how: str) -> list[tuple[float, float, float, bool]]:
 def test_the_wait_lasts_the_asked_time_and_the_host_does_not_wait(how):
     if how == "globaltimer" and gpu_wait.triton is None:
         pytest.skip("no Triton here: the wait falls back to torch.cuda._sleep")
+    # the host function wakes late by the kernel's timer slack and scheduling: ~0.2 ms
+    late = 3e-4 if how == "host" else 0.0
     for asked, measured, host, busy in _timed_waits(how):
-        assert abs(measured - asked) <= 0.1 * asked, (asked, measured)
+        assert -0.1 * asked <= measured - asked <= 0.1 * asked + late, (asked, measured)
         assert busy and host < 0.1 * asked + 5e-4, (asked, host)  # launched, not waited
 
 
