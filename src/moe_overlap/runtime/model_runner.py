@@ -68,7 +68,7 @@ class ModelRunner:
         why_not = DecodeGraphs.supported(model, device, dispatcher, pp_group, prefill_lane)
         graphs = cuda_graph_max_bs > 0 and why_not is None
         if cuda_graph_max_bs > 0 and why_not and device.type == "cuda":
-            log.warning("decode runs without CUDA graphs: %s", why_not)
+            log.info("decode runs without CUDA graphs: %s", why_not)
         self.kv_cache = KVCache(  # with graphs, one more slot: the padding rows' scratch
             model.cfg.num_hidden_layers,
             num_slots + graphs,
