@@ -73,14 +73,12 @@ def test_prefill_and_other_modes_stay_eager():
     assert not graphs.covers(decode, OverlapConfig("none"))  # 3 sequences > max_bs 2
     prefill = ForwardBatch(torch.tensor([1, 2]), [1], [0], [2])
     assert not graphs.covers(prefill, OverlapConfig("none"))
-    assert not graphs.covers(decode.__class__(*_two(decode)), OverlapConfig("sbo"))
+    two = ForwardBatch(torch.tensor([1, 2]), SLOTS[:2], LENGTHS[:2], [1, 1], is_decode=[True] * 2)
+    assert graphs.covers(two, OverlapConfig("none"))  # a decode batch that fits...
+    assert not graphs.covers(two, OverlapConfig("sbo"))  # ...in a mode no graph holds
     assert DecodeGraphs.supported(runner.model, torch.device("cpu"), runner.dispatcher) == (
         "CUDA graphs run on CUDA devices only"
     )
-
-
-def _two(batch: ForwardBatch):
-    return batch.input_ids[:2], batch.slots[:2], batch.prefix_lens[:2], [1, 1], [False] * 2
 
 
 def test_cuda_graph_max_bs_below_one_is_refused():

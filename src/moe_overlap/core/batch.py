@@ -18,15 +18,12 @@ class DecodeInputs:
     input_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B] = the sequence's length before this token
     slots: torch.Tensor  # [B] KV cache slots
-    lens: torch.Tensor  # [B] keys each attends over (positions + 1)
     max_len: int
 
     def rows(self, start: int, stop: int) -> DecodeInputs:
         """Sequences ``start .. stop - 1``: views, so a micro-batch reads the same buffers."""
         cut = slice(start, stop)
-        return DecodeInputs(
-            self.input_ids[cut], self.positions[cut], self.slots[cut], self.lens[cut], self.max_len
-        )
+        return DecodeInputs(self.input_ids[cut], self.positions[cut], self.slots[cut], self.max_len)
 
 
 class ForwardMode(enum.Enum):

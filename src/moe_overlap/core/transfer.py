@@ -20,6 +20,15 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+def copy_to(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """Host tensor ``t`` into device tensor ``dst`` (a CUDA graph's input buffer), the same way
+    as ``to_device``: one copy, and the host does not wait for it."""
+    if dst.is_cuda:
+        dst.copy_(t.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(t)
+
+
 def read_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
     """The one device-to-host read of a dispatch: its rows per expert, on the host. ``total``
     (their sum, known on the host) lets a check that runs without data (meta tensors) stand in

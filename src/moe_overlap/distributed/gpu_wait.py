@@ -17,6 +17,7 @@ Three ways, by what the wait occupies while it holds the stream:
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -82,21 +83,18 @@ def _host_function_wait(seconds: float, device: torch.device) -> bool:
     return True
 
 
-_driver: list = []  # (cuLaunchHostFunc, usleep's address), found once; (None, None) if absent
-
-
+@functools.cache
 def _driver_calls() -> tuple:
-    if not _driver:
-        try:
-            cuda, libc = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)
-            launch = cuda.cuLaunchHostFunc
-            launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            launch.restype = ctypes.c_int
-            # usleep(useconds_t) called as void (*)(void *): the argument is the microseconds
-            _driver.append((launch, ctypes.cast(libc.usleep, ctypes.c_void_p)))
-        except (OSError, AttributeError):
-            _driver.append((None, None))
-    return _driver[0]
+    """(cuLaunchHostFunc, usleep's address), found once; (None, None) where either is absent."""
+    try:
+        cuda, libc = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL(None)
+        launch = cuda.cuLaunchHostFunc
+        launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        launch.restype = ctypes.c_int
+        # usleep(useconds_t) called as void (*)(void *): the argument is the microseconds
+        return launch, ctypes.cast(libc.usleep, ctypes.c_void_p)
+    except (OSError, AttributeError):
+        return None, None
 
 
 def sleep_cycles_per_s(device: torch.device) -> float:

@@ -155,7 +155,7 @@ class AttentionPlan:
                 slots=staged.slots,
                 decode_rows=torch.arange(0),  # unread: every row is a decode row
                 decode_slots=staged.slots,
-                decode_lens=staged.lens,
+                decode_lens=staged.positions + 1,  # keys each attends over
                 decode_max_len=staged.max_len,
                 decode_min_len=1,  # a padding row's; a window then reads from key 0, masked
                 extends=[],

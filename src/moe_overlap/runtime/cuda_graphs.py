@@ -9,8 +9,9 @@ launch. Graphs need fixed shapes and fixed memory, so:
   every 8), its rows past the batch padding that writes only the cache's scratch slot (the
   runner's last, which no sequence owns);
 - keys are padded to a power of two (256 at least, up to ``max_len``) and masked per sequence;
-- the inputs (ids, positions, slots, key counts) are copied into the graph's own device
-  buffers before each replay; the forward reads them there (``ForwardBatch.device_inputs``);
+- the inputs (ids, positions, slots; key counts follow from positions) are copied into the
+  graph's own device buffers before each replay; the forward reads them there
+  (``ForwardBatch.device_inputs``);
 - the KV cache and RoPE tables are allocated whole before the first capture (a buffer that
   grew later would move under the captured pointers);
 - a graph is captured the first time its (size, key length, overlap) is met, after one warm-up
@@ -36,8 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
+from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.transfer import to_device
+from moe_overlap.core.transfer import copy_to
+from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.layers import RotaryEmbedding
 from moe_overlap.model.moe import ExpertBank, grouped_fits
 
@@ -59,7 +62,7 @@ def key_bucket(length: int, max_len: int) -> int:
 
 @dataclass
 class _Graph:
-    staged: torch.Tensor  # [4, size] int64 on the device: ids, positions, slots, key counts
+    staged: torch.Tensor  # [3, size] int64 on the device: ids, positions, slots
     replay: Callable[[], torch.Tensor]  # the logits, in the graph's own buffer
 
 
@@ -69,8 +72,8 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        kv_cache,
+        model: MoeForCausalLM,
+        kv_cache: KVCache,
         forward_eager: Callable[[ForwardBatch, OverlapConfig], torch.Tensor],
         max_bs: int,
         capture: bool = True,
@@ -87,7 +90,7 @@ class DecodeGraphs:
                 m.allocate(kv_cache.max_len)
 
     @staticmethod
-    def supported(model: torch.nn.Module, device: torch.device, dispatcher, *stages) -> str | None:
+    def supported(model: MoeForCausalLM, device: torch.device, dispatcher, *stages) -> str | None:
         """Why ``model`` cannot decode from graphs here, or None. ``stages``: the runner's
         pipeline group and PD-mux lane, which rule graphs out when set."""
         if device.type != "cuda":
@@ -97,7 +100,7 @@ class DecodeGraphs:
                 "the step communicates (expert, tensor or pipeline parallel, PD-mux), and its "
                 "dispatch sizes its transfers on the host"
             )
-        if getattr(model, "state_shapes", dict)():
+        if model.state_shapes():
             return "linear-attention layers index their state cache from the host"
         for m in model.modules():
             if isinstance(m, ExpertBank):
@@ -118,33 +121,31 @@ class DecodeGraphs:
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         keys = key_bucket(max(batch.seq_lens), self.kv_cache.max_len)
         key = (size, keys, dataclasses.astuple(cfg))
-        graph = self.graphs.get(key) or self._capture(size, keys, cfg)
-        self.graphs[key] = graph
-        pad = size - n
-        lens = batch.seq_lens
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(size, keys, cfg)
+        graph = self.graphs[key]
+        pad = size - n  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor(
             [
                 batch.input_ids.tolist() + [0] * pad,
-                [x - 1 for x in lens] + [0] * pad,
+                batch.prefix_lens + [0] * pad,  # a decode token's position
                 batch.slots + [self.scratch] * pad,
-                lens + [1] * pad,
             ],
             dtype=torch.long,
         )
-        graph.staged.copy_(to_device(host, self.device), non_blocking=True)
+        copy_to(graph.staged, host)
         return graph.replay()[:n].clone()  # the graph's buffer is the next replay's too
 
     def _capture(self, size: int, keys: int, cfg: OverlapConfig) -> _Graph:
-        staged = torch.zeros(4, size, dtype=torch.long, device=self.device)
+        staged = torch.zeros(3, size, dtype=torch.long, device=self.device)
         staged[2].fill_(self.scratch)
-        staged[3].fill_(1)
         batch = ForwardBatch(
             torch.zeros(size, dtype=torch.long),
             [self.scratch] * size,
             [keys - 1] * size,  # the host's view: every sequence at the bucket's length
             [1] * size,
             is_decode=[True] * size,
-            device_inputs=DecodeInputs(staged[0], staged[1], staged[2], staged[3], keys),
+            device_inputs=DecodeInputs(staged[0], staged[1], staged[2], keys),
         )
 
         def run() -> torch.Tensor:
