@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 from tests.helpers import deepseek_hf_config, qwen3_hf_config, save_hf_model
+
+
+def pytest_configure(config) -> None:
+    """A shell starts a background job with SIGINT ignored, and every process it starts
+    inherits that; the tests that press Ctrl-C (here and in the servers they start) need
+    Python's own handler, which a started process then resets to the default."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ have shapes but no data. Anything that would make the host wait for a GPU raises
 indexing, ``bincount``, ``repeat_interleave`` without ``output_size``. Host metadata (the
 batch's lists, index tensors built from them) stays on the CPU and is sent with
 ``core/transfer.py: to_device``. The one read allowed, the split sizes of each dispatch
-(``read_counts``), is replaced by a stand-in that counts its calls: one per MoE layer.
+(``read_counts``), is wrapped to count its calls: one per MoE layer.
 On a GPU the same contract is ``torch.cuda.set_sync_debug_mode("error")`` around a step.
 """
 
@@ -17,16 +17,14 @@ import pytest
 import torch
 
 from moe_overlap import ModelConfig
-from moe_overlap.core import dispatcher
+from moe_overlap.core import dispatcher, transfer
 from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.core.engine_config import EngineSpec
-from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.dispatch import all_to_all, gather
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.distributed.groups import Group
-from moe_overlap.runtime.rank import build_rank_runner
+from moe_overlap.tools.device_ops import meta_runner
 from tests.helpers import TINY
 
 DECODE = ForwardBatch(
@@ -37,24 +35,18 @@ MIXED = ForwardBatch(
 )
 
 
-def _stand_in(calls: list[int]):
+def _counted(calls: list[int]):
     def read_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
         assert counts.device.type == "meta", "read_counts is for device tensors"
         calls.append(total)
-        fake = torch.zeros(counts.shape, dtype=torch.long)
-        fake.view(-1)[0] = total  # every row to the first expert: shapes line up
-        return fake
+        return transfer.read_counts(counts, total)  # on meta: the rows spread evenly
 
     return read_counts
 
 
 def _meta_runner(family: str, backend: str):
     cfg = ModelConfig(**TINY[family])
-    runner = build_rank_runner(EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64))
-    runner.model.to("meta")
-    cache = runner.kv_cache
-    layers, entries = len(cache.layers), runner.model.kv_entries()
-    runner.kv_cache = KVCache(layers, 4, 64, entries, cache.dtype, "meta")
+    runner = meta_runner(cfg, "float32", max_len=64, seqs=4)
     if backend == "torch":  # the all-to-all path on a one-rank group
         runner.dispatcher = AllToAllDispatcher(Group.single(name="ep"), cfg.num_experts)
     elif backend == "none":  # the tensor-parallel MoE's path, one rank
@@ -70,7 +62,7 @@ def _meta_runner(family: str, backend: str):
 def test_forward_reads_the_device_once_per_dispatch(family, backend, mode, monkeypatch):
     calls: list[int] = []
     for module in (dispatcher, all_to_all, gather):
-        monkeypatch.setattr(module, "read_counts", _stand_in(calls))
+        monkeypatch.setattr(module, "read_counts", _counted(calls))
     runner, moe_layers = _meta_runner(family, backend)
     overlap = None if mode == "none" else OverlapConfig(mode, tbo_min_tokens=1)
     for batch in (DECODE, MIXED):

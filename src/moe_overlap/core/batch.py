@@ -93,10 +93,11 @@ class ForwardBatch:
 
     @property
     def positions(self) -> torch.Tensor:
-        spans = [
-            torch.arange(p, p + e) for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)
-        ]
-        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+        if all(e == 1 for e in self.extend_lens):  # decode: each token at its prefix length
+            return torch.tensor(self.prefix_lens, dtype=torch.long)
+        lens = torch.tensor(self.extend_lens)
+        starts = torch.tensor(self.prefix_lens) - (torch.cumsum(lens, 0) - lens)
+        return torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)
 
     def per_sequence(self):
         """``(slot, prefix_len, rows)`` of each sequence; ``rows`` slices its new tokens."""

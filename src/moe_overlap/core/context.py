@@ -58,6 +58,9 @@ class ForwardContext:
     attention_plan: Any = None
     states: StateCache | None = None  # linear-attention layers' recurrent states (Qwen3.5)
     input_ids: torch.Tensor = field(init=False)  # the batch's ids on the device
+    # RoPE's cos and sin at this batch's positions, per table and dtype: looked up by the first
+    # layer that rotates, reused by the rest (model/layers.py: RotaryEmbedding.rows)
+    rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # the batch is host metadata; the cache sits on the device. Bounds come from the host

@@ -31,7 +31,11 @@ def copy_to(dst: torch.Tensor, t: torch.Tensor) -> None:
 
 def read_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
     """The one device-to-host read of a dispatch: its rows per expert, on the host. ``total``
-    (their sum, known on the host) lets a check that runs without data (meta tensors) stand in
-    plausible counts."""
-    del total  # only the checks' stand-in reads it
+    (their sum, known on the host) lets a run without data (``meta`` tensors: the host-sync
+    gate, the operation counts of ``tools/device_ops.py``) stand in plausible counts: the rows
+    spread evenly over the experts."""
+    if counts.device.type == "meta":
+        n = counts.numel()
+        even = [total // n + (i < total % n) for i in range(n)]
+        return torch.tensor(even, dtype=torch.long).view(counts.shape)
     return counts.cpu()

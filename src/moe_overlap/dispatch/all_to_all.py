@@ -211,14 +211,14 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         received = in_flight(state).wait()
         state.pending = None
         recv_counts = state.recv_counts
-        # rows arrive grouped by source rank, then expert; regroup by expert, then source. The
-        # order is worked out on the device (a row per received row: on the host it would cost
-        # milliseconds per dispatch), from the host's counts sent over and their known total
-        groups = to_device(recv_counts.reshape(-1), received.device)
-        source = torch.arange(groups.numel(), device=received.device).repeat_interleave(
-            groups, output_size=received.shape[0]
-        )
-        by_expert = source % self.local * self.ep + source // self.local
+        # rows arrive grouped by source rank, then expert; regroup by expert, then source. Each
+        # group's place in that order comes from the host (a value per group), each row's on
+        # the device (a value per received row: on the host it would cost milliseconds per
+        # dispatch), in four kernels: one copy, one repeat, one sort, one gather
+        group = torch.arange(self.ep * self.local)
+        place = group % self.local * self.ep + group // self.local
+        both = to_device(torch.stack((place, recv_counts.reshape(-1))), received.device)
+        by_expert = both[0].repeat_interleave(both[1], output_size=received.shape[0])
         state.perm = torch.argsort(by_expert, stable=True)
         state.expert_inputs = received[state.perm]
         state.tokens_per_expert = recv_counts.sum(0).tolist()
@@ -278,9 +278,8 @@ def piece_layout(
     group_start = torch.cumsum(sizes, 0) - sizes  # where each group begins in the buffer
     out_start = torch.cumsum(chosen, 0) - chosen  # and in the piece
     total = int(chosen.sum())
-    shift = to_device(group_start - out_start, device)
-    group = torch.arange(sizes.numel(), device=device).repeat_interleave(
-        to_device(chosen, device), output_size=total
-    )
-    positions = torch.arange(total, device=device) + shift[group]
+    # one copy to the device; then each row's group's shift, added to the row's place
+    shift_and_rows = to_device(torch.stack((group_start - out_start, chosen)), device)
+    shift = shift_and_rows[0].repeat_interleave(shift_and_rows[1], output_size=total)
+    positions = torch.arange(total, device=device) + shift
     return positions, chosen.view(ranks, local).sum(1).tolist()

@@ -15,10 +15,10 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
     AttentionPlan,
     RMSNorm,
-    RotaryEmbedding,
     causal_attention,
     decode_attention,
 )
+from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear, set_shard
 from moe_overlap.model.window_attention import decode_attention as window_decode
 from moe_overlap.model.window_attention import extend_attention, first_key
@@ -77,15 +77,21 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.v_dim)
         if self.v_scale != 1.0:
             v = v * self.v_scale
-        end = ctx.position_end
-        q, k = self._rotate(q, ctx.positions, end), self._rotate(k, ctx.positions, end)
+        q, k = self._rotate(q, k, ctx)
         return (q, k, v) if gate is None else (q, k, v, gate)
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return self.rotary(x, positions, end)
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated as one tensor of ``heads + kv_heads`` heads: one rotation's kernels
+        instead of two (each element's arithmetic is the same)."""
+        x = torch.cat((q, k), dim=1)
         r = self.rotary_dim
-        return torch.cat((self.rotary(x[..., :r], positions, end), x[..., r:]), dim=-1)
+        if r == self.head_dim:
+            x = self.rotary(x, ctx)
+        else:
+            x = torch.cat((self.rotary(x[..., :r], ctx), x[..., r:]), dim=-1)
+        return x[:, : self.heads], x[:, self.heads :]
 
     def core(
         self,
@@ -105,7 +111,7 @@ class GQAttention(nn.Module):
             keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
             values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
             q_dec = q if plan.all_decode else q[plan.decode_rows]
-            dec = decode_attention(q_dec, keys, values, plan.decode_lens, scale)
+            dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), scale)
             if plan.all_decode:
                 out = dec
             else:

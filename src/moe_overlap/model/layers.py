@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -14,13 +13,17 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.transfer import to_device
 from moe_overlap.distributed.groups import Group
-from moe_overlap.model.rope import rope_frequencies
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 
 class RMSNorm(nn.Module):
     """``offset`` 1: a zero-centred norm (Qwen3.5), whose checkpoint weight is the scale's
-    difference from 1; its scale is ``1 + weight``, taken in float32 as transformers does."""
+    difference from 1; its scale is ``1 + weight``, taken in float32 as transformers does.
+
+    One ``F.rms_norm`` call, which is one kernel on CUDA (eight, decomposed as transformers
+    writes it). Its arithmetic is float32 throughout, the scale included, rounded once to the
+    input's dtype; transformers rounds before it scales, so in bfloat16 the two may differ in
+    the last bit (every mode and layout here runs this same norm)."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -29,66 +32,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
-            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-            return (y * (self.offset + self.weight.float())).to(x.dtype)
-        if x.dtype == self.weight.dtype == torch.float32:  # one op, the same arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Default RoPE, or YaRN (``scaling``: its parameters); ``interleaved`` pairs dims
-    (0,1),(2,3)... as DeepSeek's checkpoints expect."""
-
-    inv_freq: torch.Tensor  # a buffer
-
-    def __init__(
-        self,
-        dim: int,
-        theta: float,
-        interleaved: bool = False,
-        scaling: dict[str, Any] | None = None,
-    ):
-        super().__init__()
-        inv_freq, self.factor = rope_frequencies(dim, theta, scaling or {})  # YaRN: scaling
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.interleaved = interleaved
-        self._cos_sin = inv_freq.new_zeros(0, 2, dim)  # per position, grown on demand
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> torch.Tensor:
-        """Rotate ``x`` of shape ``[tokens, heads, dim]`` by each token's position; ``end``
-        bounds the positions (host metadata: reading it from them would wait for the device)."""
-        cos_sin = self._table(end)[positions].to(x.dtype)  # one lookup, not cos/sin per call
-        cos, sin = cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
-        if self.interleaved:
-            # de-interleave (x0, x1, x2, x3...) into (x0, x2, ..., x1, x3, ...) first
-            t, h, d = x.shape
-            x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
-        return x * cos + _rotate_half(x) * sin
-
-    def allocate(self, positions: int) -> None:
-        """The table for ``positions`` now, so it never moves later (a CUDA graph holds it)."""
-        self._table(positions)
-
-    def _table(self, need: int) -> torch.Tensor:
-        have = self._cos_sin.shape[0]
-        if need > have:
-            n = max(need, 2 * have, 256)
-            with torch.inference_mode(False):  # a plain tensor: usable outside inference too
-                freqs = torch.arange(n, dtype=torch.float, device=self.inv_freq.device)[:, None]
-                emb = torch.cat((freqs * self.inv_freq,) * 2, dim=-1)
-                self._cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)
-                if self.factor != 1.0:
-                    self._cos_sin *= self.factor
-        return self._cos_sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            scale = self.offset + self.weight.float()
+            return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -138,6 +84,19 @@ class AttentionPlan:
     decode_min_len: int  # the shortest: a sliding window's decode reads from its first key
     extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
+    # the decode rows' key masks, per padded key count: built by the first layer, reused
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def decode_mask(self, keys: int) -> torch.Tensor | None:
+        """Which of ``keys`` padded keys each decode row sees, ``[B, 1, 1, keys]`` (SDPA's key
+        padding mask); None when every row sees them all (no mask: the faster kernel)."""
+        lens = self.decode_lens
+        if lens is None:
+            return None
+        if keys not in self._masks:
+            seen = torch.arange(keys, device=lens.device) < lens[:, None]
+            self._masks[keys] = seen[:, None, None, :]
+        return self._masks[keys]
 
     @classmethod
     def of_context(cls, ctx: ForwardContext) -> AttentionPlan:
@@ -261,20 +220,17 @@ def _lower_right_causal(new: int, length: int, device: torch.device) -> torch.Te
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """One new token per sequence: ``q [B, heads, d]`` over padded ``k/v [B, L, kv_heads, d]``,
-    sequence b seeing its first ``lens[b]`` keys (all ``L`` when ``lens`` is None: no mask, the
-    faster kernel). Returns ``[B, heads, v_dim]``.
+    sequence b seeing the keys ``mask [B, 1, 1, L]`` marks (``AttentionPlan.decode_mask``; all
+    ``L`` when None: no mask, the faster kernel). Returns ``[B, heads, v_dim]``.
 
     The query heads sharing a KV head attend as that head's queries (``[B, kv_heads, group,
     d]``): no repeated K/V, and SDPA's fused path with a key-padding mask.
     """
     b, heads, d = q.shape
     kv_heads = k.shape[2]
-    mask = None
-    if lens is not None:
-        mask = (torch.arange(k.shape[1], device=k.device) < lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.reshape(b, kv_heads, heads // kv_heads, d),
         k.transpose(1, 2),

@@ -16,8 +16,9 @@ from moe_overlap.core.hf_config import read_json, refuse_quantized
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.fused_experts import FusedExperts
-from moe_overlap.model.layers import RMSNorm, RotaryEmbedding
+from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.router import Router
 from moe_overlap.model.tensor_parallel import ModelParallel, Shard
 

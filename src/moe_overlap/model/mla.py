@@ -17,10 +17,10 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
     AttentionPlan,
     RMSNorm,
-    RotaryEmbedding,
     causal_attention,
     decode_attention,
 )
+from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
@@ -71,9 +71,10 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(t, self.heads, self.qk_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, self.rotary(q_pe, ctx.positions, ctx.position_end)), dim=-1)
-        k_pe = self.rotary(k_pe[:, None, :], ctx.positions, ctx.position_end)[:, 0]
-        return q, self.kv_a_layernorm(latent), k_pe
+        # q's heads and the one shared k_pe rotate as one tensor: one rotation's kernels
+        rotated = self.rotary(torch.cat((q_pe, k_pe[:, None, :]), dim=1), ctx)
+        q = torch.cat((q_nope, rotated[:, : self.heads]), dim=-1)
+        return q, self.kv_a_layernorm(latent), rotated[:, self.heads]
 
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
@@ -88,7 +89,7 @@ class MLAttention(nn.Module):
                 cache.gather(layer, "k_pe", plan.decode_slots, plan.decode_max_len),
             )
             q_dec = q if plan.all_decode else q[plan.decode_rows]
-            dec = decode_attention(q_dec, keys, values, plan.decode_lens, self.scale)
+            dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), self.scale)
             if plan.all_decode:
                 out = dec
             else:

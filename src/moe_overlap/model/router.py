@@ -47,10 +47,11 @@ class Router(nn.Module):
             weights = scores.gather(1, ids)
         # transformers' DeepSeek-V2 router ignores norm_topk_prob (it only scales)
         if cfg.norm_topk_prob and cfg.model_type != "deepseek_v2":
-            weights = weights / (
-                weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.deepseek_moe else 0)
-            )
-        return ids, weights * cfg.routed_scaling_factor
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total + 1e-20 if cfg.deepseek_moe else total)
+        if cfg.routed_scaling_factor != 1.0:  # x * 1.0 is x: a kernel saved, not a bit changed
+            weights = weights * cfg.routed_scaling_factor
+        return ids, weights
 
 
 def _group_limited_topk(choice: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
+from moe_overlap.core.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -166,20 +167,28 @@ def _staged_rows(batch: ForwardBatch, child: list[Piece]) -> DecodeInputs | None
 
 
 def merge_logits(batch: ForwardBatch, plan: Plan, logits: list[torch.Tensor]) -> torch.Tensor:
-    """Reassemble the children's logits into the rows ``batch.logit_rows()`` promises."""
-    rows_of: dict[int, list[torch.Tensor]] = {}
+    """Reassemble the children's logits into the rows ``batch.logit_rows()`` promises: one
+    concatenation, then one gather of the rows kept, in sequence order (none when they are
+    already in order: a decode batch cut by sequences)."""
+    rows_of: dict[int, list[range]] = {}
+    offset = 0  # the child's first row in the concatenation
     for child, child_logits in zip(plan, logits, strict=True):
-        row = 0
+        row = offset
         for p in child:
             every = batch.all_logits[p.seq]
             n = p.length if every else 1
             ends_seq = p.start + p.length == batch.extend_lens[p.seq]
             if every or ends_seq:  # a cut piece's last-token row is not the sequence's
-                rows_of.setdefault(p.seq, []).append(child_logits[row : row + n])
+                rows_of.setdefault(p.seq, []).append(range(row, row + n))
             row += n
+        offset += child_logits.shape[0]
     if not rows_of:
         return logits[0][:0] if logits else torch.zeros(0)
-    return torch.cat([torch.cat(rows_of[s]) for s in range(batch.num_seqs)])
+    rows = [i for s in range(batch.num_seqs) for span in rows_of[s] for i in span]
+    whole = torch.cat(logits)
+    if rows == list(range(whole.shape[0])):
+        return whole
+    return whole[to_device(torch.tensor(rows, dtype=torch.long), whole.device)]
 
 
 def _seq_starts(batch: ForwardBatch) -> list[int]:

@@ -41,8 +41,8 @@ from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.transfer import copy_to
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.layers import RotaryEmbedding
 from moe_overlap.model.moe import ExpertBank, grouped_fits
+from moe_overlap.model.rope import RotaryEmbedding
 
 MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
 GRAPH_MODES = ("none", "tbo")

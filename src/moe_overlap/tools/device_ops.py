@@ -1,0 +1,86 @@
+"""Count the device operations a forward issues, on a machine without a GPU.
+
+An eager forward on a GPU is bound by its host: each operation costs a kernel launch of a few
+microseconds, however little work the kernel does. How many operations a forward issues is
+therefore what its host time follows, and it can be counted anywhere: the model runs on
+``meta`` tensors (shapes, no data), and every operation that reads or writes one is counted,
+except views, allocations and conversions that return their input (none launches a kernel).
+The forward runs under ``inference_mode``, as the engine's does, so a composite operation
+(``rms_norm``, ``linear``, ``scaled_dot_product_attention``) counts once, as the one kernel it
+is on CUDA, not as the steps its CPU fallback takes.
+
+The experts' own kernels differ by device (a grouped GEMM on sm90+, a padded batched matmul or a
+loop elsewhere); on ``meta`` the padded path runs. Everything else runs as it would on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.device import torch_dtype
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.loader import place_model
+from moe_overlap.runtime.model_runner import ModelRunner
+
+_ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
+
+
+def _is_meta(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+class DeviceOpCounter(TorchDispatchMode):
+    """Counts, by aten name, the operations that touch a ``meta`` tensor and would launch a
+    kernel on a GPU. Host metadata (CPU tensors) is not counted; its copy to the device is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        inputs = [*args, *kwargs.values()]
+        outputs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if name in _ALLOCATIONS or not any(_is_meta(t) for t in inputs + outputs):
+            return out
+        if not func._schema.is_mutable and _aliases(outputs, inputs):
+            return out  # a view, or a conversion to what the tensor already is
+        self.ops[name] += 1
+        return out
+
+
+def _aliases(outputs: list, inputs: list) -> bool:
+    """Whether an output shares its input's memory (``reshape`` and ``to`` may or may not)."""
+    # under inference_mode views keep no ``_base``; the storages still tell
+    same = torch._C._is_alias_of  # type: ignore[attr-defined]
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    return any(isinstance(o, torch.Tensor) and any(same(o, t) for t in tensors) for o in outputs)
+
+
+def meta_runner(cfg: ModelConfig, dtype: str = "bfloat16", max_len: int = 1024, seqs: int = 64):
+    """A one-process runner of ``cfg`` built on ``meta`` tensors: no weight or cache memory
+    at all, so a full-size model counts as cheaply as a tiny one."""
+    with torch.device("meta"):
+        model = MoeForCausalLM(cfg)
+    place_model(model, "meta", torch_dtype(dtype))
+    return ModelRunner(model.eval(), LocalDispatcher(cfg.num_experts), seqs, max_len)
+
+
+def count_forward(
+    runner: ModelRunner, batch: ForwardBatch, overlap: OverlapConfig | None = None
+) -> Counter[str]:
+    """The device operations of one forward of ``batch``, after a first forward has grown the
+    caches and tables a steady-state step finds already there."""
+    runner.forward(batch, overlap)
+    with DeviceOpCounter() as counter:
+        runner.forward(batch, overlap)
+    return counter.ops
