@@ -15,7 +15,10 @@ from moe_overlap.runtime.cuda_graphs import DecodeGraphs, graph_sizes, key_bucke
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.helpers import TINY, max_abs_diff
 
-SLOTS, LENGTHS = [0, 2, 5], [3, 40, 300]  # one context past the shortest key bucket (256)
+SLOTS, LENGTHS = [0, 2, 5], [3, 40, 300]
+DBO = OverlapConfig(
+    "dbo", dbo_decode_token_threshold=1
+)  # micro-batches from 2 tokens on  # one context past the shortest key bucket (256)
 
 
 def test_sizes_and_key_buckets():
@@ -46,15 +49,23 @@ def _prefilled(family: str):
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
     runner, cfg = _prefilled(family)
-    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, max_bs=4, capture=False)
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        runner._logits,
+        max_bs=4,
+        capture=False,
+        mode_ran=lambda: runner.last_mode,
+    )
     step = ForwardBatch(torch.tensor([7, 8, 9]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
     untouched = {k: v[[1, 3, 4]].clone() for k, v in runner.kv_cache.layers[0].items()}
-    for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1)):
+    for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1), DBO):
         eager = runner.forward(step, overlap)
         runner.graphs = graphs
         assert graphs.covers(step, overlap)
         replayed = runner.forward(step, overlap)
         runner.graphs = None
+        assert runner.last_mode == overlap.mode  # TBO and DBO did cut the padded batch
         assert replayed.shape == eager.shape == (3, cfg.vocab_size)
         assert max_abs_diff(replayed, eager) <= 1e-4
         assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
@@ -79,6 +90,26 @@ def test_prefill_and_other_modes_stay_eager():
     assert DecodeGraphs.supported(runner.model, torch.device("cpu"), runner.dispatcher) == (
         "CUDA graphs run on CUDA devices only"
     )
+
+
+def test_a_graph_reports_the_mode_its_forward_ran():
+    """A decode of one sequence is too small for TBO (``tbo_min_tokens`` 2): its graph holds
+    the plain forward, and the runner says so."""
+    runner, _ = _prefilled("qwen3_moe")
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        runner._logits,
+        max_bs=2,
+        capture=False,
+        mode_ran=lambda: runner.last_mode,
+    )
+    one = ForwardBatch(torch.tensor([4]), SLOTS[:1], LENGTHS[:1], [1], is_decode=[True])
+    runner.forward(one, OverlapConfig("tbo"))
+    assert runner.last_mode == "none"
+    two = ForwardBatch(torch.tensor([1, 2]), SLOTS[:2], LENGTHS[:2], [1, 1], is_decode=[True] * 2)
+    runner.forward(two, OverlapConfig("tbo"))
+    assert runner.last_mode == "tbo"
 
 
 def test_cuda_graph_max_bs_below_one_is_refused():

@@ -1,5 +1,6 @@
 """On a GPU: decode replayed from CUDA graphs gives the buffer-fed forward's logits bit for bit
-and the eager engine's greedy tokens, in bf16 (the grouped GEMM's dtype) with and without TBO."""
+and the eager engine's greedy tokens, in bf16 (the grouped GEMM's dtype), without overlap and
+with TBO or DBO (whose two threads launch on two streams the capture takes in)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from tests.helpers import TINY
 from tests.test_cuda_graphs import MODELS
 
 pytestmark = needs_gpu
-MODES = {"none": OverlapConfig("none"), "tbo": OverlapConfig("tbo", tbo_min_tokens=1)}
+MODES = {
+    "none": OverlapConfig("none"),
+    "tbo": OverlapConfig("tbo", tbo_min_tokens=1),
+    "dbo": OverlapConfig("dbo", dbo_decode_token_threshold=1),
+}
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -46,7 +51,14 @@ def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
     assert torch.equal(again, replayed)
 
 
-@pytest.mark.parametrize("overlap", [{}, {"enable_two_batch_overlap": True, "tbo_min_tokens": 1}])
+@pytest.mark.parametrize(
+    "overlap",
+    [
+        {},
+        {"enable_two_batch_overlap": True, "tbo_min_tokens": 1},
+        {"enable_dbo": True, "dbo_decode_token_threshold": 1},
+    ],
+)
 def test_graph_decode_gives_the_eager_engines_tokens(overlap):
     cfg = ModelConfig(**TINY["qwen3_moe"])
     prompts = [[1 + i, 5, 9, 2 * i + 3][: 1 + i % 4] for i in range(7)]

@@ -14,7 +14,7 @@ AUTO_MODES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # what auto chooses among (
 DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlapConfig:
     mode: str = "none"  # none | tbo | sbo | dbo | auto
     tbo_token_distribution_threshold: float = DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD

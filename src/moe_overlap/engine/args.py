@@ -140,9 +140,9 @@ class LayoutArgs:
     cuda_graph_max_bs: int = setting(
         64,
         "on CUDA, decode batches of up to this many sequences per rank replay from CUDA graphs "
-        "(one per batch-size and key-length bucket, captured when first met); where the "
-        "step communicates (--ep/--tp/--pp > 1, PD-mux) or the model has linear attention, "
-        "decode runs eagerly",
+        "(one per batch-size, key-length and overlap bucket, captured when first met; with "
+        "no overlap, TBO or DBO); under SBO or auto, where the step communicates "
+        "(--ep/--tp/--pp > 1, PD-mux) or the model has linear attention, decode runs eagerly",
         group="device",
     )
     disable_cuda_graph: bool = setting(

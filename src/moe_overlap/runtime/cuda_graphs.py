@@ -21,7 +21,13 @@ What the graph holds must never read the device from the host: the dispatch's co
 the device, which the local backend's grouped GEMM allows (bf16 on sm90+, one rank). Every
 other step runs eagerly, as before: prefill and mixed steps, other backends, linear-attention
 layers (their state cache indexes by the host's slots), pipeline stages, PD multiplexing,
-recorded steps, and overlap modes other than none and TBO.
+recorded steps, and SBO and auto.
+
+TBO's micro-batches run one after the other on the capturing stream. DBO's run on two threads,
+each launching on its own stream (``distributed/streams.py: MicroBatchStreams``), which fork
+from the caller's stream and join it again, so the capture takes in both. A capture that
+fails runs that bucket's forward eagerly from then on, with a warning: the capture itself
+has run nothing.
 
 With ``capture=False`` the same padded, buffer-fed forward runs eagerly instead of replaying:
 the CPU tests check everything here but the capture itself.
@@ -30,7 +36,7 @@ the CPU tests check everything here but the capture itself.
 from __future__ import annotations
 
 import bisect
-import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,8 +50,9 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.moe import ExpertBank, grouped_fits
 from moe_overlap.model.rope import RotaryEmbedding
 
+log = logging.getLogger(__name__)
 MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
-GRAPH_MODES = ("none", "tbo")
+GRAPH_MODES = ("none", "tbo", "dbo")
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -64,11 +71,13 @@ def key_bucket(length: int, max_len: int) -> int:
 class _Graph:
     staged: torch.Tensor  # [3, size] int64 on the device: ids, positions, slots
     replay: Callable[[], torch.Tensor]  # the logits, in the graph's own buffer
+    mode: str  # the overlap mode its forward ran (TBO and DBO decline a batch too small)
 
 
 class DecodeGraphs:
-    """One runner's decode graphs. ``forward_eager`` is the runner's forward without graphs;
-    the cache's last slot is the scratch slot padding rows write."""
+    """One runner's decode graphs. ``forward_eager`` is the runner's forward without graphs,
+    ``mode_ran`` the overlap mode its last call ran; the cache's last slot is the scratch slot
+    padding rows write."""
 
     def __init__(
         self,
@@ -77,8 +86,11 @@ class DecodeGraphs:
         forward_eager: Callable[[ForwardBatch, OverlapConfig], torch.Tensor],
         max_bs: int,
         capture: bool = True,
+        mode_ran: Callable[[], str] = lambda: "none",
     ):
         self.kv_cache, self.forward_eager, self.capture = kv_cache, forward_eager, capture
+        self.mode_ran = mode_ran
+        self.last_mode = "none"  # the mode the last replay's forward ran
         self.sizes = graph_sizes(max_bs)
         self.scratch = kv_cache.num_slots - 1
         self.device = kv_cache.device
@@ -120,7 +132,7 @@ class DecodeGraphs:
         n = batch.num_seqs
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         keys = key_bucket(max(batch.seq_lens), self.kv_cache.max_len)
-        key = (size, keys, dataclasses.astuple(cfg))
+        key = (size, keys, cfg)
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, keys, cfg)
         graph = self.graphs[key]
@@ -134,6 +146,7 @@ class DecodeGraphs:
             dtype=torch.long,
         )
         copy_to(graph.staged, host)
+        self.last_mode = graph.mode
         return graph.replay()[:n].clone()  # the graph's buffer is the next replay's too
 
     def _capture(self, size: int, keys: int, cfg: OverlapConfig) -> _Graph:
@@ -151,19 +164,31 @@ class DecodeGraphs:
         def run() -> torch.Tensor:
             return self.forward_eager(batch, cfg)
 
-        if not self.capture:
-            return _Graph(staged, run)
-        side = torch.cuda.Stream(self.device)  # warm up off the default stream, as torch asks
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        side = torch.cuda.Stream(self.device) if self.capture else None
+        if side is not None:  # warm up off the default stream, as torch asks
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # None: the current stream (CPU: no streams)
             run()
+        mode = self.mode_ran()
+        if side is None:
+            return _Graph(staged, run, mode)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = run()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = run()
+        except RuntimeError as error:  # a capture records and runs nothing: eager is safe
+            log.warning(
+                "decode of %d sequences under %s runs eagerly: its CUDA graph failed to "
+                "capture (%s)",
+                size,
+                cfg.mode,
+                error,
+            )
+            return _Graph(staged, run, mode)
 
         def replay() -> torch.Tensor:
             graph.replay()
             return logits
 
-        return _Graph(staged, replay)
+        return _Graph(staged, replay, mode)

@@ -6,7 +6,6 @@ each scheme is built once, on first use.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -81,17 +80,25 @@ class ModelRunner:
         self.ops = build_operations(model, strategy_for(model, "none"))
         self.overlap = overlap or OverlapConfig(mode="none")
         self.timeline = timeline or Timeline()
-        self._schemes: dict[tuple, OverlapScheme] = {}
+        self._schemes: dict[OverlapConfig, OverlapScheme] = {}
         # under --pp the stage drives forward_stage; under PD-mux the lane runs prefill waves
         self.pipeline = None if pp_group is None else PipelineStage(self, pp_group)
         self.prefill_lane = None if prefill_lane is None else PrefillLane(self, *prefill_lane)
         self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
         self.graphs = (
-            DecodeGraphs(model, self.kv_cache, self._logits, cuda_graph_max_bs) if graphs else None
+            DecodeGraphs(
+                model,
+                self.kv_cache,
+                self._logits,
+                cuda_graph_max_bs,
+                mode_ran=lambda: self.last_mode,
+            )
+            if graphs
+            else None
         )
 
     def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:
-        key = dataclasses.astuple(cfg)
+        key = cfg  # frozen: hashable, and cheaper than a deep astuple per forward
         if key not in self._schemes:
             self._schemes[key] = SCHEMES[cfg.mode](self.model, cfg, self.group)
         return self._schemes[key]
@@ -104,8 +111,9 @@ class ModelRunner:
             return self.pipeline.forward(batch, overlap)
         cfg = overlap or self.overlap
         if self.graphs is not None and not self.timeline.enabled and self.graphs.covers(batch, cfg):
-            self.last_mode = cfg.mode  # what the captured forward ran
-            return self.graphs.forward(batch, cfg)
+            logits = self.graphs.forward(batch, cfg)
+            self.last_mode = self.graphs.last_mode  # what the captured forward ran
+            return logits
         return self._logits(batch, cfg)
 
     def _logits(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:
