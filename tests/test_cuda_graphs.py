@@ -36,6 +36,18 @@ MODELS = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
 }
 
 
+def eager_graphs(runner, max_bs: int) -> DecodeGraphs:
+    """``runner``'s decode graphs, each running its padded, buffer-fed forward eagerly."""
+    return DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        runner._logits,
+        max_bs,
+        capture=False,
+        mode_ran=lambda: runner.last_mode,
+    )
+
+
 def _prefilled(family: str):
     cfg = MODELS[family]()
     # one slot more than the sequences use: the last is the graphs' scratch slot
@@ -49,14 +61,7 @@ def _prefilled(family: str):
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
     runner, cfg = _prefilled(family)
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner._logits,
-        max_bs=4,
-        capture=False,
-        mode_ran=lambda: runner.last_mode,
-    )
+    graphs = eager_graphs(runner, 4)
     step = ForwardBatch(torch.tensor([7, 8, 9]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
     untouched = {k: v[[1, 3, 4]].clone() for k, v in runner.kv_cache.layers[0].items()}
     for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1), DBO):
@@ -79,7 +84,7 @@ def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
 
 def test_prefill_and_other_modes_stay_eager():
     runner, _ = _prefilled("qwen3_moe")
-    graphs = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, max_bs=2, capture=False)
+    graphs = eager_graphs(runner, 2)
     decode = ForwardBatch(torch.tensor([1, 2, 3]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
     assert not graphs.covers(decode, OverlapConfig("none"))  # 3 sequences > max_bs 2
     prefill = ForwardBatch(torch.tensor([1, 2]), [1], [0], [2])
@@ -96,14 +101,7 @@ def test_a_graph_reports_the_mode_its_forward_ran():
     """A decode of one sequence is too small for TBO (``tbo_min_tokens`` 2): its graph holds
     the plain forward, and the runner says so."""
     runner, _ = _prefilled("qwen3_moe")
-    runner.graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner._logits,
-        max_bs=2,
-        capture=False,
-        mode_ran=lambda: runner.last_mode,
-    )
+    runner.graphs = eager_graphs(runner, 2)
     one = ForwardBatch(torch.tensor([4]), SLOTS[:1], LENGTHS[:1], [1], is_decode=[True])
     runner.forward(one, OverlapConfig("tbo"))
     assert runner.last_mode == "none"

@@ -15,7 +15,7 @@ from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY
-from tests.test_cuda_graphs import MODELS
+from tests.test_cuda_graphs import MODELS, eager_graphs
 
 pytestmark = needs_gpu
 MODES = {
@@ -42,7 +42,7 @@ def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
         torch.tensor([1, 2, 3]), [0, 3, 5], [5, 200, 0], [1, 1, 1], is_decode=[True] * 3
     )  # slot 5's first token: a sequence of one
     overlap = MODES[mode]
-    eager = DecodeGraphs(runner.model, runner.kv_cache, runner._logits, 4, capture=False)
+    eager = eager_graphs(runner, 4)
     expected = eager.forward(step, overlap)
     replayed = runner.forward(step, overlap)
     assert runner.graphs.graphs, "the step did not run from a graph"
