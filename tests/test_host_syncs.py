@@ -44,9 +44,9 @@ def _counted(calls: list[int]):
     return read_counts
 
 
-def _meta_runner(family: str, backend: str):
+def _meta_runner(family: str, backend: str, dtype: str = "float32"):
     cfg = ModelConfig(**TINY[family])
-    runner = meta_runner(cfg, "float32", max_len=64, seqs=4)
+    runner = meta_runner(cfg, dtype, max_len=64, seqs=4)
     if backend == "torch":  # the all-to-all path on a one-rank group
         runner.dispatcher = AllToAllDispatcher(Group.single(name="ep"), cfg.num_experts)
     elif backend == "none":  # the tensor-parallel MoE's path, one rank
@@ -75,6 +75,21 @@ def test_forward_reads_the_device_once_per_dispatch(family, backend, mode, monke
         micro_batches = 2 if mode == "tbo" else 1
         assert len(calls) == moe_layers * micro_batches
         assert sum(calls) == batch.num_tokens * runner.model.cfg.num_experts_per_tok * moe_layers
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("mode", ["none", "tbo"])
+def test_one_process_grouped_experts_read_nothing(family, mode, monkeypatch):
+    """bf16 experts that run as one grouped GEMM (sm90+; ``meta`` stands in for it) take the
+    local dispatch's counts on the device: a one-process decode reads the device not once
+    (what lets a CUDA graph hold the step)."""
+    calls: list[int] = []
+    monkeypatch.setattr(dispatcher, "read_counts", _counted(calls))
+    runner, _ = _meta_runner(family, "local", "bfloat16")
+    overlap = None if mode == "none" else OverlapConfig(mode, tbo_min_tokens=1)
+    for batch in (DECODE, MIXED):
+        assert runner.forward(batch, overlap).shape[0] == len(batch.logit_rows())
+    assert calls == []
 
 
 @pytest.mark.parametrize(

@@ -120,7 +120,9 @@ class GQAttention(nn.Module):
             keys = cache.gather(layer, "k", group.slots, group.length)
             values = cache.gather(layer, "v", group.slots, group.length)
             q_group = q[group.rows].unflatten(0, (-1, group.new))
-            attended = causal_attention(q_group, keys, values, group.prefix, scale)
+            attended = causal_attention(
+                q_group, keys, values, group.prefix, scale, plan.causal_masks
+            )
             out[group.rows] = attended.flatten(0, 1)
         return self._output(out, gate)
 

@@ -86,6 +86,10 @@ class AttentionPlan:
     all_decode: bool  # every token is a decode row, in batch order
     # the decode rows' key masks, per padded key count: built by the first layer, reused
     _masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # the extends' lower-right causal masks, per (queries, keys): built once, like the above
+    causal_masks: dict[tuple[int, int], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def decode_mask(self, keys: int) -> torch.Tensor | None:
         """Which of ``keys`` padded keys each decode row sees, ``[B, 1, 1, keys]`` (SDPA's key
@@ -175,7 +179,12 @@ QUERY_BLOCK = 256
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    masks: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [n, new, heads, d]`` over ``n`` sequences' cached
     ``k/v [n, length, kv_heads, d]``; returns ``[n, new, heads, v_dim]``.
@@ -184,30 +193,45 @@ def causal_attention(
     causal mask aligned to the lower right. With no prefix that is SDPA's own causal path; after
     a prefix, a boolean mask (what torch's ``CausalBias`` materialises on CPU anyway, without
     importing its dynamo machinery into every rank), over blocks of at most ``QUERY_BLOCK``
-    queries. GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
+    queries; ``masks`` keeps each block's mask for the next layer (``AttentionPlan
+    .causal_masks``). GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never
+    copied.
     """
+    masks = {} if masks is None else masks
     new, length = q.shape[1], k.shape[1]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
     if not prefix_len or new <= QUERY_BLOCK:
-        return _attend(q, k, v, prefix_len, scale)
+        return _attend(q, k, v, prefix_len, scale, masks)
     parts = -(-new // QUERY_BLOCK)  # near-equal blocks of at most QUERY_BLOCK queries
     bounds = [new * i // parts for i in range(parts + 1)]
     blocks = [
-        _attend(q[:, a:b], k[:, : prefix_len + b], v[:, : prefix_len + b], prefix_len + a, scale)
+        _attend(
+            q[:, a:b], k[:, : prefix_len + b], v[:, : prefix_len + b], prefix_len + a, scale, masks
+        )
         for a, b in itertools.pairwise(bounds)
     ]
     return torch.cat(blocks, dim=1)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+    masks: dict[tuple[int, int], torch.Tensor],
 ) -> torch.Tensor:
     new, length = q.shape[1], k.shape[1]
+    mask = None
+    if prefix_len:
+        if (new, length) not in masks:
+            masks[new, length] = _lower_right_causal(new, length, q.device)
+        mask = masks[new, length]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=_lower_right_causal(new, length, q.device) if prefix_len else None,
+        attn_mask=mask,
         is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],

@@ -100,7 +100,9 @@ class MLAttention(nn.Module):
                 cache.gather(layer, "k_pe", group.slots, group.length),
             )
             q_group = q[group.rows].unflatten(0, (-1, group.new))
-            attended = causal_attention(q_group, keys, values, group.prefix, self.scale)
+            attended = causal_attention(
+                q_group, keys, values, group.prefix, self.scale, plan.causal_masks
+            )
             out[group.rows] = attended.flatten(0, 1)
         # explicit width: an idle micro-batch has zero tokens, and reshape(0, -1) is ambiguous
         return self.o_proj(out.reshape(out.shape[0], self.heads * self.v_dim))

@@ -178,10 +178,12 @@ def grouped_fits(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]
     """Whether the experts run as a grouped GEMM: torch has one, the rows are bf16 on an sm90+
     GPU (its kernel's target), and every row is 16-byte aligned (dims multiples of 8).
     Elsewhere, fp32 on CPU included, the padded batched matmul or the per-expert loop runs,
-    unchanged."""
-    if GROUPED_MM is None or device.type != "cuda" or dtype != torch.bfloat16:
+    unchanged. bf16 on ``meta`` (a dry run that counts a GPU's kernels, ``tools/device_ops.py``)
+    takes the GPU's path."""
+    if GROUPED_MM is None or device.type not in ("cuda", "meta") or dtype != torch.bfloat16:
         return False
-    return _capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims)
+    gpu = device.type == "meta" or _capability(device) >= (9, 0)
+    return gpu and all(d % 8 == 0 for d in dims)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:

@@ -9,8 +9,10 @@ The forward runs under ``inference_mode``, as the engine's does, so a composite 
 (``rms_norm``, ``linear``, ``scaled_dot_product_attention``) counts once, as the one kernel it
 is on CUDA, not as the steps its CPU fallback takes.
 
-The experts' own kernels differ by device (a grouped GEMM on sm90+, a padded batched matmul or a
-loop elsewhere); on ``meta`` the padded path runs. Everything else runs as it would on a GPU.
+In bf16 the experts run as the grouped GEMM an sm90+ GPU runs (``model/moe.py: grouped_fits``
+takes ``meta`` for such a GPU); in fp32 as the padded batched matmul or the loop of other
+devices. Only the calling thread's operations are counted: DBO's micro-batches run on threads
+of their own.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.device import torch_dtype
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
 from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.distributed.emulated import EmulatedGroup
+from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import place_model
+from moe_overlap.model.tensor_parallel import ModelParallel
 from moe_overlap.runtime.model_runner import ModelRunner
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
@@ -66,13 +72,25 @@ def _aliases(outputs: list, inputs: list) -> bool:
     return any(isinstance(o, torch.Tensor) and any(same(o, t) for t in tensors) for o in outputs)
 
 
-def meta_runner(cfg: ModelConfig, dtype: str = "bfloat16", max_len: int = 1024, seqs: int = 64):
+def meta_runner(
+    cfg: ModelConfig,
+    dtype: str = "bfloat16",
+    max_len: int = 1024,
+    seqs: int = 64,
+    emulate_peers: int = 0,
+) -> ModelRunner:
     """A one-process runner of ``cfg`` built on ``meta`` tensors: no weight or cache memory
-    at all, so a full-size model counts as cheaply as a tiny one."""
+    at all, so a full-size model counts as cheaply as a tiny one. ``emulate_peers`` N: rank 0
+    of ep=N with its peers emulated, as ``bench --emulate-peers`` runs it."""
+    par = ModelParallel(Group.single(name="attn_tp"), 0, emulate_peers or 1)
     with torch.device("meta"):
-        model = MoeForCausalLM(cfg)
+        model = MoeForCausalLM(cfg, par)
     place_model(model, "meta", torch_dtype(dtype))
-    return ModelRunner(model.eval(), LocalDispatcher(cfg.num_experts), seqs, max_len)
+    if not emulate_peers:
+        return ModelRunner(model.eval(), LocalDispatcher(cfg.num_experts), seqs, max_len)
+    group = EmulatedGroup(emulate_peers, torch.device("meta"))
+    dispatcher = EmulatedAllToAllDispatcher(group, cfg.num_experts)
+    return ModelRunner(model.eval(), dispatcher, seqs, max_len, group=group)
 
 
 def count_forward(
