@@ -17,7 +17,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layout
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layouts
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
@@ -71,16 +71,16 @@ def test_balanced_blocks_even_the_rows_not_the_experts():
 # --- the per-block split arithmetic, on fake ranks in one process --------------------------
 
 
-def test_piece_layout_by_hand():
+def test_piece_layouts_by_hand():
     # 2 ranks x 3 local experts; rows grouped (rank, expert): r0: e0 e0 e2 | r1: e0 e1 e1 e1
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
-    positions, per_rank = piece_layout(counts, [range(1, 3)] * 2)
-    assert positions.tolist() == [2, 4, 5, 6] and per_rank == [1, 3]
-    positions, per_rank = piece_layout(counts, [range(0, 1)] * 2)
-    assert positions.tolist() == [0, 1, 3] and per_rank == [2, 1]
+    pieces = [[range(1, 3)] * 2, [range(0, 1)] * 2]
+    positions, cuts = piece_layouts(counts, pieces)
+    assert positions.tolist() == [2, 4, 5, 6, 0, 1, 3]  # the first piece's, then the second's
+    assert cuts == [(slice(0, 4), [1, 3]), (slice(4, 7), [2, 1])]
     # a source's view: each owner cut its experts where its own rows fell
-    positions, per_rank = piece_layout(counts, [range(0, 1), range(0, 2)])
-    assert positions.tolist() == [0, 1, 3, 4, 5, 6] and per_rank == [2, 4]
+    positions, cuts = piece_layouts(counts, [[range(0, 1), range(0, 2)]])
+    assert positions.tolist() == [0, 1, 3, 4, 5, 6] and cuts == [(slice(0, 6), [2, 4])]
 
 
 class _Done:

@@ -128,7 +128,12 @@ class AllToAllState(DispatchState):
     recv: list[int]  # rows I receive from each rank
     owner_blocks: list[list[range]] = field(default_factory=list)  # per rank, its SBO blocks
     perm: torch.Tensor = field(default_factory=_no_rows)  # received rows -> grouped by expert
-    row_of: torch.Tensor = field(default_factory=_no_rows)  # each received row's output row
+    # SBO's pieces: the rows each sends, among the experts' outputs, and where each piece's
+    # returning rows go; per piece its slice of those, and its rows per rank
+    outgoing_rows: torch.Tensor = field(default_factory=_no_rows)
+    incoming: torch.Tensor = field(default_factory=_no_rows)
+    out_cuts: list[tuple[slice, list[int]]] = field(default_factory=list)
+    in_cuts: list[tuple[slice, list[int]]] = field(default_factory=list)
 
 
 class AllToAllDispatcher(Dispatcher[AllToAllState]):
@@ -241,45 +246,55 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
 
     def combine_a_block(self, state: AllToAllState, block: int) -> None:
         """No counts are exchanged: both sides derive the piece's splits from dispatch's
-        counts, so ``combine_b`` sees exactly the rows the unsplit ``combine_a`` would send."""
+        counts, so ``combine_b`` sees exactly the rows the unsplit ``combine_a`` would send.
+        Every piece's layout is made with the first: a few kernels per layer, not per piece."""
         expert_outputs = outputs(state)
         pieces = state.pending
         if not isinstance(pieces, CombinePieces):
             state.pending = pieces = CombinePieces(sum(state.send), expert_outputs)
-            state.row_of = torch.empty_like(state.perm)
-            state.row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
-        mine = state.blocks[block]
-        device = expert_outputs.device
-        outgoing, send = piece_layout(state.recv_counts, [mine] * self.ep, device)
-        blocks = [b[block] for b in state.owner_blocks]
-        incoming, recv = piece_layout(state.counts, blocks, device)
-        rows = expert_outputs[state.row_of[outgoing]]
+            blocks, device = range(len(state.blocks)), expert_outputs.device
+            mine = [[state.blocks[b]] * self.ep for b in blocks]
+            outgoing, state.out_cuts = piece_layouts(state.recv_counts, mine, device)
+            theirs = [[own[b] for own in state.owner_blocks] for b in blocks]
+            state.incoming, state.in_cuts = piece_layouts(state.counts, theirs, device)
+            row_of = torch.empty_like(state.perm)  # each received row's row among the outputs
+            row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
+            state.outgoing_rows = row_of[outgoing]
+        (cut, send), (into, recv) = state.out_cuts[block], state.in_cuts[block]
+        rows = expert_outputs[state.outgoing_rows[cut]]
         kind = f"combine piece {len(pieces.pieces)}"
-        pieces.pieces.append((self._start(kind, rows, send, recv, state.owner), incoming))
+        pieces.pieces.append(
+            (self._start(kind, rows, send, recv, state.owner), state.incoming[into])
+        )
 
 
-def piece_layout(
-    counts: torch.Tensor, experts: list[range], device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, list[int]]:
-    """The rows of local experts ``experts[p]`` of each rank p in a buffer grouped by (rank,
-    local expert): their positions on ``device``, and the rows per rank.
+def piece_layouts(
+    counts: torch.Tensor, pieces: list[list[range]], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, list[tuple[slice, list[int]]]]:
+    """Each piece's rows (piece i: the rows of local experts ``pieces[i][p]`` of each rank p) in
+    a buffer grouped by (rank, local expert): their positions on ``device``, every piece's one
+    after the other, and per piece its slice of them and its rows per rank.
 
     ``counts[p, e]`` (on the host) is the size of group (p, e). A source rank applies it to the
-    counts it sent and each owner's block, an expert owner to the counts it received and its own
-    block, so both agree on every piece's splits and row order. The positions, a row each, are
-    made on the device from the groups' host offsets: the host does no per-row work and reads
-    nothing back.
+    counts it sent and each owner's blocks, an expert owner to the counts it received and its own
+    blocks, so both agree on every piece's splits and row order. The positions, a row each, are
+    made on the device from the groups' host offsets, all pieces' in one copy and three kernels:
+    the host does no per-row work and reads nothing back.
     """
     ranks, local = counts.shape
-    expert = torch.arange(local)
-    inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts]).reshape(-1)
-    sizes = counts.reshape(-1)
-    chosen = sizes * inside
+    expert, sizes = torch.arange(local), counts.reshape(-1)
     group_start = torch.cumsum(sizes, 0) - sizes  # where each group begins in the buffer
-    out_start = torch.cumsum(chosen, 0) - chosen  # and in the piece
-    total = int(chosen.sum())
+    shifts, chosen_rows, cuts, first = [], [], [], 0
+    for experts in pieces:
+        inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts])
+        chosen = sizes * inside.reshape(-1)
+        out_start = torch.cumsum(chosen, 0) - chosen + first  # and in the pieces' positions
+        shifts.append(group_start - out_start)
+        chosen_rows.append(chosen)
+        total = int(chosen.sum())
+        cuts.append((slice(first, first + total), chosen.view(ranks, local).sum(1).tolist()))
+        first += total
     # one copy to the device; then each row's group's shift, added to the row's place
-    shift_and_rows = to_device(torch.stack((group_start - out_start, chosen)), device)
-    shift = shift_and_rows[0].repeat_interleave(shift_and_rows[1], output_size=total)
-    positions = torch.arange(total, device=device) + shift
-    return positions, chosen.view(ranks, local).sum(1).tolist()
+    shift_and_rows = to_device(torch.stack((torch.cat(shifts), torch.cat(chosen_rows))), device)
+    shift = shift_and_rows[0].repeat_interleave(shift_and_rows[1], output_size=first)
+    return torch.arange(first, device=device) + shift, cuts
