@@ -20,8 +20,8 @@ class RMSNorm(nn.Module):
     """``offset`` 1: a zero-centred norm (Qwen3.5), whose checkpoint weight is the scale's
     difference from 1; its scale is ``1 + weight``, taken in float32 as transformers does.
 
-    One ``F.rms_norm`` call: one kernel on CUDA, where the form transformers writes takes
-    eight. Its arithmetic is float32 throughout, the scale included, rounded once to the
+    One ``F.rms_norm`` call: torch's fused norm on CUDA (one or two kernels), where the form
+    transformers writes takes eight. Its arithmetic is float32 throughout, the scale included, rounded once to the
     input's dtype; transformers rounds before it scales, so in bfloat16 the two may differ in
     the last bit (every mode and layout here runs this same norm)."""
 

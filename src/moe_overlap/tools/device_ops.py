@@ -6,8 +6,8 @@ therefore what its host time follows, and it can be counted anywhere: the model 
 ``meta`` tensors (shapes, no data), and every operation that reads or writes one is counted,
 except views, allocations and conversions that return their input (none launches a kernel).
 The forward runs under ``inference_mode``, as the engine's does, so a composite operation
-(``rms_norm``, ``linear``, ``scaled_dot_product_attention``) counts once, as the one kernel it
-is on CUDA, not as the steps its CPU fallback takes.
+(``rms_norm``, ``linear``, ``scaled_dot_product_attention``) counts once, as the fused call it
+is on CUDA (one kernel, or two for the norm), not as the steps its CPU fallback takes.
 
 In bf16 the experts run as the grouped GEMM an sm90+ GPU runs (``model/moe.py: grouped_fits``
 takes ``meta`` for such a GPU); in fp32 as the padded batched matmul or the loop of other
