@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure the README reports, in one run on a machine with a GPU and torch installed
 # (nothing is installed; the package is read from src/). Usage: scripts/gpu_figures.sh OUT_DIR
-# Writes OUT_DIR/{gpu-check,bench-*,profile/*}.txt and prints a summary.
+# Writes OUT_DIR/{gpu-check,bench-*,profile/*,emulate-*,device-ops}.txt and prints a summary.
 set -u
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR}
 mkdir -p "$out"
@@ -58,3 +58,11 @@ PY
     --modes none,sbo,dbo,tbo,tbo+two-chunk,tbo+time-split,tbo3+time-split 2>&1 | tail -24 |
     tee "$out/emulate-$name.txt"
 done
+
+# 5. where the emulated forward's host time goes, per mode (the host's waits in the counts'
+#    copies among them), and the device operations the same forward issues, counted on meta
+"$py" scripts/emulate_profile.py "$cfg" single-long:3072 "model:${bw:-400gbit},20us" \
+  none,tbo,sbo 2>&1 | grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" |
+  tee "$out/emulate-profile.txt"
+"$py" scripts/device_ops.py "$cfg" --emulate-peers 8 --prefill 3072 2>&1 | grep overlap |
+  tee "$out/device-ops.txt"
