@@ -99,13 +99,18 @@ def test_prefill_and_other_modes_stay_eager():
 
 def test_a_graph_reports_the_mode_its_forward_ran():
     """A decode of one sequence is too small for TBO (``tbo_min_tokens`` 2): its graph holds
-    the plain forward, and the runner says so."""
+    the plain forward, and the runner says so, also when a replay runs no Python forward that
+    could tell it."""
     runner, _ = _prefilled("qwen3_moe")
     runner.graphs = eager_graphs(runner, 2)
     one = ForwardBatch(torch.tensor([4]), SLOTS[:1], LENGTHS[:1], [1], is_decode=[True])
+    two = ForwardBatch(torch.tensor([1, 2]), SLOTS[:2], LENGTHS[:2], [1, 1], is_decode=[True] * 2)
+    for batch in (one, two):  # each bucket's "capture"
+        runner.forward(batch, OverlapConfig("tbo"))
+    for graph in runner.graphs.graphs.values():  # from here on, replays as a captured graph's
+        graph.replay = (lambda logits: lambda: logits)(graph.replay())
     runner.forward(one, OverlapConfig("tbo"))
     assert runner.last_mode == "none"
-    two = ForwardBatch(torch.tensor([1, 2]), SLOTS[:2], LENGTHS[:2], [1, 1], is_decode=[True] * 2)
     runner.forward(two, OverlapConfig("tbo"))
     assert runner.last_mode == "tbo"
 

@@ -12,20 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.tools.bench import mode_config
 from tests.family_checks import (
     BUDGETS,
-    CASES,
     PROMPTS,
     ep2_modes_match_one_process,
+    layout_matches_one_process,
+    made_model_matches_transformers,
     matches_transformers,
 )
 from tests.helpers import (
-    KW,
-    PARAMS,
     gpt_oss_hf_config,
     max_abs_diff,
     save_hf_model,
@@ -66,21 +64,8 @@ def test_ep2_modes_match_one_process(checkpoint):
 
 
 def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from moe_overlap.tools.cli import main
-
-    argv = ["make-model", "--hf-config", "configs/gpt-oss-tiny.json", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    prompt = [(11 * i + 5) % 512 for i in range(200)]  # past the 128-token window
-    with LLM(tmp_path) as llm:
-        ours = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
-        )[0]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+    # 200 tokens: past the 128-token window
+    made_model_matches_transformers("configs/gpt-oss-tiny.json", tmp_path, 200)
 
 
 @pytest.mark.parametrize(
@@ -92,14 +77,7 @@ def test_other_layouts_match_one_process(checkpoint, layout):
     """Attention TP (each rank half the heads and their sinks, the o_proj bias added once after
     the all-reduce), DP attention with moe-TP (the down bias added by one moe-TP rank) and two
     pipeline stages, under two-chunk TBO."""
-    cfg = ModelConfig.from_hf(checkpoint[0])
-    with LLM(config=cfg, **KW) as one:
-        base = one.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
-    with LLM(config=cfg, overlap=mode_config("tbo+two-chunk"), **layout, **KW) as llm:
-        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
-    for a, b in zip(base, got, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+    layout_matches_one_process(ModelConfig.from_hf(checkpoint[0]), layout)
 
 
 def test_mxfp4_checkpoints_are_refused_with_the_fix(checkpoint, tmp_path):

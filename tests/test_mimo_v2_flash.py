@@ -8,17 +8,18 @@ against one process without overlap; the Hub's config and tensor names."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap import ModelConfig
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.strategy import build_operations, strategy_for
-from moe_overlap.tools.bench import mode_config
-from tests.family_checks import BUDGETS, CASES, ep2_modes_match_one_process, matches_transformers
+from tests.family_checks import (
+    BUDGETS,
+    ep2_modes_match_one_process,
+    layout_matches_one_process,
+    made_model_matches_transformers,
+    matches_transformers,
+)
 from tests.helpers import (
-    KW,
-    PARAMS,
-    max_abs_diff,
     mimo_hf_config,
     save_hf_model,
 )
@@ -80,21 +81,8 @@ def test_ep2_modes_match_one_process(checkpoint):
 
 
 def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from moe_overlap.tools.cli import main
-
-    argv = ["make-model", "--hf-config", "configs/mimo-v2-flash-tiny.json", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    prompt = [(11 * i + 5) % 512 for i in range(200)]  # past the window
-    with LLM(tmp_path) as llm:
-        ours = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
-        )[0]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+    # 200 tokens: past the window
+    made_model_matches_transformers("configs/mimo-v2-flash-tiny.json", tmp_path, 200)
 
 
 @pytest.mark.parametrize(
@@ -105,14 +93,7 @@ def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
 def test_other_layouts_match_one_process(checkpoint, layout):
     """Attention TP (the full layers' one KV head replicated, the sliding layers' two split),
     DP attention with moe-TP and two pipeline stages, under two-chunk TBO."""
-    cfg = ModelConfig.from_hf(checkpoint[0])
-    with LLM(config=cfg, **KW) as one:
-        base = one.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
-    with LLM(config=cfg, overlap=mode_config("tbo+two-chunk"), **layout, **KW) as llm:
-        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
-    for a, b in zip(base, got, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+    layout_matches_one_process(ModelConfig.from_hf(checkpoint[0]), layout)
 
 
 def test_the_hubs_config_reads_as_the_same_model():

@@ -22,6 +22,7 @@ from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.tools.bench import mode_config
+from tests.family_checks import CASES, layout_matches_one_process, made_model_matches_transformers
 from tests.helpers import (
     KW,
     PARAMS,
@@ -56,10 +57,6 @@ TINY = dict(
     linear_num_value_heads=4,
     max_position_embeddings=256,
 )
-CASES = {
-    "mixed-batch": [[9] * 12, [1, 2], list(range(30, 70)), [70, 71, 72], [5]],
-    "single-long": [[(7 * i) % 80 for i in range(45)]],
-}
 MODES = every_mode()
 
 
@@ -182,23 +179,7 @@ def test_ep2_two_chunk_cuts_the_sequence_and_stays_exact(ep2):
 def test_make_model_writes_a_checkpoint_transformers_reads(tmp_path):
     """configs/qwen3_5-moe-tiny.json through ``make-model``: transformers loads what it wrote
     (the Hub's names and config) and computes our logits."""
-    from transformers import AutoModelForCausalLM
-
-    from moe_overlap.tools.cli import main
-
-    assert (
-        main(["make-model", "--hf-config", "configs/qwen3_5-moe-tiny.json", "--out", str(tmp_path)])
-        == 0
-    )
-    prompt = [(11 * i + 5) % 512 for i in range(70)]
-    with LLM(tmp_path) as llm:
-        ours = llm.generate(
-            [prompt], SamplingParams(temperature=0, max_new_tokens=1), return_logits=True
-        )[0]
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0].float()
-    assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+    made_model_matches_transformers("configs/qwen3_5-moe-tiny.json", tmp_path, 70)
 
 
 def test_planner_costs_linear_attention_linear_in_context():
@@ -239,13 +220,7 @@ def test_other_layouts_match_one_process(ep2, layout):
     stage's state cache holds its own layers' states; a prompt cut between pipeline
     micro-batches runs its pieces in order on every stage), under two-chunk TBO."""
     _, base = ep2
-    with LLM(
-        config=ModelConfig(**TINY), overlap=mode_config("tbo+two-chunk"), **layout, **KW
-    ) as llm:
-        got = llm.generate(CASES["mixed-batch"], PARAMS, return_logits=True)
-    for a, b in zip(base["mixed-batch"], got, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+    layout_matches_one_process(ModelConfig(**TINY), layout, base["mixed-batch"])
 
 
 def test_loads_the_hubs_multimodal_layout(tmp_path):

@@ -150,6 +150,9 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         self.num_experts, self.local = num_experts, num_experts // group.size
         self.timeline = timeline  # records each all-to-all from launch to completion
         self.comm = CommStream(group.device)  # CUDA: the communication stream; CPU: no-op
+        # each received group (source, expert), numbered in the (expert, source) order
+        group_id = torch.arange(self.ep * self.local)
+        self.expert_major = group_id % self.local * self.ep + group_id // self.local
 
     def _start(
         self, kind: str, rows: torch.Tensor, send: list[int], recv: list[int], owner: str
@@ -216,13 +219,10 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         received = in_flight(state).wait()
         state.pending = None
         recv_counts = state.recv_counts
-        # rows arrive grouped by source rank, then expert; regroup by expert, then source. Each
-        # group's place in that order comes from the host (a value per group), each row's on
-        # the device (a value per received row: on the host it would cost milliseconds per
-        # dispatch), in four kernels: one copy, one repeat, one sort, one gather
-        group = torch.arange(self.ep * self.local)
-        place = group % self.local * self.ep + group // self.local
-        both = to_device(torch.stack((place, recv_counts.reshape(-1))), received.device)
+        # rows arrive grouped by source rank, then expert; regroup by expert, then source: each
+        # row's place on the device (on the host it would cost milliseconds per dispatch), in
+        # four kernels: one copy, one repeat, one sort, one gather
+        both = to_device(torch.stack((self.expert_major, recv_counts.reshape(-1))), received.device)
         by_expert = both[0].repeat_interleave(both[1], output_size=received.shape[0])
         state.perm = torch.argsort(by_expert, stable=True)
         state.expert_inputs = received[state.perm]

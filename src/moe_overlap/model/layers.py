@@ -85,7 +85,7 @@ class AttentionPlan:
     extends: list[ExtendGroup]
     all_decode: bool  # every token is a decode row, in batch order
     # the decode rows' key masks, per padded key count: built by the first layer, reused
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _decode_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     # the extends' lower-right causal masks, per (queries, keys): built once, like the above
     causal_masks: dict[tuple[int, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False
@@ -97,10 +97,10 @@ class AttentionPlan:
         lens = self.decode_lens
         if lens is None:
             return None
-        if keys not in self._masks:
+        if keys not in self._decode_masks:
             seen = torch.arange(keys, device=lens.device) < lens[:, None]
-            self._masks[keys] = seen[:, None, None, :]
-        return self._masks[keys]
+            self._decode_masks[keys] = seen[:, None, None, :]
+        return self._decode_masks[keys]
 
     @classmethod
     def of_context(cls, ctx: ForwardContext) -> AttentionPlan:

@@ -3,9 +3,10 @@
 Every rank runs the same synthetic batches in the same order, into a scratch KV cache (the
 engine's own cache holds live sequences): plain forwards of a few shapes fit compute (seconds
 per FLOP, per sequence and per pass) and communication (latency and rate) from the timeline,
-with the fit ``plan --cluster this`` uses too (``core/cost_fit.py``); then each candidate mode runs once and its measured time over the prediction is its starting
-factor. The fits are averaged and the times maxed over ranks, so every rank holds the same
-calibration and takes the same decisions.
+with the fit ``plan --cluster this`` uses too (``core/cost_fit.py``); then each candidate mode
+runs once and its measured time over the prediction is its starting factor. The fits are
+averaged and the times maxed over ranks, so every rank holds the same calibration and takes the
+same decisions.
 """
 
 from __future__ import annotations

@@ -85,8 +85,9 @@ class DecodeGraphs:
         kv_cache: KVCache,
         forward_eager: Callable[[ForwardBatch, OverlapConfig], torch.Tensor],
         max_bs: int,
+        *,
+        mode_ran: Callable[[], str],
         capture: bool = True,
-        mode_ran: Callable[[], str] = lambda: "none",
     ):
         self.kv_cache, self.forward_eager, self.capture = kv_cache, forward_eager, capture
         self.mode_ran = mode_ran
@@ -168,7 +169,7 @@ class DecodeGraphs:
         if side is not None:  # warm up off the default stream, as torch asks
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # None: the current stream (CPU: no streams)
-            run()
+            run()  # the warm-up, which also tells the mode a replay will have run
         mode = self.mode_ran()
         if side is None:
             return _Graph(staged, run, mode)
