@@ -1,68 +1,125 @@
 #!/usr/bin/env bash
-# Every GPU figure the README reports, in one run on a machine with a GPU and torch installed
-# (nothing is installed; the package is read from src/). Usage: scripts/gpu_figures.sh OUT_DIR
-# Writes OUT_DIR/{gpu-check,bench-*,profile/*,emulate-*,device-ops}.txt and prints a summary.
-set -u
-out=${1:?usage: scripts/gpu_figures.sh OUT_DIR}
+# Every GPU figure the README reports, in ONE device call of at most 8 minutes, on a machine
+# with a GPU and torch already installed (nothing is installed; the package is read from src/).
+#
+# Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
+#   STEPS: a comma list of emulated,decode,decode-ll,prefill,profile,device-ops,gpu-check
+#          (default all; decode-ll runs only with decode)
+#
+# The emulated runs come first (they are what the overlap criteria judge), then the one-process
+# forward, the profiles and last the GPU checks. Every step has its own `timeout`; a step that
+# fails or times out is named in the summary and the run goes on, except a failed link
+# calibration, which aborts (every later figure would be over a wrong link). Whatever ran is
+# packed into at most 8 files under OUT_DIR (a device call returns no more):
+#   summary.txt   each step's exit status and its figures' lines
+#   logs.tgz      every step's whole log
+#   gpu-check.txt the GPU checks' tail
+set -uo pipefail
+out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
+steps=",${2:-emulated,decode,decode-ll,prefill,profile,device-ops,gpu-check},"
 mkdir -p "$out"
-export PYTHONPATH=src
+export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160
 py=${PY:-python3}
-cli() { "$py" -c 'from moe_overlap.tools.cli import main; main()' "$@"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-"$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$out/gpu.txt"
+logs=$(mktemp -d)
+summary="$out/summary.txt"
+: > "$summary"
+pack() { tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null; }
+trap pack EXIT
+note() { echo "$*" | tee -a "$summary"; }
+want() { [[ $steps == *",$1,"* ]]; }
+# run NAME SECONDS CMD...: the command's whole output to logs/NAME.txt, its status to the summary
+run() {
+  local name=$1 limit=$2 rc
+  shift 2
+  local began=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$logs/$name.txt" 2>&1
+  rc=$?
+  note "-- $name: exit $rc in $((SECONDS - began)) s$([[ $rc == 124 ]] && echo " (timed out at ${limit} s)")"
+  return $rc
+}
+cli=("$py" -c 'from moe_overlap.tools.cli import main; main()')
+device=${DEVICE:-cuda}  # DEVICE=cpu CONFIG=configs/qwen3-moe-tiny.json: a smoke test on CPU
 
-# 1. the GPU checks (tests/gpu)
-"$py" -m pytest tests/gpu -q -rs 2>&1 | tail -40 | tee "$out/gpu-check.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$summary"
+"$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' |
+  tee -a "$summary"
 
-# 2. the 4-layer Qwen3-30B-A3B-shaped bf16 forward, one process
-cfg="$out/qwen3-30b-a3b-4l.json"
-"$py" - "$cfg" <<'PY'
+# the 4-layer Qwen3-30B-A3B-shaped model every figure uses
+cfg="$logs/qwen3-30b-a3b-4l.json"
+"$py" - "$cfg" "${CONFIG:-configs/qwen3-30b-a3b.json}" <<'PY'
 import json, sys
-c = json.load(open("configs/qwen3-30b-a3b.json"))
+c = json.load(open(sys.argv[2]))
 c["num_hidden_layers"] = 4
 json.dump(c, open(sys.argv[1], "w"), indent=1)
 PY
-bench() {
-  cli bench --hf-config "$cfg" --device cuda --ep 1 --dtype bfloat16 --link none --repeat 5 "$@"
+table() { grep -E "^[│┃┏┡└]|T_comp|limit|marked|refused" "$logs/$1.txt" >> "$summary"; }
+
+# 1. overlap on one GPU: rank 0 of ep=8 (--emulate-peers 8), over a modelled link whose rate
+#    makes T_comm ~ T_comp (one calibration run per workload, then the modes); decode-256 per
+#    rank with the normal dispatch, then with the low-latency one (CUDA graphs where it can)
+emulated=("${cli[@]}" bench --hf-config "$cfg" --device "$device" --dtype bfloat16 --emulate-peers 8)
+# calibrate NAME WORKLOAD: sets $bw, the modelled link's rate at which T_comm ~ T_comp
+calibrate() {
+  run "$1-probe" 90 "${emulated[@]}" --workload "$2" --modes none --repeat 3 \
+    --link model:400gbit,20us --json "$logs/$1-probe.json" || {
+    note "link calibration for $2 failed: aborting (logs.tgz: $1-probe.txt)"
+    exit 1
+  }
+  bw=$("$py" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print("%.1fgbit" % (400 * r["t_comm_s"] / r["t_comp_s"]))' "$logs/$1-probe.json") || {
+    note "link calibration for $2 wrote no rate: aborting"
+    exit 1
+  }
 }
-bench --workload decode:64:512 --modes none,tbo 2>&1 | tail -14 | tee "$out/bench-decode.txt"
-bench --workload decode:64:512 --modes none,tbo --disable-cuda-graph 2>&1 | tail -14 |
-  tee "$out/bench-decode-eager.txt"
-bench --workload single-long:3072 --modes none,tbo 2>&1 | tail -14 | tee "$out/bench-prefill.txt"
+bw=400gbit profile_bw=400gbit
+if want emulated; then
+  for w in ${EMULATE_WORKLOADS:-single-long:3072 single-long:8192}; do
+    name=emulate-${w//:/-}
+    calibrate "$name" "$w"
+    note "== emulated ep=8, $w, link model:$bw,20us"
+    run "$name" 120 "${emulated[@]}" --workload "$w" --link "model:$bw,20us" --repeat 5 \
+      --modes none,tbo+two-chunk,dbo,sbo
+    table "$name"
+    [[ $w == single-long:3072 ]] && profile_bw=$bw
+  done
+fi
+if want decode; then
+  calibrate decode decode:256:512
+  note "== emulated ep=8, decode:256:512, link model:$bw,20us, normal dispatch"
+  run decode 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
+    --modes none,tbo,sbo,dbo
+  table decode
+  if want decode-ll; then
+    note "== the same, low-latency dispatch"
+    run decode-ll 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
+      --modes none,tbo,sbo,dbo --a2a-mode low_latency
+    table decode-ll
+  fi
+fi
 
-# 3. one decode and one prefill step under the profiler: host syncs and kernel time
-"$py" scripts/gpu_step_profile.py "$cfg" "$out/profile" cuda 2>&1 | tail -30
-for k in decode prefill; do
-  echo "== $k step: syncs and top ops"
-  grep -E "cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|Self CPU time total|Self CUDA time total" \
-    "$out/profile/step-$k.txt"
-done 2>&1 | tee "$out/profile-summary.txt"
+# 2. the one-process forward (ep=1, no link)
+if want prefill; then
+  run prefill 90 "${cli[@]}" bench --hf-config "$cfg" --device "$device" --ep 1 --dtype bfloat16 \
+    --link none \
+    --repeat 10 --workload single-long:3072 --modes none
+  table prefill
+fi
 
-# 4. overlap on one GPU: rank 0 of ep=8 (--emulate-peers 8), over a modelled link whose bandwidth
-#    is chosen so that T_comm ~ T_comp (one calibration run, then every mode)
-emulated() {
-  cli bench --hf-config "$cfg" --device cuda --dtype bfloat16 --emulate-peers 8 "$@"
-}
-for w in ${EMULATE_WORKLOADS:-single-long:3072}; do
-  name=${w//:/-}
-  emulated --workload "$w" --modes none --repeat 3 --link model:400gbit,20us \
-    --json "$out/emulate-$name-probe.json" > /dev/null 2>&1
-  bw=$("$py" - "$out/emulate-$name-probe.json" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"{400 * r['t_comm_s'] / r['t_comp_s']:.1f}gbit")  # the rate at which T_comm = T_comp
-PY
-)
-  echo "== emulated ep=8, $w, link model:$bw,20us"
-  emulated --workload "$w" --link "model:$bw,20us" --repeat 5 \
-    --modes none,sbo,dbo,tbo,tbo+two-chunk,tbo+time-split,tbo3+time-split 2>&1 | tail -24 |
-    tee "$out/emulate-$name.txt"
-done
+# 3. where the emulated forward's host time goes, per mode (its waits for the device among
+#    them), and the device operations the same forward issues, counted on meta
+if want profile; then
+  run emulate-profile 120 "$py" scripts/emulate_profile.py "$cfg" single-long:3072 \
+    "model:$profile_bw,20us" none,tbo+two-chunk,dbo,sbo
+  grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" \
+    "$logs/emulate-profile.txt" >> "$summary"
+fi
+if want device-ops; then
+  run device-ops 60 "$py" scripts/device_ops.py "$cfg" --emulate-peers 8 --prefill 3072
+  grep overlap "$logs/device-ops.txt" >> "$summary"
+fi
 
-# 5. where the emulated forward's host time goes, per mode (the host's waits in the counts'
-#    copies among them), and the device operations the same forward issues, counted on meta
-"$py" scripts/emulate_profile.py "$cfg" single-long:3072 "model:${bw:-400gbit},20us" \
-  none,tbo,sbo 2>&1 | grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" |
-  tee "$out/emulate-profile.txt"
-"$py" scripts/device_ops.py "$cfg" --emulate-peers 8 --prefill 3072 2>&1 | grep overlap |
-  tee "$out/device-ops.txt"
+# 4. the GPU checks (tests/gpu), last
+if want gpu-check; then
+  run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
+  tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
+fi
