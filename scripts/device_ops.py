@@ -4,7 +4,7 @@ per layer, by operation, counted on CPU with the model on meta tensors
 and SBO.
 
 Usage: PYTHONPATH=src python scripts/device_ops.py CONFIG_JSON [--layers N] [--emulate-peers N]
-       [--decode SEQS] [--prefill TOKENS]
+       [--decode SEQS] [--prefill TOKENS] [--a2a-mode auto|normal|low_latency]
 """
 
 import argparse
@@ -23,6 +23,9 @@ parser.add_argument("--layers", type=int, help="keep only this many layers (defa
 parser.add_argument("--emulate-peers", type=int, default=0, help="rank 0 of ep=N (default 0)")
 parser.add_argument("--decode", type=int, default=64, help="sequences in the decode step")
 parser.add_argument("--prefill", type=int, default=512, help="tokens in the prompt")
+parser.add_argument(
+    "--a2a-mode", default="auto", help="with --emulate-peers: the dispatch (default auto)"
+)
 args = parser.parse_args()
 
 cfg = ModelConfig.from_hf(args.config)
@@ -38,7 +41,10 @@ batches = {
 runner = meta_runner(cfg, max_len=max(tokens, 501) + 1, seqs=seqs, emulate_peers=args.emulate_peers)
 layers = cfg.num_hidden_layers
 for mode in ("none", "tbo", "sbo"):
-    overlap = OverlapConfig(mode, tbo_min_tokens=1) if mode != "none" else None
+    cap = max(seqs, tokens)  # low_latency: every batch fits
+    overlap = OverlapConfig(
+        mode, tbo_min_tokens=1, a2a_mode=args.a2a_mode, num_max_dispatch_tokens_per_rank=cap
+    )
     for name, batch in batches.items():
         ops = count_forward(runner, batch, overlap)
         total = sum(ops.values())

@@ -87,12 +87,13 @@ if want decode; then
   calibrate decode decode:256:512
   note "== emulated ep=8, decode:256:512, link model:$bw,20us, normal dispatch"
   run decode 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
-    --modes none,tbo,sbo,dbo
+    --modes none,tbo,sbo,dbo --a2a-mode normal
   table decode
   if want decode-ll; then
     note "== the same, low-latency dispatch"
     run decode-ll 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
-      --modes none,tbo,sbo,dbo --a2a-mode low_latency
+      --modes none,tbo,sbo,dbo --a2a-mode low_latency --num-max-dispatch-tokens-per-rank 256 \
+      --cuda-graph-max-bs 256
     table decode-ll
   fi
 fi

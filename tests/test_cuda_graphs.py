@@ -4,6 +4,8 @@ padding rows write only the scratch slot. The capture itself runs in tests/gpu."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,7 +69,7 @@ def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
     for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1), DBO):
         eager = runner.forward(step, overlap)
         runner.graphs = graphs
-        assert graphs.covers(step, overlap)
+        assert graphs.covers([step], overlap, False)
         replayed = runner.forward(step, overlap)
         runner.graphs = None
         assert runner.last_mode == overlap.mode  # TBO and DBO did cut the padded batch
@@ -86,13 +88,14 @@ def test_prefill_and_other_modes_stay_eager():
     runner, _ = _prefilled("qwen3_moe")
     graphs = eager_graphs(runner, 2)
     decode = ForwardBatch(torch.tensor([1, 2, 3]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
-    assert not graphs.covers(decode, OverlapConfig("none"))  # 3 sequences > max_bs 2
+    assert not graphs.covers([decode], OverlapConfig("none"), False)  # 3 sequences > max_bs 2
     prefill = ForwardBatch(torch.tensor([1, 2]), [1], [0], [2])
-    assert not graphs.covers(prefill, OverlapConfig("none"))
+    assert not graphs.covers([prefill], OverlapConfig("none"), False)
     two = ForwardBatch(torch.tensor([1, 2]), SLOTS[:2], LENGTHS[:2], [1, 1], is_decode=[True] * 2)
-    assert graphs.covers(two, OverlapConfig("none"))  # a decode batch that fits...
-    assert not graphs.covers(two, OverlapConfig("sbo"))  # ...in a mode no graph holds
-    assert DecodeGraphs.supported(runner.model, torch.device("cpu"), runner.dispatcher) == (
+    assert graphs.covers([two], OverlapConfig("none"), False)  # a decode batch that fits...
+    assert not graphs.covers([two], OverlapConfig("sbo"), False)  # ...in a mode no graph holds
+    cpu = torch.device("cpu")
+    assert DecodeGraphs.supported(runner.model, cpu, runner.dispatcher, False) == (
         "CUDA graphs run on CUDA devices only"
     )
 
@@ -118,3 +121,39 @@ def test_a_graph_reports_the_mode_its_forward_ran():
 def test_cuda_graph_max_bs_below_one_is_refused():
     with pytest.raises(ConfigError, match="--cuda-graph-max-bs=0 must be an integer >= 1"):
         LLM(config=ModelConfig(**TINY["qwen3_moe"]), cuda_graph_max_bs=0)
+
+
+@pytest.mark.parametrize("overlap", [OverlapConfig("none"), OverlapConfig("tbo"), DBO])
+def test_the_padded_low_latency_decode_gives_the_eager_logits(overlap):
+    """Emulated ep=4 (``bench --emulate-peers 4``): the low-latency dispatch, which a graph can
+    hold, gives the same padded, buffer-fed decode as the eager step, every micro-batch's
+    fixed-capacity all-to-alls included."""
+    cfg = MODELS["qwen3_moe"]()
+    runner = build_rank_runner(
+        EngineSpec(cfg, seed=0, max_num_seqs=7, max_len=600, emulate_peers=4)
+    )
+    gen = torch.Generator().manual_seed(1)
+    runner.forward(
+        ForwardBatch(torch.randint(cfg.vocab_size, (343,), generator=gen), SLOTS, [0] * 3, LENGTHS)
+    )
+    step = ForwardBatch(torch.tensor([7, 8, 9]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
+    low_latency = replace(overlap, a2a_mode="low_latency", tbo_min_tokens=1)
+    eager = runner.forward(step, low_latency)
+    assert runner.active is runner.low_latency(low_latency.num_max_dispatch_tokens_per_rank)
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        runner._logits,
+        4,
+        capture=False,
+        mode_ran=lambda: runner.last_mode,
+        local=False,
+    )
+    assert graphs.covers([step], low_latency, True)
+    assert not graphs.covers([step], low_latency, False)  # the normal dispatch sizes on the host
+    runner.graphs = graphs
+    replayed = runner.forward(step, low_latency)
+    assert runner.last_mode == overlap.mode
+    assert max_abs_diff(replayed, eager) <= 1e-4
+    normal = runner.forward(step, replace(low_latency, a2a_mode="normal"))  # eager: not covered
+    assert max_abs_diff(normal, eager) <= 1e-4

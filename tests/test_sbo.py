@@ -17,7 +17,8 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, piece_layouts
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.pieces import piece_layouts
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner

@@ -33,7 +33,7 @@ def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
     spec.cuda_graph_max_bs = 4
     runner = build_rank_runner(spec)
     assert runner.graphs is not None, DecodeGraphs.supported(
-        runner.model, torch.device("cuda"), runner.dispatcher
+        runner.model, torch.device("cuda"), runner.dispatcher, runner.low_latency_fits
     )
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(cfg.vocab_size, (205,), generator=gen)

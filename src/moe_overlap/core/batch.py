@@ -95,9 +95,9 @@ class ForwardBatch:
     def positions(self) -> torch.Tensor:
         if all(e == 1 for e in self.extend_lens):  # decode: each token at its prefix length
             return torch.tensor(self.prefix_lens, dtype=torch.long)
-        lens = torch.tensor(self.extend_lens)
+        lens, total = torch.tensor(self.extend_lens), sum(self.extend_lens)
         starts = torch.tensor(self.prefix_lens) - (torch.cumsum(lens, 0) - lens)
-        return torch.arange(int(lens.sum())) + torch.repeat_interleave(starts, lens)
+        return torch.arange(total) + torch.repeat_interleave(starts, lens, output_size=total)
 
     def per_sequence(self):
         """``(slot, prefix_len, rows)`` of each sequence; ``rows`` slices its new tokens."""

@@ -54,6 +54,10 @@ class DispatchState:
     expert_outputs: torch.Tensor | None = None
     pending: Pending | None = None
     scattered: list[int] | None = None  # rows each attention-TP rank dispatched (scatter.py)
+    # the low-latency layout: > 0 when ``expert_inputs`` is ``[ep, local, capacity, hidden]``
+    # (rows from each source rank to each local expert, padded to ``capacity``) and ``counts``
+    # ``[ep, local]`` on the device says how many of each are real
+    capacity: int = 0
     blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
 
 

@@ -36,6 +36,8 @@ def check_layout(
     if cfg is not None:
         _check_model(cfg, par)
     _check_backend(overlap.moe_a2a_backend, par)
+    if overlap.a2a_mode == "low_latency":
+        _check_low_latency(par, overlap.moe_a2a_backend, pdmux)
     _check_modes(par, overlap, link)
     if pdmux:
         _check_pdmux(par, overlap, cfg)
@@ -145,6 +147,26 @@ def _check_backend(backend: str, par: ParallelConfig) -> None:
         raise ConfigError(
             f"--moe-a2a-backend=torch needs --ep equal to --tp (whole experts per rank), not "
             f"--ep {par.ep} with --tp {par.tp}; set --ep {par.tp}, or use none (or auto)"
+        )
+
+
+def _check_low_latency(par: ParallelConfig, backend: str, pdmux: bool) -> None:
+    """``--a2a-mode low_latency`` runs on the all-to-all dispatcher of whole experts, one
+    attention rank per expert rank, with one forward per step (``auto`` falls back to normal
+    where it cannot)."""
+    why = None
+    if par.replica_size == 1:
+        why = "expert-parallel ranks to send to (--ep 2 or more, or bench --emulate-peers N)"
+    elif backend == "none" or par.moe_tp > 1:
+        why = "the all-to-all dispatcher (--ep equal to --tp), not the tensor-parallel MoE"
+    elif par.attn_tp > 1:
+        why = "one attention rank per expert rank (no attention TP: --enable-dp-attention)"
+    elif par.pp > 1 or pdmux:
+        why = "one forward per step (no --pp, no --enable-pdmux)"
+    if why is not None:
+        raise ConfigError(
+            f"--a2a-mode low_latency with {par.describe()} needs {why}; use --a2a-mode auto "
+            "or normal"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_overlap.core.a2a_mode import A2A_MODES, DEFAULT_MAX_DISPATCH_TOKENS
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
 OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per forward
@@ -28,6 +29,8 @@ class OverlapConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     moe_a2a_backend: str = "auto"
+    a2a_mode: str = "auto"  # core/a2a_mode.py: normal, low_latency, or per step
+    num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS  # low-latency capacity
     sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
     log_overlap_decisions: bool = False  # auto: print each forward's choice and predictions
@@ -39,6 +42,7 @@ class OverlapConfig:
             ("tbo_split_policy", SPLIT_POLICIES),
             ("tbo_mode_mismatch", MODE_MISMATCH),
             ("moe_a2a_backend", A2A_BACKENDS),
+            ("a2a_mode", A2A_MODES),
         ):
             if getattr(self, name) not in choices:
                 raise ConfigError(
@@ -66,6 +70,7 @@ class OverlapConfig:
             ("dbo_prefill_token_threshold", 1),
             ("sbo_combine_blocks", 1),
             ("sbo_comm_sms", 1),
+            ("num_max_dispatch_tokens_per_rank", 1),
         ):
             value = getattr(self, name)
             if not is_int(value) or value < minimum:

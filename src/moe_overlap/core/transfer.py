@@ -8,7 +8,12 @@ bounds) comes from the batch's host metadata, sent with ``to_device``, which nev
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+# set while ``host_values`` reads a host tensor (``tools/host_reads.py`` leaves those out)
+READING_HOST = threading.local()
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -39,3 +44,16 @@ def read_counts(counts: torch.Tensor, total: int) -> torch.Tensor:
         even = [total // n + (i < total % n) for i in range(n)]
         return torch.tensor(even, dtype=torch.long).view(counts.shape)
     return counts.cpu()
+
+
+def host_values(t: torch.Tensor) -> list:
+    """The values of a tensor that lives on the host, such as a control collective's result (the
+    overlap votes go over gloo on CPU tensors, next to NCCL too): no device is waited for. A
+    device tensor here is a bug, refused."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_values of a {t.device} tensor: that is a read of the device")
+    READING_HOST.active = True
+    try:
+        return t.tolist()
+    finally:
+        READING_HOST.active = False

@@ -36,6 +36,7 @@ from moe_overlap.core.dispatcher import (
 )
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts, to_device
+from moe_overlap.dispatch.pieces import piece_layouts
 from moe_overlap.distributed.comm import CommHandle
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
@@ -155,11 +156,22 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         self.expert_major = group_id % self.local * self.ep + group_id // self.local
 
     def _start(
-        self, kind: str, rows: torch.Tensor, send: list[int], recv: list[int], owner: str
+        self,
+        kind: str,
+        rows: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        owner: str,
+        crossing: int | None = None,
     ) -> InFlight:
+        """Start one all-to-all of ``rows`` on the communication stream. ``crossing``: the
+        rows that leave this rank and arrive from others, where the splits do not say (the
+        low-latency layout's fixed splits carry padding the link never sees)."""
         me = self.group.rank
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         sent, received = (sum(n) - n[me] for n in (send, recv))
+        if crossing is not None:
+            sent = received = crossing
         off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
         timed = self.timeline is not None and self.timeline.enabled and self.comm.on_gpu
@@ -266,35 +278,3 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         pieces.pieces.append(
             (self._start(kind, rows, send, recv, state.owner), state.incoming[into])
         )
-
-
-def piece_layouts(
-    counts: torch.Tensor, pieces: list[list[range]], device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, list[tuple[slice, list[int]]]]:
-    """Each piece's rows (piece i: the rows of local experts ``pieces[i][p]`` of each rank p) in
-    a buffer grouped by (rank, local expert): their positions on ``device``, every piece's one
-    after the other, and per piece its slice of them and its rows per rank.
-
-    ``counts[p, e]`` (on the host) is the size of group (p, e). A source rank applies it to the
-    counts it sent and each owner's blocks, an expert owner to the counts it received and its own
-    blocks, so both agree on every piece's splits and row order. The positions, a row each, are
-    made on the device from the groups' host offsets, all pieces' in one copy and three kernels:
-    the host does no per-row work and reads nothing back.
-    """
-    ranks, local = counts.shape
-    expert, sizes = torch.arange(local), counts.reshape(-1)
-    group_start = torch.cumsum(sizes, 0) - sizes  # where each group begins in the buffer
-    shifts, chosen_rows, cuts, first = [], [], [], 0
-    for experts in pieces:
-        inside = torch.stack([(expert >= r.start) & (expert < r.stop) for r in experts])
-        chosen = sizes * inside.reshape(-1)
-        out_start = torch.cumsum(chosen, 0) - chosen + first  # and in the pieces' positions
-        shifts.append(group_start - out_start)
-        chosen_rows.append(chosen)
-        total = int(chosen.sum())
-        cuts.append((slice(first, first + total), chosen.view(ranks, local).sum(1).tolist()))
-        first += total
-    # one copy to the device; then each row's group's shift, added to the row's place
-    shift_and_rows = to_device(torch.stack((torch.cat(shifts), torch.cat(chosen_rows))), device)
-    shift = shift_and_rows[0].repeat_interleave(shift_and_rows[1], output_size=first)
-    return torch.arange(first, device=device) + shift, cuts

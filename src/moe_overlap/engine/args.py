@@ -141,8 +141,9 @@ class LayoutArgs:
         64,
         "on CUDA, decode batches of up to this many sequences per rank replay from CUDA graphs "
         "(one per batch-size, key-length and overlap bucket, captured when first met; with "
-        "no overlap, TBO or DBO); under SBO or auto, where the step communicates "
-        "(--ep/--tp/--pp > 1, PD-mux) or the model has linear attention, decode runs eagerly",
+        "no overlap, TBO or DBO, and SBO too over the low-latency dispatch); a step that "
+        "communicates is graphed only over the low-latency dispatch (--a2a-mode), never under "
+        "auto, --tp/--pp > 1, PD-mux or with linear attention, where decode runs eagerly",
         group="device",
     )
     disable_cuda_graph: bool = setting(

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from moe_overlap.core.a2a_mode import A2A_MODES, VLLM_BACKENDS, parse_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
@@ -60,6 +61,24 @@ class OverlapArgs:
         "all-reduce), local (one process holds every expert), or auto (local on one rank, "
         "torch when every rank owns whole experts, else none)",
         choices=A2A_BACKENDS,
+    )
+    a2a_mode: str = overlap_setting(
+        "a2a_mode",
+        "the all-to-all's layout: normal sizes each transfer from the counts it reads back "
+        "(any batch); low_latency sends fixed-capacity blocks the host never sizes, so the step "
+        "reads nothing back and decode can replay from a CUDA graph, for micro-batches of at "
+        "most --num-max-dispatch-tokens-per-rank tokens (a larger one is refused, never cut); "
+        "auto: low_latency for decode steps, normal for prefill. SGLang's --deepep-mode and "
+        f"vLLM's --all2all-backend {'|'.join(VLLM_BACKENDS)} name it too; the layout is "
+        "DeepEP's, the data path ours, over torch collectives, not the DeepEP library",
+        choices=A2A_MODES,
+        parse=parse_a2a_mode,
+        aliases=("--deepep-mode", "--all2all-backend"),
+    )
+    num_max_dispatch_tokens_per_rank: int = overlap_setting(
+        "num_max_dispatch_tokens_per_rank",
+        "the low-latency dispatch's capacity: tokens one rank may send per micro-batch (each "
+        "block holds this many rows per expert; SGLang's default)",
     )
     overlap: str | None = setting(
         None,
@@ -165,6 +184,7 @@ class OverlapArgs:
             for f in dataclasses.fields(OverlapConfig)
             if f.name != "mode"
         }
+        knobs["a2a_mode"] = parse_a2a_mode(self.a2a_mode)  # LLM(all2all_backend=...) too
         return OverlapConfig(mode=chosen[0] if chosen else "none", **knobs)
 
 

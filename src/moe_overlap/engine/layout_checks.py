@@ -48,6 +48,14 @@ def check_settings(
         raise ConfigError(str(exc)) from None
     emulated = None if link.kind == "none" else link.spec
     check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers)
+    cap = overlap.num_max_dispatch_tokens_per_rank
+    if overlap.a2a_mode == "low_latency" and args.max_num_batched_tokens > cap:
+        raise ConfigError(
+            f"--a2a-mode low_latency carries at most --num-max-dispatch-tokens-per-rank={cap} "
+            f"tokens per rank, but --max-num-batched-tokens={args.max_num_batched_tokens} lets "
+            f"a step hold more; lower it to {cap}, raise the capacity, or use --a2a-mode auto "
+            "(low-latency for decode steps only)"
+        )
     return par, link, device
 
 

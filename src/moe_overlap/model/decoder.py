@@ -16,7 +16,7 @@ from torch import nn
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP, RMSNorm
-from moe_overlap.model.moe import SparseMoeBlock
+from moe_overlap.model.moe_block import SparseMoeBlock
 from moe_overlap.model.tensor_parallel import ModelParallel
 
 # the operations a layer has, in sequential order; overlap/strategy.py schedules them

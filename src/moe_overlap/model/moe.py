@@ -1,4 +1,4 @@
-"""Routers, the bank of this rank's experts, and the MoE block's operations."""
+"""The bank of this rank's routed experts and the kernels that run them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import DispatchState, host_counts
-from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.transfer import to_device
-from moe_overlap.model.layers import GatedMLP
-from moe_overlap.model.router import Router
-from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
 
 
 class ExpertBank(nn.Module):
@@ -76,13 +71,58 @@ class ExpertBank(nn.Module):
         the host's."""
         x = d.expert_inputs
         assert x is not None, "the experts ran before the dispatch delivered their rows"
+        if d.capacity:
+            out = torch.empty_like(x)
+            self.run_block(d, out, range(self.count))
+            return out
         if d.tokens_per_expert is None and d.counts is not None and self.grouped(x):
             offs = d.counts.cumsum(0, dtype=torch.int32)
             return self._grouped(x, offs, range(self.count))
         return self.forward(x, host_counts(d))
 
+    def run_block(self, d: DispatchState, out: torch.Tensor, experts: range) -> None:
+        """Write the outputs of local experts ``experts`` (SBO's block, or all) into ``out``,
+        which is laid out as ``d.expert_inputs``."""
+        x = d.expert_inputs
+        assert x is not None, "the experts ran before the dispatch delivered their rows"
+        if not d.capacity:
+            self.run_experts(x, host_counts(d), out, experts)
+        elif d.counts is None:
+            raise RuntimeError(f"{d.owner}: a low-latency dispatch delivered rows without counts")
+        else:
+            self.run_capacity(x, d.counts, out, experts)
+
+    def run_capacity(
+        self, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, experts: range
+    ) -> None:
+        """The low-latency layout: ``x`` and ``out`` are ``[ep, local, capacity, hidden]``, and
+        of the rows rank p sent local expert e the first ``counts[p, e]`` (on the device) are
+        real. As one grouped GEMM over the real rows gathered expert by expert (bf16 on sm90+;
+        rows past the last offset are ignored), else one batched matmul over every padded row
+        (padding is zeros, and its outputs are never read)."""
+        ep, local, cap, hidden = x.shape
+        block = slice(experts.start, experts.stop)
+        n = len(experts)
+        if not self.grouped(x):
+            rows = x[:, block].transpose(0, 1).reshape(n, ep * cap, hidden)
+            y = self._padded(rows.reshape(-1, hidden), [ep * cap] * n, ep * cap, experts)
+            out[:, block] = y.view(n, ep, cap, hidden).transpose(0, 1)
+            return
+        per_group = counts[:, block].T.reshape(-1)  # rows of (expert, source), expert-major
+        starts = per_group.cumsum(0) - per_group
+        row = torch.arange(n * ep * cap, device=x.device)
+        group = torch.searchsorted(starts + per_group, row, right=True).clamp_(max=n * ep - 1)
+        index = (row - starts[group]).clamp_(0, cap - 1)
+        source, expert = group % ep, group // ep + experts.start
+        gathered = x[source, expert, index]  # x may be a strided view of what arrived
+        offs = counts[:, block].sum(0).cumsum(0, dtype=torch.int32)
+        y = self._grouped(gathered, offs, experts)
+        # each padded place's row among the gathered ones (a padding place reads any row)
+        place = starts.view(n, ep).T[..., None] + torch.arange(cap, device=x.device)
+        out[:, block] = y[place.clamp_(max=n * ep * cap - 1)]
+
     def grouped(self, x: torch.Tensor) -> bool:
-        return grouped_fits(x.device, x.dtype, (x.shape[1], self.intermediate))
+        return grouped_fits(x.device, x.dtype, (x.shape[-1], self.intermediate))
 
     def run_experts(
         self, x: torch.Tensor, tokens_per_expert: list[int], out: torch.Tensor, experts: range
@@ -205,68 +245,3 @@ def _padded_positions(counts: list[int], height: int, device: torch.device) -> t
     expert = torch.repeat_interleave(torch.arange(len(counts)), sizes)
     first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
     return to_device(expert * height + torch.arange(expert.numel()) - first, device)
-
-
-class SparseMoeBlock(nn.Module):
-    """Router, this rank's experts and shared experts (DeepSeek's, or Qwen3.5's gated one),
-    exposed as operations."""
-
-    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
-        super().__init__()
-        par = par or ModelParallel.single()
-        local = cfg.num_experts // par.ep_size
-        self.gate = Router(cfg)
-        self.experts = ExpertBank(
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            par.ep_rank * local,
-            local,
-            even_part(cfg.moe_intermediate_size, par.moe_tp_rank, par.moe_tp_size),
-            (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.is_gpt_oss else None,
-        )
-        self.shared_experts = None
-        if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(
-                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par.attn_tp
-            )
-        elif cfg.shared_expert_intermediate_size:  # Qwen3.5: one shared expert, gated per token
-            self.shared_expert = GatedMLP(
-                cfg.hidden_size, cfg.shared_expert_intermediate_size, par.attn_tp
-            )
-            self.shared_expert_gate = ColumnLinear(cfg.hidden_size, 1, range(1))
-        self.has_shared = cfg.n_shared_experts > 0 or cfg.shared_expert_intermediate_size > 0
-
-    def op_gate(self, ctx: ForwardContext) -> None:
-        ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
-
-    def op_select_experts(self, ctx: ForwardContext) -> None:
-        ids, weights = self.gate.select(ctx.state.pop("router_logits"))
-        ctx.state.put(topk_ids=ids, topk_weights=weights)
-
-    def op_dispatch_a(self, ctx: ForwardContext) -> None:
-        s = ctx.state
-        x = s.get("mlp_in") if self.has_shared else s.pop("mlp_in")
-        ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
-        extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
-        s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
-
-    def op_dispatch_b(self, ctx: ForwardContext) -> None:
-        ctx.dispatcher.dispatch_b(ctx.state.get("dispatch"))
-
-    def op_experts(self, ctx: ForwardContext) -> None:
-        d = ctx.state.get("dispatch")
-        d.expert_outputs = self.experts.run_dispatched(d)
-
-    def op_combine_a(self, ctx: ForwardContext) -> None:
-        ctx.dispatcher.combine_a(ctx.state.get("dispatch"))
-
-    def op_combine_b(self, ctx: ForwardContext) -> None:
-        ctx.state.put(moe_out=ctx.dispatcher.combine_b(ctx.state.pop("dispatch")))
-
-    def op_shared_experts(self, ctx: ForwardContext) -> None:
-        x = ctx.state.pop("mlp_in")
-        if self.shared_experts is not None:
-            ctx.state.put(shared_out=self.shared_experts(x))
-            return
-        gate = torch.sigmoid(self.shared_expert_gate(x))
-        ctx.state.put(shared_out=gate * self.shared_expert(x))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.transfer import host_values
 from moe_overlap.distributed.groups import Group
 
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
@@ -72,7 +73,7 @@ def tbo_agree(batch: ForwardBatch, cfg: OverlapConfig, group: Group) -> TboDecis
     votes = torch.tensor(tbo_local_vote(batch, cfg.tbo_min_tokens), dtype=torch.int64)
     if group.size > 1:
         votes = group.all_reduce(votes, op=dist.ReduceOp.MIN)
-    return tbo_decide(votes.tolist(), cfg.tbo_mode_mismatch)
+    return tbo_decide(host_values(votes), cfg.tbo_mode_mismatch)
 
 
 TOKENS, PADDED, VOTE, GRAPH_MODE = range(4)  # the rows of the agreement table

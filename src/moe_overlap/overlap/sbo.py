@@ -24,7 +24,6 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
-from moe_overlap.core.dispatcher import host_counts
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
@@ -90,7 +89,7 @@ class ExpertsThenCombine:
 
         def run_block(i: int) -> None:
             with _span(ctx, f"layer {self.layer_id} experts {i}/{len(blocks)}"):
-                self.bank.run_experts(d.expert_inputs, host_counts(d), d.expert_outputs, blocks[i])
+                self.bank.run_block(d, d.expert_outputs, blocks[i])
 
         experts_then_combine(len(blocks), run_block, lambda i: ctx.dispatcher.combine_a_block(d, i))
 

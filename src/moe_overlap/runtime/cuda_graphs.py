@@ -52,7 +52,7 @@ from moe_overlap.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
-GRAPH_MODES = ("none", "tbo", "dbo")
+GRAPH_MODES = ("none", "tbo", "dbo")  # and SBO over the low-latency dispatch (blocks by count)
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -88,8 +88,12 @@ class DecodeGraphs:
         *,
         mode_ran: Callable[[], str],
         capture: bool = True,
+        local: bool = True,
     ):
+        """``local``: the runner dispatches on one rank (every decode step is graphed); else
+        only its low-latency steps are."""
         self.kv_cache, self.forward_eager, self.capture = kv_cache, forward_eager, capture
+        self.local = local
         self.mode_ran = mode_ran
         self.last_mode = "none"  # the mode the last replay's forward ran
         self.sizes = graph_sizes(max_bs)
@@ -103,15 +107,18 @@ class DecodeGraphs:
                 m.allocate(kv_cache.max_len)
 
     @staticmethod
-    def supported(model: MoeForCausalLM, device: torch.device, dispatcher, *stages) -> str | None:
-        """Why ``model`` cannot decode from graphs here, or None. ``stages``: the runner's
-        pipeline group and PD-mux lane, which rule graphs out when set."""
+    def supported(
+        model: MoeForCausalLM, device: torch.device, dispatcher, low_latency: bool, *stages
+    ) -> str | None:
+        """Why ``model`` cannot decode from graphs here, or None. ``low_latency``: the runner
+        can dispatch with fixed-capacity all-to-alls (then its low-latency steps are graphed);
+        ``stages``: the runner's pipeline group and PD-mux lane, which rule graphs out."""
         if device.type != "cuda":
             return "CUDA graphs run on CUDA devices only"
-        if dispatcher.name != "local" or any(s is not None for s in stages):
+        if not (dispatcher.name == "local" or low_latency) or any(s is not None for s in stages):
             return (
-                "the step communicates (expert, tensor or pipeline parallel, PD-mux), and its "
-                "dispatch sizes its transfers on the host"
+                "the step communicates (tensor or pipeline parallel, PD-mux, attention TP) and "
+                "its dispatch sizes its transfers on the host"
             )
         if model.state_shapes():
             return "linear-attention layers index their state cache from the host"
@@ -122,17 +129,30 @@ class DecodeGraphs:
                     return "the experts do not run as one grouped GEMM (bf16 on sm90+)"
         return None
 
-    def covers(self, batch: ForwardBatch, cfg: OverlapConfig) -> bool:
+    def covers(self, peers: list[ForwardBatch], cfg: OverlapConfig, low_latency: bool) -> bool:
+        """Whether this step replays: every group's batch (``peers``, this rank's among them)
+        decodes or idles, and fits; the mode is one the graphs hold; and the dispatch is one
+        the host never sizes (one rank's local dispatch, or this step's ``low_latency``
+        all-to-all). Every rank answers alike, so all replay or none does."""
+        modes = {p.mode for p in peers}
         return (
-            batch.mode == ForwardMode.DECODE
-            and batch.num_seqs <= self.sizes[-1]
-            and cfg.mode in GRAPH_MODES
+            ForwardMode.DECODE in modes
+            and modes <= {ForwardMode.DECODE, ForwardMode.IDLE}
+            and max(p.num_seqs for p in peers) <= self.sizes[-1]
+            and (cfg.mode in GRAPH_MODES or (low_latency and cfg.mode == "sbo"))
+            and (self.local or low_latency)
         )
 
-    def forward(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, cfg: OverlapConfig, peers: list[ForwardBatch]
+    ) -> torch.Tensor:
+        """``batch``'s logits from the graph of the smallest bucket that holds every group's
+        batch (``peers``): ranks that communicate replay, or capture, the same graph at the
+        same step, so their collectives (and the votes a capture makes) always match."""
         n = batch.num_seqs
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        keys = key_bucket(max(batch.seq_lens), self.kv_cache.max_len)
+        size = self.sizes[bisect.bisect_left(self.sizes, max(p.num_seqs for p in peers))]
+        longest = max(max(p.seq_lens, default=1) for p in peers)
+        keys = key_bucket(longest, self.kv_cache.max_len)
         key = (size, keys, cfg)
         if key not in self.graphs:
             self.graphs[key] = self._capture(size, keys, cfg)

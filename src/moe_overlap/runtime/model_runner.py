@@ -7,10 +7,11 @@ each scheme is built once, on first use.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from moe_overlap.core.a2a_mode import step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
@@ -18,6 +19,8 @@ from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
@@ -61,10 +64,18 @@ class ModelRunner:
         process); ``cuda_graph_max_bs``: decode batches up to this size replay from CUDA graphs
         where the model and layout allow (0: never)."""
         self.model = model
-        self.dispatcher = dispatcher
+        self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
+        self.active = dispatcher  # the one this forward's micro-batches use
+        # --a2a-mode low_latency runs on the all-to-all dispatcher, one forward per step
+        self.low_latency_fits = (
+            isinstance(dispatcher, AllToAllDispatcher) and pp_group is None and not prefill_lane
+        )
+        self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         device, dtype = model_placement(model)  # the cache is kept in the model's dtype
-        why_not = DecodeGraphs.supported(model, device, dispatcher, pp_group, prefill_lane)
+        why_not = DecodeGraphs.supported(
+            model, device, dispatcher, self.low_latency_fits, pp_group, prefill_lane
+        )
         graphs = cuda_graph_max_bs > 0 and why_not is None
         if cuda_graph_max_bs > 0 and why_not and device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", why_not)
@@ -92,6 +103,7 @@ class ModelRunner:
                 self._logits,
                 cuda_graph_max_bs,
                 mode_ran=lambda: self.last_mode,
+                local=dispatcher.name == "local",
             )
             if graphs
             else None
@@ -103,16 +115,43 @@ class ModelRunner:
             self._schemes[key] = SCHEMES[cfg.mode](self.model, cfg, self.group)
         return self._schemes[key]
 
+    def choose_dispatch(self, cfg: OverlapConfig, batches: Sequence[ForwardBatch]) -> bool:
+        """Set this step's dispatcher from every group's batch (``core/a2a_mode.py``), so every
+        rank of the EP group takes the same one; True when it is the low-latency one."""
+        cap = cfg.num_max_dispatch_tokens_per_rank
+        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits)
+        self.active = self.low_latency(cap) if mode == "low_latency" else self.dispatcher
+        return mode == "low_latency"
+
+    def low_latency(self, capacity: int) -> LowLatencyDispatcher:
+        if capacity not in self._low_latency:
+            assert isinstance(self.dispatcher, AllToAllDispatcher), "refused by step_a2a_mode"
+            self._low_latency[capacity] = LowLatencyDispatcher(self.dispatcher, capacity)
+        return self._low_latency[capacity]
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        overlap: OverlapConfig | None = None,
+        peers: list[ForwardBatch] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` for the rows ``batch.logit_rows()`` names (empty on a
-        pipeline stage before the last)."""
+        pipeline stage before the last). ``peers``: every data-parallel group's batch this
+        step (this rank's among them), which decides what all ranks must agree on."""
         if self.pipeline is not None:
             return self.pipeline.forward(batch, overlap)
+        peers = peers or [batch]
         cfg = overlap or self.overlap
-        if self.graphs is not None and not self.timeline.enabled and self.graphs.covers(batch, cfg):
-            logits = self.graphs.forward(batch, cfg)
-            self.last_mode = self.graphs.last_mode  # what the captured forward ran
+        low_latency = self.choose_dispatch(cfg, peers)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not self.timeline.enabled
+            and graphs.covers(peers, cfg, low_latency)
+        ):
+            logits = graphs.forward(batch, cfg, peers)
+            self.last_mode = graphs.last_mode  # what the captured forward ran
             return logits
         return self._logits(batch, cfg)
 
@@ -137,14 +176,15 @@ class ModelRunner:
         return execute_operations(self.context(batch), self.ops, inputs)
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:
-        """One batch through every op in order: no overlap."""
+        """One batch through every op in order: no overlap, the normal dispatch."""
+        self.active = self.dispatcher
         return execute_operations(self.context(batch), self.ops)["logits"]
 
     def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
         return ForwardContext(
             batch,
             self.kv_cache,
-            self.dispatcher,
+            self.active,
             name=name,
             timeline=self.timeline,
             states=self.states,

@@ -159,7 +159,7 @@ def serve_step(
             raise RuntimeError("a prefill wave reached a rank without --enable-pdmux's lane")
         running = lane.start(wave.batches[group], wave.layers, wave.wave)
     try:
-        logits = runner.forward(batch, request.overlap)
+        logits = runner.forward(batch, request.overlap, peers=request.batches)
     finally:
         if lane is not None and running is not None:
             lane.decode_done()  # the lane's collectives stop taking turns

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 from rich.console import Console
 
+from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
@@ -17,7 +19,7 @@ from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
-from moe_overlap.tools.bench import DEFAULT_MODES, mode_config, run_bench
+from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config, run_bench
 from moe_overlap.tools.cli_args import (
     add_device_args,
     add_link_arg,
@@ -70,15 +72,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     par, peers = ParallelConfig(**layout_kwargs(args)), args.emulate_peers
     check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
+    configs = mode_configs(args, modes)
     for mode in modes:  # each mode on this layout, as the engine would check it
         try:
-            check_layout(par, overlap=mode_config(mode), emulate_peers=peers)
+            check_layout(par, overlap=configs[mode], emulate_peers=peers)
         except ConfigError as exc:
             raise ConfigError(f"--modes {mode}: {exc}") from None
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     cfg = ModelConfig.from_hf(model_path(args))
     workload = bench_workload(args, cfg, peers or par.attn_dp)
+    batches = make_batches(workload, cfg.vocab_size, args.seed)
+    step_a2a_mode(configs["none"].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
     slots = max(len(lengths) for lengths in workload.lengths)
     source = (
@@ -96,7 +101,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_model_len=longest,
         emulate_peers=peers,
     ) as llm:
-        auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
         report = run_bench(
             llm.executor,
             workload,
@@ -104,7 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args.repeat,
             cfg.vocab_size,
             args.seed,
-            overrides={"auto": auto},
+            overrides=configs,
             on_gpu=llm.spec.device == "cuda",
         )
     console.print(bench_table(report, bench_title(args, par, workload)))
@@ -112,6 +116,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     payload |= {"emulate_peers": peers} if peers else {}
     write_outputs(console, report.recording, args, payload | report.to_json())
     return 0
+
+
+def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:
+    """Each mode's overlap settings, with the dispatch's: ``--a2a-mode`` and its capacity."""
+    dispatch = {
+        "a2a_mode": parse_a2a_mode(args.a2a_mode),
+        "num_max_dispatch_tokens_per_rank": args.num_max_dispatch_tokens_per_rank,
+    }
+    auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
+    return {m: replace(auto if m == "auto" else mode_config(m), **dispatch) for m in modes}
 
 
 def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Workload:
@@ -168,7 +182,10 @@ def add_bench_commands(sub) -> None:
         help=f"model config for the ranks (default {PROBE_CONFIG})",
     )
     probe.set_defaults(func=cmd_probe_link)
+    _add_bench_command(sub)
 
+
+def _add_bench_command(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="time one workload through every overlap mode on the same ranks",
@@ -204,6 +221,10 @@ def add_bench_commands(sub) -> None:
         "and one per rank for communication",
     )
     bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
-    add_fields(bench, OverlapArgs, only=("log_overlap_decisions",))
+    add_fields(
+        bench,
+        OverlapArgs,
+        only=("log_overlap_decisions", "a2a_mode", "num_max_dispatch_tokens_per_rank"),
+    )
     add_fields(bench, BenchArgs)
     bench.set_defaults(func=cmd_bench)

@@ -1,0 +1,56 @@
+"""``--a2a-mode``: which all-to-all a step's dispatch uses (SGLang's ``--deepep-mode``).
+
+``normal`` sizes each all-to-all from the counts it reads back (any number of tokens);
+``low_latency`` sends fixed-capacity blocks the host never sizes (``dispatch/low_latency.py``:
+no read of the device, so a CUDA graph can hold the step), for micro-batches of at most
+``--num-max-dispatch-tokens-per-rank`` tokens; ``auto`` takes low-latency for a decode step
+and normal for anything that prefills, as SGLang's ``auto`` does.
+
+Every rank of an expert-parallel group must take the same one, or their collectives would not
+match: a step's choice is made from every data-parallel group's batch, which every rank
+receives with the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.errors import ConfigError
+
+A2A_MODES = ("auto", "normal", "low_latency")
+# vLLM's --all2all-backend values that name one of ours; the others name other data paths
+VLLM_BACKENDS = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "normal"}
+DEFAULT_MAX_DISPATCH_TOKENS = 128  # SGLang's --num-max-dispatch-tokens-per-rank
+
+
+def parse_a2a_mode(text: str) -> str:
+    """A flag's value: ours, SGLang's (the same names) or vLLM's DeepEP backend names."""
+    return VLLM_BACKENDS.get(text, text)
+
+
+def step_a2a_mode(
+    asked: str, batches: Sequence[ForwardBatch], capacity: int, available: bool
+) -> str:
+    """``normal`` or ``low_latency`` for a step whose groups run ``batches``, the same on every
+    rank. ``available``: this layout built a low-latency dispatcher (one all-to-all group, no
+    pipeline or PD-mux lane). An explicit ``low_latency`` with a batch above ``capacity``
+    tokens is refused here, before any rank sends a row."""
+    if asked == "normal" or (asked == "auto" and not available):
+        return "normal"
+    tokens = max((b.num_tokens for b in batches), default=0)
+    if asked == "auto":
+        decoding = all(b.mode in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches)
+        return "low_latency" if decoding and 0 < tokens <= capacity else "normal"
+    if not available:
+        raise ConfigError(
+            "--a2a-mode low_latency needs the all-to-all dispatcher without attention TP, "
+            "--pp or --enable-pdmux; use --a2a-mode auto or normal"
+        )
+    if tokens > capacity:
+        raise ConfigError(
+            f"a step of {tokens} tokens on one rank exceeds the low-latency dispatch's "
+            f"capacity (--num-max-dispatch-tokens-per-rank={capacity}); raise it, lower "
+            "--max-num-batched-tokens, or use --a2a-mode auto (low-latency for decode only)"
+        )
+    return "low_latency"

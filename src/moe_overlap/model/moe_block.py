@@ -1,0 +1,78 @@
+"""The MoE block: router, this rank's experts and shared experts, exposed as operations."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model.layers import GatedMLP
+from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.router import Router
+from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, this rank's experts and shared experts (DeepSeek's, or Qwen3.5's gated one),
+    exposed as operations."""
+
+    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
+        super().__init__()
+        par = par or ModelParallel.single()
+        local = cfg.num_experts // par.ep_size
+        self.gate = Router(cfg)
+        self.experts = ExpertBank(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            par.ep_rank * local,
+            local,
+            even_part(cfg.moe_intermediate_size, par.moe_tp_rank, par.moe_tp_size),
+            (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.is_gpt_oss else None,
+        )
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, par.attn_tp
+            )
+        elif cfg.shared_expert_intermediate_size:  # Qwen3.5: one shared expert, gated per token
+            self.shared_expert = GatedMLP(
+                cfg.hidden_size, cfg.shared_expert_intermediate_size, par.attn_tp
+            )
+            self.shared_expert_gate = ColumnLinear(cfg.hidden_size, 1, range(1))
+        self.has_shared = cfg.n_shared_experts > 0 or cfg.shared_expert_intermediate_size > 0
+
+    def op_gate(self, ctx: ForwardContext) -> None:
+        ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
+
+    def op_select_experts(self, ctx: ForwardContext) -> None:
+        ids, weights = self.gate.select(ctx.state.pop("router_logits"))
+        ctx.state.put(topk_ids=ids, topk_weights=weights)
+
+    def op_dispatch_a(self, ctx: ForwardContext) -> None:
+        s = ctx.state
+        x = s.get("mlp_in") if self.has_shared else s.pop("mlp_in")
+        ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
+        extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
+        s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
+
+    def op_dispatch_b(self, ctx: ForwardContext) -> None:
+        ctx.dispatcher.dispatch_b(ctx.state.get("dispatch"))
+
+    def op_experts(self, ctx: ForwardContext) -> None:
+        d = ctx.state.get("dispatch")
+        d.expert_outputs = self.experts.run_dispatched(d)
+
+    def op_combine_a(self, ctx: ForwardContext) -> None:
+        ctx.dispatcher.combine_a(ctx.state.get("dispatch"))
+
+    def op_combine_b(self, ctx: ForwardContext) -> None:
+        ctx.state.put(moe_out=ctx.dispatcher.combine_b(ctx.state.pop("dispatch")))
+
+    def op_shared_experts(self, ctx: ForwardContext) -> None:
+        x = ctx.state.pop("mlp_in")
+        if self.shared_experts is not None:
+            ctx.state.put(shared_out=self.shared_experts(x))
+            return
+        gate = torch.sigmoid(self.shared_expert_gate(x))
+        ctx.state.put(shared_out=gate * self.shared_expert(x))

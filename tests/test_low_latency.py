@@ -1,0 +1,112 @@
+"""``--a2a-mode low_latency``: fixed-capacity all-to-alls give the normal dispatch's logits in
+every overlap mode, on real gloo ranks (ep=2 for every family, ep=4 for one), refuse what would
+overflow a block before sending it, and take the flags SGLang and vLLM spell it with."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ConfigError, ModelConfig
+from moe_overlap.core.a2a_mode import step_a2a_mode
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.engine.engine_args import EngineArgs
+from tests.helpers import TINY, every_mode
+
+FAMILIES = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
+    name: lambda name=name: ModelConfig.from_hf(f"configs/{name}-tiny.json")
+    for name in ("gpt-oss", "glm4-moe", "mimo-v2-flash", "qwen3_5-moe")
+}
+CAP = 24  # tokens per rank per micro-batch: every batch below fits
+
+
+def _prefill(lengths: list[int], first_slot: int = 0, seed: int = 0) -> ForwardBatch:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 60, (sum(lengths),), generator=gen)
+    slots = list(range(first_slot, first_slot + len(lengths)))
+    return ForwardBatch(ids, slots, [0] * len(lengths), lengths)
+
+
+def _decode(slots: list[int], prefixes: list[int]) -> ForwardBatch:
+    n = len(slots)
+    ids = torch.arange(3, 3 + n)
+    return ForwardBatch(ids, slots, prefixes, [1] * n, is_decode=[True] * n)
+
+
+def _both_ways(llm: LLM, steps: list[list[ForwardBatch]]) -> None:
+    """Each step through every mode, once per dispatch: the same logits on every rank. A
+    step rewrites the cache rows it reads, so both dispatches see the same cache."""
+    for mode, overlap in every_mode().items():
+        for batches in steps:
+            got = {}
+            for a2a in ("normal", "low_latency"):
+                cfg = replace(overlap, a2a_mode=a2a, num_max_dispatch_tokens_per_rank=CAP)
+                got[a2a] = llm.executor.run(batches, cfg).logits
+            for rank, (a, b) in enumerate(zip(got["normal"], got["low_latency"], strict=True)):
+                assert a.shape == b.shape, (mode, rank)
+                assert (a - b).abs().max().item() <= 1e-4 if a.numel() else True, (mode, rank)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_low_latency_equals_normal_at_ep2_in_every_mode(family):
+    cfg = FAMILIES[family]()
+    with LLM(config=cfg, ep=2, seed=0, max_num_seqs=6, max_model_len=64) as llm:
+        prompts = [_prefill([9, 14], seed=1), _prefill([3, 5, 11], seed=2)]  # different per rank
+        llm.executor.run(prompts)  # the context the decode steps read
+        steps = [
+            [_prefill([7, 12], first_slot=3, seed=3), _prefill([20], first_slot=4, seed=4)],
+            [_decode([0, 1], [9, 14]), _decode([0, 1, 2], [3, 5, 11])],
+            [_decode([0, 1], [9, 14]), ForwardBatch.idle()],  # an idle rank still sends blocks
+        ]
+        # a recurrent state cannot run the same decode step twice: prompts only (from 0)
+        _both_ways(llm, steps[:1] if cfg.is_hybrid else steps)
+
+
+def test_low_latency_equals_normal_at_ep4():
+    cfg = ModelConfig(**TINY["deepseek_v3"])  # 8 experts: two per rank
+    with LLM(config=cfg, ep=4, seed=0, max_num_seqs=4, max_model_len=48) as llm:
+        lengths = [[6, 9], [13], [2, 4, 7], [10]]
+        llm.executor.run([_prefill(n, seed=r) for r, n in enumerate(lengths)])
+        decode = [_decode(list(range(len(n))), n) for n in lengths]
+        _both_ways(llm, [decode])
+
+
+def test_auto_takes_low_latency_only_for_decode_steps_that_fit():
+    decode, prefill = _decode([0, 1], [4, 4]), _prefill([5])
+    idle = ForwardBatch.idle()
+    assert step_a2a_mode("auto", [decode, idle], 8, True) == "low_latency"
+    assert step_a2a_mode("auto", [decode, prefill], 8, True) == "normal"  # one rank prefills
+    assert step_a2a_mode("auto", [decode], 1, True) == "normal"  # over the capacity
+    assert step_a2a_mode("auto", [decode], 8, False) == "normal"  # the layout has none
+    assert step_a2a_mode("auto", [idle, idle], 8, True) == "normal"
+    assert step_a2a_mode("low_latency", [prefill], 8, True) == "low_latency"
+
+
+def test_a_step_over_the_capacity_is_refused_before_anything_is_sent():
+    with pytest.raises(ConfigError, match="--num-max-dispatch-tokens-per-rank=4"):
+        step_a2a_mode("low_latency", [_prefill([3]), _prefill([5])], 4, True)
+    with pytest.raises(ConfigError, match="needs the all-to-all dispatcher"):
+        step_a2a_mode("low_latency", [_prefill([3])], 4, False)
+
+
+def test_engine_settings_that_could_overflow_are_refused():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens=8192 lets a step hold more"):
+        LLM(config=cfg, ep=2, a2a_mode="low_latency")
+    with pytest.raises(ConfigError, match="needs expert-parallel ranks"):
+        LLM(config=cfg, a2a_mode="low_latency", max_num_batched_tokens=64)
+    with pytest.raises(ConfigError, match="not the tensor-parallel MoE"):
+        LLM(config=cfg, tp=2, ep=1, a2a_mode="low_latency", max_num_batched_tokens=64)
+
+
+def test_sglang_and_vllm_spellings():
+    assert EngineArgs.from_kwargs(deepep_mode="low_latency").overlap_config().a2a_mode == (
+        "low_latency"
+    )
+    for vllm, ours in (("deepep_low_latency", "low_latency"), ("deepep_high_throughput", "normal")):
+        args = EngineArgs.from_kwargs(all2all_backend=vllm)
+        assert args.overlap_config().a2a_mode == ours
+    with pytest.raises(ConfigError, match="--a2a-mode='pplx' must be one of auto, normal"):
+        EngineArgs.from_kwargs(all2all_backend="pplx").overlap_config()
