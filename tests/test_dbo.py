@@ -13,7 +13,8 @@ import torch
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, InFlight
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.in_flight import InFlight
 from moe_overlap.distributed.groups import CommHandle, Group
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.model.loader import build_model

@@ -12,7 +12,12 @@ import torch
 from moe_overlap import LLM, ConfigError, ModelConfig
 from moe_overlap.core.a2a_mode import step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.runtime.worker import RankSpec, build_rank_runner
+from tests.dist_utils import init_gloo, run_workers
 from tests.helpers import TINY, every_mode
 
 FAMILIES = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
@@ -110,3 +115,26 @@ def test_sglang_and_vllm_spellings():
         assert args.overlap_config().a2a_mode == ours
     with pytest.raises(ConfigError, match="--a2a-mode='pplx' must be one of auto, normal"):
         EngineArgs.from_kwargs(all2all_backend="pplx").overlap_config()
+
+
+def _deferred_worker(rank, world_size, port):
+    """Each mode with the normal dispatch sending its rows when first waited for (CUDA's
+    order, forced here on gloo) against sending them at once."""
+    init_gloo(rank, world_size, port)
+    cfg = ModelConfig(**TINY["deepseek_v3"])
+    spec = EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64)
+    spec.parallel = ParallelConfig(ep=world_size)
+    runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
+    batch = _prefill([9, 14] if rank == 0 else [5], seed=rank)
+    out = {}
+    for mode, overlap in every_mode().items():
+        for defer in (False, True):
+            runner.dispatcher.defer_send = defer
+            out[mode, defer] = runner.forward(batch, replace(overlap, a2a_mode="normal"))
+    return out
+
+
+def test_the_deferred_send_gives_the_same_logits_at_ep2():
+    for out in run_workers(_deferred_worker, 2):
+        for mode in every_mode():
+            assert torch.equal(out[mode, True], out[mode, False]), mode

@@ -1,7 +1,8 @@
 """The forward's copies between host and device.
 
 The forward reads the device once per dispatch (``read_counts``: the all-to-all needs its split
-sizes on the host) and nowhere else; everything else it needs on the host (positions, slots,
+sizes on the host; on CUDA ``CountsRead``, which waits for the counts' copy alone) and nowhere
+else; everything else it needs on the host (positions, slots,
 bounds) comes from the batch's host metadata, sent with ``to_device``, which never waits.
 ``tests/test_host_syncs.py`` holds the forward to that on CPU by running it on ``meta`` tensors.
 """
@@ -32,6 +33,37 @@ def copy_to(dst: torch.Tensor, t: torch.Tensor) -> None:
         dst.copy_(t.pin_memory(), non_blocking=True)
     else:
         dst.copy_(t)
+
+
+class CountsRead:
+    """A device tensor's read started now and finished by ``wait``: on CUDA a copy into pinned
+    memory on a copy stream that waits for an event recorded after what produced the tensor,
+    so ``wait`` blocks the host until that copy is done, not until everything queued on the
+    compute stream since (``.cpu()`` would drain it). Elsewhere ``read_counts`` at once."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __init__(self, counts: torch.Tensor, total: int):
+        self.done: torch.cuda.Event | None = None
+        if counts.device.type != "cuda":
+            self.host = read_counts(counts, total)
+            return
+        ready = torch.cuda.current_stream(counts.device).record_event()
+        stream = self._streams.get(counts.device)
+        if stream is None:
+            stream = self._streams[counts.device] = torch.cuda.Stream(counts.device)
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            counts.record_stream(stream)
+            self.done = stream.record_event()
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+        return self.host
 
 
 def read_counts(counts: torch.Tensor, total: int) -> torch.Tensor:

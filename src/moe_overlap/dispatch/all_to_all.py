@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,83 +35,36 @@ from moe_overlap.core.dispatcher import (
     sort_by_expert,
 )
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.core.transfer import read_counts, to_device
+from moe_overlap.core.transfer import CountsRead, read_counts, to_device
+from moe_overlap.dispatch.in_flight import CombinePieces, InFlight
 from moe_overlap.dispatch.pieces import piece_layouts
-from moe_overlap.distributed.comm import CommHandle
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
-from moe_overlap.distributed.streams import CommStream, consume
+from moe_overlap.distributed.streams import CommStream
 
 
-class InFlight(Pending):
-    """One all-to-all; over a modelled link it completes no sooner than the link would.
-
-    While the timeline records, the all-to-all's span runs from its launch to its completion:
-    the completion callback's time, or the first wait's return if that comes first (a callback
-    thread may get the GIL late, and the rows are surely here once a wait returns)."""
+class Deferred(Pending):
+    """A dispatch whose rows are not sent yet (CUDA): the first ``wait`` finishes the counts'
+    read, sends the rows (``send(state, rows, counts)`` makes ``state.pending`` the transfer)
+    and waits for them."""
 
     def __init__(
         self,
-        handle: CommHandle,
-        link: ModelledLink | None,
-        num_bytes: int,
-        owner: str,
-        timeline: Timeline | None,
-        label: str = "all-to-all",
-        done: torch.cuda.Event | None = None,
-        began: torch.cuda.Event | None = None,
+        state: AllToAllState,
+        rows: torch.Tensor,
+        reading: CountsRead,
+        send: Callable[[AllToAllState, torch.Tensor, torch.Tensor], None],
     ):
-        self.handle, self.link, self.owner = handle, link, owner
-        self.label, self.done = label, done  # done: the communication stream's event (CUDA)
-        self.began = began  # CUDA, while recording: a timing event before the transfer
-        self.start = time.perf_counter()
-        self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
-        self.completed_at: float | None = None
-        # the timeline while this all-to-all's span is still to be added
-        self.recording = timeline if timeline is not None and timeline.enabled else None
-        if self.recording is not None:
-            handle.on_complete(self._completed)
-
-    def _completed(self) -> None:
-        self.completed_at = max(time.perf_counter(), self.earliest_end)
+        self.state, self.reading, self.send = state, reading, send
+        self.rows: torch.Tensor | None = rows
+        self.sent: Pending | None = None
 
     def wait(self, waiter: str | None = None) -> torch.Tensor:
-        who = waiter or self.owner
-        label = "wait" if who == self.owner else f"receive hook for {self.owner}"
-        recording = self.recording
-        with recording.span(f"{who} wait", label) if recording is not None else nullcontext():
-            out = consume(self.done, self.handle.wait())  # every waiter's stream waits
-            if self.link is not None:
-                self.link.sleep_until(self.earliest_end)
-        if recording is not None and self.began is not None:
-            self.recording = None  # on the GPU: its length from the stream's events
-            recording.add_later("comm", self.label, self._gpu_span)
-        elif recording is not None:
-            self.recording = None  # one span per all-to-all, at its first wait
-            now = time.perf_counter()
-            end = now if self.completed_at is None else min(self.completed_at, now)
-            recording.add("comm", self.label, self.start, end)
-        return out
-
-    def _gpu_span(self) -> tuple[float, float]:
-        """From the launch, as long as the communication stream took (events, not host)."""
-        assert self.began is not None and self.done is not None
-        self.done.synchronize()
-        return self.start, self.start + self.began.elapsed_time(self.done) / 1e3
-
-
-class CombinePieces(Pending):
-    """A combine sent as several all-to-alls; ``wait`` reassembles the unsplit combine's rows."""
-
-    def __init__(self, rows: int, like: torch.Tensor):
-        self.out = like.new_empty((rows, *like.shape[1:]))
-        self.pieces: list[tuple[InFlight, torch.Tensor]] = []  # (handle, positions in out)
-
-    def wait(self, waiter: str | None = None) -> torch.Tensor:
-        for handle, positions in self.pieces:
-            self.out[positions] = handle.wait(waiter)
-        self.pieces = []
-        return self.out
+        if self.sent is None:
+            assert self.rows is not None
+            self.send(self.state, self.rows, self.reading.wait())
+            self.sent, self.rows = in_flight(self.state), None
+        return self.sent.wait(waiter)
 
 
 def _no_rows() -> torch.Tensor:
@@ -122,11 +75,12 @@ def _no_rows() -> torch.Tensor:
 class AllToAllState(DispatchState):
     """The routing layout both directions of this layer's all-to-alls share."""
 
-    counts: torch.Tensor  # [ep, local]: rows I send to each rank's local experts
-    recv_counts: torch.Tensor  # [ep, local]: rows each rank sends my experts
-    all_counts: torch.Tensor  # [ep, ep, local]: every rank's ``counts``
-    send: list[int]  # rows I send to each rank
-    recv: list[int]  # rows I receive from each rank
+    # set when the rows are sent: in dispatch_a, or on CUDA in dispatch_b (``deferred``)
+    counts: torch.Tensor = field(default_factory=_no_rows)  # [ep, local]: my rows per expert
+    recv_counts: torch.Tensor = field(default_factory=_no_rows)  # [ep, local]: theirs to mine
+    all_counts: torch.Tensor = field(default_factory=_no_rows)  # [ep, ep, local]: everyone's
+    send: list[int] = field(default_factory=list)  # rows I send to each rank
+    recv: list[int] = field(default_factory=list)  # rows I receive from each rank
     owner_blocks: list[list[range]] = field(default_factory=list)  # per rank, its SBO blocks
     perm: torch.Tensor = field(default_factory=_no_rows)  # received rows -> grouped by expert
     # SBO's pieces: the rows each sends, among the experts' outputs, and where each piece's
@@ -151,6 +105,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         self.num_experts, self.local = num_experts, num_experts // group.size
         self.timeline = timeline  # records each all-to-all from launch to completion
         self.comm = CommStream(group.device)  # CUDA: the communication stream; CPU: no-op
+        self.defer_send = self.comm.on_gpu  # send the rows when first waited for (below)
         # each received group (source, expert), numbered in the (expert, source) order
         group_id = torch.arange(self.ep * self.local)
         self.expert_major = group_id % self.local * self.ep + group_id // self.local
@@ -200,28 +155,29 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         extend: bool = True,
     ) -> AllToAllState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
-        # the dispatch's one read of the device; the counts are then exchanged on the host
-        # (gloo beside NCCL), never queued behind an all-to-all still on the device
-        counts = read_counts(counts, order.numel()).view(self.ep, self.local)
+        state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
+        if self.defer_send:
+            # the references' order: the counts' read starts now and is waited for, with the
+            # exchange and the launch, when the rows are first waited for (dispatch_b, or
+            # DBO's receive hook), once the other micro-batch's stage is queued: the GPU is
+            # never left idle while the host waits
+            state.pending = Deferred(state, rows, CountsRead(counts, order.numel()), self._send)
+        else:  # gloo's threads carry the rows: start them now, to overlap what runs next
+            self._send(state, rows, read_counts(counts, order.numel()))
+        return state
+
+    def _send(self, state: AllToAllState, rows: torch.Tensor, counts: torch.Tensor) -> None:
+        """Exchange the counts (the dispatch's one read of the device, then a collective on
+        the host: gloo beside NCCL) and start the rows."""
+        counts = counts.view(self.ep, self.local)
         start = time.perf_counter()
         everyone = self.exchange_counts(counts)
         if self.timeline is not None:  # a blocking exchange: the ranks meet here
-            self.timeline.add(f"{owner} wait", "counts exchange", start, time.perf_counter())
-        recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
-        send, recv = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        state = AllToAllState(
-            hidden.shape[0],
-            topk_weights,
-            order,
-            owner,
-            counts=counts,
-            recv_counts=recv_counts,
-            all_counts=everyone,
-            send=send,
-            recv=recv,
-        )
-        state.pending = self._start("dispatch", rows, send, recv, owner)
-        return state
+            self.timeline.add(f"{state.owner} wait", "counts exchange", start, time.perf_counter())
+        state.counts, state.all_counts = counts, everyone
+        state.recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
+        state.send, state.recv = counts.sum(1).tolist(), state.recv_counts.sum(1).tolist()
+        state.pending = self._start("dispatch", rows, state.send, state.recv, state.owner)
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Every rank's ``counts`` (rows to each rank's local experts): ``[ep, ep, local]``."""

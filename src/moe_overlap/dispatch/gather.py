@@ -30,7 +30,7 @@ from moe_overlap.core.dispatcher import (
 )
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts
-from moe_overlap.dispatch.all_to_all import InFlight
+from moe_overlap.dispatch.in_flight import InFlight
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
 

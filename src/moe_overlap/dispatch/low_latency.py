@@ -32,7 +32,8 @@ from moe_overlap.core.dispatcher import (
     weighted_sum,
 )
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.dispatch.all_to_all import AllToAllDispatcher, CombinePieces
+from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.in_flight import CombinePieces
 
 CAP_FLAG = "--num-max-dispatch-tokens-per-rank"
 

@@ -144,12 +144,12 @@ class DecodeGraphs:
         )
 
     def forward(
-        self, batch: ForwardBatch, cfg: OverlapConfig, peers: list[ForwardBatch]
+        self, batch: ForwardBatch, cfg: OverlapConfig, peers: list[ForwardBatch] | None = None
     ) -> torch.Tensor:
         """``batch``'s logits from the graph of the smallest bucket that holds every group's
         batch (``peers``): ranks that communicate replay, or capture, the same graph at the
         same step, so their collectives (and the votes a capture makes) always match."""
-        n = batch.num_seqs
+        n, peers = batch.num_seqs, peers or [batch]
         size = self.sizes[bisect.bisect_left(self.sizes, max(p.num_seqs for p in peers))]
         longest = max(max(p.seq_lens, default=1) for p in peers)
         keys = key_bucket(longest, self.kv_cache.max_len)
