@@ -95,6 +95,12 @@ if want decode; then
       --modes none,tbo,sbo,dbo --a2a-mode low_latency --num-max-dispatch-tokens-per-rank 256 \
       --cuda-graph-max-bs 256
     table decode-ll
+    grep "CUDA graphs" "$logs/decode-ll.txt" >> "$summary"
+    note "== the same, low-latency dispatch, eager (no CUDA graphs)"
+    run decode-ll-eager 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" \
+      --repeat 10 --modes none,tbo,sbo,dbo --a2a-mode low_latency \
+      --num-max-dispatch-tokens-per-rank 256 --disable-cuda-graph
+    table decode-ll-eager
   fi
 fi
 

@@ -100,6 +100,7 @@ class DecodeGraphs:
         self.scratch = kv_cache.num_slots - 1
         self.device = kv_cache.device
         self.graphs: dict[tuple, _Graph] = {}
+        self.failed = 0  # buckets whose capture failed (they run eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by all
         kv_cache.allocate_all()
         for m in model.modules():
@@ -199,6 +200,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = run()
         except RuntimeError as error:  # a capture records and runs nothing: eager is safe
+            self.failed += 1
             log.warning(
                 "decode of %d sequences under %s runs eagerly: its CUDA graph failed to "
                 "capture (%s)",

@@ -111,7 +111,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             overrides=configs,
             on_gpu=llm.spec.device == "cuda",
         )
+        graphs = getattr(getattr(llm.executor, "runner", None), "graphs", None)
     console.print(bench_table(report, bench_title(args, par, workload)))
+    if graphs is not None:  # one process on CUDA: say whether decode replayed
+        console.print(
+            f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
+            "(their steps ran eagerly)"
+        )
     payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
     write_outputs(console, report.recording, args, payload | report.to_json())
