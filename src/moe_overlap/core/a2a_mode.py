@@ -4,7 +4,9 @@
 ``low_latency`` sends fixed-capacity blocks the host never sizes (``dispatch/low_latency.py``:
 no read of the device, so a CUDA graph can hold the step), for micro-batches of at most
 ``--num-max-dispatch-tokens-per-rank`` tokens; ``auto`` takes low-latency for a decode step
-and normal for anything that prefills, as SGLang's ``auto`` does.
+and normal for anything that prefills, as SGLang's ``auto`` does, on CUDA only: over gloo the
+fixed blocks cross whole (padding included) and no graph holds the step, so on CPU ``auto``
+is normal throughout.
 
 Every rank of an expert-parallel group must take the same one, or their collectives would not
 match: a step's choice is made from every data-parallel group's batch, which every rank

@@ -45,10 +45,11 @@ class CountsRead:
 
     def __init__(self, counts: torch.Tensor, total: int):
         self.done: torch.cuda.Event | None = None
+        self.ready: torch.cuda.Event | None = None  # CUDA: after what produced ``counts``
         if counts.device.type != "cuda":
             self.host = read_counts(counts, total)
             return
-        ready = torch.cuda.current_stream(counts.device).record_event()
+        self.ready = ready = torch.cuda.current_stream(counts.device).record_event()
         stream = self._streams.get(counts.device)
         if stream is None:
             stream = self._streams[counts.device] = torch.cuda.Stream(counts.device)

@@ -53,7 +53,7 @@ class Deferred(Pending):
         state: AllToAllState,
         rows: torch.Tensor,
         reading: CountsRead,
-        send: Callable[[AllToAllState, torch.Tensor, torch.Tensor], None],
+        send: Callable[[AllToAllState, torch.Tensor, torch.Tensor, torch.cuda.Event | None], None],
     ):
         self.state, self.reading, self.send = state, reading, send
         self.rows: torch.Tensor | None = rows
@@ -62,7 +62,7 @@ class Deferred(Pending):
     def wait(self, waiter: str | None = None) -> torch.Tensor:
         if self.sent is None:
             assert self.rows is not None
-            self.send(self.state, self.rows, self.reading.wait())
+            self.send(self.state, self.rows, self.reading.wait(), self.reading.ready)
             self.sent, self.rows = in_flight(self.state), None
         return self.sent.wait(waiter)
 
@@ -118,10 +118,12 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         recv: list[int],
         owner: str,
         crossing: int | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> InFlight:
         """Start one all-to-all of ``rows`` on the communication stream. ``crossing``: the
         rows that leave this rank and arrive from others, where the splits do not say (the
-        low-latency layout's fixed splits carry padding the link never sees)."""
+        low-latency layout's fixed splits carry padding the link never sees); ``after``: on
+        CUDA the event the transfer waits for (default: all the compute stream queued)."""
         me = self.group.rank
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         sent, received = (sum(n) - n[me] for n in (send, recv))
@@ -130,7 +132,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         off_rank = max(sent, received) * row_bytes
         link, done = self.link, None
         timed = self.timeline is not None and self.timeline.enabled and self.comm.on_gpu
-        with self.comm.launch():
+        with self.comm.launch(after):
             began = self.comm.done(timing=True) if timed else None
             # rows (dispatch's sorted rows, combine's outputs, an SBO piece) came from the
             # compute stream and are read here: without this the allocator could hand their
@@ -166,9 +168,16 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
             self._send(state, rows, read_counts(counts, order.numel()))
         return state
 
-    def _send(self, state: AllToAllState, rows: torch.Tensor, counts: torch.Tensor) -> None:
+    def _send(
+        self,
+        state: AllToAllState,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
         """Exchange the counts (the dispatch's one read of the device, then a collective on
-        the host: gloo beside NCCL) and start the rows."""
+        the host: gloo beside NCCL) and start the rows, on CUDA once ``ready`` (the sort's
+        event) has passed, not behind what the compute stream queued after it."""
         counts = counts.view(self.ep, self.local)
         start = time.perf_counter()
         everyone = self.exchange_counts(counts)
@@ -177,7 +186,9 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         state.counts, state.all_counts = counts, everyone
         state.recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
         state.send, state.recv = counts.sum(1).tolist(), state.recv_counts.sum(1).tolist()
-        state.pending = self._start("dispatch", rows, state.send, state.recv, state.owner)
+        state.pending = self._start(
+            "dispatch", rows, state.send, state.recv, state.owner, after=ready
+        )
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Every rank's ``counts`` (rows to each rank's local experts): ``[ep, ep, local]``."""

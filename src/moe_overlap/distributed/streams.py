@@ -29,12 +29,17 @@ class CommStream:
         return self.stream is not None
 
     @contextmanager
-    def launch(self) -> Iterator[None]:
-        """Run the block on the communication stream, after what the caller's stream queued."""
+    def launch(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """Run the block on the communication stream, after what the caller's stream queued, or
+        only after ``after`` (an event recorded once the rows were ready: a launch deferred
+        past other work the caller's stream queued since must not wait for that work)."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
 

@@ -68,7 +68,8 @@ class OverlapArgs:
         "(any batch); low_latency sends fixed-capacity blocks the host never sizes, so the step "
         "reads nothing back and decode can replay from a CUDA graph, for micro-batches of at "
         "most --num-max-dispatch-tokens-per-rank tokens (a larger one is refused, never cut); "
-        "auto: low_latency for decode steps, normal for prefill. SGLang's --deepep-mode and "
+        "auto: low_latency for decode steps on CUDA, normal for prefill and on CPU (over gloo "
+        "the blocks cross whole, padding included). SGLang's --deepep-mode and "
         f"vLLM's --all2all-backend {'|'.join(VLLM_BACKENDS)} name it too; the layout is "
         "DeepEP's, the data path ours, over torch collectives, not the DeepEP library",
         choices=A2A_MODES,
