@@ -159,7 +159,8 @@ def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path,
     ]
     assert main([*argv, "--json", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())  # the caption wraps anywhere
-    notes = {mode: m["notes"] for mode, m in json.loads(out.read_text())["modes"].items()}
+    report = json.loads(out.read_text())
+    notes = {mode: m["notes"] for mode, m in report["modes"].items()}
     assert notes["none"] == notes["tbo+two-chunk"] == []  # two-chunk cuts the sequence
     assert notes["tbo"] == [
         "micro-batch 0 empty on ranks 0, 1 (one sequence cannot be split by sequence; use "
@@ -168,3 +169,11 @@ def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path,
     assert notes["dbo"] == ["ran without overlap (ranks [0, 1] voted no)"]
     assert "│ tbo [1] " in printed and "│ dbo [2] " in printed
     assert f"[1] tbo: {notes['tbo'][0]}" in printed and f"[2] dbo: {notes['dbo'][0]}" in printed
+    # the planner's zero-host-cost bound from the measured T_comp and T_comm, per mode
+    total = report["t_comp_s"] + report["t_comm_s"]
+    for m in report["modes"].values():
+        assert report["limit_s"] * (1 - 1e-9) <= m["zero_host_bound_s"] <= total * (1 + 1e-9)
+        assert m["zero_host_bound_share"] == pytest.approx(m["zero_host_bound_s"] / m["median_s"])
+    assert report["modes"]["none"]["zero_host_bound_s"] == pytest.approx(total)
+    assert report["modes"]["tbo"]["zero_host_bound_s"] == pytest.approx(total)  # nothing split
+    assert report["modes"]["tbo+two-chunk"]["zero_host_bound_s"] < total

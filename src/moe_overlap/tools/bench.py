@@ -131,9 +131,12 @@ class BenchReport:
         """Compute, communication and their overlap in the mode's recorded forward (all ranks)."""
         return combined([overlap_stats(spans or []) for spans in self.recording[mode]])
 
-    def to_json(self) -> dict:
+    def to_json(self, bounds: dict[str, float | None] | None = None) -> dict:
+        """Every figure; ``bounds``: per mode the zero-host-cost bound of its stage order
+        (``planner/stage_bound.py``), None where the planner cannot model the layout."""
         modes = {}
         for name, r in self.results.items():
+            bound = (bounds or {}).get(name)
             modes[name] = {
                 "times_s": r.times,
                 "median_s": r.median,
@@ -142,6 +145,8 @@ class BenchReport:
                 "comm_hidden": self.hidden(name),
                 "limit_share": self.limit_share(name),
                 "saving_vs_limit": self.saving_vs_limit(name),
+                "zero_host_bound_s": bound,
+                "zero_host_bound_share": None if bound is None else bound / r.median,
                 "notes": self.notes.get(name, []),
             }
         return {
