@@ -56,7 +56,11 @@ class DualBatchOverlap:
         self.model, self.cfg, self.group = model, cfg, group
         self.ops = build_operations(model, strategy_for(model, "dbo"))
         streams = MicroBatchStreams(model_placement(model)[0])  # CUDA: one per micro-batch
-        self.threads = DualBatchThreads(timeout_s or _baton_timeout(group), streams=streams)
+        # a stall leaves a thread inside a collective: abort the group so no peer waits on it
+        # and no later collective of this rank pairs with it
+        self.threads = DualBatchThreads(
+            timeout_s or _baton_timeout(group), streams=streams, on_stall=group.abort
+        )
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
     def forward(
