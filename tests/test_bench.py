@@ -142,3 +142,38 @@ def test_bench_under_tensor_parallelism_splits_its_communication(tmp_path, capsy
     # the attention all-reduces (T_tp) are measured apart from the all-to-all (T_comm)
     assert report["t_comm_s"] > 0 and report["t_tp_comm_s"] > 0
     assert report["limit_s"] >= report["t_tp_comm_s"]
+
+
+def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path, capsys):
+    """Plain tbo on one sequence per rank leaves micro-batch 0 with no rows, and dbo below its
+    token threshold runs without overlap: the table footnotes both, the JSON names both."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--ep", "2"]
+    argv += [
+        "--workload",
+        "single-long:64",
+        "--repeat",
+        "1",
+        "--modes",
+        "none,tbo,tbo+two-chunk,dbo",
+    ]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # the caption wraps anywhere
+    report = json.loads(out.read_text())
+    notes = {mode: m["notes"] for mode, m in report["modes"].items()}
+    assert notes["none"] == notes["tbo+two-chunk"] == []  # two-chunk cuts the sequence
+    assert notes["tbo"] == [
+        "micro-batch 0 empty on ranks 0, 1 (one sequence cannot be split by sequence; use "
+        "tbo+two-chunk)"
+    ]
+    assert notes["dbo"] == ["ran without overlap (ranks [0, 1] voted no)"]
+    assert "│ tbo [1] " in printed and "│ dbo [2] " in printed
+    assert f"[1] tbo: {notes['tbo'][0]}" in printed and f"[2] dbo: {notes['dbo'][0]}" in printed
+    # the planner's zero-host-cost bound from the measured T_comp and T_comm, per mode
+    total = report["t_comp_s"] + report["t_comm_s"]
+    for m in report["modes"].values():
+        assert report["limit_s"] * (1 - 1e-9) <= m["zero_host_bound_s"] <= total * (1 + 1e-9)
+        assert m["zero_host_bound_share"] == pytest.approx(m["zero_host_bound_s"] / m["median_s"])
+    assert report["modes"]["none"]["zero_host_bound_s"] == pytest.approx(total)
+    assert report["modes"]["tbo"]["zero_host_bound_s"] == pytest.approx(total)  # nothing split
+    assert report["modes"]["tbo+two-chunk"]["zero_host_bound_s"] < total

@@ -25,6 +25,7 @@ from moe_overlap.overlap.agreement import (
     dbo_local_column,
     dbo_vote,
 )
+from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import Yield
 from moe_overlap.runtime.model_runner import ModelRunner
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
@@ -229,3 +230,14 @@ def test_ep2_timeline_records_each_wait_on_the_waiters_track():
                 assert run_by_me == [f"receive hook for {other}"] * 2 * moe_layers
                 segments = [s.name for s in spans if s.track == me]
                 assert segments == [f"dbo segment {k}" for k in range(2 * moe_layers + 1)]
+
+
+def test_dbo_aborts_its_own_group_on_a_stall():
+    """A stall leaves a thread inside a collective: the scheme's threads abort its EP group
+    (tests/test_collective_risks.py runs one over gloo)."""
+    group = Group.single(name="ep")
+    scheme = DualBatchOverlap(build_model(ModelConfig(**TINY["qwen3_moe"]), None, 0), DBO, group)
+    try:
+        assert scheme.threads.on_stall == group.abort
+    finally:
+        scheme.close()

@@ -14,6 +14,7 @@ import torch
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.timeline import split_rows
 from moe_overlap.overlap.agreement import tbo_decide, tbo_local_vote
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap, reference
 
@@ -90,6 +91,34 @@ def test_ep4_tbo3_time_split_matches_one_process():
     with LLM(config=cfg, ep=4, overlap=MODES["tbo3+time-split"], **KW) as llm:
         for case in ("mixed-batch", "short+long"):
             assert_same(base[case], llm.generate(CASES[case], PARAMS, return_logits=True))
+
+
+# --- all-to-alls with no rows ------------------------------------------------------------------
+
+LONG13 = _extend(list(range(1, 14)), slot=0)
+ZERO_ROWS = {  # (rank 0's batch, rank 1's, the modes where rank 0 runs a micro-batch of no rows)
+    "idle+extend": (ForwardBatch.idle(), LONG13, ("tbo+time-split", "tbo3+time-split")),
+    # three micro-batches of two tokens: the even cut leaves micro-batch 0 empty
+    "two-tokens+extend": (_extend([3, 4], slot=1), LONG13, ("tbo3+time-split",)),
+}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mode"), [(s, m) for s, (_, _, modes) in ZERO_ROWS.items() for m in modes]
+)
+def test_ep2_all_to_alls_with_no_rows_stay_exact(engine, mode, scenario):
+    """A rank whose micro-batch holds no rows still joins every all-to-all (sending none,
+    receiving its experts' rows), and both ranks' logits equal the unsplit forward's."""
+    first, second, _ = ZERO_ROWS[scenario]
+    executor = engine[0].executor
+    plain = executor.run([first, second], OverlapConfig())
+    got = executor.run([first, second], MODES[mode], record=True)
+    rows = [split_rows(spans) for spans in got.spans]
+    n = MODES[mode].num_micro_batches
+    assert len(rows[0]) == len(rows[1]) == n and 0 not in rows[1]  # both ranks split
+    assert 0 in rows[0] and sum(rows[0]) == first.num_tokens  # a micro-batch of no rows
+    for r in range(2):
+        assert _same_logits(plain.logits[r], got.logits[r]), f"rank {r}"
 
 
 # --- cross-rank TBO agreement ---------------------------------------------------------------

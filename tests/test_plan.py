@@ -28,6 +28,7 @@ from moe_overlap.planner.measurements import (
     decode_batch,
 )
 from moe_overlap.planner.plan import Planner
+from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import make_batches, mode_config, run_bench
 from moe_overlap.tools.cli import main
@@ -170,7 +171,7 @@ def test_the_strategy_table_drives_the_plan() -> None:
     assert len(ops) == 2 + 4 * len(per_layer)
 
 
-def test_deepseek_v3_61_layers_plans_in_under_2_s(tmp_path) -> None:
+def test_deepseek_v3_61_layers_plans_in_under_3_s(tmp_path) -> None:
     start = time.perf_counter()
     argv = [
         "plan", "--hf-config", V3, "--cluster", "2x8-h800", "--tp", "16", "--dp", "16",
@@ -179,10 +180,12 @@ def test_deepseek_v3_61_layers_plans_in_under_2_s(tmp_path) -> None:
         "--json", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.json"),
     ]  # fmt: skip
     assert main(argv) == 0
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 3.0  # each mode twice: the plan and its zero-host bound
     out = json.loads((tmp_path / "p.json").read_text())
     assert out["predicted"] and out["modes"]["none"]["speedup"] == 1.0
     assert all({"median_s", "speedup"} <= set(m) for m in out["modes"].values())
+    for m in out["modes"].values():  # a script reads the bound a GPU run is judged against
+        assert 0 < m["zero_host_bound_s"] <= m["median_s"] and 0 < m["zero_host_bound_share"] <= 1
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
@@ -280,3 +283,72 @@ def test_masked_pairs_follow_the_engines_query_blocks():
     assert masked_pairs(100, 512) == 256 * 356 + 256 * 612  # two blocks of 256
     rectangle, triangle = 3000 * (1000 + 3000), 3000 * (1000 + 3001 / 2)
     assert triangle < masked_pairs(1000, 3000) < rectangle
+
+
+HOSTED = dataclasses.replace(FLAT, host_launch_us=50.0, launches_per_op=2)
+MODES = ("none", "sbo", "tbo", "tbo+two-chunk", "tbo3+time-split", "dbo")
+
+
+@pytest.mark.parametrize("lens", [[1024, 1024], [3072], [1] * 64])
+def test_the_zero_host_bound_is_the_stage_orders_time_with_no_host_cost(lens) -> None:
+    """Per mode, the bound lies between max(T_comp, T_comm) and T_comp + T_comm, is the
+    simulated time of the same cluster with no host cost, and the host's launches and drains
+    only ever add to it."""
+    batches = [batch(lens, prefix=512 if len(lens) == 64 else 0, decode=len(lens) == 64)] * 2
+    hosted, free = planner(HOSTED), planner(FLAT)
+    for mode in MODES:
+        cfg = mode_config(mode)
+        plan, ideal = hosted.plan(mode, cfg, batches), free.plan(mode, cfg, batches)
+        assert ideal.zero_host_s == ideal.seconds  # no host cost: the plan is its own bound
+        assert plan.zero_host_s == pytest.approx(ideal.seconds, rel=1e-12), mode
+        assert ideal.limit * (1 - 1e-9) <= plan.zero_host_s, mode
+        assert plan.zero_host_s <= (ideal.t_comp + ideal.t_comm) * (1 + 1e-9), mode
+        assert plan.seconds > plan.zero_host_s, mode  # 50 us per launch is never hidden whole
+        assert (plan.t_comp, plan.t_comm) == pytest.approx((ideal.t_comp, ideal.t_comm)), mode
+
+
+def test_a_dispatch_drains_the_device_so_launches_after_it_are_exposed() -> None:
+    """With compute free, a forward is the host's launches; each dispatch's read of the
+    counts waits for the device and the next op's device work waits for its launch."""
+    free_compute = dataclasses.replace(HOSTED, gemm_tflops_bf16=1e9, intra_node_a2a_gbps=1e9)
+    free_compute = dataclasses.replace(free_compute, inter_node_a2a_gbps=1e9)
+    p = planner(free_compute)
+    ops = [op for op in p.ops("none") if callable(op)]
+    moe_layers = sum(layer.is_moe for layer in p.model.layers)
+    none = p.plan("none", mode_config("none"), [batch([64])] * 2)
+    launches = 2 * len(ops) + 2 * moe_layers  # two per op, one per all-to-all
+    assert none.seconds == pytest.approx(launches * 50e-6, rel=1e-3)
+    assert none.zero_host_s == pytest.approx(none.t_comp + none.t_comm, abs=1e-6)
+
+
+def test_gpu_clusters_launch_from_the_host_except_decode_in_cuda_graphs() -> None:
+    from moe_overlap.planner import gpus
+
+    eager = Cluster(**gpus.cluster_fields("1x8-h100", graphs=False))
+    graphs = load_cluster("1x8-h100")
+    assert (graphs.host_launch_us, graphs.launches_per_op) == (5.0, 2)
+    assert graphs.host_launch_s(decode=True) == 0.0 and eager.host_launch_s(
+        decode=True
+    ) == pytest.approx(5e-6)
+    with pytest.raises(ConfigError, match="launches_per_op"):
+        dataclasses.replace(FLAT, launches_per_op=0)
+    with pytest.raises(ConfigError, match="host_launch_us"):
+        dataclasses.replace(FLAT, host_launch_us=-1.0)
+
+
+def test_the_bench_bound_scales_the_stage_order_to_a_measured_t_comp_and_t_comm() -> None:
+    """``bench --json``'s bound: the planner's schedule with compute and communication set to
+    the measured no-overlap totals; none is their sum, an overlapped mode lies between."""
+    spec, layout = load_model_spec("configs/qwen3-moe-tiny.json"), make_layout(None, None, 2, False)
+    for lens in ([256, 256], [512]):
+        batches = [batch(lens)] * 2
+        bounds = {
+            m: stage_order_bound(spec, layout, batches, mode_config(m), 0.03, 0.02) for m in MODES
+        }
+        assert bounds["none"] == pytest.approx(0.05, rel=1e-9)
+        assert all(0.03 * (1 - 1e-9) <= b <= 0.05 * (1 + 1e-9) for b in bounds.values()), bounds
+        assert bounds["tbo+two-chunk"] < 0.045  # the stage order hides most of the all-to-alls
+    assert stage_order_bound(spec, layout, [batch([512])] * 2, mode_config("tbo"), 0.03, 0.02) == (
+        pytest.approx(0.05, rel=1e-9)  # plain tbo's empty micro-batch hides nothing
+    )
+    assert stage_order_bound(spec, layout, batches, mode_config("dbo"), 0.03, 0.0) == 0.03

@@ -80,6 +80,20 @@ def test_comm_stream_delay_holds_neither_host_nor_compute():
     assert time.perf_counter() - start >= 0.29  # the consumer waited for the link
 
 
+def test_a_modelled_link_runs_beside_a_real_transfer_not_after_it():
+    """``--link model`` over a real transfer: the all-to-all ends at the later of the two, as
+    on CPU, not after both (the delay used to start once the transfer had ended)."""
+    comm = CommStream(torch.device("cuda", torch.cuda.current_device()))
+    cycles = comm.cycles_per_s()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with comm.launch():
+        torch.cuda._sleep(int(0.2 * cycles))  # the real transfer: 200 ms on the stream
+        comm.delay(0.2)  # the modelled link: 200 ms from the same start
+    comm.done().synchronize()
+    assert 0.19 <= time.perf_counter() - start < 0.3  # not their sum, 0.4 s
+
+
 def test_dbo_streams_keep_baton_order_on_the_gpu():
     """Micro-batch 1 reads what micro-batch 0 wrote in the segment before, on another stream:
     only the handover event makes it see the write (a long matmul precedes it)."""

@@ -67,3 +67,18 @@ def test_without_hold_the_transfer_reads_reused_memory(one_rank_nccl, monkeypatc
     sent, received = _send_then_reuse(one_rank_nccl)
     assert not torch.equal(received, sent)
     assert (received == -7.0).any()
+
+
+def test_a_second_wait_is_free_and_releases_the_work(one_rank_nccl):
+    """The first wait on an NCCL handle drops its work (and the tensors it keeps); a later
+    waiter on another stream still sees the transfer done."""
+    rows = torch.randn(ROWS, WIDTH, device=one_rank_nccl.device)
+    handle = one_rank_nccl.all_to_all(rows, [ROWS], [ROWS], async_op=True)
+    out = handle.wait()
+    assert handle._work is None
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert handle.wait() is out
+        seen = out.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen, rows)

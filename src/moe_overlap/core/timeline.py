@@ -1,7 +1,9 @@
 """A per-rank record of when each micro-batch computed and when each all-to-all was in flight.
 
 Disabled by default and then costs one attribute check per stage. Spans use
-``time.perf_counter()``; the benchmark turns them into a Chrome trace and a picture.
+``time.perf_counter()``; the benchmark turns them into a Chrome trace and a picture. Two tracks
+hold zero-length marks rather than time: ``split`` (each micro-batch's rows as a scheme cut the
+forward) and ``decision`` (auto's choice, or why a scheme ran without overlap).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ class Span:
     name: str
     start: float
     end: float
+    rows: int | None = None  # a ``split`` mark: the micro-batch's rows (tokens) this forward
+
+
+SPLIT = "split"
+DECISION = "decision"
 
 
 class Timeline:
@@ -29,6 +36,18 @@ class Timeline:
     def add(self, track: str, name: str, start: float, end: float) -> None:
         if self.enabled:
             self.spans.append(Span(track, name, start, end))
+
+    def mark_split(self, rows: list[int]) -> None:
+        """How a scheme cut this forward: micro-batch i (``mb{i}``) got ``rows[i]`` rows."""
+        if self.enabled:
+            now = time.perf_counter()
+            for i, n in enumerate(rows):
+                self.spans.append(Span(SPLIT, f"mb{i}: {n} rows", now, now, rows=n))
+
+    def mark_decision(self, text: str) -> None:
+        """Why the forward ran as it did (a scheme that fell back to no overlap says why)."""
+        now = time.perf_counter()
+        self.add(DECISION, text, now, now)
 
     @contextmanager
     def span(self, track: str, name: str):
@@ -51,3 +70,8 @@ class Timeline:
         spans, self.spans = self.spans, []
         later, self._later = self._later, []
         return spans + [Span(track, name, *times()) for track, name, times in later]
+
+
+def split_rows(spans: list[Span]) -> list[int]:
+    """The rows of each micro-batch in a recorded forward, as its scheme cut it ([] if none did)."""
+    return [s.rows for s in spans if s.track == SPLIT and s.rows is not None]

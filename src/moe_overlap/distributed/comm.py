@@ -4,9 +4,11 @@ the timeout every wait on them defaults to."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -31,11 +33,18 @@ class CollectiveTimeout(RuntimeError):
     """A collective or point-to-point operation did not finish within its timeout."""
 
 
+class CollectiveAborted(RuntimeError):
+    """A collective asked of a group that was given up (``Group.abort``)."""
+
+
 class CommHandle:
-    """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again."""
+    """An operation in flight. ``wait`` returns its output; a second ``wait`` returns it again
+    and costs nothing (the work, and the tensors it keeps, are released by the first)."""
 
     def __init__(self, wait: WaitFn, work: Work | None, output: torch.Tensor, op: str) -> None:
         self._wait_fn, self._work, self._output, self._op = wait, work, output, op
+        # CUDA: the stream that waited first, and an event after that wait on it
+        self._waited: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
 
     def on_complete(self, callback) -> None:
         """Call ``callback()`` when the operation completes (from the communication thread)."""
@@ -57,9 +66,18 @@ class CommHandle:
             # NCCL: the caller's stream waits on the collective, the host does not (a wait
             # with a timeout would block the host); NCCL's watchdog enforces the group timeout
             self._work.wait()
+            stream = torch.cuda.current_stream(self._output.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._work, self._waited = None, (stream, event)
         elif self._work is not None:
             self._wait_fn(self._work, self._op, timeout)
             self._work = None  # done: later waits return at once
+        elif self._waited is not None:  # a later waiter's stream follows the first's
+            stream, event = self._waited
+            current = torch.cuda.current_stream(self._output.device)
+            if current != stream:
+                current.wait_event(event)
         return self._output
 
 
@@ -121,6 +139,45 @@ class Sending:
         for work in self.works:
             self._wait_fn(work, f"send_dict to group rank {self.dst}", None)
         self.works, self.frames = [], []
+
+
+def all_to_all_p2p(
+    pg: dist.ProcessGroup,
+    ranks: list[int],
+    out: torch.Tensor,
+    input: torch.Tensor,
+    ins: list[int],
+    outs: list[int],
+) -> Works:
+    """``Group.all_to_all`` as point-to-point operations (gloo), this rank's own rows copied;
+    a peer it sends no rows, or receives none from, gets no operation at all."""
+    # Every receive is posted before any send: gloo's own all-to-all posts sends first and
+    # then, over a shaped link, sometimes takes twice size/rate.
+    src, dst = _offsets(ins), _offsets(outs)
+    me, works = dist.get_rank(pg), []
+    for p in range(len(ranks)):
+        if p != me and outs[p]:
+            works.append(issued(dist.irecv(out[dst[p] : dst[p] + outs[p]], ranks[p], pg)))
+    input = input.contiguous()
+    for p in range(len(ranks)):
+        if p != me and ins[p]:
+            works.append(issued(dist.isend(input[src[p] : src[p] + ins[p]], ranks[p], pg)))
+    out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
+    return Works(works)
+
+
+def _offsets(splits: list[int]) -> list[int]:
+    return list(accumulate(splits, initial=0))[:-1]
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (torch's ``_abort_process_group``): NCCL then
+    fails the collectives in flight, so a thread left inside one neither waits for peers that
+    moved on nor holds up the process's teardown. gloo ignores it (torch 2.13: its waits
+    continue), so a ``Group`` also refuses collectives itself once aborted."""
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+            dist.distributed_c10d._abort_process_group()
 
 
 def issued(work: dist.Work | None) -> dist.Work:

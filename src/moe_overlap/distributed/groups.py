@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -22,12 +21,13 @@ from moe_overlap.distributed.comm import (
     CommHandle,
     Sending,
     Work,
-    Works,
+    abort_process_groups,
+    all_to_all_p2p,
     default_group_timeout,
     issued,
 )
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout
-from moe_overlap.distributed.order import CollectiveOrder, ordered
+from moe_overlap.distributed.order import CollectiveOrder, ordered, refuse_if_aborted
 
 # torch 2.13 names them *_single and deprecates the older names, which torch <= 2.11 needs
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -60,11 +60,23 @@ class Group:
         # set on the attention-TP group: its blocking collectives land on the "tp comm" track
         self.timeline: Timeline | None = None
         self.order: CollectiveOrder | None = None  # PD multiplexing: turns with another lane
+        self.aborted = ""  # why the group was given up (``abort``): every collective refuses
         self.lane = "main"  # which lane of the rank this group's collectives belong to
         on_cuda = "nccl" in self.backend  # "nccl", or "cpu:gloo,cuda:nccl" (core/device.py)
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
         )
+
+    def abort(self, reason: str) -> None:
+        """Give up on the group (a thread was left inside one of its collectives): every later
+        collective raises ``CollectiveAborted`` at once, never pairing with a peer's later
+        one; on NCCL the process's communicators are aborted (``abort_process_groups``). A
+        group of one rank has no peer to pair with: nothing changes."""
+        if self.pg is None:
+            return
+        self.aborted = reason
+        if self.device.type == "cuda":
+            abort_process_groups()
 
     @classmethod
     def single(cls, global_rank: int = 0, name: str = "") -> Group:
@@ -175,35 +187,12 @@ class Group:
             return self._run(None, input.clone(), "all_to_all", async_op)
         out = input.new_empty((sum(output_splits), *input.shape[1:]))
         if p2p if p2p is not None else not input.is_cuda:  # gloo carries CPU tensors
-            return self._run(
-                self._all_to_all_p2p(out, input, input_splits, output_splits),
-                out,
-                "all_to_all",
-                async_op,
-            )
+            works = all_to_all_p2p(self.pg, self.ranks, out, input, input_splits, output_splits)
+            return self._run(works, out, "all_to_all", async_op)
         work = dist.all_to_all_single(
             out, input.contiguous(), list(output_splits), list(input_splits), self.pg, async_op=True
         )
         return self._run(work, out, "all_to_all", async_op)
-
-    def _all_to_all_p2p(self, out, input, ins: list[int], outs: list[int]) -> Works:
-        # Every receive is posted before any send: gloo's own all-to-all posts sends first and
-        # then, over a shaped link, sometimes takes twice size/rate.
-        src, dst = _offsets(ins), _offsets(outs)
-        me, works = self.rank, []
-        for p in range(self.size):
-            if p != me and outs[p]:
-                works.append(
-                    issued(dist.irecv(out[dst[p] : dst[p] + outs[p]], self.ranks[p], self.pg))
-                )
-        input = input.contiguous()
-        for p in range(self.size):
-            if p != me and ins[p]:
-                works.append(
-                    issued(dist.isend(input[src[p] : src[p] + ins[p]], self.ranks[p], self.pg))
-                )
-        out[dst[me] : dst[me] + outs[me]] = input[src[me] : src[me] + ins[me]]
-        return Works(works)
 
     def _check_splits(self, input: torch.Tensor, ins: list[int], outs: list[int]) -> None:
         if len(ins) != self.size or len(outs) != self.size:
@@ -259,6 +248,7 @@ class Group:
         return t
 
     def _check_peer(self, peer: int) -> None:
+        refuse_if_aborted(self)
         if self.pg is None or not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{self!r} has no peer group rank {peer}")
 
@@ -294,7 +284,3 @@ def init_process_groups(
     wpg = dist.group.WORLD if layout.world_size > 1 else None
     groups["world"] = Group(world, rank, wpg, backend=backend, timeout=timeout, name="world")
     return groups
-
-
-def _offsets(splits: list[int]) -> list[int]:
-    return list(accumulate(splits, initial=0))[:-1]

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from moe_overlap.distributed.comm import CollectiveAborted
+
 
 class CollectiveOrder:
     """Turns between named lanes of one rank; ``log`` (when not None) records every launch."""
@@ -81,13 +83,24 @@ def first_difference(logs: list[list[tuple[str, str]]]) -> str | None:
 
 def ordered(method):
     """A ``Group`` collective that takes its lane's turn when the group has an ``order``
-    (the launch, and for a blocking call its wait: the turn passes once it returns)."""
+    (the launch, and for a blocking call its wait: the turn passes once it returns), and that
+    an aborted group refuses before launching anything."""
 
     @functools.wraps(method)
     def run(group, *args, **kwargs):
+        refuse_if_aborted(group)
         if group.order is None or group.pg is None:  # one rank: nothing is launched
             return method(group, *args, **kwargs)
         with group.order.launch(group.lane, f"{group.name} {method.__name__}"):
             return method(group, *args, **kwargs)
 
     return run
+
+
+def refuse_if_aborted(group) -> None:
+    """Raise ``CollectiveAborted`` if ``group`` was given up (``Group.abort``)."""
+    if group.aborted:
+        raise CollectiveAborted(
+            f"group {group.name!r} (global ranks {group.ranks}) was aborted ({group.aborted}); "
+            "this rank cannot run collectives any more"
+        )

@@ -1,9 +1,10 @@
 """CUDA streams for communication and for DBO's micro-batches; on CPU every call is a no-op.
 
 On CUDA an async collective runs the way SGLang and DeepEP run it: the communication stream
-waits on the compute stream (an event), the collective and a modelled link's delay run there,
-an event is recorded after them, and the consumer's stream waits on that event. The host never
-waits in between. On CPU gloo's own threads carry the collective, and nothing here acts.
+waits on the compute stream (an event), the collective runs there and a modelled link's delay
+beside it (the later ends the transfer), an event is recorded after both, and the consumer's
+stream waits on that event. The host never waits in between. On CPU gloo's own threads carry
+the collective, and nothing here acts.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from moe_overlap.distributed.gpu_wait import hold_stream, sleep_cycles_per_s
 
 
 class CommStream:
-    """One rank's communication stream (one NIC: transfers on it queue in order)."""
+    """One rank's communication stream (one NIC: transfers on it queue in order), and beside it
+    the modelled link's stream, whose holds queue in order too."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
+        self.link = torch.cuda.Stream(self.device) if on_gpu else None
+        self._ready: torch.cuda.Event | None = None  # when the open launch's rows are ready
 
     @property
     def on_gpu(self) -> bool:
@@ -36,10 +40,10 @@ class CommStream:
         if self.stream is None:
             yield
             return
-        if after is not None:
-            self.stream.wait_event(after)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is None:  # ready once what the caller queued so far has run
+            after = torch.cuda.current_stream(self.device).record_event()
+        self._ready = after
+        self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             yield
 
@@ -52,11 +56,17 @@ class CommStream:
             tensor.record_stream(self.stream)
 
     def delay(self, seconds: float) -> None:
-        """Hold the communication stream (neither the host nor the compute stream) for
-        ``seconds`` of wall-clock time: a modelled link's transfer time. Call inside
-        ``launch``."""
-        if self.stream is not None:
+        """A modelled link's transfer time: the communication stream goes on no sooner than
+        ``seconds`` of wall-clock time after this launch's rows were ready, and after the
+        link's earlier transfers (its own stream, in order). The hold runs beside a real
+        transfer queued in the block, so the later of the two ends it, as on CPU, not their
+        sum. Neither the host nor the compute stream waits. Call inside ``launch``."""
+        if self.stream is None or self.link is None or self._ready is None:
+            return
+        self.link.wait_event(self._ready)
+        with torch.cuda.stream(self.link):
             hold_stream(seconds, self.device)
+        self.stream.wait_stream(self.link)
 
     def done(self, timing: bool = False) -> torch.cuda.Event | None:
         """An event after everything queued on the communication stream (None on CPU);

@@ -216,9 +216,15 @@ class DualBatchThreads:
     """A persistent pair of daemon threads, one per micro-batch, reused by every forward."""
 
     def __init__(
-        self, timeout_s: float = 60.0, name: str = "dbo", streams: MicroBatchStreams | None = None
+        self,
+        timeout_s: float = 60.0,
+        name: str = "dbo",
+        streams: MicroBatchStreams | None = None,
+        on_stall: Callable[[str], None] | None = None,
     ):
-        self.timeout_s = timeout_s
+        """``on_stall(why)`` runs before a stall is raised, while a thread may still be inside
+        a collective (DBO aborts its group there, so that no peer waits on it)."""
+        self.timeout_s, self.on_stall = timeout_s, on_stall
         self.streams = streams or MicroBatchStreams(torch.device("cpu"))  # CPU: no streams
         self.last_run: _DualRun | None = None
         self._stuck: _DualRun | None = None  # a run with a thread that has not reported yet
@@ -246,7 +252,7 @@ class DualBatchThreads:
         if not self._close.alive:
             raise RuntimeError("DualBatchThreads is closed")
         if self._stuck is not None and not self._stuck.gather(self.timeout_s):
-            raise DboStall("DBO threads are still stuck in an earlier forward")
+            raise self._stalled(DboStall("DBO threads are still stuck in an earlier forward"))
         run = _DualRun(ctxs, ops, make_hook, self.timeout_s, self.streams, inputs)
         self.last_run = self._stuck = run
         self.streams.begin()
@@ -260,10 +266,17 @@ class DualBatchThreads:
                 DboStall(f"DBO micro-batch {run.baton.owner} made no progress for {idle:.1f} s")
             )
         error = run.error()
+        if isinstance(error, DboStall):
+            raise self._stalled(error)
         if error is not None:
             raise error
         self.streams.end()
         return run.outputs
+
+    def _stalled(self, stall: DboStall) -> DboStall:
+        if self.on_stall is not None:
+            self.on_stall(str(stall))
+        return stall
 
     def close(self) -> None:
         """Stop both threads (idempotent; also done when collected or at interpreter exit)."""

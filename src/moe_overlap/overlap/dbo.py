@@ -56,7 +56,11 @@ class DualBatchOverlap:
         self.model, self.cfg, self.group = model, cfg, group
         self.ops = build_operations(model, strategy_for(model, "dbo"))
         streams = MicroBatchStreams(model_placement(model)[0])  # CUDA: one per micro-batch
-        self.threads = DualBatchThreads(timeout_s or _baton_timeout(group), streams=streams)
+        # a stall leaves a thread inside a collective: abort the group so no peer waits on it
+        # and no later collective of this rank pairs with it
+        self.threads = DualBatchThreads(
+            timeout_s or _baton_timeout(group), streams=streams, on_stall=group.abort
+        )
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
     def forward(
@@ -65,7 +69,10 @@ class DualBatchOverlap:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = dbo_agree(batch, self.cfg, self.group)
-        return self.run(batch, runner, decision.split_point, inputs) if decision.run else None
+        if not decision.run:
+            runner.timeline.mark_decision(decision.reason)
+            return None
+        return self.run(batch, runner, decision.split_point, inputs)
 
     def run(
         self, batch: ForwardBatch, runner: Runner, split_point: int, inputs: dict | None = None
@@ -73,7 +80,9 @@ class DualBatchOverlap:
         """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
         rank, with tokens on both sides)."""
         plan = token_split(batch.extend_lens, [split_point])
-        ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(split_batch(batch, plan))]
+        children = split_batch(batch, plan)
+        runner.timeline.mark_split([child.num_tokens for child in children])
+        ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(children)]
         outputs = self.threads.run(ctxs, self.ops, receive_hook, split_inputs(batch, plan, inputs))
         self.num_overlapped += 1
         return merge_outputs(batch, plan, outputs)

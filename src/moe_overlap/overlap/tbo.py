@@ -49,14 +49,19 @@ class TwoBatchOverlap:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = tbo_agree(batch, self.cfg, self.group)
-        return self.run(batch, runner, decision.decode, inputs) if decision.run else None
+        if not decision.run:
+            runner.timeline.mark_decision(decision.reason)
+            return None
+        return self.run(batch, runner, decision.decode, inputs)
 
     def run(
         self, batch: ForwardBatch, runner: Runner, decode: bool, inputs: dict | None = None
     ) -> dict:
         """Micro-batch ``batch`` (every rank has agreed to) with the decode or prefill strategy."""
         plan = self.plan(batch)
-        ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(split_batch(batch, plan))]
+        children = split_batch(batch, plan)
+        runner.timeline.mark_split([child.num_tokens for child in children])
+        ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(children)]
         strategy = self.strategies[decode]
         ops = [self.ops[decode]] * len(ctxs)
         outs = execute_overlapped(

@@ -44,6 +44,7 @@ _NON_NEGATIVE = (
     "forward_overhead_us",
     "expert_overhead_us",
     "switch_overhead_us",
+    "host_launch_us",
     "comm_sm_share",
     "ll_comm_sm_share",
     "gemm_half_rows",
@@ -99,6 +100,11 @@ class Cluster:
     # the three overheads above are what each micro-batch after the first adds (fitted on this
     # machine from pairs; the first pass's fixed costs are inside its fitted rates)
     overheads_beyond_first: bool = False
+    # one host thread launches each device operation in program order; a dispatch's read of the
+    # counts drains the device first (0: the host never limits; a CPU's is in its compute)
+    host_launch_us: float = 0.0  # host time per launched device operation
+    launches_per_op: int = 1  # device operations (kernels) per simulated op
+    decode_host_launch_us: float | None = None  # all-decode (CUDA graphs: 0); None: the above
     a2a_bytes_factor: float = 1.0  # bytes on a rank's link relative to the routing below (the
     # engine sends max(sent, received) rows off-rank; uneven routing makes that larger)
     expert_shares: tuple[float, ...] = ()  # per EP rank, the share of routed rows its experts
@@ -154,14 +160,15 @@ class Cluster:
         for name in ("comm_sm_share", "ll_comm_sm_share"):
             if getattr(self, name) >= 1:
                 raise ConfigError(f"cluster {self.name}: {name} must be below 1")
-        if not is_int(self.gemm_row_tile) or self.gemm_row_tile < 1:
-            raise ConfigError(
-                f"cluster {self.name}: gemm_row_tile={self.gemm_row_tile!r} must be an "
-                "integer >= 1 (Hopper: 64)"
-            )
-        over = self.decode_op_overhead_us
-        if over is not None and not (is_finite_number(over) and over >= 0):
-            raise ConfigError(f"cluster {self.name}: decode_op_overhead_us={over!r} must be >= 0")
+        for name, hint in (("gemm_row_tile", " (Hopper: 64)"), ("launches_per_op", "")):
+            if not is_int(value := getattr(self, name)) or value < 1:
+                raise ConfigError(
+                    f"cluster {self.name}: {name}={value!r} must be an integer >= 1{hint}"
+                )
+        for name in ("decode_op_overhead_us", "decode_host_launch_us"):
+            over = getattr(self, name)
+            if over is not None and not (is_finite_number(over) and over >= 0):
+                raise ConfigError(f"cluster {self.name}: {name}={over!r} must be >= 0")
         for name in ("ll_dispatch_gbps", "ll_combine_gbps", "normal_rdma_gbps"):
             object.__setattr__(self, name, _ep_table(self.name, name, getattr(self, name)))
         if bool(self.ll_dispatch_gbps) != bool(self.ll_combine_gbps):
@@ -182,6 +189,11 @@ class Cluster:
                 f"shares that sum to 1 (they sum to {sum(shares):.4f})"
             )
         object.__setattr__(self, "expert_shares", tuple(float(s) for s in shares))
+
+    def host_launch_s(self, decode: bool) -> float:
+        """The host's seconds to launch one device operation of a micro-batch."""
+        us = self.decode_host_launch_us if decode else None
+        return (self.host_launch_us if us is None else us) * 1e-6
 
     @property
     def low_latency(self) -> bool:

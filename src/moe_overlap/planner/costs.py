@@ -44,6 +44,7 @@ class MicroBatchCost:
     # kind (dispatch, combine), each rank's seconds; empty: the bytes over the links
     latency_s: float = 0.0  # an all-to-all's fixed time besides its bytes
     sm_share: float = 0.0  # share of compute lost while this micro-batch's transfer is out
+    host_launch_s: float = 0.0  # the host's time to launch one of its device operations
 
 
 def node_hit_chance(groups: int, top_groups: int, nodes: int, k: int) -> float:
@@ -128,6 +129,7 @@ class CostModel:
             decode=decode,
             latency_s=0.0 if low_latency or self.layout.ep == 1 else cl.a2a_latency_us * 1e-6,
             sm_share=cl.ll_comm_sm_share if low_latency else cl.comm_sm_share,
+            host_launch_s=cl.host_launch_s(decode),
         )
         for w, share in zip(works, self.shares, strict=True):
             for name, s in self.op_seconds(w, received).items():

@@ -160,6 +160,9 @@ SOURCES = {
     "decode_op_overhead_us": "CUDA graphs in decode (SGLang's default) remove the CPU's ~5 us "
     "launch per kernel (cudaLaunchKernel); eager decode pays max(CPU launch, GPU kernel) per "
     "kernel",
+    "host_launch_us": "the CPU's ~5 us per kernel launch (cudaLaunchKernel), 2 kernels per op, "
+    "from one host thread in program order (eager); CUDA graphs in decode launch one graph per "
+    "step (0 per kernel)",
     "a2a_latency_us": "DeepEP normal kernels (prefill) beside their bytes: the CPU waits for "
     "the received counts, then launches the experts with the GPU's queue drained: two launches "
     "(~10 us); the low-latency kernels' times above include theirs",
@@ -223,5 +226,8 @@ def cluster_fields(name: str, graphs: bool = True) -> dict[str, Any]:
         normal_rdma_gbps=NORMAL_RDMA_GBPS if g.nic_gbps >= 50 else (),
         op_overhead_us=launch,
         decode_op_overhead_us=launch if graphs else eager,
+        host_launch_us=s["kernel_launch_us"],
+        launches_per_op=s["kernels_per_op"],
+        decode_host_launch_us=0.0 if graphs else None,
         sources={"gpu": g.source, **SOURCES},
     )

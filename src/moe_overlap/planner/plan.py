@@ -53,6 +53,9 @@ class ModePlan:
     micro_batches: list[list[int]]  # per micro-batch: tokens on each rank
     note: str = ""  # e.g. why the ranks agreed not to overlap
     spans: list[list[Span]] | None = None  # per rank, seconds from the forward's start
+    # the same schedule with no host cost: what the stage order alone allows (its first
+    # dispatch and last combine stay exposed); ``seconds`` where the cluster has no host cost
+    zero_host_s: float = 0.0
 
     @property
     def limit(self) -> float:
@@ -75,6 +78,9 @@ class Planner:
             self.first_costs = CostModel(spec, dataclasses.replace(cluster, **free), layout)
         self.model = SimModel(spec.cfg)
         self._ops: dict[str, list[Op | Yield]] = {}
+        free_host = dataclasses.replace(cluster, host_launch_us=0.0, decode_host_launch_us=0.0)
+        hosted = cluster.host_launch_s(False) or cluster.host_launch_s(True)
+        self.zero_host = Planner(spec, free_host, layout) if hosted else None  # the bound's
 
     def ops(self, scheme: str, blocks: int = 2) -> list[Op | Yield]:
         key = f"{scheme}{blocks}"
@@ -87,6 +93,14 @@ class Planner:
 
     def plan(
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool = False
+    ) -> ModePlan:
+        """``mode`` (run as ``cfg``) on every rank's batch, with its zero-host-cost bound."""
+        out = self._plan(mode, cfg, batches, record)
+        bound = self.zero_host._plan(mode, cfg, batches, False) if self.zero_host else out
+        return dataclasses.replace(out, zero_host_s=bound.seconds)
+
+    def _plan(
+        self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
     ) -> ModePlan:
         if cfg.mode == "auto":
             return self._auto(mode, cfg, batches, record)
@@ -113,7 +127,8 @@ class Planner:
         per_rank = [split_batch(b, tbo.plan(b)) for b in batches]
         micro = [list(mb) for mb in zip(*per_rank, strict=True)]
         strategy = tbo.strategies[decision.decode]
-        return self._run(mode, micro, tbo.ops[decision.decode], strategy.delta_stages, record, True)
+        out = self._run(mode, micro, tbo.ops[decision.decode], strategy.delta_stages, record, True)
+        return dataclasses.replace(out, note=empty_note(out.micro_batches))
 
     def _dbo(
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
@@ -134,7 +149,7 @@ class Planner:
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
     ) -> ModePlan:
         plans = {
-            name: self.plan(name, candidate, batches, record)
+            name: self._plan(name, candidate, batches, record)
             for name, candidate in AUTO_CANDIDATES.items()
             if name in cfg.auto_modes
         }
@@ -154,7 +169,7 @@ class Planner:
     ) -> ModePlan:
         clocks = RankClocks(self.layout.world, self.costs, record)
         if agree and self.layout.world > 1:  # the one small all-reduce overlap pays
-            clocks.barrier(self.cluster.a2a_latency_us * 1e-6)
+            clocks.host_meet(self.cluster.a2a_latency_us * 1e-6)
         ctxs = [
             SimContext(
                 f"mb{i}", clocks, (self.costs if i else self.first_costs).micro_batch(children)
@@ -162,7 +177,7 @@ class Planner:
             for i, children in enumerate(micro)
         ]
         execute_overlapped(ctxs, [ops] * len(ctxs), delta)
-        end = max(clocks.now) + self.cluster.forward_overhead_us * 1e-6
+        end = max(clocks.now + clocks.host) + self.cluster.forward_overhead_us * 1e-6
         tokens = [[b.num_tokens for b in children] for children in micro]
         return ModePlan(
             mode,
@@ -172,3 +187,14 @@ class Planner:
             tokens,
             spans=clocks.spans if record else None,
         )
+
+
+def empty_note(micro_batches: list[list[int]]) -> str:
+    """Which micro-batches some busy rank runs with no rows (plain TBO on one sequence)."""
+    busy = [sum(rank) > 0 for rank in zip(*micro_batches, strict=True)]
+    empty = [
+        i
+        for i, mb in enumerate(micro_batches)
+        if any(b and not n for b, n in zip(busy, mb, strict=True))
+    ]
+    return f"micro-batch {', '.join(map(str, empty))} empty" if empty else ""

@@ -46,7 +46,8 @@ def recommend(plans: dict[str, ModePlan], configs: dict[str, OverlapConfig]) -> 
 def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("mode", no_wrap=True)
-    for name in ("tokens/s", "ms/forward", "speed-up", "T_comp", "T_comm", "limit", "bound by"):
+    columns = ("tokens/s", "ms/forward", "speed-up", "T_comp", "T_comm", "limit", "0-host")
+    for name in (*columns, "bound by"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("note")
     none = plans["none"].seconds
@@ -59,12 +60,15 @@ def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
             f"{p.t_comp * 1e3:.1f}",
             f"{p.t_comm * 1e3:.1f}",
             f"{p.limit * 1e3:.1f}",
+            f"{p.zero_host_s * 1e3:.1f}",
             p.bottleneck,
             p.note,
         )
     table.caption = (
         "predicted, not measured: per mode the busiest rank's compute (T_comp) and all-to-all "
-        "time from launch to completion (T_comm), limit = max(T_comp, T_comm)"
+        "time from launch to completion (T_comm), limit = max(T_comp, T_comm); 0-host: the "
+        "mode's schedule with no host cost per launch and so no drains, the bound its stage "
+        "order allows (the first dispatch and last combine stay exposed)"
     )
     table.caption_justify = "left"
     return table
@@ -82,6 +86,8 @@ def plan_json(plans: dict[str, ModePlan], tokens: int, workload: str) -> dict:
             "t_comp_s": p.t_comp,
             "t_comm_s": p.t_comm,
             "limit_s": p.limit,
+            "zero_host_bound_s": p.zero_host_s,
+            "zero_host_bound_share": p.zero_host_s / p.seconds,
             "bottleneck": p.bottleneck,
             "micro_batch_tokens": p.micro_batches,
             "note": p.note,

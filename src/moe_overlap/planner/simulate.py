@@ -8,6 +8,11 @@ arithmetic: it advances every rank's clock by its cost. Ranks run the same sched
 engine's agreement makes sure of that), so one run moves all ranks at once, each with its own
 batch; an all-to-all completes when its bytes have crossed the rank's link (transfers queued
 behind what is already on it) and every rank has launched it.
+
+Each rank also has a host clock: one thread launches every device operation in program order
+(``Cluster.host_launch_us`` each), and a device op starts no sooner than its launch. A dispatch's
+read of the counts drains the device (the host waits for it) before the ranks meet; with no
+host cost this is the device-side meet alone, and the plan is the stage order's bound.
 """
 
 from __future__ import annotations
@@ -30,20 +35,26 @@ class RankClocks:
     def __init__(self, ranks: int, costs: CostModel, record: bool):
         self.costs, self.record = costs, record
         self.share = [0.0] * ranks  # the SM share of the kernel last put on each rank's link
-        self.now = [0.0] * ranks
+        self.now = [0.0] * ranks  # when each rank's device is done with what it was given
+        self.host = [0.0] * ranks  # when each rank's host has launched everything so far
         self.link_free = [0.0] * ranks
         self.compute_s = [0.0] * ranks
         self.comm_s = [0.0] * ranks  # time with some all-to-all in flight
         self._comm_until = [0.0] * ranks
         self.spans: list[list[Span]] = [[] for _ in range(ranks)]
 
-    def compute(self, track: str, label: str, seconds: list[float]) -> None:
+    def compute(self, track: str, label: str, seconds: list[float], launch_s: float = 0.0) -> None:
+        """Each rank's device runs an op of ``seconds[r]`` once its host has launched it
+        (``launch_s`` of host time, after everything launched before)."""
+        now, host, shares = self.now, self.host, self.share  # a plan's hottest loop
         for r, s in enumerate(seconds):
-            start, busy, share = self.now[r], self.link_free[r] - self.now[r], self.share[r]
-            if busy > 0 and share:  # an all-to-all in flight takes some of the GPU
-                slow = s / (1 - share)
+            launched = host[r] = host[r] + launch_s
+            start = now[r] if now[r] >= launched else launched
+            share = shares[r]
+            if share and (busy := self.link_free[r] - start) > 0:  # an all-to-all in flight
+                slow = s / (1 - share)  # takes some of the GPU
                 s = slow if slow <= busy else busy + s - busy * (1 - share)
-            self.now[r] = start + s
+            now[r] = start + s
             self.compute_s[r] += s
             if self.record:
                 self._span(r, track, label, start)
@@ -56,29 +67,38 @@ class RankClocks:
             spans.append(Span(track, label, start, self.now[r]))
 
     def barrier(self, extra: float = 0.0) -> None:
-        at = max(self.now) + extra
+        """A collective on the devices: every rank's device waits for the last to reach it."""
+        at = max(max(n, h) for n, h in zip(self.now, self.host, strict=True)) + extra
         self.now = [at] * len(self.now)
+
+    def host_meet(self, extra: float = 0.0) -> None:
+        """A collective the hosts wait for after reading the device (the counts exchange, the
+        agreement): each host drains its device, then all meet; nothing is queued after."""
+        at = max(max(n, h) for n, h in zip(self.now, self.host, strict=True)) + extra
+        self.now, self.host = [at] * len(self.now), [at] * len(self.host)
 
     def launch(self, label: str, cost: MicroBatchCost, kind: str, part: float = 1.0) -> list[float]:
         """Start ``part`` of a micro-batch's ``kind`` all-to-all on every rank now; each
         rank's completion time. Its bytes cross the links, or with the low-latency kernels
         (``cost.link_s``) take the seconds those kernels need."""
-        last_launch = max(self.now)
+        self.host = [h + cost.host_launch_s for h in self.host]
+        ready = [max(n, h) for n, h in zip(self.now, self.host, strict=True)]
+        last_launch = max(ready)
         latency = cost.latency_s
         done = []
         for r, rank_bytes in enumerate(cost.a2a_bytes):
             b = [x * part for x in rank_bytes]
-            begin = max(self.now[r], self.link_free[r])
+            begin = max(ready[r], self.link_free[r])
             ll = cost.link_s.get(kind)
             self.link_free[r] = begin + (ll[r] * part if ll else self.costs.link_seconds(b))
             self.share[r] = cost.sm_share
             end = max(self.link_free[r] + latency, last_launch + latency)
             done.append(end)
-            self.comm_s[r] += max(0.0, end - max(self.now[r], self._comm_until[r]))
+            self.comm_s[r] += max(0.0, end - max(ready[r], self._comm_until[r]))
             self._comm_until[r] = max(self._comm_until[r], end)
             if self.record:
                 mb = sum(b) / 1e6
-                self.spans[r].append(Span("comm", f"{label} {mb:.2f} MB", self.now[r], end))
+                self.spans[r].append(Span("comm", f"{label} {mb:.2f} MB", ready[r], end))
         return done
 
     def wait(self, track: str, done: list[float]) -> None:
@@ -108,7 +128,8 @@ class SimContext:
             fixed = self.cost.op_overhead_s
             call = self.clocks.costs.op_overhead(self.cost.decode) if extra_call else fixed
             seconds = [(s - fixed) * share + call for s in seconds]
-        self.clocks.compute(self.name, label, seconds)
+        launches = 0 if op == "switch" else self.clocks.costs.cluster.launches_per_op
+        self.clocks.compute(self.name, label, seconds, launches * self.cost.host_launch_s)
 
 
 SimOp = Callable[..., None]
@@ -128,7 +149,8 @@ def _attn_core(layer_id: int) -> SimOp:
         ctx.run(f"layer {layer_id} attn_core", "attn_core")
         if any(ctx.cost.allreduce_s):  # attention TP's all-reduce: blocking, all ranks meet
             ctx.clocks.barrier()
-            ctx.clocks.compute(ctx.name, f"layer {layer_id} all-reduce", ctx.cost.allreduce_s)
+            label = f"layer {layer_id} all-reduce"
+            ctx.clocks.compute(ctx.name, label, ctx.cost.allreduce_s, ctx.cost.host_launch_s)
 
     return op
 
@@ -136,8 +158,10 @@ def _attn_core(layer_id: int) -> SimOp:
 def _send(layer_id: int, kind: str) -> SimOp:
     def op(ctx: SimContext, **_: object) -> None:
         ctx.run(f"layer {layer_id} {kind}_a", f"{kind}_a")
-        if kind == "dispatch":
-            ctx.clocks.barrier()  # the per-expert counts are exchanged synchronously first
+        if kind == "dispatch" and ctx.cost.link_s:  # low-latency kernels: no host read
+            ctx.clocks.barrier()
+        elif kind == "dispatch":  # the host reads the counts, then all ranks exchange them
+            ctx.clocks.host_meet()
         label = f"layer {layer_id} {kind} ({ctx.name})"
         ctx.pending[kind] = ctx.clocks.launch(label, ctx.cost, kind)
 

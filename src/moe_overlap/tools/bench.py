@@ -29,6 +29,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD, OverlapConfig
 from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.core.step import SampleSpec, StepReply, StepRequest
+from moe_overlap.tools.bench_notes import mode_notes
 from moe_overlap.tools.workloads import Workload
 
 DEFAULT_MODES = (
@@ -87,6 +88,8 @@ class BenchReport:
     recording: dict  # mode -> rank -> spans of one recorded forward
     t_tp_comm: float = 0.0  # attention-TP all-reduces and all-gathers: blocking in every mode
     on_gpu: bool = False  # CUDA: stage spans are host launch times (the "comm" ones are not)
+    # mode -> what its figure did not measure: an empty micro-batch, no overlap (bench_notes.py)
+    notes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def t_none(self) -> float:
@@ -128,9 +131,12 @@ class BenchReport:
         """Compute, communication and their overlap in the mode's recorded forward (all ranks)."""
         return combined([overlap_stats(spans or []) for spans in self.recording[mode]])
 
-    def to_json(self) -> dict:
+    def to_json(self, bounds: dict[str, float | None] | None = None) -> dict:
+        """Every figure; ``bounds``: per mode the zero-host-cost bound of its stage order
+        (``planner/stage_bound.py``), None where the planner cannot model the layout."""
         modes = {}
         for name, r in self.results.items():
+            bound = (bounds or {}).get(name)
             modes[name] = {
                 "times_s": r.times,
                 "median_s": r.median,
@@ -139,6 +145,9 @@ class BenchReport:
                 "comm_hidden": self.hidden(name),
                 "limit_share": self.limit_share(name),
                 "saving_vs_limit": self.saving_vs_limit(name),
+                "zero_host_bound_s": bound,
+                "zero_host_bound_share": None if bound is None else bound / r.median,
+                "notes": self.notes.get(name, []),
             }
         return {
             "workload": self.workload.spec,
@@ -206,13 +215,14 @@ def run_bench(
     batches = make_batches(workload, vocab, seed)
     fill_context(executor, workload, vocab, seed)
     results = {m: ModeResult(m) for m in modes}
-    recording, comm, tp_comm = {}, [], []
+    recording, notes, comm, tp_comm = {}, {}, [], []
     total = len(modes) * (repeat + 2)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"bench {workload.spec}", total=total)
         for m in modes:  # warm-up, then one recorded forward per mode for the timeline
             step(executor, batches, configs[m])
-            recording[m] = step(executor, batches, configs[m], record=True).spans
+            reply = step(executor, batches, configs[m], record=True)
+            recording[m], notes[m] = reply.spans, mode_notes(configs[m], reply)
             bar.advance(task, 2)
         for rep in range(repeat):
             order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
@@ -229,7 +239,7 @@ def run_bench(
                 tp_comm.append(_slowest_track(spans, "tp comm"))
     t_comm = statistics.median(comm) if comm else 0.0
     t_tp = statistics.median(tp_comm) if tp_comm else 0.0
-    return BenchReport(workload, results, t_comm, recording, t_tp, on_gpu)
+    return BenchReport(workload, results, t_comm, recording, t_tp, on_gpu, notes)
 
 
 def _sync() -> None:

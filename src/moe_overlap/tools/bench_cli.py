@@ -19,7 +19,15 @@ from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
-from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config, run_bench
+from moe_overlap.planner.inputs import ModelSpec, make_layout
+from moe_overlap.planner.stage_bound import stage_order_bound
+from moe_overlap.tools.bench import (
+    DEFAULT_MODES,
+    BenchReport,
+    make_batches,
+    mode_config,
+    run_bench,
+)
 from moe_overlap.tools.cli_args import (
     add_device_args,
     add_link_arg,
@@ -120,7 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
-    write_outputs(console, report.recording, args, payload | report.to_json())
+    bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
+    write_outputs(console, report.recording, args, payload | report.to_json(bounds))
     return 0
 
 
@@ -132,6 +141,44 @@ def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, Overla
     }
     auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
     return {m: replace(auto if m == "auto" else mode_config(m), **dispatch) for m in modes}
+
+
+def zero_host_bounds(
+    report: BenchReport,
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    peers: int,
+    overrides: dict[str, OverlapConfig],
+    seed: int,
+) -> dict[str, float | None]:
+    """Per mode, the planner's zero-host-cost bound from the measured ``T_comp`` and
+    ``T_comm`` (plus the attention-TP collectives, which no mode hides); None for every mode
+    where the planner does not model the layout (pipeline stages, MoE-TP)."""
+    try:
+        if peers:
+            layout = make_layout(None, None, peers, False, cfg)
+        else:
+            tp, dp = (None if par.tp == 1 else par.tp), (None if par.dp == 1 else par.dp)
+            layout = make_layout(tp, dp, par.ep, par.enable_dp_attention, cfg)
+        if par.pp > 1:
+            raise ConfigError("the planner models no pipeline stages")
+    except ConfigError:
+        return {mode: None for mode in report.results}
+    groups = make_batches(report.workload, cfg.vocab_size, seed)
+    batches = [groups[0 if peers else layout.group_of(r)] for r in range(layout.world)]
+    spec = ModelSpec(cfg, "bench", fp8_weights=False)
+    return {
+        mode: report.t_tp_comm
+        + stage_order_bound(
+            spec,
+            layout,
+            batches,
+            overrides.get(mode) or mode_config(mode),
+            report.t_comp,
+            report.t_comm,
+        )
+        for mode in report.results
+    }
 
 
 def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Workload:

@@ -21,10 +21,11 @@ def bench_table(report: BenchReport, title: str) -> Table:
     table.add_column("mode", no_wrap=True, min_width=max(map(len, report.results)))
     for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "hidden", "of limit"):
         table.add_column(name, justify="right")  # a narrow terminal wraps these, not modes
+    marked = [m for m in report.results if report.notes.get(m)]
     for mode, r in report.results.items():
         hidden = report.hidden(mode)
         table.add_row(
-            mode,
+            f"{mode} [{marked.index(mode) + 1}]" if mode in marked else mode,
             f"{report.workload.tokens / r.median:,.0f}",
             f"{r.median * 1e3:.1f}",
             f"{min(r.times) * 1e3:.0f}-{max(r.times) * 1e3:.0f}",
@@ -41,5 +42,7 @@ def bench_table(report: BenchReport, title: str) -> Table:
         f"max(T_comp, T_comm){' + T_tp' if tp else ''} = {report.limit * 1e3:.1f} ms; of "
         f"limit: limit / ms per forward; hidden: {HIDDEN_GPU if report.on_gpu else HIDDEN_CPU}"
     )
+    for i, mode in enumerate(marked, start=1):
+        table.caption += f"\n[{i}] {mode}: {'; '.join(report.notes[mode])}"
     table.caption_justify = "left"
     return table

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_overlap.core.timeline import Span
+from moe_overlap.core.timeline import DECISION, SPLIT, Span
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
 _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange
@@ -42,12 +42,15 @@ def write_chrome_trace(recording: Recording, path: str | Path) -> None:
                     "args": {"name": f"{mode} / rank {rank}"},
                 }
             )
-            # then the waits, and auto's decisions (their names carry the predicted times)
+            # then the waits, the decisions (auto's carry the predicted times; a scheme that ran
+            # no overlap says why) and each micro-batch's rows (zero-length marks)
             tracks = _tracks(spans) + sorted({s.track for s in spans} - set(_tracks(spans)))
             for tid, track in enumerate(tracks):
-                label = {"comm": "communication", "decision": "auto's decision"}.get(
-                    track, f"compute {track}"
-                )
+                label = {
+                    "comm": "communication",
+                    DECISION: "overlap decision",
+                    SPLIT: "micro-batch rows",
+                }.get(track, f"compute {track}")
                 label = (
                     f"{track.removesuffix(' wait')} blocked on a receive"
                     if track.endswith("wait")
