@@ -19,8 +19,12 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.distributed.comm import CollectiveAborted, CollectiveTimeout
 from moe_overlap.distributed.netns import enter_netns
+from moe_overlap.overlap.baton import DboStall
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_all, serve_step
+
+STUCK = (DboStall, CollectiveAborted, CollectiveTimeout)  # errors a collective left behind
 
 
 def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
@@ -52,6 +56,8 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
     except BaseException as exc:  # report anything, then die: the driver stops every rank
         with contextlib.suppress(OSError):
             conn.send(("error", rank.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        if isinstance(exc, STUCK):  # a thread may still sit in a collective: tearing the
+            os._exit(1)  # group down could wait on it, so leave now (reported above)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
