@@ -38,8 +38,9 @@ MODELS = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
 }
 
 
-def eager_graphs(runner, max_bs: int) -> DecodeGraphs:
-    """``runner``'s decode graphs, each running its padded, buffer-fed forward eagerly."""
+def eager_graphs(runner, max_bs: int, local: bool = True) -> DecodeGraphs:
+    """``runner``'s decode graphs, each running its padded, buffer-fed forward eagerly
+    (``local``: one rank's dispatch; else the low-latency one's steps)."""
     return DecodeGraphs(
         runner.model,
         runner.kv_cache,
@@ -47,6 +48,7 @@ def eager_graphs(runner, max_bs: int) -> DecodeGraphs:
         max_bs,
         capture=False,
         mode_ran=lambda: runner.last_mode,
+        local=local,
     )
 
 
@@ -140,15 +142,7 @@ def test_the_padded_low_latency_decode_gives_the_eager_logits(overlap):
     low_latency = replace(overlap, a2a_mode="low_latency", tbo_min_tokens=1)
     eager = runner.forward(step, low_latency)
     assert runner.active is runner.low_latency(low_latency.num_max_dispatch_tokens_per_rank)
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner._logits,
-        4,
-        capture=False,
-        mode_ran=lambda: runner.last_mode,
-        local=False,
-    )
+    graphs = eager_graphs(runner, 4, local=False)
     assert graphs.covers([step], low_latency, True)
     assert not graphs.covers([step], low_latency, False)  # the normal dispatch sizes on the host
     runner.graphs = graphs

@@ -17,10 +17,10 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.model import moe
 from moe_overlap.model.moe import ExpertBank, grouped_fits
-from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY
+from tests.test_cuda_graphs import eager_graphs
 
 pytestmark = needs_gpu
 HIDDEN, INTER, EP, LOCAL, CAP = 256, 128, 4, 3, 16
@@ -67,15 +67,7 @@ def test_an_emulated_low_latency_decode_replays_bit_for_bit(mode):
     )
     overlap = OverlapConfig(mode, tbo_min_tokens=1, dbo_decode_token_threshold=1)
     overlap = replace(overlap, a2a_mode="low_latency", num_max_dispatch_tokens_per_rank=8)
-    eager = DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner._logits,
-        4,
-        capture=False,
-        mode_ran=lambda: runner.last_mode,
-        local=False,
-    )
+    eager = eager_graphs(runner, 4, local=False)
     runner.choose_dispatch(overlap, [step])
     expected = eager.forward(step, overlap, [step])
     replayed = runner.forward(step, overlap)
