@@ -1,5 +1,6 @@
 """Issue 43 against a real server: no request freezes it (prompts and choices per request are
-bounded, and queueing the largest allowed one leaves /health answering)."""
+bounded, and queueing the largest allowed one leaves /health answering), and bad values are
+400s naming the field, never 500s."""
 
 from __future__ import annotations
 
@@ -72,6 +73,22 @@ def test_a_request_over_a_limit_is_400_naming_it(served, body, param, flag):
     assert code == 400 and reply["error"]["param"] == param, reply
     assert flag in reply["error"]["message"]
     assert timed_health(served)[0] < HEALTH_S
+
+
+def test_six_bad_values_are_400s_naming_the_field(served):
+    cases = [
+        ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+        ({"stop_token_ids": [320]}, "stop_token_ids"),  # the vocabulary is [0, 320)
+        ({"stop_token_ids": [400], "min_tokens": 2}, "stop_token_ids"),
+        ({"stop_token_ids": [10**30], "min_tokens": 2}, "stop_token_ids"),
+    ]
+    for extra, field in cases:
+        code, reply = post(served, {"prompt": "hi", "max_tokens": 4, **extra})
+        assert code == 400 and reply["error"]["param"] == field, (extra, reply)
+        assert field in reply["error"]["message"], reply
+    assert post(served, {"prompt": "hi", "max_tokens": 2, "logit_bias": {"319": 1}})[0] == 200
 
 
 def test_a_failed_choice_is_named_as_a_choice(served, monkeypatch):

@@ -178,6 +178,7 @@ def _queue(
     vocabulary), every choice queued on ``sub``, and the call's formatter."""
     prompts = encode()
     params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
+    params[0].check_vocabulary(engine.llm.config.vocab_size)  # the prompts share these ids
     asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
     k = len(asked[0])
     if body.stream and k > body.n:
