@@ -1,6 +1,6 @@
 """Issue 43 against a real server: no request freezes it (prompts and choices per request are
-bounded, and queueing the largest allowed one leaves /health answering), and bad values are
-400s naming the field, never 500s."""
+bounded, and queueing the largest allowed one leaves /health answering), and bad values and
+loose types are 400s naming the field, never 500s."""
 
 from __future__ import annotations
 
@@ -89,6 +89,37 @@ def test_six_bad_values_are_400s_naming_the_field(served):
         assert code == 400 and reply["error"]["param"] == field, (extra, reply)
         assert field in reply["error"]["message"], reply
     assert post(served, {"prompt": "hi", "max_tokens": 2, "logit_bias": {"319": 1}})[0] == 200
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", True),
+        ("max_tokens", True),
+        ("n", True),
+        ("stream", "yes"),
+        ("echo", 1),
+        ("ignore_eos", "false"),
+        ("stream_options", {"include_usage": "yes"}),
+    ],
+)
+def test_loose_types_are_refused(served, field, value):
+    code, reply = post(served, {"prompt": "hi", "max_tokens": 2, field: value})
+    assert code == 400 and reply["error"]["param"] == field, reply
+    assert reply["error"]["message"].startswith(field)
+
+
+def test_an_int_is_still_a_number(served):
+    assert post(served, {"prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 1})[0] == 200
+
+
+def test_chat_top_logprobs_needs_logprobs(served):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for logprobs in ({}, {"logprobs": False}):
+        code, reply = post(served, {**chat, **logprobs, "top_logprobs": 2}, "/v1/chat/completions")
+        assert code == 400 and reply["error"]["param"] == "top_logprobs", reply
+    body = {**chat, "logprobs": True, "top_logprobs": 2}
+    assert post(served, body, "/v1/chat/completions")[0] == 200
 
 
 def test_a_failed_choice_is_named_as_a_choice(served, monkeypatch):

@@ -1,11 +1,11 @@
 """Refusals of a request body before any of it reaches the engine, each a 400 (404 for an unknown
 model) that names the field: fields this server does not implement, invalid Unicode, stop lists
-and fan-out beyond the server's limits."""
+and fan-out beyond the server's limits, ``top_logprobs`` without ``logprobs``."""
 
 from __future__ import annotations
 
 from moe_overlap.server.guards import APIError
-from moe_overlap.server.protocol import SamplingFields, bad_unicode
+from moe_overlap.server.protocol import ChatRequest, SamplingFields, bad_unicode
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.server.unsupported import unsupported_field
 
@@ -20,6 +20,9 @@ def check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> 
         message = f"{where} holds invalid Unicode (a lone surrogate); send valid UTF-8 text"
         raise APIError(400, message, "invalid_value", where)
     _check_stop(body, settings)
+    if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
+        message = "top_logprobs needs logprobs=true (OpenAI's rule)"
+        raise APIError(400, message, "invalid_value", "top_logprobs")
     if body.model is not None and body.model != settings.model_name:
         raise APIError(
             404,

@@ -23,11 +23,14 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: true is not a number and "yes" not a boolean (an int is still a float)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
