@@ -15,10 +15,18 @@ SAMPLING_EPS = 1e-5
 # vLLM's and OpenAI's default, for Python, the command line and HTTP alike
 DEFAULT_TEMPERATURE = 1.0
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+# repetition_penalty's bounds: fp32 logits divided or multiplied by a value outside overflow to
+# inf (1e-45 makes NaN probabilities) or vanish, and vLLM's (0, inf) admits those
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 class InvalidRequestError(ValueError):
-    """A request cannot be served as given; nothing was scheduled."""
+    """A request cannot be served as given; nothing was scheduled. ``field``: the parameter at
+    fault, when one is."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -84,9 +92,12 @@ class SamplingParams:
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
         _number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
             raise InvalidRequestError(
-                f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)"
+                f"repetition_penalty={self.repetition_penalty} must be > 0 and in "
+                f"[{low:g}, {high:g}] (1 disables it)",
+                "repetition_penalty",
             )
         _integer("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_new_tokens:
@@ -100,6 +111,19 @@ class SamplingParams:
             _integer("logit_bias", token, minimum=0, note=" (a token id as key)")
             _number(f"logit_bias[{token}]", value)
         self.logit_bias = {t: min(100.0, max(-100.0, float(v))) for t, v in bias.items()}
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuses a ``stop_token_ids`` entry or ``logit_bias`` key outside [0, vocab_size)."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("logit_bias", self.logit_bias or {}),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                    name,
+                )
 
     @property
     def penalised(self) -> bool:

@@ -4,8 +4,9 @@ server-sent events or whole), /v1/models and /health, over one ``EngineLoop``; /
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.loop import SHUTTING_DOWN, EngineDead, EngineLoop
 from moe_overlap.engine.request import SamplingParams
+from moe_overlap.server.checks import check_fan_out, check_fields
 from moe_overlap.server.guards import (
     APIError,
     ServerSettings,
@@ -27,15 +29,9 @@ from moe_overlap.server.observability import (
     install_observability,
     package_version,
 )
-from moe_overlap.server.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    SamplingFields,
-    bad_unicode,
-)
+from moe_overlap.server.protocol import ChatRequest, CompletionRequest, SamplingFields
 from moe_overlap.server.responses import DONE, Choice, Formatter, sse
-from moe_overlap.server.submission import Submission
-from moe_overlap.server.unsupported import unsupported_field
+from moe_overlap.server.submission import Submission, choice_name
 
 
 def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
@@ -60,70 +56,37 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_fields(body, settings, chat=False)
+        check_fields(body, settings, chat=False)
         texts = body.prompts()
-        prompts = [_encode(engine, p, f"prompt {i}") for i, p in enumerate(texts)]
+        check_fan_out(body, len(texts), settings)
         if body.max_tokens == 0 and not body.echo:
             message = "max_tokens=0 returns nothing without echo=true (scoring a prompt)"
             raise APIError(400, message, "invalid_value", "max_tokens")
-        call = (body, prompts, texts, body.max_tokens, False, request)
+
+        def encode() -> list[list[int]]:
+            return [_encode(engine, p, f"prompt {i}") for i, p in enumerate(texts)]
+
+        call = (body, encode, texts, body.max_tokens, False, request)
         return await _serve(engine, settings, metrics, *call)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        _check_fields(body, settings, chat=True)
+        check_fields(body, settings, chat=True)
+        check_fan_out(body, 1, settings)
         tok = engine.llm.tokenizer
         if tok is None:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
-        text = tok.apply_chat_template(
-            body.conversation(), add_generation_prompt=True, tokenize=False
-        )
-        prompt = tok.encode(text, add_special_tokens=False)
+
+        def encode() -> list[list[int]]:
+            conversation = body.conversation()
+            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            return [tok.encode(text, add_special_tokens=False)]
+
         limit = body.max_completion_tokens or body.max_tokens
-        call = (body, [prompt], None, limit, True, request)
+        call = (body, encode, None, limit, True, request)
         return await _serve(engine, settings, metrics, *call)
 
     return app
-
-
-def _check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> None:
-    """Fields this server implements, the model's name, valid Unicode, a bounded stop list."""
-    refused = unsupported_field(body.model_dump(), chat)
-    if refused is not None:
-        raise APIError(400, refused[1], "unsupported_parameter", refused[0])
-    where = bad_unicode(body)
-    if where:
-        message = f"{where} holds invalid Unicode (a lone surrogate); send valid UTF-8 text"
-        raise APIError(400, message, "invalid_value", where)
-    _check_stop(body, settings)
-    if body.model is not None and body.model != settings.model_name:
-        raise APIError(
-            404,
-            f"model {body.model!r} does not exist; this server serves {settings.model_name!r}",
-            "model_not_found",
-            "model",
-        )
-
-
-def _check_stop(body: SamplingFields, settings: ServerSettings) -> None:
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    if len(stop) > settings.max_stop_sequences:
-        raise APIError(
-            400,
-            f"stop has {len(stop)} strings; this server accepts at most "
-            f"{settings.max_stop_sequences} (--max-stop-sequences)",
-            "invalid_value",
-            "stop",
-        )
-    longest = max(map(len, stop), default=0)
-    if longest > settings.max_stop_chars:
-        raise APIError(
-            400,
-            f"a stop string has {longest} characters; this server accepts at most "
-            f"{settings.max_stop_chars} (--max-stop-chars)",
-            "invalid_value",
-            "stop",
-        )
 
 
 def _encode(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int]:
@@ -160,35 +123,28 @@ async def _serve(
     settings: ServerSettings,
     metrics: ServerMetrics,
     body: SamplingFields,
-    prompts: list[list[int]],
+    encode: Callable[[], list[list[int]]],
     texts: list[str | list[int]] | None,
     limit: int | None,
     chat: bool,
     request: Request,
 ) -> dict | StreamingResponse:
-    """Queue every prompt (a bad one aborts those queued before it), then stream the deltas
+    """Queue every choice (a bad one aborts those queued before it), then stream the deltas
     or wait for every answer."""
     if engine.error:
         raise EngineDead(engine.error)
-    params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
-    asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
-    k = len(asked[0])
-    if body.stream and k > body.n:
-        message = f"best_of={k} > n={body.n} cannot be streamed: the best are known at the end"
-        raise APIError(400, message, "invalid_value", "best_of")
-    fmt = _formatter(engine, settings, body, prompts, texts, chat, k)
-    timed = metrics.request(fmt.id)
     sub = Submission(engine)
-    try:
-        for i, (ids, group) in enumerate(zip(prompts, asked, strict=True)):
-            for j, sp in enumerate(group):
-                sub.add(i * k + j, ids, sp)
+    call = (engine, settings, body, encode, texts, limit, chat, sub)
+    try:  # off the event loop: tokenizing and checking hundreds of long prompts takes a while
+        params, fmt = await asyncio.to_thread(_queue, *call)
     except BaseException:
         sub.close()
         raise
+    k = fmt.per_prompt
+    timed = metrics.request(fmt.id)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(sub, fmt, len(prompts) * k, usage, request, timed)
+        events = _events(sub, fmt, len(params) * k, usage, request, timed)
         return StreamingResponse(events, media_type="text/event-stream")
     choices = fmt.choices()
     try:
@@ -199,12 +155,40 @@ async def _serve(
             if delta.error:
                 raise EngineDead(delta.error)
             if delta.failed:
-                raise APIError(500, f"prompt {index} failed: {delta.failed}", "request_failed")
+                message = f"{choice_name(index, k)} failed: {delta.failed}"
+                raise APIError(500, message, "request_failed")
             fmt.add(choices[index], index, delta)
     finally:
         sub.close()
         timed.close(len(choices))
     return fmt.whole(_best(params, choices, k))
+
+
+def _queue(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    body: SamplingFields,
+    encode: Callable[[], list[list[int]]],
+    texts: list[str | list[int]] | None,
+    limit: int | None,
+    chat: bool,
+    sub: Submission,
+) -> tuple[list[SamplingParams], Formatter]:
+    """On a worker thread: the prompts' tokens, each prompt's parameters (checked against the
+    vocabulary), every choice queued on ``sub``, and the call's formatter."""
+    prompts = encode()
+    params = [body.params(_max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
+    params[0].check_vocabulary(engine.llm.config.vocab_size)  # the prompts share these ids
+    asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
+    k = len(asked[0])
+    if body.stream and k > body.n:
+        message = f"best_of={k} > n={body.n} cannot be streamed: the best are known at the end"
+        raise APIError(400, message, "invalid_value", "best_of")
+    for i, (ids, group) in enumerate(zip(prompts, asked, strict=True)):
+        for j, sp in enumerate(group):
+            sub.add(i * k + j, ids, sp, where=f"prompt {i}")
+        time.sleep(0)  # hand the GIL to the event loop between prompts
+    return params, _formatter(engine, settings, body, prompts, texts, chat, k)
 
 
 def _best(params: list[SamplingParams], choices: list[Choice], k: int) -> list[Choice]:
@@ -232,7 +216,8 @@ async def _events(
                 yield sse(stopped_body(delta.error))
                 break
             if delta.failed:
-                yield sse(request_failed_body(f"prompt {index} failed: {delta.failed}"))
+                message = f"{choice_name(index, fmt.per_prompt)} failed: {delta.failed}"
+                yield sse(request_failed_body(message))
                 break
             fmt.add(choices[index], index, delta)
             yield fmt.chunk(index, delta, choices[index])

@@ -81,7 +81,7 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> Gate:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_value")
+        return error_response(400, str(exc), "invalid_value", exc.field)
 
     @app.exception_handler(EngineDead)
     async def dead(request: Request, exc: EngineDead) -> JSONResponse:

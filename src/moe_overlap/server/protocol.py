@@ -16,17 +16,21 @@ from moe_overlap.engine.request import (
 )
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer is no vocabulary's token id
 
 # OpenAI's names for why a choice ended
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: true is not a number and "yes" not a boolean (an int is still a float)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -85,10 +89,17 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
     """``logit_bias``'s string keys as token ids; a key that is not one is refused by name."""
     if bias is None:
         return None
-    bad = [k for k in bias if not k.strip().isdigit()]
+    bad = [k for k in bias if not _is_token_id(k)]
     if bad:
-        raise InvalidRequestError(f"logit_bias key {bad[0]!r} is not a token id")
+        message = f"logit_bias key {bad[0]!r:.40} is not a token id"
+        note = f" (at most {MAX_TOKEN_ID_DIGITS} ASCII digits)"
+        raise InvalidRequestError(message + note, "logit_bias")
     return {int(k): v for k, v in bias.items()}
+
+
+def _is_token_id(key: str) -> bool:
+    # str.isdigit alone takes "²" and "٣", which int() refuses or reads as another id
+    return 0 < len(key) <= MAX_TOKEN_ID_DIGITS and key.isascii() and key.isdigit()
 
 
 class CompletionRequest(SamplingFields):

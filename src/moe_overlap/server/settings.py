@@ -11,6 +11,8 @@ from moe_overlap.engine.args import setting
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 LIMITS = (  # the server's bounds, each > 0
+    "max_prompts_per_request",
+    "max_choices_per_request",
     "max_stop_sequences",
     "max_stop_chars",
     "header_timeout",
@@ -54,6 +56,15 @@ class ServerSettings:
         "context less one)",
         parse=int,
         group="server",
+    )
+    max_prompts_per_request: int = setting(
+        64, "most prompts in one completions request (400 beyond)", group="server limits"
+    )
+    max_choices_per_request: int = setting(
+        256,
+        "most choices one request asks for: prompts x n, or prompts x best_of where larger; "
+        "each is a request to the engine (400 beyond)",
+        group="server limits",
     )
     max_stop_sequences: int = setting(
         4, "most stop strings in a request (OpenAI's limit; 400 beyond)", group="server limits"
