@@ -105,10 +105,13 @@ def test_bad_adjustments_are_refused_by_name(kw, message):
         SamplingParams(**kw)
 
 
-def test_a_logit_bias_outside_the_vocabulary_is_refused(engines):
+def test_token_ids_outside_the_vocabulary_are_refused_offline_too(engines):
     one, _ = engines
-    with pytest.raises(InvalidRequestError, match="logit_bias names token id 9999, outside"):
+    with pytest.raises(InvalidRequestError, match="logit_bias holds token id 9999, outside"):
         one.generate([PROMPT], SamplingParams(logit_bias={9999: 1.0}))
+    stop = SamplingParams(stop_token_ids=[9999], min_tokens=2)  # an IndexError on the rank once
+    with pytest.raises(InvalidRequestError, match="stop_token_ids holds token id 9999, outside"):
+        one.generate([PROMPT], stop)
 
 
 SAMPLED = dict(temperature=1.0, max_new_tokens=5, ignore_eos=True, seed=11)

@@ -217,12 +217,10 @@ class LLM:
         self._next_id += 1
         stops = params.stop if isinstance(params.stop, list) else []  # a list once checked
         text = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
-        bias = [t for t in params.logit_bias or {} if t >= self.config.vocab_size]
-        if bias:
-            raise InvalidRequestError(
-                f"{where}: logit_bias names token id {bias[0]}, outside the vocabulary "
-                f"[0, {self.config.vocab_size})"
-            )
+        try:
+            params.check_vocabulary(self.config.vocab_size)  # stop_token_ids, logit_bias
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{where}: {exc}", exc.field) from None
         eos = self.config.eos_token_id
         return Request(
             self._next_id, ids, params, return_logits, seed=seed, text=text, eos_token_id=eos
