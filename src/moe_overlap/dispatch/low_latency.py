@@ -107,8 +107,11 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         return state
 
     def _crossing(self, pairs: int) -> int:
-        """Rows the link carries: the host knows the pairs, not their owners, so routing is
-        taken as uniform (a peer gets ``(ep - 1) / ep`` of them); padding never crosses."""
+        """Rows a modelled link charges: the real rows, as DeepEP's transport, which writes
+        only them into the fixed blocks, would move (the host knows the pairs, not their
+        owners, so routing is taken as uniform: peers get ``(ep - 1) / ep`` of them). Our torch
+        all-to-all sends the whole blocks, padding included: over a real link that is up to
+        ``num_experts / top_k`` times the bytes, which the modelled figures do not show."""
         return pairs * (self.ep - 1) // self.ep
 
     def dispatch_b(self, state: LowLatencyState) -> None:
