@@ -71,7 +71,8 @@ class OverlapArgs:
         "auto: low_latency for decode steps on CUDA, normal for prefill and on CPU (over gloo "
         "the blocks cross whole, padding included). SGLang's --deepep-mode and "
         f"vLLM's --all2all-backend {'|'.join(VLLM_BACKENDS)} name it too; the layout is "
-        "DeepEP's, the data path ours, over torch collectives, not the DeepEP library",
+        "DeepEP's, the data path ours, over torch collectives, not the DeepEP library (which "
+        "moves the whole blocks, padding included)",
         choices=A2A_MODES,
         parse=parse_a2a_mode,
         aliases=("--deepep-mode", "--all2all-backend"),
