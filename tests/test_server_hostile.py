@@ -159,11 +159,12 @@ def test_stalled_body_gets_408_and_the_body_budget_holds(served):
         "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n"
     )
     first = [raw_socket(served) for _ in range(2)]
-    for s in first:  # 2 x 30 KiB of the 64 KiB budget
-        s.sendall(head.format(KEY, 30 << 10).encode() + b'{"prompt": "')
+    for s in first:  # 2 x 30 KiB received of the 64 KiB budget
+        s.sendall(head.format(KEY, 31 << 10).encode() + b" " * (30 << 10))
     time.sleep(0.2)
+    assert gate.buffered == 60 << 10  # what came, not what was declared
     third = raw_socket(served)
-    third.sendall(head.format(KEY, 30 << 10).encode())
+    third.sendall(head.format(KEY, 31 << 10).encode() + b" " * (8 << 10))
     answer = closed_within(third, 5.0)
     assert answer.startswith(b"HTTP/1.1 503") and b"server_busy" in answer
     for s in first:

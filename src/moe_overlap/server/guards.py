@@ -2,13 +2,17 @@
 shape (``{"error": {"message", "type", "code", "param"}}``) for every failure, expected or not.
 
 The body is read whole before a route sees it, within ``body_timeout`` (408 after), up to
-``max_request_bytes`` (413), and only while the bodies being read all together stay within
-``max_buffered_bytes`` (503): slow or stalled uploads cannot grow the server without bound.
+``max_request_bytes`` (413), and only while the bytes received of the bodies being read all
+together stay within ``max_buffered_bytes`` (503): slow or stalled uploads cannot grow the server
+without bound, and a declared ``Content-Length`` reserves nothing until its bytes arrive. A 413
+first reads and drops the rest of a body of up to ``DRAIN_BYTES``, so a client that sends its
+whole body before reading (Python's ``http.client``) reads the 413 rather than a reset.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from dataclasses import dataclass
 
@@ -36,6 +40,7 @@ ERROR_TYPES = {
     503: "service_unavailable",
 }
 RETRY_AFTER_S = 5  # what a 503 from a busy or stopping server asks clients to wait
+DRAIN_BYTES = 16 << 20  # most of an oversized body read and dropped before its 413
 
 
 class APIError(Exception):
@@ -132,12 +137,12 @@ class Guard:
             msg = "a valid API key is required: send the header 'Authorization: Bearer KEY'"
             return await error_response(401, msg, "invalid_api_key")(scope, receive, send)
         declared = headers.get(b"content-length", b"0")
-        reserve = int(declared) if declared.isdigit() else 0
-        problem = self._refuse(reserve)
-        if problem is not None:
-            return await problem(scope, receive, send)
-        held = [reserve]  # what this body holds of the budget; it may grow as bytes come
-        self.gate.buffered += reserve
+        if declared.isdigit() and int(declared) > self.settings.max_request_bytes:
+            drain = b"100-continue" not in headers.get(b"expect", b"").lower()
+            if drain and int(declared) <= DRAIN_BYTES:  # else it would be refused unread
+                await self._drain(receive)
+            return await self._too_large()(scope, receive, send)
+        held = [0]  # the bytes of this body received so far, counted in gate.buffered
         try:
             body = await self._read(receive, held)
         finally:
@@ -157,34 +162,32 @@ class Guard:
 
         return await self.app(scope, replay, send)
 
-    def _refuse(self, size: int) -> JSONResponse | None:
-        limit = self.settings.max_request_bytes
-        if size > limit:
-            msg = f"the request body is larger than --max-request-bytes={limit}"
-            return error_response(413, msg, "too_large")
-        if self.gate.buffered + size > self.settings.max_buffered_bytes:
-            msg = "too many request bodies are being read at once; retry shortly"
-            return error_response(503, msg, "server_busy")
-        return None
+    def _too_large(self) -> JSONResponse:
+        msg = (
+            f"the request body is larger than --max-request-bytes={self.settings.max_request_bytes}"
+        )
+        return error_response(413, msg, "too_large")
 
     async def _read(self, receive: Receive, held: list[int]) -> bytes | JSONResponse | None:
-        """The body, an error reply (too slow, too large, over the budget), or None (gone)."""
-        parts, size = [], 0
+        """The body, an error reply (too slow, too large, over the budget), or None (gone).
+        ``held[0]`` is what it holds of ``gate.buffered``: the bytes received, as they come."""
+        parts: list[bytes] = []
         deadline = asyncio.get_running_loop().time() + self.settings.body_timeout
         try:
             while True:
-                left = deadline - asyncio.get_running_loop().time()
-                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+                message = await self._next(receive, deadline)
                 if message["type"] == "http.disconnect":
                     return None
                 parts.append(message.get("body", b""))
-                size += len(parts[-1])
-                if size > held[0]:  # chunked or understated: count what actually came
-                    problem = self._refuse(size - held[0])
-                    if problem is not None or size > self.settings.max_request_bytes:
-                        return problem or self._refuse(size)
-                    self.gate.buffered += size - held[0]
-                    held[0] = size
+                if held[0] + len(parts[-1]) > self.settings.max_request_bytes:
+                    if message.get("more_body", False):
+                        await self._drain(receive, deadline, held[0] + len(parts[-1]))
+                    return self._too_large()
+                if self.gate.buffered + len(parts[-1]) > self.settings.max_buffered_bytes:
+                    msg = "too many request bodies are being read at once; retry shortly"
+                    return error_response(503, msg, "server_busy")
+                self.gate.buffered += len(parts[-1])
+                held[0] += len(parts[-1])
                 if not message.get("more_body", False):
                     return b"".join(parts)
         except TimeoutError:
@@ -192,6 +195,22 @@ class Guard:
                 f"the request body took longer than --body-timeout={self.settings.body_timeout:g} s"
             )
             return error_response(408, msg, "body_timeout")
+
+    async def _drain(self, receive: Receive, deadline: float | None = None, seen: int = 0) -> None:
+        """Read and drop the rest of a body, up to DRAIN_BYTES in all and the body timeout."""
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.settings.body_timeout
+        with contextlib.suppress(TimeoutError):
+            while seen <= DRAIN_BYTES:
+                message = await self._next(receive, deadline)
+                seen += len(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                    return
+
+    @staticmethod
+    async def _next(receive: Receive, deadline: float) -> Message:
+        left = deadline - asyncio.get_running_loop().time()
+        return await asyncio.wait_for(receive(), timeout=max(left, 0.0))
 
     def _authorized(self, path: str, header: bytes) -> bool:
         key = self.settings.api_key

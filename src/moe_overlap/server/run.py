@@ -12,32 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.loop import EngineLoop
 from moe_overlap.server.app import build_app
-from moe_overlap.server.guards import RETRY_AFTER_S, ServerSettings, error_body
+from moe_overlap.server.connections import ConnectionCaps, guarded_http
+from moe_overlap.server.guards import ServerSettings
 
 GRACEFUL_S = 3  # uvicorn's wait for connections once every request was answered
 DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
 POLL_S = 0.05
-_BUSY_BODY = json.dumps(
-    error_body(503, "too many connections are open; retry shortly", "server_busy")
-).encode()
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-    % (RETRY_AFTER_S, len(_BUSY_BODY), _BUSY_BODY)
-)
 
 
 class EngineStopped(RuntimeError):
@@ -58,6 +48,7 @@ class Server:
         self.settings, self.on_started = settings, on_started
         self.app = build_app(self.engine, settings)
         self.metrics = self.app.state.metrics
+        caps = (settings.max_connections, settings.max_connections_per_client)
         config = uvicorn.Config(
             self.app,
             host=host,
@@ -66,7 +57,7 @@ class Server:
             access_log=False,  # observability.py logs each request with its tokens and time
             timeout_graceful_shutdown=GRACEFUL_S,
             lifespan="off",
-            http=_guarded_http(settings.header_timeout, settings.max_connections),
+            http=guarded_http(settings.header_timeout, ConnectionCaps(*caps)),
         )
         self.http = _Http(config)
 
@@ -136,40 +127,6 @@ class _Http(uvicorn.Server):
             self.draining = True
         else:
             super().handle_exit(sig, frame)
-
-
-def _guarded_http(timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    class GuardedHTTP(H11Protocol):
-        """uvicorn's HTTP/1.1 with a cap on open connections (one past it gets a JSON 503 and
-        is closed) and a deadline for each request's headers (from the connection or the last
-        response): a client that trickles them is dropped, not held."""
-
-        timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.write(_BUSY)
-                transport.close()
-                return
-            self.timer = self.loop.call_later(timeout_s, self.headers_late)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.timer is not None:
-                self.timer.cancel()
-            self.timer = self.loop.call_later(timeout_s, self.headers_late)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.timer is not None:
-                self.timer.cancel()
-            super().connection_lost(exc)
-
-        def headers_late(self) -> None:
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedHTTP
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ LIMITS = (  # the server's bounds, each > 0
     "header_timeout",
     "body_timeout",
     "max_connections",
+    "max_connections_per_client",
     "max_buffered_bytes",
     "shutdown_timeout",
 )
@@ -85,9 +86,15 @@ class ServerSettings:
     max_connections: int = setting(
         1024, "open connections at once; one more gets a 503 and is closed", group="server limits"
     )
+    max_connections_per_client: int = setting(
+        512,
+        "open connections at once from one peer address, so one client cannot take all of "
+        "--max-connections; one more gets a 503 and is closed before anything is read",
+        group="server limits",
+    )
     max_buffered_bytes: int = setting(
         256 << 20,
-        "request body bytes being read at once, all clients together (503 beyond)",
+        "request body bytes received and not yet handled, all clients together (503 beyond)",
         group="server limits",
     )
     shutdown_timeout: float = setting(
