@@ -8,12 +8,14 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from moe_overlap import LLM
-from tests.test_server import Running, _metrics, served_model
+from tests.test_server import Running, _free_port, _metrics, served_model
 
 TIMEOUT_S = 3.0
 
@@ -70,8 +72,14 @@ def test_stopped_rank_is_seen_by_health_and_ranks_use_loopback_only(model_dir):
         took, (code, reply) = health_within(run, 1.0, 503)
         assert code == 503 and "rank 1 is stopped" in reply["error"]["message"] and took < 1.0
         assert _metrics(run)["moe_overlap_ranks_healthy"] == 0  # the gauge sees it too
+        start = time.monotonic()  # a new request is refused at once, not held to --timeout
+        code, reply = run.raw("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        assert code == 503 and reply["error"]["code"] == "rank_unhealthy", reply
+        assert "rank 1 is stopped" in reply["error"]["message"]
+        assert time.monotonic() - start < 1.0
         os.kill(executor.procs[1].proc.pid, signal.SIGCONT)
         assert health_within(run, 1.0, 200)[1][0] == 200
+        assert run.raw("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200
         executor.procs[1].proc.kill()  # idle: no request will notice it
         took, (code, reply) = health_within(run, 1.0, 503)
         assert code == 503 and "rank 1 died" in reply["error"]["message"] and took < 1.0
@@ -107,3 +115,55 @@ def test_stuck_rank_is_named_and_clients_hear_before_close(model_dir):
             if p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
         run.stop()
+
+
+def test_killed_fork_server_is_named_and_sigterm_still_exits(model_dir):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "moe_overlap.tools.cli", "serve", "--model", str(model_dir)]
+    extra = ["--port", str(port), "--ep", "2", "--shutdown-timeout", "1"]
+    proc = subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving" not in (line := proc.stderr.readline()):
+            assert line and time.monotonic() < deadline
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        servers = [int(p) for p in children.stdout.split() if b"runtime.zygote" in _cmdline(p)]
+        assert len(servers) == 1  # the ranks are its children, not the server's
+        ranks = subprocess.run(["pgrep", "-P", str(servers[0])], capture_output=True, text=True)
+        assert len(ranks.stdout.split()) == 2
+        os.kill(servers[0], signal.SIGKILL)
+        time.sleep(0.3)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/health")
+        reply = conn.getresponse()
+        assert reply.status == 503
+        assert "rank fork server" in json.loads(reply.read())["error"]["message"]
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(1 + 5) in (1, 128 + signal.SIGTERM)
+        assert time.monotonic() - killed < 1 + 5
+        err = proc.stderr.read()
+        assert "rank fork server" in err and "died" in err
+        assert "Traceback" not in err and "rank 0 died" not in err and "rank 1 died" not in err
+        for pid in map(int, ranks.stdout.split()):  # stopped all the same (init reaps them)
+            assert _state(pid) in ("", "Z"), pid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

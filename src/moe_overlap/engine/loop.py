@@ -10,6 +10,7 @@ delta over (e.g. ``call_soon_threadsafe``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
 
+logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
 WATCH_S = 0.5  # how often the rank watcher also looks for the engine stopping
 
@@ -147,7 +149,10 @@ class EngineLoop:
             listener(_delta(req, [], "", error=self.error or SHUTTING_DOWN))
         self._live.clear()
         if self.error:
-            self.llm.close()
+            try:
+                self.llm.close()
+            except Exception as exc:  # the ranks are gone all the same; say why in one line
+                logger.error("closing the engine failed: %s: %s", type(exc).__name__, exc)
 
     def _heard(self, reply: StepReply | None) -> None:
         if reply is None:

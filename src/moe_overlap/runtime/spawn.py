@@ -25,6 +25,7 @@ from moe_overlap.distributed.netns import NetnsLink
 from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import RankSpec, gather_replies
 from moe_overlap.runtime.rank_process import RankProcess
+from moe_overlap.runtime.zygote import EXIT_UNKNOWN
 
 _GRACE_S = 10.0  # beyond the collective timeout, for the failing rank to report
 _DEATH_GRACE_S = 1.0  # after a rank's error, for a peer's death (its cause) to show
@@ -167,6 +168,10 @@ class SpawnedExecutor(Executor):
     def health(self) -> str | None:
         if self.closed:
             return "the ranks were stopped"
+        for p in self.procs:  # its own failure, named before any rank's that follows from it
+            died = p.proc.zygote.death()
+            if died:
+                return f"{died}; the ranks can no longer be started or their exits read"
         for r, p in enumerate(self.procs):
             if p.ended():
                 code = p.proc.returncode  # None until the driving thread reaps it
@@ -176,7 +181,11 @@ class SpawnedExecutor(Executor):
         return None
 
     def sentinels(self) -> list[int]:
-        return [] if self.closed else [p.pidfd for p in self.procs]
+        """The ranks' pidfds and their fork server's: readable once one of them has ended."""
+        if self.closed:
+            return []
+        servers = {p.proc.zygote.pidfd for p in self.procs}
+        return [p.pidfd for p in self.procs] + sorted(servers)
 
     def _stuck(self, msg: tuple, silent: list[int]) -> str:
         """After a rank's collective timed out: name the rank that stopped answering (a
@@ -199,7 +208,9 @@ class SpawnedExecutor(Executor):
         return f"rank {blamed[0]} stopped answering ({how}; killed); "
 
     def _death(self, r: int) -> str:
-        return f"rank {r} died (exit code {self.procs[r].exitcode(1.0)})"
+        code = self.procs[r].exitcode(1.0)
+        shown = "unknown: the fork server died before it" if code == EXIT_UNKNOWN else code
+        return f"rank {r} died (exit code {shown})"
 
     def _fail(self, why: str) -> None:
         # a rank that died is the cause; the others' collective errors are its echo, and may

@@ -27,10 +27,15 @@ import traceback
 from moe_overlap.runtime import worker
 
 _MAX_MESSAGE = 1 << 20
+EXIT_UNKNOWN = -1000  # a rank that ended after its fork server died: init reaped it, not us
 
 
 class ZygoteError(RuntimeError):
     """The fork server could not start a rank."""
+
+
+class ForkServerDied(ZygoteError):
+    """The fork server is gone: no rank can be started, and no rank's exit code read."""
 
 
 class ForkedProcess:
@@ -47,7 +52,10 @@ class ForkedProcess:
     def wait(self, timeout: float | None = None, raise_timeout: bool = True) -> int | None:
         if self.returncode is None and select.select([self.pidfd], [], [], timeout)[0]:
             for _ in range(100):  # exited; waitable at once, or within a moment
-                self.returncode = self.zygote.reap(self.pid)
+                try:
+                    self.returncode = self.zygote.reap(self.pid)
+                except ForkServerDied:  # it ended all the same; its code went with the server
+                    self.returncode = EXIT_UNKNOWN
                 if self.returncode is not None:
                     break
                 time.sleep(0.01)
@@ -78,9 +86,17 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
+        self.pidfd = os.pidfd_open(self.proc.pid)  # readable once the server has exited
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def death(self) -> str | None:
+        """Why this server can no longer start or reap ranks, or None while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return f"the rank fork server (pid {self.proc.pid}) died (exit code {code})"
 
     def spawn(self, conn_fd: int) -> ForkedProcess:
         """Fork a rank that serves the driver over ``conn_fd`` (``worker.serve_fd``), in this
@@ -100,9 +116,9 @@ class Zygote:
                 socket.send_fds(self.sock, [pickle.dumps(message)], fds or [])
                 data = self.sock.recv(_MAX_MESSAGE)
             except OSError as exc:
-                raise ZygoteError(f"the rank fork server is gone: {exc}") from exc
+                raise ForkServerDied(f"the rank fork server is gone: {exc}") from exc
         if not data:
-            raise ZygoteError(f"the rank fork server exited (code {self.proc.poll()})")
+            raise ForkServerDied(f"the rank fork server exited (code {self.proc.poll()})")
         kind, value = pickle.loads(data)
         if kind == "error":
             raise ZygoteError(value)

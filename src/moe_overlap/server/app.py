@@ -133,6 +133,9 @@ async def _serve(
     or wait for every answer."""
     if engine.error:
         raise EngineDead(engine.error)
+    trouble = engine.health()  # a stopped rank: no step can finish, so refuse at once
+    if trouble:
+        raise APIError(503, trouble, "rank_unhealthy")
     sub = Submission(engine)
     call = (engine, settings, body, encode, texts, limit, chat, sub)
     try:  # off the event loop: tokenizing and checking hundreds of long prompts takes a while

@@ -57,7 +57,7 @@ def guarded_http(header_timeout: float, caps: ConnectionCaps) -> type[H11Protoco
         timer: asyncio.TimerHandle | None = None
         peer: str | None = None  # set once admitted
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             address = transport.get_extra_info("peername")
             peer = str(address[0]) if isinstance(address, tuple) else str(address)

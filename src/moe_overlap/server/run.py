@@ -24,6 +24,7 @@ from moe_overlap.engine.loop import EngineLoop
 from moe_overlap.server.app import build_app
 from moe_overlap.server.connections import ConnectionCaps, guarded_http
 from moe_overlap.server.guards import ServerSettings
+from moe_overlap.server.observability import logger
 
 GRACEFUL_S = 3  # uvicorn's wait for connections once every request was answered
 DYING_S = 1.0  # how long a server whose engine died answers 503 before it exits
@@ -72,9 +73,9 @@ class Server:
             with _sigterm_unwinds():
                 asyncio.run(self._serve())
         finally:
-            self.engine.stop()
-        if self.engine.error:
-            raise EngineStopped(f"the engine stopped: {self.engine.error}")
+            self._stop_engine()
+            if self.engine.error:  # the news, even when a signal was stopping the server too
+                raise EngineStopped(f"the engine stopped: {self.engine.error}")
 
     def stop(self) -> None:
         """Ask the server to drain and stop (from any thread); ``run`` returns once it has."""
@@ -110,10 +111,19 @@ class Server:
         deadline = loop.time() + self.settings.shutdown_timeout
         while gate.in_flight and loop.time() < deadline and not self.http.should_exit:
             await asyncio.sleep(POLL_S)
-        await asyncio.to_thread(self.engine.stop)  # the rest hear SHUTTING_DOWN
-        while gate.in_flight and not self.http.should_exit:
-            await asyncio.sleep(POLL_S)  # their last words are being written
-        self.http.should_exit = True
+        try:
+            await asyncio.to_thread(self._stop_engine)  # the rest hear SHUTTING_DOWN
+            while gate.in_flight and not self.http.should_exit:
+                await asyncio.sleep(POLL_S)  # their last words are being written
+        finally:
+            self.http.should_exit = True
+
+    def _stop_engine(self) -> None:
+        """Stop the engine and its ranks; a failure to close is logged, and shutdown goes on."""
+        try:
+            self.engine.stop()
+        except Exception as exc:
+            logger.error("stopping the engine failed: %s: %s", type(exc).__name__, exc)
 
 
 class _Http(uvicorn.Server):
