@@ -4,6 +4,7 @@ and one address's idle connections leave room for another's."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -71,7 +72,9 @@ def test_declared_but_unsent_bodies_do_not_block_a_post(served):
 
 
 def test_an_oversized_body_gets_a_413_urllib_can_read(served):
-    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()  # 2 MiB > the 1 MiB default
+    big = json.dumps(
+        {"prompt": "x" * (12 << 20)}
+    ).encode()  # > the 1 MiB default and a socket buffer
     request = urllib.request.Request(
         f"http://127.0.0.1:{served.port}/v1/completions",
         data=big,
@@ -110,3 +113,19 @@ def served_from(run: Running, source: str) -> bool:
         return completion(run, source)[0] == 200
     except ConnectionResetError:  # refused at connection, before the request was read
         return False
+
+
+def test_an_oversized_chunked_body_and_an_expect_continue_get_their_413(served):
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    pieces = (b" " * (64 << 10) for _ in range(192))  # 12 MiB, no Content-Length
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", pieces, headers, encode_chunked=True)
+    reply = conn.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "too_large"
+    with connect(served, "127.0.0.1") as sock:  # asked first: refused without the body
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (KEY.encode(), 2 << 20)
+        )
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413") and b"100 Continue" not in answer

@@ -7,7 +7,9 @@ child of the server, not of the driver: ``ForkedProcess`` gives the driver what 
 ``subprocess.Popen`` (``pid``, ``poll``, ``wait``, ``kill``), with exit codes reaped by the
 server. The server never runs a torch op, so no thread pool exists to be broken by ``fork``;
 it exits when the driver closes its socket (the driver exited), leaving running ranks to notice
-their own driver's socket closing.
+their own driver's socket closing. If it dies first, the driver watches its pidfd as a rank's and
+stops the engine naming it (``Zygote.death``); its ranks, now init's children, still stop when
+told, with their exit codes unknown (``EXIT_UNKNOWN``).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class Gate:
     """Shared by the middleware and the server: open, or draining for a shutdown."""
 
     draining: bool = False
-    buffered: int = 0  # bytes of request bodies being read now, all requests together
+    buffered: int = 0  # bytes received of the bodies being read now, all requests together
     in_flight: int = 0  # requests past the gate, not yet answered
 
 

@@ -4,8 +4,9 @@ SIGINT or SIGTERM (or ``stop()``) drains: new requests get 503 with ``Retry-Afte
 flight may finish for ``shutdown_timeout``, then the rest hear that the server is shutting
 down (streams an error event and ``[DONE]``, whole answers a 503) before the ranks stop; a
 second SIGINT stops at once. uvicorn re-raises the signal once it has stopped, and ``run``
-stops the engine and every rank on the way out. When a rank dies the server answers 503 and
-stops, and ``run`` raises ``EngineStopped`` naming it.
+stops the engine and every rank on the way out, whatever closing the engine raises. When a rank
+or the ranks' fork server dies the server answers 503 and stops, and ``run`` raises
+``EngineStopped`` naming it.
 """
 
 from __future__ import annotations
