@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
@@ -29,6 +30,7 @@ class Step:
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
     prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
+    released: list[list[int]] = field(default_factory=list)  # per rank: slots whose pages go
 
     def samples(self) -> list[list[SampleSpec]]:
         """Per group, per scheduled sequence: what its rank does with its logits."""
@@ -45,20 +47,34 @@ class Scheduler:
         eos_token_id: int | None = None,
         load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
         pdmux: PrefillWaves | None = None,
+        num_pages: int | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
     ):
+        """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
+        ``max_len``), which admission counts."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
         self.budget = max_num_batched_tokens
         self.eos = eos_token_id
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
+        pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
+        self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
         self.pdmux = pdmux  # prompts go whole, in layer ranges, beside the decode steps
-        self.deferred: list[tuple[int, int]] = []  # (rank, slot) an aborted wave still writes
+        # (rank, slot, pages) an aborted wave still writes
+        self.deferred: list[tuple[int, int, int]] = []
 
     def add(self, request: Request) -> None:
+        """Queue ``request``; one whose longest run could never fit the pool is refused."""
+        need, pool = self._pages_of(request), self.pages[0]
+        if need > pool.total:
+            raise ValueError(
+                f"request {request.request_id} may reach {self._tokens_of(request)} tokens, "
+                f"{need} KV pages of {pool.page_size}, but a rank's pool holds {pool.total}"
+            )
         self.waiting.append(request)
 
     def abort(self, requests: list[Request]) -> None:
@@ -69,9 +85,10 @@ class Scheduler:
             for req in [r for r in running if r.request_id in ids]:
                 running.remove(req)
                 if self.pdmux is not None and self.pdmux.in_wave(req):
-                    self.deferred.append((rank, req.slot))  # freed when the wave ends
+                    # freed when the wave ends
+                    self.deferred.append((rank, req.slot, self._pages_of(req)))
                 else:
-                    self.slots[rank].release(req.slot)
+                    self._free(rank, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -96,7 +113,8 @@ class Scheduler:
             prefill.samples = [
                 [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
             ]
-        return Step(batches, scheduled, prefill)
+        released = [pages.take_released() for pages in self.pages]
+        return Step(batches, scheduled, prefill, released=released)
 
     def update(self, step: Step, reply: StepReply) -> list[Request]:
         """Take each group's sampled tokens (and a finished prefill wave's); return the
@@ -109,8 +127,9 @@ class Scheduler:
             for rank, members in enumerate(self.pdmux.finish()):
                 wave = [(r, r.prompt_len) for r in members]
                 self._consume(step, rank, wave, reply.wave[rank], finished)
-            for rank, slot in self.deferred:
+            for rank, slot, pages in self.deferred:
                 self.slots[rank].release(slot)
+                self.pages[rank].give(slot, pages)
             self.deferred = []
         return finished
 
@@ -152,7 +171,7 @@ class Scheduler:
                     req.finish_reason = "error"
             if req.finish_reason:
                 self.running[rank].remove(req)
-                self.slots[rank].release(req.slot)
+                self._free(rank, req)
                 finished.append(req)
 
     def _finish_reason(self, req: Request) -> str | None:
@@ -173,10 +192,27 @@ class Scheduler:
             rank = choose_group(self.method, self.loads(), self.turn)  # the DP controller
             if rank is None:
                 return
+            req = self.waiting[0]
+            if not self.pages[rank].fits(self._pages_of(req)):
+                return  # first come, first served: it waits for pages to come back
             self.turn = rank + 1
-            req = self.waiting.popleft()
+            self.waiting.popleft()
             req.rank, req.slot = rank, self.slots[rank].alloc()
+            self.pages[rank].hold(self._pages_of(req))
             self.running[rank].append(req)
+
+    def _tokens_of(self, req: Request) -> int:
+        """The most tokens ``req`` can reach: its prompt and every new token, within max_len."""
+        return min(self.max_len, req.prompt_len + req.params.max_new_tokens)
+
+    def _pages_of(self, req: Request) -> int:
+        """The pages admission holds for ``req``: enough for its longest run, so a running
+        sequence never waits for a page (there is no preemption)."""
+        return pages_for(self._tokens_of(req), self.pages[0].page_size)
+
+    def _free(self, rank: int, req: Request) -> None:
+        self.slots[rank].release(req.slot)
+        self.pages[rank].give(req.slot, self._pages_of(req))
 
     def loads(self) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies read it."""
@@ -201,6 +237,31 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         all_logits=[req.needs_all_logits for req, _ in seqs],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )
+
+
+class PageBudget:
+    """One rank's KV pages as admission counts them: each running request holds the pages
+    its longest run needs; the rank takes them as the sequence grows and gives a finished
+    sequence's back when the next step names its slot in ``released``."""
+
+    def __init__(self, total: int, page_size: int):
+        self.total, self.page_size = total, page_size
+        self.free = total
+        self.released: list[int] = []
+
+    def fits(self, pages: int) -> bool:
+        return pages <= self.free
+
+    def hold(self, pages: int) -> None:
+        self.free -= pages
+
+    def give(self, slot: int, pages: int) -> None:
+        self.free += pages
+        self.released.append(slot)
+
+    def take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
 
 
 class SlotAllocator:
