@@ -76,7 +76,7 @@ def test_the_scheduler_admits_160_sequences_of_1000_tokens_of_qwen3_30b_in_16_gi
     sched = Scheduler(1, spec.num_slots, spec.max_len, 10**6, None, "round_robin",
                       None, spec.pool_pages, spec.page_size)  # fmt: skip
     for i in range(256):
-        sched.add(_request(i, 900, 100))
+        sched.add(_request(i, 1000, 1))
     sched.schedule()
     assert len(sched.running[0]) == 173 >= 160  # 63 pages each of 10,922
     assert len(sched.waiting) == 256 - 173
@@ -101,3 +101,27 @@ def test_a_request_that_could_never_fit_is_refused_with_its_numbers():
     sched = Scheduler(1, 8, 64, 1024, None, "round_robin", None, 3, 16)
     with pytest.raises(ValueError, match="may reach 60 tokens, 4 KV pages of 16, .* holds 3"):
         sched.add(_request(0, 50, 10))
+
+
+def test_a_decode_that_would_overflow_preempts_the_newest_sequence_by_recompute():
+    sched = Scheduler(1, 8, 64, 1024, None, "round_robin", None, 4, 4)
+    for i in range(2):
+        sched.add(_request(i, 8, 8))  # 2 pages each at admission, 4 at their longest
+    step = sched.schedule()
+    assert len(sched.running[0]) == 2 and sched.pages[0].free == 0
+    sched.update(step, _decode_reply(step))  # both sampled their first token
+    step = sched.schedule()  # position 8 needs a third page each: request 1 makes room
+    assert sched.preemptions == 1 and [r.request_id for r in sched.running[0]] == [0]
+    victim = sched.waiting[0]
+    assert (victim.request_id, victim.num_computed, victim.slot) == (1, 0, -1)
+    assert step.released == [[1]] and step.scheduled[0][0][1] == 1
+    first = sched.running[0][0]
+    while first.finish_reason is None:  # request 0 runs to its end alone
+        sched.update(step, _decode_reply(step))
+        step = sched.schedule()
+    recompute = step.scheduled[0]  # request 1 back: prompt and output fed again, no draw
+    assert recompute[0][1] == 8 and not step.samples()[0][0].draw
+    sched.update(step, _decode_reply(step))
+    assert sched.running[0][0].output_ids == [2]  # no token came from the recompute
+    step = sched.schedule()
+    assert step.scheduled[0][0][1] == 1 and step.samples()[0][0].draw

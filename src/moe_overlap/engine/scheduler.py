@@ -6,6 +6,7 @@ prompt chunks up to a per-rank token budget. A request stays on the rank whose K
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
+from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
@@ -22,6 +24,8 @@ from moe_overlap.engine.load_balance import (
 )
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Scheduler:
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
+        self.page_size, self.preemptions = page_size, 0
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
@@ -69,7 +74,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue ``request``; one whose longest run could never fit the pool is refused."""
-        need, pool = self._pages_of(request), self.pages[0]
+        need, pool = self._longest(request), self.pages[0]
         if need > pool.total:
             raise ValueError(
                 f"request {request.request_id} may reach {self._tokens_of(request)} tokens, "
@@ -86,7 +91,7 @@ class Scheduler:
                 running.remove(req)
                 if self.pdmux is not None and self.pdmux.in_wave(req):
                     # freed when the wave ends
-                    self.deferred.append((rank, req.slot, self._pages_of(req)))
+                    self.deferred.append((rank, req.slot, req.pages))
                 else:
                     self._free(rank, req)
 
@@ -96,15 +101,8 @@ class Scheduler:
     def schedule(self) -> Step:
         self._admit()
         batches, scheduled = [], []
-        for rank_requests in self.running:
-            budget, seqs = self.budget, []
-            # decode tokens first (they are cheap and keep latency low), then prompt chunks
-            for req in sorted(rank_requests, key=lambda r: r.in_prefill):
-                if budget == 0 or (self.pdmux is not None and req.in_prefill):
-                    break  # under pdmux prompts go in waves
-                tokens = req.next_input(budget)
-                seqs.append((req, tokens))
-                budget -= len(tokens)
+        for rank in range(len(self.running)):
+            seqs = self._plan(rank)
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(_make_batch(seqs))
         waves = self.pdmux
@@ -154,8 +152,8 @@ class Scheduler:
                 req.logit_chunks.append(chunk)
             req.prompt_logprobs.extend(reply.prompt_logprobs[i])
             req.num_computed += n
-            if req.in_prefill:
-                continue  # a middle prompt chunk: nothing sampled
+            if req.num_computed < req.total_len:
+                continue  # a middle prompt chunk, or a recomputed one: nothing sampled
             step.sampled.append(req)
             token, error = reply.token_ids[i], reply.errors[i]
             if req.params.max_new_tokens == 0:  # the prompt was only scored
@@ -193,26 +191,66 @@ class Scheduler:
             if rank is None:
                 return
             req = self.waiting[0]
-            if not self.pages[rank].fits(self._pages_of(req)):
+            pdmux = self.pdmux is not None
+            need = self._longest(req) if pdmux else pages_for(req.total_len, self.page_size)
+            if not self.pages[rank].fits(need):
                 return  # first come, first served: it waits for pages to come back
             self.turn = rank + 1
             self.waiting.popleft()
-            req.rank, req.slot = rank, self.slots[rank].alloc()
-            self.pages[rank].hold(self._pages_of(req))
+            req.rank, req.slot, req.pages = rank, self.slots[rank].alloc(), need
+            self.pages[rank].hold(need)
             self.running[rank].append(req)
+
+    def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
+        """This rank's sequences and the tokens each feeds: decode tokens first (cheap, and
+        they keep latency low), then prompt chunks within the token budget. Where the pages
+        they grow into are not free, the newest running request is preempted by recompute."""
+        running, pool = self.running[rank], self.pages[rank]
+        while True:
+            budget, seqs = self.budget, []
+            for req in sorted(running, key=lambda r: r.in_prefill):
+                if budget == 0 or (self.pdmux is not None and req.in_prefill):
+                    break  # under pdmux prompts go in waves
+                tokens = req.next_input(budget)
+                seqs.append((req, tokens))
+                budget -= len(tokens)
+            grow = [self._growth(req, len(tokens)) for req, tokens in seqs]
+            if pool.fits(sum(grow)):
+                break
+            self._preempt(rank, running[-1])
+        for (req, _), pages in zip(seqs, grow, strict=True):
+            pool.hold(pages)
+            req.pages += pages
+        return seqs
+
+    def _growth(self, req: Request, fed: int) -> int:
+        return max(0, pages_for(req.num_computed + fed, self.page_size) - req.pages)
+
+    def _preempt(self, rank: int, req: Request) -> None:
+        """Free ``req``'s slot and pages and queue it first, to feed its tokens again."""
+        self.running[rank].remove(req)
+        self._free(rank, req)
+        req.preempt()
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+        log.info(
+            "preempted request %d (%d tokens) by recompute: rank %d is out of KV pages",
+            req.request_id,
+            req.total_len,
+            rank,
+        )
 
     def _tokens_of(self, req: Request) -> int:
         """The most tokens ``req`` can reach: its prompt and every new token, within max_len."""
         return min(self.max_len, req.prompt_len + req.params.max_new_tokens)
 
-    def _pages_of(self, req: Request) -> int:
-        """The pages admission holds for ``req``: enough for its longest run, so a running
-        sequence never waits for a page (there is no preemption)."""
-        return pages_for(self._tokens_of(req), self.pages[0].page_size)
+    def _longest(self, req: Request) -> int:
+        """The pages of ``req``'s longest run (what a PD-mux wave holds from the start)."""
+        return pages_for(self._tokens_of(req), self.page_size)
 
     def _free(self, rank: int, req: Request) -> None:
         self.slots[rank].release(req.slot)
-        self.pages[rank].give(req.slot, self._pages_of(req))
+        self.pages[rank].give(req.slot, req.pages)
 
     def loads(self) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies read it."""
@@ -237,47 +275,3 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         all_logits=[req.needs_all_logits for req, _ in seqs],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )
-
-
-class PageBudget:
-    """One rank's KV pages as admission counts them: each running request holds the pages
-    its longest run needs; the rank takes them as the sequence grows and gives a finished
-    sequence's back when the next step names its slot in ``released``."""
-
-    def __init__(self, total: int, page_size: int):
-        self.total, self.page_size = total, page_size
-        self.free = total
-        self.released: list[int] = []
-
-    def fits(self, pages: int) -> bool:
-        return pages <= self.free
-
-    def hold(self, pages: int) -> None:
-        self.free -= pages
-
-    def give(self, slot: int, pages: int) -> None:
-        self.free += pages
-        self.released.append(slot)
-
-    def take_released(self) -> list[int]:
-        released, self.released = self.released, []
-        return released
-
-
-class SlotAllocator:
-    """Hands out cache rows; the scheduler holds one per rank."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.free = list(range(num_slots - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self.free)
-
-    def alloc(self) -> int:
-        if not self.free:
-            raise RuntimeError("no free KV cache slot")
-        return self.free.pop()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
