@@ -16,7 +16,7 @@ from moe_overlap.core.engine_config import (
     kv_bytes_per_token,
 )
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.kv_cache import KVCache, KVPoolExhausted
 from moe_overlap.model.loader import build_model
 from moe_overlap.tools.bench_engine import add_bench_engine_command
 from tests.helpers import deepseek_hf_config, qwen3_hf_config
@@ -81,29 +81,56 @@ def test_kv_bytes_per_token_matches_the_models_cache(make):
     assert kv_bytes_per_token(cfg) == 4 * floats * cfg.num_hidden_layers
 
 
-def test_kv_slots_bounded_by_the_budget():
+def test_kv_pages_bounded_by_the_budget():
     cfg = ModelConfig.from_hf("configs/qwen3-moe-bench.json")
     per_slot = kv_bytes_per_token(cfg) * 4096  # 4 layers x 2 x 4 heads x 64 x 4 bytes
     assert per_slot == 32 * 2**20
     spec = EngineSpec(cfg, max_len=4096, kv_cache_bytes=100 * per_slot)
-    assert spec.max_num_seqs == DEFAULT_MAX_NUM_SEQS and spec.num_slots == 100
-    assert "100 sequences (capped by the KV cache budget) x 4096 tokens" in spec.kv_cache_summary()
-    assert EngineSpec(cfg, max_num_seqs=8, max_len=4096).num_slots == 8
+    assert spec.max_num_seqs == DEFAULT_MAX_NUM_SEQS == spec.num_slots
+    assert spec.pool_pages == 100 * 4096 // 16 and spec.max_concurrent(4096) == 100
+    assert "at once 100 sequences of max_len=4096 or 256 of 1024" in spec.kv_cache_summary()
+    small = EngineSpec(cfg, max_num_seqs=8, max_len=4096)
+    assert small.num_slots == 8 and small.pool_pages == 8 * 4096 // 16  # no more than used
     with pytest.raises(ConfigError, match="holds no sequence of max_len=4096"):
         EngineSpec(cfg, max_len=4096, kv_cache_bytes=per_slot - 1)
 
 
 def test_kv_cache_grows_with_its_sequences():
-    cache = KVCache(2, num_slots=256, max_len=4096, entries={"k": (2, 8)})
-    assert cache.allocated_bytes() == 0
+    cache = KVCache(2, num_slots=256, max_len=4096, entries={"k": (2, 8)}, page_size=16)
+    page = 16 * 2 * 8 * 4  # bytes of one page of one layer
+    assert cache.allocated_bytes() == 2 * page  # the null page of each layer
     k = torch.arange(3 * 16, dtype=torch.float32).view(3, 2, 8)
+    cache.reserve([1], [3])
     cache.store(0, torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]), k=k)
-    assert cache.allocated_bytes() == 2 * 64 * 2 * 8 * 4  # slots 0-1, 64 tokens, layer 0 only
+    assert cache.allocated_bytes() == 2 * 2 * page  # one page taken, both layers grow
+    cache.reserve([5], [101])  # 7 pages
     cache.store(0, torch.tensor([5]), torch.tensor([100]), k=k[:1])
     assert torch.equal(cache.gather(0, "k", slice(1, 2), 3)[0], k)  # kept across the growth
     padded = cache.gather(0, "k", torch.tensor([1, 5]), 101)
     assert padded.shape == (2, 101, 2, 8) and torch.equal(padded[1, 100], k[0])
+    assert torch.equal(padded[0, 16:], torch.zeros(85, 2, 8))  # past its page: the null page
+    assert cache.free_pages == cache.num_pages - 8
+    cache.release([5, 1])
+    assert cache.free_pages == cache.num_pages and cache.held[5] == []
     with pytest.raises(ValueError, match="exceeds the KV cache's max_len=4096"):
         cache.store(0, torch.tensor([0]), torch.tensor([4096]), k=k[:1])
     with pytest.raises(IndexError, match="slot 256 is outside"):
         cache.store(0, torch.tensor([256]), torch.tensor([0]), k=k[:1])
+    tight = KVCache(1, num_slots=4, max_len=64, entries={"k": (2, 8)}, num_pages=5)
+    tight.reserve([0], [64])
+    with pytest.raises(KVPoolExhausted, match="slot 1 needs 2 more KV pages for 17 tokens; 1 of 5"):
+        tight.reserve([1], [17])
+
+
+def test_a_gather_through_the_block_table_reads_what_was_stored_from_any_start():
+    cache = KVCache(1, num_slots=3, max_len=100, entries={"k": (1,)}, page_size=4)
+    cache.reserve([2, 0], [50, 7])  # slot 2's pages come first, then slot 0's: not contiguous
+    for slot, n in ((2, 50), (0, 7)):
+        values = torch.arange(n, dtype=torch.float32).view(n, 1) + 100 * slot
+        cache.store(0, torch.full((n,), slot), torch.arange(n), k=values)
+    for start in (0, 3, 4, 13):
+        got = cache.gather(0, "k", torch.tensor([2, 0]), 50, start)
+        assert got.shape == (2, 50 - start, 1)
+        assert torch.equal(got[0, :, 0], torch.arange(start, 50) + 200.0)
+        if start < 7:
+            assert torch.equal(got[1, : 7 - start, 0], torch.arange(start, 7).float())

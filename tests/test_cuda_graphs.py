@@ -67,7 +67,7 @@ def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
     runner, cfg = _prefilled(family)
     graphs = eager_graphs(runner, 4)
     step = ForwardBatch(torch.tensor([7, 8, 9]), SLOTS, LENGTHS, [1, 1, 1], is_decode=[True] * 3)
-    untouched = {k: v[[1, 3, 4]].clone() for k, v in runner.kv_cache.layers[0].items()}
+    before = {k: v.clone() for k, v in runner.kv_cache.layers[0].items()}
     for overlap in (OverlapConfig("none"), OverlapConfig("tbo", tbo_min_tokens=1), DBO):
         eager = runner.forward(step, overlap)
         runner.graphs = graphs
@@ -78,12 +78,16 @@ def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
         assert replayed.shape == eager.shape == (3, cfg.vocab_size)
         assert max_abs_diff(replayed, eager) <= 1e-4
         assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
-    # the batch of 3 ran in the graph of 4: the padding row wrote the scratch slot only
+    # the batch of 3 ran in the graph of 4: the padding row wrote the scratch page only
     assert {k[0] for k in graphs.graphs} == {4}
     assert {k[1] for k in graphs.graphs} == {512}
-    for name, rows in untouched.items():
-        assert torch.equal(runner.kv_cache.layers[0][name][[1, 3, 4]], rows)
-    assert runner.kv_cache.layers[0][name].shape[:2] == (7, 600)  # allocated whole
+    kv = runner.kv_cache
+    written = {p for slot in [*SLOTS, graphs.scratch] for p in kv.held[slot]}
+    untouched = [p for p in range(kv.num_pages + 1) if p not in written]
+    assert len(kv.held[graphs.scratch]) == 1 and len(untouched) > kv.num_pages // 2
+    for name, pages in before.items():
+        assert torch.equal(kv.layers[0][name][untouched], pages[untouched])
+    assert kv.layers[0][name].shape[0] == kv.num_pages + 1  # allocated whole
 
 
 def test_prefill_and_other_modes_stay_eager():

@@ -64,12 +64,12 @@ def test_backend_and_rank_device_follow_the_device():
     assert rank_device("cpu", 3) == torch.device("cpu")
 
 
-def test_bf16_kv_cache_budget_holds_twice_the_slots():
+def test_bf16_kv_cache_budget_holds_twice_the_pages():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     fp32 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, max_num_seqs=10**6)
     bf16 = EngineSpec(cfg, max_len=64, kv_cache_bytes=2**16, max_num_seqs=10**6, dtype="bfloat16")
     assert bf16.slot_bytes * 2 == fp32.slot_bytes
-    assert bf16.num_slots == 2 * fp32.num_slots
+    assert bf16.num_pages == 2 * fp32.num_pages
 
 
 def test_bf16_model_keeps_routers_and_rope_in_fp32():

@@ -80,7 +80,25 @@ SPELLINGS = [  # (theirs, ours)
     (["--max-running-requests", "8"], ["--max-num-seqs", "8"]),
     (["--chunked-prefill-size", "64"], ["--max-num-batched-tokens", "64"]),
     (["--random-seed", "7"], ["--seed", "7"]),
+    (["--gpu-memory-utilization", "0.8"], ["--mem-fraction-static", "0.8"]),
+    (["--kv-cache-memory-bytes", "1048576"], ["--kv-cache-memory", "1048576"]),
+    (["--block-size", "32"], ["--page-size", "32"]),
 ]
+
+
+def test_memory_budget_flags_parse_to_their_fields():
+    args = engine_args(
+        parse(
+            "serve",
+            *("--hf-config", CONFIG, "--kv-cache-memory", "4096", "--page-size", "8"),
+            *("--mem-fraction-static", "0.85", "--max-total-tokens", "1024"),
+        )
+    )
+    assert (args.kv_cache_memory, args.page_size) == (4096, 8)
+    assert (args.mem_fraction_static, args.max_total_tokens) == (0.85, 1024)
+    defaults = engine_args(parse("serve", "--hf-config", CONFIG))
+    assert defaults.kv_cache_memory is None and defaults.max_total_tokens is None
+    assert (defaults.page_size, defaults.mem_fraction_static) == (16, 0.9)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -70,6 +70,7 @@ class ForwardContext:
             self.positions, self.input_ids = staged.positions, staged.input_ids
             self.position_end, self.slot_end = staged.max_len, self.kv_cache.num_slots
             return
+        self.kv_cache.reserve(self.batch.slots, self.batch.seq_lens)  # pages as they grow
         device = self.kv_cache.device
         self.positions = to_device(self.batch.positions, device)
         self.input_ids = to_device(self.batch.input_ids, device)

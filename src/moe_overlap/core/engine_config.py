@@ -6,14 +6,15 @@ from dataclasses import dataclass, field
 
 from moe_overlap.core.device import rank_device, torch_dtype
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.kv_budget import CPU_FALLBACK_BYTES, DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 
 DEFAULT_MAX_NUM_SEQS = 256  # sequences running at once per rank (vLLM's max_num_seqs)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's chunked prefill)
-# KV cache memory per rank, like vLLM's CPU KV cache space; it bounds the slots below
-DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+# KV cache memory per rank where none is given (the engine sizes it: core/kv_budget.py)
+DEFAULT_KV_CACHE_BYTES = CPU_FALLBACK_BYTES
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1) -> int:
@@ -29,8 +30,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
 
 @dataclass
 class EngineSpec:
-    """``max_num_seqs`` asks for sequences at once; ``num_slots`` is what the KV cache budget
-    allows at ``max_len`` tokens each, and what the cache and the scheduler use."""
+    """``max_num_seqs`` sequences at once at most (``num_slots``: rows of the block table);
+    the KV cache budget in pages of ``page_size`` tokens (``pool_pages``) bounds how many of
+    them fit, as they grow."""
 
     config: ModelConfig
     model_path: str | None = None
@@ -45,15 +47,22 @@ class EngineSpec:
     device: str = "cpu"  # "cpu" or "cuda" (core/device.py resolves "auto" before this)
     dtype: str = "float32"  # weights and KV cache; float32 is the exactness reference
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay from CUDA graphs (0: off)
+    page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page
+    max_total_tokens: int | None = None  # caps the pool's tokens below the budget (SGLang's)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name
         rank_device(self.device, 0)  # likewise
-        if self.num_slots < 1:
+        if self.page_size < 1:
+            raise ConfigError(f"page_size={self.page_size} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.num_pages < pages_for(self.max_len, self.page_size):
             raise ConfigError(
-                f"the KV cache budget of {_gib(self.kv_cache_bytes)} holds no sequence of "
-                f"max_len={self.max_len} tokens ({_gib(self.slot_bytes)} each); lower "
-                "--max-model-len or raise the budget"
+                f"the KV cache budget of {_gib(self.kv_cache_bytes)} ({self.num_pages} pages of "
+                f"{self.page_size} tokens) holds no sequence of max_len={self.max_len} tokens "
+                f"({_gib(self.slot_bytes)} each); lower --max-model-len or raise the budget "
+                "(--kv-cache-memory, --mem-fraction-static, --max-total-tokens)"
             )
 
     @property
@@ -64,15 +73,43 @@ class EngineSpec:
 
     @property
     def num_slots(self) -> int:
-        """Sequences per rank: ``max_num_seqs``, or fewer if the budget holds fewer."""
-        return min(self.max_num_seqs, self.kv_cache_bytes // self.slot_bytes)
+        """Sequences per rank: ``max_num_seqs`` (the pages bound how many run at once)."""
+        return self.max_num_seqs
+
+    @property
+    def token_bytes(self) -> int:
+        """KV cache bytes of one token on one rank, over all layers."""
+        width = torch_dtype(self.dtype).itemsize
+        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of ``page_size`` tokens the budget holds (and ``max_total_tokens`` allows)."""
+        pages = self.kv_cache_bytes // (self.token_bytes * self.page_size)
+        if self.max_total_tokens is not None:
+            pages = min(pages, self.max_total_tokens // self.page_size)
+        return pages
+
+    @property
+    def pool_pages(self) -> int:
+        """The pages a rank's pool holds: ``num_pages``, or fewer where every sequence at
+        ``max_len`` would not use them all."""
+        return min(self.num_pages, self.num_slots * pages_for(self.max_len, self.page_size))
+
+    def max_concurrent(self, tokens: int) -> int:
+        """Sequences of ``tokens`` tokens the pages hold at once (at most ``max_num_seqs``)."""
+        return min(self.max_num_seqs, self.num_pages // pages_for(tokens, self.page_size))
 
     def kv_cache_summary(self) -> str:
-        """One line for start-up: slots, tokens each, and the memory they may take."""
-        capped = " (capped by the KV cache budget)" if self.num_slots < self.max_num_seqs else ""
+        """One line for start-up: the pool's pages and tokens, the memory they take, and how
+        many sequences they hold at once."""
+        pages = self.pool_pages
+        tokens, short = pages * self.page_size, min(1024, self.max_len)
         return (
-            f"KV cache per rank: {self.num_slots} sequences{capped} x {self.max_len} tokens, "
-            f"up to {_gib(self.num_slots * self.slot_bytes)} of {_gib(self.kv_cache_bytes)}"
+            f"KV cache per rank: {pages} pages of {self.page_size} tokens = {tokens} tokens, "
+            f"{_gib(pages * self.page_size * self.token_bytes)} of {_gib(self.kv_cache_bytes)}; "
+            f"at once {self.max_concurrent(self.max_len)} sequences of max_len={self.max_len} "
+            f"or {self.max_concurrent(short)} of {short} tokens (max_num_seqs={self.max_num_seqs})"
         )
 
 

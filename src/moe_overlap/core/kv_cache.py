@@ -1,4 +1,11 @@
-"""A slot-based KV cache: each running sequence owns one row of every layer's buffers."""
+"""A paged KV cache: a pool of fixed-size pages and a block table from each slot to its pages.
+
+A running sequence owns one slot (a row of the block table, as vLLM's block table and SGLang's
+``req_to_token`` are); its tokens live in pages taken from the pool as it grows
+(``reserve``, from the host's metadata before a forward) and given back when it ends
+(``release``). Page 0 is never handed out: unused entries of the table point at it, so a
+gather past a sequence's end reads zeros, to be masked.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,24 @@ from collections.abc import Sequence
 
 import torch
 
+from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
+
+NULL_PAGE = 0
+
+
+class KVPoolExhausted(RuntimeError):
+    """The pool has no free page for a sequence that grows (the scheduler admits by pages,
+    so this means its count and the rank's disagree)."""
+
 
 class KVCache:
-    """Per layer, named buffers of shape ``[num_slots, max_len, *entry_shape]`` (the same
-    entries in every layer, or each layer's own).
+    """Per layer, named page buffers of shape ``[pages, page_size, *entry_shape]`` (the same
+    entries in every layer, or each layer's own), shared by ``num_slots`` sequences of at most
+    ``max_len`` tokens through one block table.
 
     GQA stores ``k`` and ``v``; MLA stores its compressed ``latent`` and rotated ``k_pe``.
-    The buffers grow (zero-filled) to the highest slot and the longest sequence written so far,
-    so memory follows the sequences actually running, never more than ``num_slots x max_len``.
+    The buffers grow (zero-filled) to the highest page handed out, so memory follows the
+    sequences actually running, never more than ``num_pages`` pages.
     """
 
     def __init__(
@@ -25,24 +42,66 @@ class KVCache:
         entries: dict[str, tuple[int, ...]] | Sequence[dict[str, tuple[int, ...]]],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        page_size: int = DEFAULT_PAGE_SIZE,
+        num_pages: int | None = None,
     ):
         self.num_slots = num_slots
         self.max_len = max_len
         self.device = torch.device(device)  # where a forward's index tensors must live
         self.dtype = dtype
+        self.page_size = page_size
+        self.pages_per_seq = pages_for(max_len, page_size)
+        # the pool: by default every slot at max_len (what whole-context slots would hold)
+        self.num_pages = num_slots * self.pages_per_seq if num_pages is None else num_pages
         # PD multiplexing stores from two threads: a buffer may grow (be replaced) under one
-        # while the other writes, so writes and growth take turns
+        # while the other writes, so writes, growth and the table take turns
         self._lock = threading.Lock()
         # one dict: every layer's entries; a sequence: each layer's own (MiMo's sliding layers
         # have more KV heads than its full ones)
         per_layer = [entries] * num_layers if isinstance(entries, dict) else list(entries)
         self.layers = [
             {
-                name: torch.zeros(0, 0, *shape, dtype=dtype, device=device)
+                name: torch.zeros(1, page_size, *shape, dtype=dtype, device=device)
                 for name, shape in layer.items()
             }
             for layer in per_layer
         ]
+        self.block_table = torch.zeros(
+            num_slots, self.pages_per_seq, dtype=torch.long, device=self.device
+        )
+        self.held: list[list[int]] = [[] for _ in range(num_slots)]  # the host's copy, by slot
+        self.free = list(range(self.num_pages, NULL_PAGE, -1))  # popped lowest first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    def reserve(self, slots: Sequence[int], ends: Sequence[int]) -> None:
+        """Pages for tokens ``[0, ends[i])`` of ``slots[i]``, taken from the pool where the
+        slot holds fewer (a slot keeps its pages, and their contents, until released)."""
+        with self._lock:
+            for slot, end in zip(slots, ends, strict=True):
+                self._check(end, slot + 1)
+                held, need = self.held[slot], pages_for(end, self.page_size)
+                if need <= len(held):
+                    continue
+                if need - len(held) > len(self.free):
+                    raise KVPoolExhausted(
+                        f"slot {slot} needs {need - len(held)} more KV pages for {end} tokens; "
+                        f"{len(self.free)} of {self.num_pages} are free"
+                    )
+                new = [self.free.pop() for _ in range(need - len(held))]
+                self.block_table[slot, len(held) : need] = torch.tensor(new)
+                held.extend(new)
+                self._grow(max(new) + 1)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give the pages of ``slots`` (sequences that ended) back to the pool."""
+        with self._lock:
+            for slot in slots:
+                self.free.extend(reversed(self.held[slot]))
+                self.held[slot] = []
+                self.block_table[slot].fill_(NULL_PAGE)
 
     def store(
         self,
@@ -52,60 +111,61 @@ class KVCache:
         bounds: tuple[int, int] | None = None,
         **new: torch.Tensor,
     ) -> None:
-        """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry).
-        ``bounds``: (the highest position, the highest slot) + 1, from the host's metadata; the
-        forward passes them, since reading them from device tensors would wait for the device."""
+        """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry),
+        in the pages ``reserve`` gave those positions. ``bounds``: (the highest position, the
+        highest slot) + 1, from the host's metadata; the forward passes them, since reading
+        them from device tensors would wait for the device."""
         if slots.numel() == 0:
             return
         if bounds is None:
             bounds = int(positions.max()) + 1, int(slots.max()) + 1
-        end, top = bounds
+        self._check(*bounds)
+        pages = self.block_table[slots, positions // self.page_size]
+        offsets = positions % self.page_size
+        buffers = self.layers[layer]
+        with self._lock:
+            for name, values in new.items():
+                buffers[name][pages, offsets] = values
+
+    def gather(
+        self, layer: int, name: str, slots: torch.Tensor | slice, length: int, start: int = 0
+    ) -> torch.Tensor:
+        """Entries ``[start, length)`` of several sequences, ``[num_slots, length - start,
+        ...]`` (a copy through the block table); rows past a sequence's own length hold zeros
+        or stale finite values, to be masked."""
+        first = start // self.page_size  # a window's read starts at its first page
+        table = self.block_table[slots, first : pages_for(length, self.page_size)]
+        rows = self.layers[layer][name][table].flatten(1, 2)  # [seqs, pages x page_size, ...]
+        skip = first * self.page_size
+        return rows[:, start - skip : length - skip]
+
+    def allocate_all(self) -> None:
+        """Every buffer at the whole pool now, so none moves later (a CUDA graph holds their
+        addresses)."""
+        with self._lock:
+            self._grow(self.num_pages + 1)
+
+    def _check(self, end: int, top: int) -> None:
         if end > self.max_len:
             raise ValueError(
                 f"sequence of {end} tokens exceeds the KV cache's max_len={self.max_len}"
             )
         if top > self.num_slots:
             raise IndexError(f"slot {top - 1} is outside the KV cache's {self.num_slots} slots")
-        buffers = self.layers[layer]
-        with self._lock:
-            for name, values in new.items():
-                buf = self._reserve(buffers, name, top, end)
-                buf[slots, positions] = values
 
-    def gather(
-        self, layer: int, name: str, slots: torch.Tensor | slice, length: int, start: int = 0
-    ) -> torch.Tensor:
-        """Entries ``[start, length)`` of several sequences, ``[num_slots, length - start,
-        ...]`` (a copy, or a view for a slice of slots); rows past a sequence's own length hold
-        zeros or stale finite values, to be masked."""
-        return self.layers[layer][name][slots, start:length]
-
-    def allocate_all(self) -> None:
-        """Every buffer at its full ``num_slots x max_len`` now, so none moves later (a CUDA
-        graph holds their addresses)."""
-        with self._lock:
-            for buffers in self.layers:
-                for name in buffers:
-                    self._reserve(buffers, name, self.num_slots, self.max_len)
-
-    def _reserve(self, buffers: dict, name: str, slots: int, length: int) -> torch.Tensor:
-        buf = buffers[name]
-        have_slots, have_len = buf.shape[0], buf.shape[1]
-        if slots <= have_slots and length <= have_len:
-            return buf
-        # grow geometrically so a decode step rarely copies the cache
-        new_slots = (
-            min(self.num_slots, max(slots, 2 * have_slots)) if slots > have_slots else have_slots
-        )
-        new_len = (
-            min(self.max_len, max(length, 2 * have_len, 64)) if length > have_len else have_len
-        )
-        with torch.inference_mode(False):  # a plain tensor: writable outside inference too
-            grown = buf.new_zeros(new_slots, new_len, *buf.shape[2:])
-            grown[:have_slots, :have_len] = buf
-        buffers[name] = grown
-        return grown
+    def _grow(self, pages: int) -> None:
+        """Every buffer to at least ``pages`` pages, geometrically so growth is rare."""
+        for buffers in self.layers:
+            for name, buf in buffers.items():
+                have = buf.shape[0]
+                if pages <= have:
+                    continue
+                n = min(self.num_pages + 1, max(pages, 2 * have))
+                with torch.inference_mode(False):  # a plain tensor: writable outside inference
+                    grown = buf.new_zeros(n, *buf.shape[1:])
+                    grown[:have] = buf
+                buffers[name] = grown
 
     def allocated_bytes(self) -> int:
-        """Bytes the buffers hold now (they grow with the running sequences)."""
+        """Bytes the page buffers hold now (they grow with the running sequences)."""
         return sum(b.numel() * b.element_size() for layer in self.layers for b in layer.values())

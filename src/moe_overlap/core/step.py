@@ -85,6 +85,8 @@ class StepRequest:
     overlap: OverlapConfig | None = None  # this step's scheme instead of the engine's
     record: bool = False  # each rank's timeline spans come back
     prefill: WaveSlice | None = None
+    # per group: KV cache slots whose sequences ended since the last step (pages to free)
+    released: list[list[int]] | None = None
 
     def group_samples(self, group: int) -> list[SampleSpec] | None:
         return None if self.samples is None else self.samples[group]

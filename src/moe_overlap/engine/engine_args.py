@@ -9,6 +9,7 @@ from typing import Any
 
 from moe_overlap.core.a2a_mode import A2A_MODES, VLLM_BACKENDS, parse_a2a_mode
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.kv_budget import CPU_FREE_RAM_SHARE, DEFAULT_MEM_FRACTION, DEFAULT_PAGE_SIZE
 from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
     AUTO_MODES,
@@ -48,6 +49,33 @@ class CapacityArgs:
         DEFAULT_MAX_NUM_BATCHED_TOKENS,
         "tokens per rank per forward; longer prompts are prefilled in chunks",
         aliases=("--chunked-prefill-size",),
+        group="capacity",
+    )
+    kv_cache_memory: int | None = setting(
+        None,
+        "CPU: KV cache bytes per rank (None: "
+        f"{CPU_FREE_RAM_SHARE:.0%} of the memory free at start-up, split over this host's ranks)",
+        aliases=("--kv-cache-memory-bytes",),
+        parse=int,
+        group="capacity",
+    )
+    mem_fraction_static: float = setting(
+        DEFAULT_MEM_FRACTION,
+        "GPU: share of each GPU's memory for the weights and the KV cache; the KV cache gets "
+        "it less the weights",
+        aliases=("--gpu-memory-utilization",),
+        group="capacity",
+    )
+    max_total_tokens: int | None = setting(
+        None,
+        "KV cache tokens per rank at most (None: as many as the memory budget holds)",
+        parse=int,
+        group="capacity",
+    )
+    page_size: int = setting(
+        DEFAULT_PAGE_SIZE,
+        "tokens per KV cache page",
+        aliases=("--block-size",),
         group="capacity",
     )
 

@@ -22,6 +22,7 @@ from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
@@ -108,10 +109,13 @@ class LLM:
             max_num_seqs,
             max_len,
             overlap,
+            kv_cache_bytes(args, cfg, par, device),
             parallel=par,
             device=device,
             dtype=dtype,
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
         )
         spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
         spec.emulate_peers = emulate_peers
@@ -127,6 +131,8 @@ class LLM:
             PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, max_num_batched_tokens)
             if enable_pdmux
             else None,
+            spec.pool_pages,
+            spec.page_size,
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
@@ -186,7 +192,13 @@ class LLM:
         """Run one forward of every running request; return those that got a token (the
         finished ones have ``finish_reason`` set and have left the scheduler)."""
         step = self.scheduler.schedule()
-        request = StepRequest(step.batches, step.samples(), record=record, prefill=step.prefill)
+        request = StepRequest(
+            step.batches,
+            step.samples(),
+            record=record,
+            prefill=step.prefill,
+            released=step.released,
+        )
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)
         return step.sampled  # a prefill wave's requests get their first token with its last range

@@ -185,6 +185,8 @@ class Request:
     rank: int = -1  # the attention-DP rank whose KV cache holds it
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
+    pages: int = 0  # KV pages the scheduler counts as this request's
+    preemptions: int = 0  # times its cache was dropped to make room (then recomputed)
     output_ids: list[int] = field(default_factory=list)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
@@ -202,6 +204,12 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
+        """Tokens to feed before the next draw: the prompt's, or after a preemption every
+        token but the last output."""
+        return self.num_computed < max(self.prompt_len, self.total_len - 1)
+
+    @property
+    def in_prompt(self) -> bool:
         return self.num_computed < self.prompt_len
 
     @property
@@ -210,25 +218,28 @@ class Request:
 
     def next_input(self, budget: int) -> list[int]:
         """The tokens to feed next: a prompt chunk of at most ``budget``, or the last output."""
-        if self.in_prefill:
+        if self.in_prompt:  # a chunk never runs past the prompt: its logits are the prompt's
             return self.prompt_ids[self.num_computed : self.num_computed + budget]
+        if self.in_prefill:  # recomputing the outputs after a preemption
+            start = self.num_computed - self.prompt_len
+            return self.output_ids[start : min(start + budget, len(self.output_ids) - 1)]
         return [self.output_ids[-1]]
 
     @property
     def keeps_logits(self) -> bool:
         """This step's logit rows go back to the caller (``return_logits``, while prefilling)."""
-        return self.return_logits and self.in_prefill
+        return self.return_logits and self.in_prompt
 
     @property
     def needs_all_logits(self) -> bool:
         """Its rank computes every prompt position's logits (to return or to score them)."""
-        return self.keeps_logits or (self.in_prefill and self.params.prompt_logprobs is not None)
+        return self.keeps_logits or (self.in_prompt and self.params.prompt_logprobs is not None)
 
     def sample_spec(self, fed: int) -> SampleSpec:
         """What its rank does with the logits of the ``fed`` tokens this step feeds: keep them,
         score the prompt tokens they predict, and after the prompt's last chunk draw a token."""
         p, start = self.params, self.num_computed
-        scored = p.prompt_logprobs is not None and self.in_prefill
+        scored = p.prompt_logprobs is not None and self.in_prompt
         return SampleSpec(
             p.temperature,
             p.top_p,
@@ -236,7 +247,7 @@ class Request:
             self.seed,
             len(self.output_ids),
             p.logprobs,
-            draw=start + fed >= self.prompt_len and p.max_new_tokens > 0,
+            draw=start + fed >= self.total_len and p.max_new_tokens > 0,  # a new token next
             keep_logits=self.keeps_logits,
             prompt_logprobs=p.prompt_logprobs,
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
@@ -259,6 +270,12 @@ class Request:
             tuple(self.prompt_ids) if p.repetition_penalty != 1.0 else (),
             tuple(self.output_ids),
         )
+
+    def preempt(self) -> None:
+        """Drop its cache (vLLM's preemption by recompute): prompt and outputs are fed again."""
+        self.rank, self.slot, self.num_computed, self.pages = -1, -1, 0, 0
+        self.logit_chunks, self.prompt_logprobs = [], [None]
+        self.preemptions += 1
 
     def take(self, token: int, logprobs: TokenLogprobs | None) -> None:
         """A token its rank sampled (with its log-probabilities when asked)."""

@@ -6,13 +6,16 @@ prompt chunks up to a per-rank token budget. A request stays on the rank whose K
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
+from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
@@ -22,6 +25,8 @@ from moe_overlap.engine.load_balance import (
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import Request
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Step:
@@ -29,6 +34,7 @@ class Step:
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
     prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
+    released: list[list[int]] = field(default_factory=list)  # per rank: slots whose pages go
 
     def samples(self) -> list[list[SampleSpec]]:
         """Per group, per scheduled sequence: what its rank does with its logits."""
@@ -45,20 +51,35 @@ class Scheduler:
         eos_token_id: int | None = None,
         load_balance_method: str = DEFAULT_LOAD_BALANCE_METHOD,
         pdmux: PrefillWaves | None = None,
+        num_pages: int | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
     ):
+        """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
+        ``max_len``), which admission counts."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
         self.budget = max_num_batched_tokens
         self.eos = eos_token_id
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
+        pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
+        self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
+        self.page_size, self.preemptions = page_size, 0
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
         self.pdmux = pdmux  # prompts go whole, in layer ranges, beside the decode steps
-        self.deferred: list[tuple[int, int]] = []  # (rank, slot) an aborted wave still writes
+        # (rank, slot, pages) an aborted wave still writes
+        self.deferred: list[tuple[int, int, int]] = []
 
     def add(self, request: Request) -> None:
+        """Queue ``request``; one whose longest run could never fit the pool is refused."""
+        need, pool = self._longest(request), self.pages[0]
+        if need > pool.total:
+            raise ValueError(
+                f"request {request.request_id} may reach {self._tokens_of(request)} tokens, "
+                f"{need} KV pages of {pool.page_size}, but a rank's pool holds {pool.total}"
+            )
         self.waiting.append(request)
 
     def abort(self, requests: list[Request]) -> None:
@@ -69,9 +90,10 @@ class Scheduler:
             for req in [r for r in running if r.request_id in ids]:
                 running.remove(req)
                 if self.pdmux is not None and self.pdmux.in_wave(req):
-                    self.deferred.append((rank, req.slot))  # freed when the wave ends
+                    # freed when the wave ends
+                    self.deferred.append((rank, req.slot, req.pages))
                 else:
-                    self.slots[rank].release(req.slot)
+                    self._free(rank, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(self.running)
@@ -79,15 +101,8 @@ class Scheduler:
     def schedule(self) -> Step:
         self._admit()
         batches, scheduled = [], []
-        for rank_requests in self.running:
-            budget, seqs = self.budget, []
-            # decode tokens first (they are cheap and keep latency low), then prompt chunks
-            for req in sorted(rank_requests, key=lambda r: r.in_prefill):
-                if budget == 0 or (self.pdmux is not None and req.in_prefill):
-                    break  # under pdmux prompts go in waves
-                tokens = req.next_input(budget)
-                seqs.append((req, tokens))
-                budget -= len(tokens)
+        for rank in range(len(self.running)):
+            seqs = self._plan(rank)
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(_make_batch(seqs))
         waves = self.pdmux
@@ -96,7 +111,8 @@ class Scheduler:
             prefill.samples = [
                 [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
             ]
-        return Step(batches, scheduled, prefill)
+        released = [pages.take_released() for pages in self.pages]
+        return Step(batches, scheduled, prefill, released=released)
 
     def update(self, step: Step, reply: StepReply) -> list[Request]:
         """Take each group's sampled tokens (and a finished prefill wave's); return the
@@ -109,8 +125,9 @@ class Scheduler:
             for rank, members in enumerate(self.pdmux.finish()):
                 wave = [(r, r.prompt_len) for r in members]
                 self._consume(step, rank, wave, reply.wave[rank], finished)
-            for rank, slot in self.deferred:
+            for rank, slot, pages in self.deferred:
                 self.slots[rank].release(slot)
+                self.pages[rank].give(slot, pages)
             self.deferred = []
         return finished
 
@@ -135,8 +152,8 @@ class Scheduler:
                 req.logit_chunks.append(chunk)
             req.prompt_logprobs.extend(reply.prompt_logprobs[i])
             req.num_computed += n
-            if req.in_prefill:
-                continue  # a middle prompt chunk: nothing sampled
+            if req.num_computed < req.total_len:
+                continue  # a middle prompt chunk, or a recomputed one: nothing sampled
             step.sampled.append(req)
             token, error = reply.token_ids[i], reply.errors[i]
             if req.params.max_new_tokens == 0:  # the prompt was only scored
@@ -152,7 +169,7 @@ class Scheduler:
                     req.finish_reason = "error"
             if req.finish_reason:
                 self.running[rank].remove(req)
-                self.slots[rank].release(req.slot)
+                self._free(rank, req)
                 finished.append(req)
 
     def _finish_reason(self, req: Request) -> str | None:
@@ -173,10 +190,67 @@ class Scheduler:
             rank = choose_group(self.method, self.loads(), self.turn)  # the DP controller
             if rank is None:
                 return
+            req = self.waiting[0]
+            pdmux = self.pdmux is not None
+            need = self._longest(req) if pdmux else pages_for(req.total_len, self.page_size)
+            if not self.pages[rank].fits(need):
+                return  # first come, first served: it waits for pages to come back
             self.turn = rank + 1
-            req = self.waiting.popleft()
-            req.rank, req.slot = rank, self.slots[rank].alloc()
+            self.waiting.popleft()
+            req.rank, req.slot, req.pages = rank, self.slots[rank].alloc(), need
+            self.pages[rank].hold(need)
             self.running[rank].append(req)
+
+    def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
+        """This rank's sequences and the tokens each feeds: decode tokens first (cheap, and
+        they keep latency low), then prompt chunks within the token budget. Where the pages
+        they grow into are not free, the newest running request is preempted by recompute."""
+        running, pool = self.running[rank], self.pages[rank]
+        while True:
+            budget, seqs = self.budget, []
+            for req in sorted(running, key=lambda r: r.in_prefill):
+                if budget == 0 or (self.pdmux is not None and req.in_prefill):
+                    break  # under pdmux prompts go in waves
+                tokens = req.next_input(budget)
+                seqs.append((req, tokens))
+                budget -= len(tokens)
+            grow = [self._growth(req, len(tokens)) for req, tokens in seqs]
+            if pool.fits(sum(grow)):
+                break
+            self._preempt(rank, running[-1])
+        for (req, _), pages in zip(seqs, grow, strict=True):
+            pool.hold(pages)
+            req.pages += pages
+        return seqs
+
+    def _growth(self, req: Request, fed: int) -> int:
+        return max(0, pages_for(req.num_computed + fed, self.page_size) - req.pages)
+
+    def _preempt(self, rank: int, req: Request) -> None:
+        """Free ``req``'s slot and pages and queue it first, to feed its tokens again."""
+        self.running[rank].remove(req)
+        self._free(rank, req)
+        req.preempt()
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+        log.info(
+            "preempted request %d (%d tokens) by recompute: rank %d is out of KV pages",
+            req.request_id,
+            req.total_len,
+            rank,
+        )
+
+    def _tokens_of(self, req: Request) -> int:
+        """The most tokens ``req`` can reach: its prompt and every new token, within max_len."""
+        return min(self.max_len, req.prompt_len + req.params.max_new_tokens)
+
+    def _longest(self, req: Request) -> int:
+        """The pages of ``req``'s longest run (what a PD-mux wave holds from the start)."""
+        return pages_for(self._tokens_of(req), self.page_size)
+
+    def _free(self, rank: int, req: Request) -> None:
+        self.slots[rank].release(req.slot)
+        self.pages[rank].give(req.slot, req.pages)
 
     def loads(self) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies read it."""
@@ -201,22 +275,3 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         all_logits=[req.needs_all_logits for req, _ in seqs],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )
-
-
-class SlotAllocator:
-    """Hands out cache rows; the scheduler holds one per rank."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self.free = list(range(num_slots - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return len(self.free)
-
-    def alloc(self) -> int:
-        if not self.free:
-            raise RuntimeError("no free KV cache slot")
-        return self.free.pop()
-
-    def release(self, slot: int) -> None:
-        self.free.append(slot)

@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.failed = 0  # buckets whose capture failed (they run eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by all
         kv_cache.allocate_all()
+        kv_cache.reserve([self.scratch], [1])  # the padding rows' scratch page
         for m in model.modules():
             if isinstance(m, RotaryEmbedding):
                 m.allocate(kv_cache.max_len)
@@ -159,6 +160,7 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(size, keys, cfg)
         graph = self.graphs[key]
         pad = size - n  # padding rows: token 0 at position 0 of the scratch slot
+        self.kv_cache.reserve(batch.slots, batch.seq_lens)  # before the table is read
         host = torch.tensor(
             [
                 batch.input_ids.tolist() + [0] * pad,

@@ -15,6 +15,7 @@ from moe_overlap.core.a2a_mode import step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
+from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.state_cache import StateCache
@@ -58,11 +59,14 @@ class ModelRunner:
         pp_group: Group | None = None,
         prefill_lane: tuple[Dispatcher, CollectiveOrder | None] | None = None,
         cuda_graph_max_bs: int = 0,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        num_pages: int | None = None,
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
         process); ``cuda_graph_max_bs``: decode batches up to this size replay from CUDA graphs
-        where the model and layout allow (0: never)."""
+        where the model and layout allow (0: never); ``num_pages`` of ``page_size`` tokens:
+        the KV pool (None: every slot at ``max_len``)."""
         self.model = model
         self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
         self.active = dispatcher  # the one this forward's micro-batches use
@@ -79,13 +83,15 @@ class ModelRunner:
         graphs = cuda_graph_max_bs > 0 and why_not is None
         if cuda_graph_max_bs > 0 and why_not and device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", why_not)
-        self.kv_cache = KVCache(  # with graphs, one more slot: the padding rows' scratch
+        self.kv_cache = KVCache(  # with graphs, one more slot and page: the padding rows'
             model.cfg.num_hidden_layers,
             num_slots + graphs,
             max_len,
             model.kv_entries(),
             dtype,
             device,
+            page_size,
+            None if num_pages is None else num_pages + graphs,
         )
         self.states = StateCache(model.state_shapes(), num_slots, dtype, device)
         self.ops = build_operations(model, strategy_for(model, "none"))

@@ -141,6 +141,8 @@ def build_rank_runner(
         pp_group=groups["pp"] if par.pp > 1 else None,
         prefill_lane=lane,
         cuda_graph_max_bs=spec.cuda_graph_max_bs,
+        page_size=spec.page_size,
+        num_pages=spec.pool_pages,
     )
 
 
@@ -153,6 +155,8 @@ def serve_step(
     range the wave's; every rank returns its timeline's spans when the step is recorded."""
     runner.timeline.enabled = request.record
     batch, wave = request.batches[group], request.prefill
+    if request.released is not None:  # before this step's sequences take pages
+        runner.kv_cache.release(request.released[group])
     running, lane = None, runner.prefill_lane
     if wave is not None:
         if lane is None:
