@@ -31,14 +31,28 @@ def parse_a2a_mode(text: str) -> str:
     return VLLM_BACKENDS.get(text, text)
 
 
+def over_capacity(tokens: int, capacity: int) -> ConfigError:
+    """The refusal of a step or micro-batch of ``tokens`` tokens on one rank."""
+    return ConfigError(
+        f"a step of {tokens} tokens on one rank exceeds the low-latency dispatch's "
+        f"capacity (--num-max-dispatch-tokens-per-rank={capacity}); raise it, lower "
+        "--max-num-batched-tokens, or use --a2a-mode auto (low-latency for decode only)"
+    )
+
+
 def step_a2a_mode(
-    asked: str, batches: Sequence[ForwardBatch], capacity: int, available: bool
+    asked: str,
+    batches: Sequence[ForwardBatch],
+    capacity: int,
+    available: bool,
+    on_gpu: bool = True,
 ) -> str:
     """``normal`` or ``low_latency`` for a step whose groups run ``batches``, the same on every
     rank. ``available``: this layout built a low-latency dispatcher (one all-to-all group, no
-    pipeline or PD-mux lane). An explicit ``low_latency`` with a batch above ``capacity``
-    tokens is refused here, before any rank sends a row."""
-    if asked == "normal" or (asked == "auto" and not available):
+    pipeline or PD-mux lane); ``on_gpu``: it runs on CUDA (``auto`` takes low-latency only
+    there). An explicit ``low_latency`` with a batch above ``capacity`` tokens is refused
+    here, before any rank sends a row."""
+    if asked == "normal" or (asked == "auto" and not (available and on_gpu)):
         return "normal"
     tokens = max((b.num_tokens for b in batches), default=0)
     if asked == "auto":
@@ -50,9 +64,5 @@ def step_a2a_mode(
             "--pp or --enable-pdmux; use --a2a-mode auto or normal"
         )
     if tokens > capacity:
-        raise ConfigError(
-            f"a step of {tokens} tokens on one rank exceeds the low-latency dispatch's "
-            f"capacity (--num-max-dispatch-tokens-per-rank={capacity}); raise it, lower "
-            "--max-num-batched-tokens, or use --a2a-mode auto (low-latency for decode only)"
-        )
+        raise over_capacity(tokens, capacity)
     return "low_latency"

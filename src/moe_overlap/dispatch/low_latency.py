@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core.a2a_mode import over_capacity
 from moe_overlap.core.dispatcher import (
     Dispatcher,
     DispatchState,
@@ -34,8 +35,6 @@ from moe_overlap.core.dispatcher import (
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.in_flight import CombinePieces
-
-CAP_FLAG = "--num-max-dispatch-tokens-per-rank"
 
 
 @dataclass(kw_only=True)
@@ -52,23 +51,16 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
 
     def __init__(self, a2a: AllToAllDispatcher, capacity: int):
         if capacity < 1:
-            raise ConfigError(f"{CAP_FLAG}={capacity} must be >= 1")
+            raise ConfigError(f"--num-max-dispatch-tokens-per-rank={capacity} must be >= 1")
         self.a2a, self.capacity = a2a, capacity
         self.num_experts, self.ep, self.local = a2a.num_experts, a2a.ep, a2a.local
         self.link = a2a.link
+        self.block_rows = 1 + self.local * capacity  # a peer's block: header, then the rows
 
     def check_fits(self, tokens: int) -> None:
         """Refuse a micro-batch that could overflow a block (before anything is sent)."""
         if tokens > self.capacity:
-            raise ConfigError(
-                f"a forward of {tokens} tokens on one rank exceeds the low-latency dispatch's "
-                f"capacity ({CAP_FLAG}={self.capacity}); raise it, lower "
-                "--max-num-batched-tokens, or use --a2a-mode auto (low-latency for decode "
-                "only) or normal"
-            )
-
-    def _block_rows(self) -> int:
-        return 1 + self.local * self.capacity
+            raise over_capacity(tokens, self.capacity)
 
     def dispatch_a(
         self,
@@ -93,14 +85,14 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
             torch.arange(order.numel(), device=order.device) - (counts.cumsum(0) - counts)[expert]
         )
         slots = expert * self.capacity + index
-        send = hidden.new_zeros(self.ep * self._block_rows(), hidden.shape[1])
+        send = hidden.new_zeros(self.ep * self.block_rows, hidden.shape[1])
         send.index_copy_(0, slots + expert // self.local + 1, rows)
-        header = send.view(self.ep, self._block_rows(), -1)[:, 0]
+        header = send.view(self.ep, self.block_rows, -1)[:, 0]
         header.view(torch.int32)[:, : self.local] = counts.view(self.ep, self.local)
         state = LowLatencyState(
             tokens, topk_weights, order, owner, capacity=self.capacity, slots=slots
         )
-        splits = [self._block_rows()] * self.ep
+        splits = [self.block_rows] * self.ep
         state.pending = self.a2a._start(
             "dispatch", send, splits, splits, owner, self._crossing(order.numel())
         )
@@ -115,7 +107,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         return pairs * (self.ep - 1) // self.ep
 
     def dispatch_b(self, state: LowLatencyState) -> None:
-        received = in_flight(state).wait().view(self.ep, self._block_rows(), -1)
+        received = in_flight(state).wait().view(self.ep, self.block_rows, -1)
         state.pending = None
         hidden = received.shape[-1]
         state.counts = received[:, 0].view(torch.int32)[:, : self.local].long()

@@ -125,11 +125,8 @@ class ModelRunner:
         """Set this step's dispatcher from every group's batch (``core/a2a_mode.py``), so every
         rank of the EP group takes the same one; True when it is the low-latency one."""
         cap = cfg.num_max_dispatch_tokens_per_rank
-        # auto takes it on CUDA only: over gloo every block crosses whole and nothing is graphed
-        fits = self.low_latency_fits and (
-            cfg.a2a_mode != "auto" or self.kv_cache.device.type == "cuda"
-        )
-        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, fits)
+        on_gpu = self.kv_cache.device.type == "cuda"
+        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu)
         self.active = self.low_latency(cap) if mode == "low_latency" else self.dispatcher
         return mode == "low_latency"
 
