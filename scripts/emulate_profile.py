@@ -11,7 +11,8 @@ import time
 import torch
 
 from moe_overlap import LLM, ModelConfig
-from moe_overlap.tools.bench import make_batches, mode_config, step
+from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.tools.bench import make_batches, step
 from moe_overlap.tools.workloads import Workload, parse_workload
 
 config, spec, link = sys.argv[1:4]

@@ -8,11 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.planner.calibration import fit_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import TWO_PASSES, measurements_from_json
 from moe_overlap.planner.plan import Planner
-from moe_overlap.tools.bench import mode_config
 
 NAMES = ("op_overhead_us", "expert_overhead_us", "switch_overhead_us", "a2a_bytes_factor",
          "gemm_tflops_bf16", "attention_tflops", "kv_read_gbps", "seq_overhead_us",

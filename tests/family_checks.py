@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.tools.bench import mode_config
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.tools.cli import main
 from tests.helpers import KW, PARAMS, every_mode, force_overlap, max_abs_diff
 

@@ -9,8 +9,8 @@ import subprocess
 import torch
 
 from moe_overlap import LLM, SamplingParams
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.tools.bench import mode_config
 
 TINY = {
     "qwen3_moe": dict(

@@ -12,11 +12,11 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.overlap.predict import (
-    CANDIDATES,
     EXPLORE_WEIGHT,
     Calibration,
     Choice,
     StepStats,
+    candidates,
     choose,
     corrected,
     explorations,
@@ -44,7 +44,7 @@ def stats(flops=1e8, tokens=1000, ranks=2, tbo_ok=True, dbo_split=500, seqs=1):
 
 
 def link(bytes_per_s: float, **factors: float) -> Calibration:
-    cal = dataclasses.replace(CAL, bytes_per_s=bytes_per_s, factor=dict.fromkeys(CANDIDATES, 1.0))
+    cal = dataclasses.replace(CAL, bytes_per_s=bytes_per_s, factor=dict.fromkeys(candidates(), 1.0))
     cal.factor.update(factors)
     return cal
 

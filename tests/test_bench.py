@@ -115,7 +115,7 @@ def test_bench_refuses_bad_modes(capsys):
 
 def test_mode_names():
     from moe_overlap.core.errors import ConfigError
-    from moe_overlap.tools.bench import mode_config
+    from moe_overlap.core.mode_labels import mode_config
 
     assert mode_config("tbo").tbo_token_distribution_threshold == 0.0
     two_chunk = mode_config("tbo+two-chunk")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.transfer import host_values
-from moe_overlap.tools.bench import fill_context, make_batches, mode_config, step
+from moe_overlap.tools.bench import fill_context, make_batches, step
 from moe_overlap.tools.host_reads import HostReads
 from moe_overlap.tools.workloads import Workload, parse_workload
 

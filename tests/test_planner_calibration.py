@@ -9,6 +9,7 @@ import json
 import pytest
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.planner.calibration import bytes_factor, fit_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.measurements import (
@@ -24,7 +25,6 @@ from moe_overlap.planner.measurements import (
     measurements_json,
 )
 from moe_overlap.planner.plan import Planner
-from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.cli import main
 from tests.test_plan import FLAT
 

@@ -16,12 +16,12 @@ import torch
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.state_cache import StateOrderError
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
-from moe_overlap.tools.bench import mode_config
 from tests.family_checks import CASES, layout_matches_one_process, made_model_matches_transformers
 from tests.helpers import (
     KW,

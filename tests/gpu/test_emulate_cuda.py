@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from moe_overlap import LLM, ModelConfig
-from moe_overlap.tools.bench import make_batches, mode_config, run_bench
+from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.tools.bench import make_batches, run_bench
 from moe_overlap.tools.workloads import Workload, parse_workload
 from tests.gpu.common import needs_gpu
 

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from moe_overlap import LLM, ModelConfig
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_cli import add_bench_commands
 from tests.gpu.common import GPUS, needs_gpus
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap

@@ -15,12 +15,32 @@ receives with the step.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.errors import ConfigError
 
-A2A_MODES = ("auto", "normal", "low_latency")
+
+class A2AMode(enum.StrEnum):
+    """``--a2a-mode``: the all-to-all a step's dispatch uses."""
+
+    AUTO = "auto"  # low-latency for decode steps on CUDA, normal otherwise
+    NORMAL = "normal"  # sized from the counts read back: any number of tokens
+    LOW_LATENCY = "low_latency"  # fixed-capacity blocks, nothing read back
+
+
+class Backend(enum.StrEnum):
+    """``--moe-a2a-backend``: the dispatcher a rank builds (``dispatch/factory.py``)."""
+
+    AUTO = "auto"  # local on one rank, else torch when moe-TP is 1, else none
+    LOCAL = "local"  # one rank holds every expert: no communication
+    TORCH = "torch"  # the all-to-all over torch collectives
+    NONE = "none"  # SGLang's tensor-parallel MoE: dp_gather, partial experts, all-reduce
+
+
+A2A_MODES = tuple(A2AMode)
+A2A_BACKENDS = tuple(Backend)
 # vLLM's --all2all-backend values that name one of ours; the others name other data paths
 VLLM_BACKENDS = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "normal"}
 DEFAULT_MAX_DISPATCH_TOKENS = 128  # SGLang's --num-max-dispatch-tokens-per-rank
@@ -52,12 +72,12 @@ def step_a2a_mode(
     pipeline or PD-mux lane); ``on_gpu``: it runs on CUDA (``auto`` takes low-latency only
     there). An explicit ``low_latency`` with a batch above ``capacity`` tokens is refused
     here, before any rank sends a row."""
-    if asked == "normal" or (asked == "auto" and not (available and on_gpu)):
-        return "normal"
+    if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
+        return A2AMode.NORMAL
     tokens = max((b.num_tokens for b in batches), default=0)
-    if asked == "auto":
+    if asked == A2AMode.AUTO:
         decoding = all(b.mode in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches)
-        return "low_latency" if decoding and 0 < tokens <= capacity else "normal"
+        return A2AMode.LOW_LATENCY if decoding and 0 < tokens <= capacity else A2AMode.NORMAL
     if not available:
         raise ConfigError(
             "--a2a-mode low_latency needs the all-to-all dispatcher without attention TP, "
@@ -65,4 +85,4 @@ def step_a2a_mode(
         )
     if tokens > capacity:
         raise over_capacity(tokens, capacity)
-    return "low_latency"
+    return A2AMode.LOW_LATENCY

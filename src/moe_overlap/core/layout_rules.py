@@ -10,9 +10,11 @@ one rank).
 
 from __future__ import annotations
 
+from moe_overlap.core.a2a_mode import A2AMode, Backend
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES
 from moe_overlap.core.parallel_config import ParallelConfig
 
 
@@ -36,7 +38,7 @@ def check_layout(
     if cfg is not None:
         _check_model(cfg, par)
     _check_backend(overlap.moe_a2a_backend, par)
-    if overlap.a2a_mode == "low_latency":
+    if overlap.a2a_mode == A2AMode.LOW_LATENCY:
         _check_low_latency(par, overlap.moe_a2a_backend, pdmux)
     _check_modes(par, overlap, link)
     if pdmux:
@@ -132,18 +134,18 @@ def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
 def _check_backend(backend: str, par: ParallelConfig) -> None:
     """``--moe-a2a-backend``'s explicit choices against the layout (``auto`` always fits)."""
     if par.replica_size == 1:  # every replica is one process
-        if backend in ("torch", "none"):
+        if backend in (Backend.TORCH, Backend.NONE):
             raise ConfigError(
                 f"--moe-a2a-backend={backend} needs more than one rank per replica (--tp or "
                 "--ep > 1); use local (or auto)"
             )
         return
-    if backend == "local":
+    if backend == Backend.LOCAL:
         raise ConfigError(
             f"--moe-a2a-backend=local holds every expert on one rank; with {par.describe()} "
             "use torch or none (or auto)"
         )
-    if backend == "torch" and par.moe_tp > 1:
+    if backend == Backend.TORCH and par.moe_tp > 1:
         raise ConfigError(
             f"--moe-a2a-backend=torch needs --ep equal to --tp (whole experts per rank), not "
             f"--ep {par.ep} with --tp {par.tp}; set --ep {par.tp}, or use none (or auto)"
@@ -157,7 +159,7 @@ def _check_low_latency(par: ParallelConfig, backend: str, pdmux: bool) -> None:
     why = None
     if par.replica_size == 1:
         why = "expert-parallel ranks to send to (--ep 2 or more, or bench --emulate-peers N)"
-    elif backend == "none" or par.moe_tp > 1:
+    elif backend == Backend.NONE or par.moe_tp > 1:
         why = "the all-to-all dispatcher (--ep equal to --tp), not the tensor-parallel MoE"
     elif par.attn_tp > 1:
         why = "one attention rank per expert rank (no attention TP: --enable-dp-attention)"
@@ -171,15 +173,7 @@ def _check_low_latency(par: ParallelConfig, backend: str, pdmux: bool) -> None:
 
 
 def _check_modes(par: ParallelConfig, overlap: OverlapConfig, link: str | None) -> None:
-    if overlap.mode == "auto" and par.pp > 1:
-        raise ConfigError(
-            f"--overlap auto with --pp {par.pp}: auto calibrates on whole forwards, which a "
-            "pipeline stage does not run; choose tbo, sbo or dbo (they run inside each stage)"
-        )
-    if overlap.mode == "dbo" and par.replica_size == 1:
-        raise ConfigError(
-            "--enable-dbo needs more than one rank to overlap with; set --ep 2 or --tp 2 or more"
-        )
+    MODES[overlap.mode].refuse(par)
     if par.replica_size == 1 and link is not None:
         raise ConfigError(
             f"--link {link} needs more than one rank (--ep or --tp > 1): one process has no "
@@ -217,7 +211,7 @@ def _check_emulation(
             f"--emulate-peers={peers} must divide num_experts={cfg.num_experts} (each rank "
             f"holds num_experts / N); choose N in {divisors(cfg.num_experts)} other than 1"
         )
-    if backend not in ("auto", "torch"):
+    if backend not in (Backend.AUTO, Backend.TORCH):
         raise ConfigError(
             f"--moe-a2a-backend={backend} with --emulate-peers {peers}: emulation runs the "
             "all-to-all dispatcher; use torch (or auto)"
@@ -237,10 +231,11 @@ def _check_pdmux(par: ParallelConfig, overlap: OverlapConfig, cfg: ModelConfig |
     groups, but attention TP would share the model's)."""
     if par.pp > 1:
         raise ConfigError("--enable-pdmux does not combine with --pp (as in SGLang); drop one")
-    if overlap.mode in ("tbo", "dbo", "auto"):
+    if not MODES[overlap.mode].with_pdmux:
+        allowed = " or ".join(m.name for m in MODES.values() if m.with_pdmux)
         raise ConfigError(
             f"--enable-pdmux does not combine with overlap {overlap.mode} (SGLang refuses "
-            "two-batch overlap with it); use none or sbo"
+            f"two-batch overlap with it); use {allowed}"
         )
     if par.attn_tp > 1:
         raise ConfigError(

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_overlap.core.a2a_mode import A2A_MODES, DEFAULT_MAX_DISPATCH_TOKENS
+from moe_overlap.core.a2a_mode import (
+    A2A_BACKENDS,
+    A2A_MODES,
+    DEFAULT_MAX_DISPATCH_TOKENS,
+    A2AMode,
+    Backend,
+)
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
+from moe_overlap.core.overlap_modes import MODES, NONE
 
-OVERLAP_MODES = ("none", "tbo", "sbo", "dbo", "auto")  # auto: ours, chosen per forward
-A2A_BACKENDS = ("auto", "local", "torch", "none")  # dispatch/factory.py: resolve_backend
 SPLIT_POLICIES = ("tokens", "time")
 MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
-AUTO_MODES = ("none", "sbo", "tbo2", "tbo3", "dbo")  # what auto chooses among (ties: earlier)
+AUTO_MODES = tuple(MODES.auto_choices())  # what auto chooses among (ties: the earlier)
 DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
 
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    mode: str = "none"  # none | tbo | sbo | dbo | auto
+    mode: str = NONE.name  # a name in core/overlap_modes.py: MODES
     tbo_token_distribution_threshold: float = DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD
     num_micro_batches: int = 2
     tbo_min_tokens: int = 2  # a rank with fewer tokens votes against micro-batching this step
@@ -28,8 +33,8 @@ class OverlapConfig:
     tbo_mode_mismatch: str = "off"
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
-    moe_a2a_backend: str = "auto"
-    a2a_mode: str = "auto"  # core/a2a_mode.py: normal, low_latency, or per step
+    moe_a2a_backend: str = Backend.AUTO
+    a2a_mode: str = A2AMode.AUTO  # core/a2a_mode.py: normal, low_latency, or per step
     num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS  # low-latency capacity
     sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
@@ -38,7 +43,7 @@ class OverlapConfig:
 
     def __post_init__(self) -> None:
         for name, choices in (
-            ("mode", OVERLAP_MODES),
+            ("mode", tuple(MODES)),
             ("tbo_split_policy", SPLIT_POLICIES),
             ("tbo_mode_mismatch", MODE_MISMATCH),
             ("moe_a2a_backend", A2A_BACKENDS),
@@ -48,10 +53,10 @@ class OverlapConfig:
                 raise ConfigError(
                     f"{_flag(name)}={getattr(self, name)!r} must be one of {', '.join(choices)}"
                 )
-        if not self.auto_modes or not set(self.auto_modes) <= set(AUTO_MODES):
+        known = MODES.auto_choices()
+        if not self.auto_modes or not set(self.auto_modes) <= set(known):
             raise ConfigError(
-                f"--auto-modes={','.join(self.auto_modes)!r} must name some of "
-                f"{', '.join(AUTO_MODES)}"
+                f"--auto-modes={','.join(self.auto_modes)!r} must name some of {', '.join(known)}"
             )
         threshold = self.tbo_token_distribution_threshold
         if not is_finite_number(threshold):

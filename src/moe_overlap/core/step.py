@@ -16,6 +16,7 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.timeline import Span
 
 
@@ -102,7 +103,7 @@ class GroupReply:
     prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)  # scored rows
     # the logit rows of the sequences with ``keep_logits`` (every row: a forward-only step)
     logits: torch.Tensor | None = None
-    mode: str = "none"  # the overlap scheme the forward ran (auto's choice)
+    mode: str = NONE.name  # the overlap scheme the forward ran (auto's choice)
 
     def __getstate__(self) -> dict:  # logits cross processes as NumPy, not torch's fd sharing
         state = dict(self.__dict__)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import (
     Dispatcher,
     DispatchState,
@@ -92,7 +93,7 @@ class AllToAllState(DispatchState):
 
 
 class AllToAllDispatcher(Dispatcher[AllToAllState]):
-    name = "torch"
+    name = Backend.TORCH
 
     def __init__(
         self,

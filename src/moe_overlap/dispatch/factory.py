@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.timeline import Timeline
@@ -20,9 +21,9 @@ def resolve_backend(backend: str, par: ParallelConfig) -> str:
     (gather, partial experts, all-reduce). An explicit choice is taken as given
     (``core/layout_rules.py`` refused one the layout cannot run)."""
     if par.replica_size == 1:  # every replica is one process
-        return "local"
-    if backend == "auto":
-        return "torch" if par.moe_tp == 1 else "none"
+        return Backend.LOCAL
+    if backend == Backend.AUTO:
+        return Backend.TORCH if par.moe_tp == 1 else Backend.NONE
     return backend
 
 
@@ -36,9 +37,9 @@ def make_dispatcher(
     timeline: Timeline | None = None,
 ) -> Dispatcher:
     kind = resolve_backend(backend, par)
-    if kind == "local":
+    if kind == Backend.LOCAL:
         return LocalDispatcher(num_experts)
-    if kind == "none":
+    if kind == Backend.NONE:
         return GatherDispatcher(
             groups["tp"],
             groups["attn_dp"],

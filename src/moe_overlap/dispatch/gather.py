@@ -19,6 +19,7 @@ from itertools import accumulate
 
 import torch
 
+from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import (
     Dispatcher,
     DispatchState,
@@ -64,7 +65,7 @@ class GatherState(DispatchState):
 
 
 class GatherDispatcher(Dispatcher[GatherState]):
-    name = "none"
+    name = Backend.NONE
 
     def __init__(
         self,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, outputs, sort_by_expert
 
 
 class LocalDispatcher(Dispatcher[DispatchState]):
-    name = "local"
+    name = Backend.LOCAL
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.core.a2a_mode import over_capacity
+from moe_overlap.core.a2a_mode import Backend, over_capacity
 from moe_overlap.core.dispatcher import (
     Dispatcher,
     DispatchState,
@@ -47,7 +47,7 @@ class LowLatencyState(DispatchState):
 class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
     """All-to-alls of fixed size over ``a2a``'s group, communication stream and link."""
 
-    name = "torch"
+    name = Backend.TORCH
 
     def __init__(self, a2a: AllToAllDispatcher, capacity: int):
         if capacity < 1:

@@ -49,6 +49,11 @@ class LinkSpec:
     latency_s: float = 0.0
     spec: str = ""  # the text as given, for reports that must say which link ran
 
+    @property
+    def shaped(self) -> bool:
+        """Whether a link is shaped or modelled (not plain loopback)."""
+        return self.kind != "none"
+
     def __post_init__(self) -> None:
         if self.kind not in ("none", "netns", "model"):
             raise ValueError(f"unknown link kind {self.kind!r}; accepted: {_FORMS}")

@@ -14,10 +14,10 @@ from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
     AUTO_MODES,
     MODE_MISMATCH,
-    OVERLAP_MODES,
     SPLIT_POLICIES,
     OverlapConfig,
 )
+from moe_overlap.core.overlap_modes import MODES, NONE
 from moe_overlap.engine.args import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -112,10 +112,9 @@ class OverlapArgs:
     )
     overlap: str | None = setting(
         None,
-        "the scheme by name: none, tbo, sbo, dbo (as the --enable flags), or auto (ours): every "
-        "forward, the mode predicted fastest from a cost model calibrated at start-up and "
-        "corrected from measured forwards",
-        choices=OVERLAP_MODES,
+        "the scheme by name (the --enable flags name some too): "
+        + "; ".join(f"{m.name}: {m.summary}" for m in MODES.values()),
+        choices=MODES,
         group="overlap (at most one scheme)",
     )
     auto_modes: tuple[str, ...] = overlap_setting(
@@ -197,13 +196,10 @@ class OverlapArgs:
 
     def overlap_config(self) -> OverlapConfig:
         """The one scheme chosen by ``--overlap`` or an ``--enable-*`` flag, with its knobs."""
-        flags = (
-            ("tbo", self.enable_two_batch_overlap),
-            ("sbo", self.enable_single_batch_overlap),
-            ("dbo", self.enable_dbo),
-        )
-        chosen = [name for name, on in flags if on]
-        if self.overlap is not None and self.overlap not in ("none", *chosen):
+        chosen = [
+            m.name for m in MODES.values() if m.enable_field and getattr(self, m.enable_field)
+        ]
+        if self.overlap is not None and self.overlap not in (NONE.name, *chosen):
             chosen.append(self.overlap)
         if len(chosen) > 1:
             raise ConfigError(
@@ -215,7 +211,7 @@ class OverlapArgs:
             if f.name != "mode"
         }
         knobs["a2a_mode"] = parse_a2a_mode(self.a2a_mode)  # LLM(all2all_backend=...) too
-        return OverlapConfig(mode=chosen[0] if chosen else "none", **knobs)
+        return OverlapConfig(mode=chosen[0] if chosen else NONE.name, **knobs)
 
 
 @dataclass

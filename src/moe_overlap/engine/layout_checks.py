@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from moe_overlap.core.a2a_mode import A2AMode
 from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.layout_rules import check_layout
@@ -46,10 +47,10 @@ def check_settings(
         link = parse_link(args.link)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    emulated = None if link.kind == "none" else link.spec
+    emulated = link.spec if link.shaped else None
     check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers)
     cap = overlap.num_max_dispatch_tokens_per_rank
-    if overlap.a2a_mode == "low_latency" and args.max_num_batched_tokens > cap:
+    if overlap.a2a_mode == A2AMode.LOW_LATENCY and args.max_num_batched_tokens > cap:
         raise ConfigError(
             f"--a2a-mode low_latency carries at most --num-max-dispatch-tokens-per-rank={cap} "
             f"tokens per rank, but --max-num-batched-tokens={args.max_num_batched_tokens} lets "

@@ -16,17 +16,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.mode_labels import auto_choice_config
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES, Runs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import dbo_decide, tbo_decide, tbo_local_vote
 from moe_overlap.overlap.calibrate import calibrate
-from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.predict import (
     CORRECT_WEIGHT,
@@ -34,15 +36,16 @@ from moe_overlap.overlap.predict import (
     Calibration,
     Choice,
     StepStats,
+    candidates,
     choose,
     corrected,
     explore,
     raw_times,
+    shape,
 )
-from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.scheme import Runner
+from moe_overlap.overlap.schemes import scheme_class
 from moe_overlap.overlap.split import whole
-from moe_overlap.overlap.tbo import TwoBatchOverlap
 
 FLOPS, TOKENS, SEQS, LAST_S, VOTES = 0, 1, 2, 3, 4  # rows; VOTES.. holds tbo_local_vote's four
 
@@ -58,13 +61,13 @@ class AutoOverlap:
     def __init__(self, model: MoeForCausalLM, cfg: OverlapConfig, group: Group):
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = ModelFlops.for_model(model.cfg)
-        tbo = dataclasses.replace(cfg, mode="tbo", tbo_split_policy="time")
-        self.sbo = SingleBatchOverlap(model, dataclasses.replace(cfg, mode="sbo"), group)
-        self.tbo = {
-            f"tbo{n}": TwoBatchOverlap(model, dataclasses.replace(tbo, num_micro_batches=n), group)
-            for n in (2, 3)
-        }
-        self.dbo = DualBatchOverlap(model, dataclasses.replace(cfg, mode="dbo"), group)
+        # every choice's scheme, over this engine's knobs (Any: TBO's and DBO's ``run`` take
+        # what auto's agreement decided, which differs by kind)
+        self.schemes: dict[str, Any] = {}
+        for label in candidates():
+            choice = auto_choice_config(cfg, label)
+            if MODES[choice.mode].scheme is not None:
+                self.schemes[label] = scheme_class(choice.mode)(model, choice, group)
         self.calibration: Calibration | None = None
         self.last: tuple[str, float, float] | None = None  # executed mode, raw prediction, weight
         self.last_s = 0.0  # how long this rank's previous auto forward took
@@ -120,15 +123,17 @@ class AutoOverlap:
         return Step(stats, tbo.decode, float(table[LAST_S].max()))
 
     def _run(self, mode: str, batch: ForwardBatch, runner: Runner, decode: bool, split: int | None):
-        if mode == "none":
+        runs = shape(mode)[0]
+        if runs is Runs.PLAIN:
             return execute_operations(runner.context(batch), runner.ops)
-        if mode == "sbo":
-            return self.sbo.forward(batch, runner)
-        if mode == "dbo":
-            if split is None:  # choose() offers dbo only where the ranks agreed on a cut
-                raise RuntimeError("auto chose dbo without an agreed split point")
-            return self.dbo.run(batch, runner, split)
-        return self.tbo[mode].run(batch, runner, decode)
+        scheme = self.schemes[mode]
+        if runs is Runs.BLOCKS:
+            return scheme.forward(batch, runner)
+        if runs is Runs.SPLIT:
+            return scheme.run(batch, runner, decode)
+        if split is None:  # choose() offers a threaded mode only where the ranks agreed a cut
+            raise RuntimeError(f"auto chose {mode} without an agreed split point")
+        return scheme.run(batch, runner, split)
 
     def _calibrate(self, runner: Runner) -> Calibration:
         def run_mode(mode: str, batch: ForwardBatch, scratch: Runner) -> None:
@@ -143,4 +148,6 @@ class AutoOverlap:
             print(f"[auto] forward {self.steps}: {choice.describe()}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.dbo.close()
+        for scheme in self.schemes.values():
+            if hasattr(scheme, "close"):
+                scheme.close()

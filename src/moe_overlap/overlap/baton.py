@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moe_overlap.core.overlap_modes import DBO
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, split_stages
 
@@ -218,7 +219,7 @@ class DualBatchThreads:
     def __init__(
         self,
         timeout_s: float = 60.0,
-        name: str = "dbo",
+        name: str = DBO.name,
         streams: MicroBatchStreams | None = None,
         on_stall: Callable[[str], None] | None = None,
     ):

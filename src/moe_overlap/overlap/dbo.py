@@ -21,6 +21,7 @@ from __future__ import annotations
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import DBO
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.model.causal_lm import MoeForCausalLM
@@ -54,7 +55,7 @@ class DualBatchOverlap:
         timeout_s: float | None = None,
     ):
         self.model, self.cfg, self.group = model, cfg, group
-        self.ops = build_operations(model, strategy_for(model, "dbo"))
+        self.ops = build_operations(model, strategy_for(model, DBO.name))
         streams = MicroBatchStreams(model_placement(model)[0])  # CUDA: one per micro-batch
         # a stall leaves a thread inside a collective: abort the group so no peer waits on it
         # and no later collective of this rank pairs with it

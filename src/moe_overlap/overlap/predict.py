@@ -25,12 +25,13 @@ measured time corrects the explored mode's factor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from moe_overlap.core.overlap_config import AUTO_MODES
+from moe_overlap.core.mode_labels import auto_choice_config
+from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES, NONE, Runs
 
-CANDIDATES = AUTO_MODES  # ties go to the earlier, simpler one
-MICRO_BATCHES = {"tbo2": 2, "tbo3": 3, "dbo": 2}
 MARGIN = 0.03  # overlap must promise this much over none: a wrong guess must not cost more
 EXPLORE_MARGIN = 0.15  # try a mode predicted at most this much slower than the chosen one
 EXPLORE_FIRST = (2, 4, 8)  # soon after calibration, then every EXPLORE_EVERY-th forward
@@ -52,7 +53,7 @@ class Calibration:
     expert_share: float  # of the per-token FLOPs: routed experts
     shared_share: float  # of the per-token FLOPs: shared experts
     sbo_blocks: int = 2
-    factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CANDIDATES, 1.0))
+    factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(candidates(), 1.0))
 
 
 @dataclass(frozen=True)
@@ -78,16 +79,30 @@ class Choice:
         return f"{self.mode} ({why}predicted ms: {times})"
 
 
+def candidates() -> list[str]:
+    """What auto may choose (``core/overlap_modes.py``), in order: ties go to the earlier,
+    simpler one."""
+    return list(MODES.auto_choices())
+
+
+@functools.cache
+def shape(label: str) -> tuple[Runs, int]:
+    """How the choice ``label`` runs, and its micro-batches per forward."""
+    cfg = auto_choice_config(OverlapConfig(), label)
+    mode = MODES[cfg.mode]
+    return mode.runs, cfg.num_micro_batches if mode.runs is Runs.SPLIT else mode.micro_batches
+
+
 def feasible(stats: StepStats, ep: int) -> list[str]:
-    if ep < 2 or max(stats.tokens) == 0:
-        return ["none"]  # nothing to hide
-    modes = ["none", "sbo"]
+    idle = ep < 2 or max(stats.tokens) == 0  # nothing to hide
     busy = [t for t in stats.tokens if t]
-    if stats.tbo_ok:
-        modes += [f"tbo{n}" for n in (2, 3) if min(busy) >= n]
-    if stats.dbo_split is not None:
-        modes.append("dbo")
-    return modes
+    fits = {
+        Runs.PLAIN: lambda n: True,
+        Runs.BLOCKS: lambda n: not idle,
+        Runs.SPLIT: lambda n: not idle and stats.tbo_ok and min(busy) >= n,
+        Runs.THREADS: lambda n: not idle and stats.dbo_split is not None,
+    }
+    return [m for m in candidates() if fits[shape(m)[0]](shape(m)[1])]
 
 
 def raw_times(cal: Calibration, stats: StepStats) -> dict[str, float]:
@@ -101,30 +116,34 @@ def raw_times(cal: Calibration, stats: StepStats) -> dict[str, float]:
     hidden = min(comm / 2, cal.shared_share * compute) + min(
         comm / 2 * (blocks - 1) / blocks, cal.expert_share * compute * (blocks - 1) / blocks
     )
-    times = {
-        "none": compute + cal.per_pass + comm,
-        "sbo": compute + cal.per_pass + comm - hidden,
-    }
-    for mode, n in MICRO_BATCHES.items():
-        comm_n = comm + (n - 1) * a2a * cal.latency
-        fill = (compute + comm) / (n * a2a)
-        times[mode] = max(compute + n * cal.per_pass, comm_n) + fill
+    times = {}
+    for mode in candidates():
+        runs, n = shape(mode)
+        if runs is Runs.PLAIN:
+            times[mode] = compute + cal.per_pass + comm
+        elif runs is Runs.BLOCKS:
+            times[mode] = compute + cal.per_pass + comm - hidden
+        else:  # micro-batches: each pays a pass, a further latency per all-to-all, and the fill
+            comm_n = comm + (n - 1) * a2a * cal.latency
+            fill = (compute + comm) / (n * a2a)
+            times[mode] = max(compute + n * cal.per_pass, comm_n) + fill
     return times
 
 
 def choose(
-    cal: Calibration, stats: StepStats, ep: int, allowed: tuple[str, ...] = CANDIDATES
+    cal: Calibration, stats: StepStats, ep: int, allowed: tuple[str, ...] | None = None
 ) -> Choice:
     """Among the ``allowed`` modes that fit this step, the least predicted time; overlap only
     if it beats none by ``MARGIN`` (when none is allowed); none if no allowed mode fits."""
     raw = raw_times(cal, stats)
-    modes = [m for m in feasible(stats, ep) if m in allowed]
-    predicted = {m: raw[m] * cal.factor[m] for m in modes}
+    modes = [m for m in feasible(stats, ep) if allowed is None or m in allowed]
+    predicted = {m: raw[m] * cal.factor.get(m, 1.0) for m in modes}
     if not predicted:
-        return Choice("none", {})
-    best = min(predicted, key=lambda m: (predicted[m], CANDIDATES.index(m)))
-    if "none" in predicted and predicted[best] > predicted["none"] * (1 - MARGIN):
-        best = "none"
+        return Choice(NONE.name, {})
+    order = candidates()
+    best = min(predicted, key=lambda m: (predicted[m], order.index(m)))
+    if NONE.name in predicted and predicted[best] > predicted[NONE.name] * (1 - MARGIN):
+        best = NONE.name
     return Choice(best, predicted)
 
 
@@ -150,7 +169,7 @@ def explore(choice: Choice, forward: int) -> Choice:
         return choice
     near = sorted(
         (m for m, t in choice.predicted.items() if m != choice.mode and t <= best * (1 + margin)),
-        key=lambda m: (choice.predicted[m], CANDIDATES.index(m)),
+        key=lambda m: (choice.predicted[m], candidates().index(m)),
     )
     if not near:
         return choice
@@ -171,4 +190,4 @@ def corrected(
     if predicted_raw <= 0 or measured <= 0:
         return
     ratio = min(max(measured / predicted_raw, 0.25), 4.0)
-    cal.factor[mode] = (1 - weight) * cal.factor[mode] + weight * ratio
+    cal.factor[mode] = (1 - weight) * cal.factor.get(mode, 1.0) + weight * ratio

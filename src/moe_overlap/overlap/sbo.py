@@ -26,6 +26,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import SBO
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.decoder import DecoderLayer
@@ -134,7 +135,7 @@ class SingleBatchOverlap:
         self.model, self.cfg, self.group = model, cfg, group
         self.lane = CommLane(cfg.sbo_comm_sms, group.device)
         own = sbo_ops(cfg.sbo_combine_blocks, self.lane)
-        self.ops = build_operations(model, strategy_for(model, "sbo"), own)
+        self.ops = build_operations(model, strategy_for(model, SBO.name), own)
 
     def forward(self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None) -> dict:
         """The outputs (logits ``[rows, vocab]``, or a pipeline stage's hidden states); an idle

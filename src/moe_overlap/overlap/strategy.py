@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_modes import DBO, NONE, SBO, TBO
 from moe_overlap.model.decoder import DENSE_OPS
 from moe_overlap.overlap.operations import YIELD, Op, Yield
 
@@ -105,12 +106,12 @@ TBO_DECODE = Strategy(
 )
 # SGLang's SBO: shared experts hide the dispatch; "experts_combine_a" is SBO's own op
 SBO = Strategy(
-    "sbo",
+    SBO.name,
     parse_ops(f"{_ATTN} dispatch_a shared_experts dispatch_b experts_combine_a combine_b output"),
 )
 # vLLM's modular kernel: shared experts run between the combine's send and its receive
 DBO = Strategy(
-    "dbo",
+    DBO.name,
     parse_ops(
         f"{_ATTN} dispatch_a | dispatch_b experts combine_a shared_experts | combine_b output"
     ),
@@ -131,10 +132,10 @@ MIMO_TBO_DECODE = Strategy(
     delta_stages=2,
 )
 _BY_SCHEME = {
-    "none": {"prefill": PLAIN, "decode": PLAIN},
-    "tbo": {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
-    "sbo": {"prefill": SBO, "decode": SBO},
-    "dbo": {"prefill": DBO, "decode": DBO},
+    NONE.name: {"prefill": PLAIN, "decode": PLAIN},
+    TBO.name: {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
+    SBO.name: {"prefill": SBO, "decode": SBO},
+    DBO.name: {"prefill": DBO, "decode": DBO},
 }
 STRATEGIES: dict[tuple[str, str, str], Strategy] = {
     (scheme, family, phase): strategy
@@ -142,8 +143,8 @@ STRATEGIES: dict[tuple[str, str, str], Strategy] = {
     for phase, strategy in phases.items()
     for family in FAMILIES
 } | {
-    ("tbo", "mimo_v2_flash", "prefill"): MIMO_TBO_PREFILL,
-    ("tbo", "mimo_v2_flash", "decode"): MIMO_TBO_DECODE,
+    (TBO.name, "mimo_v2_flash", "prefill"): MIMO_TBO_PREFILL,
+    (TBO.name, "mimo_v2_flash", "decode"): MIMO_TBO_DECODE,
 }
 
 

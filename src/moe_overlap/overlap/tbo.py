@@ -8,6 +8,7 @@ from __future__ import annotations
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import TBO
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
@@ -32,7 +33,7 @@ class TwoBatchOverlap:
     ):
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = ModelFlops.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
-        self.strategies = {d: strategy_for(model, "tbo", d, strategies) for d in (False, True)}
+        self.strategies = {d: strategy_for(model, TBO.name, d, strategies) for d in (False, True)}
         self.ops = {d: build_operations(model, self.strategies[d]) for d in (False, True)}
 
     def plan(self, batch: ForwardBatch):

@@ -34,6 +34,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.cost_fit import fit_costs, fit_link, nnls
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.planner.cluster import Cluster, overheads_us
 from moe_overlap.planner.costs import CostModel
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
@@ -114,7 +115,7 @@ def features(
     for unit in UNITS:
         cluster = dataclasses.replace(UNIT, nodes=layout.world, expert_imbalance=imbalance, **unit)
         planner = Planner(spec, cluster, layout)
-        row.append(planner.plan("none", OverlapConfig(), [batch] * layout.world).seconds)
+        row.append(planner.plan(NONE.name, OverlapConfig(), [batch] * layout.world).seconds)
     return row
 
 
@@ -179,7 +180,7 @@ def fit_cluster(
         own = LinkFields(**link)
         own["a2a_bytes_factor"] = factor or link["a2a_bytes_factor"]
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
-        comm = link_only.plan("none", OverlapConfig(), [s.batch] * layout.world).seconds
+        comm = link_only.plan(NONE.name, OverlapConfig(), [s.batch] * layout.world).seconds
         computes.append(s.wall_s - comm)
     # each shape's experts as its own routing loaded them: with even loads the rates would take
     # on the routing's luck (docs/planner.md, Known limits: a layer waits for its busiest rank)
@@ -242,13 +243,13 @@ def _dot(a: list[float], b: list[float]) -> float:
 
 
 def _overhead_seconds(
-    spec: ModelSpec, layout: PlanLayout, batch: ForwardBatch, mode: str = "none"
+    spec: ModelSpec, layout: PlanLayout, batch: ForwardBatch, mode: str = NONE.name
 ) -> list[float]:
     """Per overhead in ``UNIT_OVERHEADS``, the plan's seconds with it at 1 s and all else free."""
     out = []
     for one in UNIT_OVERHEADS:
         cluster = dataclasses.replace(UNIT, nodes=layout.world, overheads_beyond_first=True, **one)
-        cfg = TWO_PASSES[mode] if mode != "none" else OverlapConfig()
+        cfg = TWO_PASSES[mode] if mode != NONE.name else OverlapConfig()
         out.append(Planner(spec, cluster, layout).plan(mode, cfg, [batch] * layout.world).seconds)
     return out
 
@@ -267,4 +268,4 @@ def _two_minus_none(spec: ModelSpec, cluster: Cluster, layout: PlanLayout, p: Pa
     planner = Planner(spec, cluster, layout)
     batches = [p.batch] * layout.world
     two = planner.plan(p.mode, TWO_PASSES[p.mode], batches).seconds
-    return two - planner.plan("none", OverlapConfig(), batches).seconds
+    return two - planner.plan(NONE.name, OverlapConfig(), batches).seconds

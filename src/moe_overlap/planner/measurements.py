@@ -11,6 +11,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import DBO, TBO
 from moe_overlap.planner.inputs import ModelSpec
 
 # (sequences, tokens[, cached prefix]): the chunk on a prefix times attention's whole rectangle
@@ -28,10 +29,10 @@ TINY = (2, 16)  # decode shapes whose second pass is measured: a tiny one (an op
 MID = (32, 16)  # one where every micro-batch runs every local expert (an expert's cost),
 LONG = (16, 256)  # one with a context, whose all-to-alls take link time a second pass may hide
 TWO_PASSES = {  # the overlapped runs measured against none: TINY split 1 + 1, MID 16 + 16
-    "tbo": OverlapConfig("tbo"),
-    "dbo": OverlapConfig("dbo", dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1),
+    TBO.name: OverlapConfig(TBO.name),
+    DBO.name: OverlapConfig(DBO.name, dbo_decode_token_threshold=1, dbo_prefill_token_threshold=1),
 }
-PAIRS = (("tbo", TINY), ("tbo", MID), ("dbo", TINY), ("tbo", LONG), ("dbo", LONG))
+PAIRS = ((TBO.name, TINY), (TBO.name, MID), (DBO.name, TINY), (TBO.name, LONG), (DBO.name, LONG))
 ROW_BYTES_PER_ELEMENT = 4  # the engine's float32 rows, which the dispatch labels count
 
 
@@ -55,7 +56,7 @@ class PassSample:
     batch: ForwardBatch
     none_s: float
     two_s: float
-    mode: str = "tbo"
+    mode: str = TBO.name
 
 
 def measurements_json(samples: list[Sample], passes: list[PassSample], about: dict) -> dict:

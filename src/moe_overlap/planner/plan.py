@@ -15,12 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.mode_labels import auto_choice_configs
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES, NONE, Runs
 from moe_overlap.core.timeline import Span
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import dbo_decide, dbo_local_column, tbo_decide, tbo_local_vote
 from moe_overlap.overlap.operations import Op, Yield, execute_overlapped
 from moe_overlap.overlap.predict import MARGIN
+from moe_overlap.overlap.schemes import scheme_class
 from moe_overlap.overlap.split import split_batch, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
@@ -34,14 +37,6 @@ from moe_overlap.planner.simulate import (
     sbo_sim_ops,
     with_switches,
 )
-
-AUTO_CANDIDATES = {
-    "none": OverlapConfig("none"),
-    "sbo": OverlapConfig("sbo"),
-    "tbo2": OverlapConfig("tbo", tbo_split_policy="time"),
-    "tbo3": OverlapConfig("tbo", num_micro_batches=3, tbo_split_policy="time"),
-    "dbo": OverlapConfig("dbo"),
-}
 
 
 @dataclass
@@ -82,13 +77,14 @@ class Planner:
         hosted = cluster.host_launch_s(False) or cluster.host_launch_s(True)
         self.zero_host = Planner(spec, free_host, layout) if hosted else None  # the bound's
 
-    def ops(self, scheme: str, blocks: int = 2) -> list[Op | Yield]:
+    def ops(self, scheme: str = NONE.name, blocks: int = 2) -> list[Op | Yield]:
+        """The op list the mode ``scheme`` runs, as the simulator runs it."""
         key = f"{scheme}{blocks}"
         if key not in self._ops:
-            own = sbo_sim_ops(blocks) if scheme == "sbo" else None
-            strategy = strategy_for(self.model, scheme)
-            ops = build_operations(self.model, strategy, own)
-            self._ops[key] = with_switches(ops) if scheme == "dbo" else ops
+            runs = MODES[scheme].runs
+            own = sbo_sim_ops(blocks) if runs is Runs.BLOCKS else None
+            ops = build_operations(self.model, strategy_for(self.model, scheme), own)
+            self._ops[key] = with_switches(ops) if runs is Runs.THREADS else ops
         return self._ops[key]
 
     def plan(
@@ -102,17 +98,18 @@ class Planner:
     def _plan(
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
     ) -> ModePlan:
-        if cfg.mode == "auto":
+        runs = MODES[cfg.mode].runs
+        if runs is Runs.CHOICE:
             return self._auto(mode, cfg, batches, record)
-        if cfg.mode == "tbo":
+        if runs is Runs.SPLIT:
             return self._tbo(mode, cfg, batches, record)
-        if cfg.mode == "dbo":
+        if runs is Runs.THREADS:
             return self._dbo(mode, cfg, batches, record)
-        if cfg.mode == "sbo":  # the engine makes no more blocks than a rank has experts
+        if runs is Runs.BLOCKS:  # the engine makes no more blocks than a rank has experts
             local = self.spec.cfg.num_experts // self.layout.ep
-            ops = self.ops("sbo", min(cfg.sbo_combine_blocks, local))
+            ops = self.ops(cfg.mode, min(cfg.sbo_combine_blocks, local))
             return self._run(mode, [batches], ops, 0, record)
-        return self._run(mode, [batches], self.ops("none"), 0, record)
+        return self._run(mode, [batches], self.ops(cfg.mode), 0, record)
 
     def _tbo(
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
@@ -121,9 +118,10 @@ class Planner:
         votes = [min(v) for v in zip(*columns, strict=True)]  # the all-reduce(MIN)
         decision = tbo_decide(votes, cfg.tbo_mode_mismatch)
         if not decision.run:
-            out = self._run(mode, [batches], self.ops("none"), 0, record, agree=True)
+            out = self._run(mode, [batches], self.ops(), 0, record, agree=True)
             return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
-        tbo = TwoBatchOverlap(self.model, cfg, Group.single(name="ep"))  # its plan needs no peers
+        tbo = scheme_class(cfg.mode)(self.model, cfg, Group.single(name="ep"))  # plans alone
+        assert isinstance(tbo, TwoBatchOverlap), "a split mode's scheme plans as TBO's does"
         per_rank = [split_batch(b, tbo.plan(b)) for b in batches]
         micro = [list(mb) for mb in zip(*per_rank, strict=True)]
         strategy = tbo.strategies[decision.decode]
@@ -136,26 +134,27 @@ class Planner:
         table = torch.tensor([dbo_local_column(b, cfg) for b in batches], dtype=torch.int64).T
         decision = dbo_decide(table)
         if not decision.run:
-            out = self._run(mode, [batches], self.ops("none"), 0, record, agree=True)
+            out = self._run(mode, [batches], self.ops(), 0, record, agree=True)
             return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
         per_rank = [
             split_batch(b, token_split(b.extend_lens, [decision.split_point])) for b in batches
         ]
         micro = [list(mb) for mb in zip(*per_rank, strict=True)]
         # DBO's baton threads alternate at the same yields: the stage order with no lag
-        return self._run(mode, micro, self.ops("dbo"), 0, record, agree=True)
+        return self._run(mode, micro, self.ops(cfg.mode), 0, record, agree=True)
 
     def _auto(
         self, mode: str, cfg: OverlapConfig, batches: list[ForwardBatch], record: bool
     ) -> ModePlan:
         plans = {
             name: self._plan(name, candidate, batches, record)
-            for name, candidate in AUTO_CANDIDATES.items()
+            for name, candidate in auto_choice_configs().items()
             if name in cfg.auto_modes
         }
         best = min(plans, key=lambda m: plans[m].seconds)
-        if "none" in plans and plans[best].seconds > plans["none"].seconds * (1 - MARGIN):
-            best = "none"
+        none = plans.get(NONE.name)
+        if none is not None and plans[best].seconds > none.seconds * (1 - MARGIN):
+            best = NONE.name
         return dataclasses.replace(plans[best], mode=mode, note=f"auto picks {best}")
 
     def _run(

@@ -8,39 +8,21 @@ from pathlib import Path
 from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError, is_finite_number
+from moe_overlap.core.mode_labels import command_flags
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.planner.plan import ModePlan
 from moe_overlap.planner.sweep import SweepPoint
 
 
-def flags_for(cfg: OverlapConfig) -> str:
-    """The ``generate``/``serve`` flags that run ``cfg``."""
-    if cfg.mode == "none":
-        return "(no overlap flag)"
-    if cfg.mode == "sbo":
-        return "--enable-single-batch-overlap"
-    if cfg.mode == "dbo":
-        return "--enable-dbo"
-    if cfg.mode == "auto":
-        return "--overlap auto"
-    flags = ["--enable-two-batch-overlap"]
-    if cfg.tbo_token_distribution_threshold == 0:
-        flags.append("--tbo-token-distribution-threshold 0")
-    if cfg.num_micro_batches != 2:
-        flags.append(f"--num-micro-batches {cfg.num_micro_batches}")
-    if cfg.tbo_split_policy == "time":
-        flags.append("--tbo-split-policy time")
-    return " ".join(flags)
-
-
 def recommend(plans: dict[str, ModePlan], configs: dict[str, OverlapConfig]) -> tuple[str, str]:
     """(best mode, a sentence with its flags); overlap only if it beats none by 3%."""
-    none = plans["none"].seconds
+    none = plans[NONE.name].seconds
     best = min(plans, key=lambda m: plans[m].seconds)
     if plans[best].seconds > none * 0.97:
-        return "none", f"no overlap: the best mode ({best}) gains under 3% here"
+        return NONE.name, f"no overlap: the best mode ({best}) gains under 3% here"
     gain = none / plans[best].seconds
-    return best, f"{best} ({gain:.2f}x over none): {flags_for(configs[best])}"
+    return best, f"{best} ({gain:.2f}x over none): {command_flags(configs[best])}"
 
 
 def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
@@ -50,7 +32,7 @@ def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
     for name in (*columns, "bound by"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("note")
-    none = plans["none"].seconds
+    none = plans[NONE.name].seconds
     for mode, p in plans.items():
         table.add_row(
             mode,
@@ -76,7 +58,7 @@ def plan_table(plans: dict[str, ModePlan], tokens: int, title: str) -> Table:
 
 def plan_json(plans: dict[str, ModePlan], tokens: int, workload: str) -> dict:
     """The bench's JSON shape (``modes.<mode>.median_s``, ``speedup``), marked predicted."""
-    none = plans["none"]
+    none = plans[NONE.name]
     modes = {
         m: {
             "times_s": [p.seconds],
@@ -108,7 +90,7 @@ def plan_json(plans: dict[str, ModePlan], tokens: int, workload: str) -> dict:
 
 def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
     """Per decode batch size: none's predicted ms and each overlapped mode's speed-up."""
-    modes = [m for m in points[0].seconds if m != "none"]
+    modes = [m for m in points[0].seconds if m != NONE.name]
     table = Table(title=title, title_justify="left")
     table.add_column("batch/rank", justify="right")
     table.add_column("none ms", justify="right")
@@ -116,7 +98,7 @@ def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
         table.add_column(m, justify="right")
     for p in points:
         cells = [f"{p.speedup(m):.2f}x" for m in modes]
-        table.add_row(str(p.batch_size), f"{p.seconds['none'] * 1e3:.2f}", *cells)
+        table.add_row(str(p.batch_size), f"{p.seconds[NONE.name] * 1e3:.2f}", *cells)
     table.caption = (
         f"predicted decode step, {context} tokens of context per sequence; speed-up over none "
         "with every mode forced to split (vote thresholds at 1)"
@@ -171,7 +153,7 @@ def compare_table(plans: dict[str, ModePlan], measured: dict, workload: str) -> 
             f"{b * 1e3:.1f}",
             f"{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}",
             f"{(p - b) / b:+.1%}",
-            f"{plans['none'].seconds / p:.2f}x",
+            f"{plans[NONE.name].seconds / p:.2f}x",
             f"{bench[mode]['speedup']:.2f}x",
         )
     table.caption = "error: (plan - bench) / bench, on the bench's median"

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE, TBO
 from moe_overlap.planner.cluster import load_cluster
 from moe_overlap.planner.inputs import PlanLayout, load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
@@ -47,16 +48,16 @@ class Case:
 
 CASES = (
     Case("two-chunk, one 3072-token request per rank", REF_004, "2x8-h800",
-         "single-long:3072", "tbo+two-chunk", "tbo", 0.1256, (0.075, 0.175)),
+         "single-long:3072", "tbo+two-chunk", TBO.name, 0.1256, (0.075, 0.175)),
     # ref 004 gives no batch size: a throughput run fills each DP rank's prefill batch up to
     # SGLang's default --max-prefill-tokens, 16384 (docs/planner.md: this was chosen after the
     # 3072-token batch missed, and how the case moves with the batch)
     Case("two-chunk, random 30-3072-token requests", REF_004, "2x8-h800",
-         "uniform:30-3072:16384", "tbo+two-chunk", "tbo", 0.0515, (0.0, 0.10)),
+         "uniform:30-3072:16384", "tbo+two-chunk", TBO.name, 0.0515, (0.0, 0.10)),
     Case("decode TBO, 256 tokens per GPU", LMSYS, "8x8-h100", "decode:256:2000",
-         "tbo", "none", 0.255, (0.205, 0.305), (64, 64, 64)),
+         TBO.name, NONE.name, 0.255, (0.205, 0.305), (64, 64, 64)),
     Case("decode TBO, 32 tokens per GPU", LMSYS, "8x8-h100", "decode:32:2000",
-         "tbo", "none", -0.27, (-0.32, -0.22), (64, 64, 64)),
+         TBO.name, NONE.name, -0.27, (-0.32, -0.22), (64, 64, 64)),
 )  # fmt: skip
 
 

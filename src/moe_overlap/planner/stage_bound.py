@@ -16,11 +16,12 @@ import math
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.planner.cluster import Cluster
 from moe_overlap.planner.inputs import ModelSpec, PlanLayout
 from moe_overlap.planner.plan import Planner
 
-_NONE = OverlapConfig("none")
+_NONE = OverlapConfig(NONE.name)
 
 
 def unit_cluster(world: int) -> Cluster:
@@ -53,7 +54,7 @@ def stage_order_bound(
     if t_comp <= 0 or t_comm <= 0:
         return t_comp + t_comm  # nothing to overlap
     unit = unit_cluster(layout.world)
-    none = Planner(spec, unit, layout).plan("none", _NONE, batches)
+    none = Planner(spec, unit, layout).plan(NONE.name, _NONE, batches)
     if none.t_comp <= 0 or none.t_comm <= 0:
         return t_comp + t_comm  # nothing the schedule could overlap (one rank, no experts)
     link = none.t_comm / t_comm

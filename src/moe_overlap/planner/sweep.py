@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.planner.plan import Planner
 
 SIZES = tuple(2**i for i in range(11))  # 1 .. 1024 sequences per DP group
@@ -25,7 +26,7 @@ class SweepPoint:
     seconds: dict[str, float]  # per mode, predicted ms-scale forward time in seconds
 
     def speedup(self, mode: str) -> float:
-        return self.seconds["none"] / self.seconds[mode]
+        return self.seconds[NONE.name] / self.seconds[mode]
 
 
 def always_split(cfg: OverlapConfig) -> OverlapConfig:
@@ -59,7 +60,7 @@ def crossover(
 ) -> int | None:
     """The smallest batch size from which ``mode`` beats none at every larger swept size,
     found exactly by bisection between the swept sizes; None if it never does."""
-    configs = {"none": always_split(configs["none"]), mode: always_split(configs[mode])}
+    configs = {NONE.name: always_split(configs[NONE.name]), mode: always_split(configs[mode])}
     wins = [p.speedup(mode) > 1 for p in points]
     if not wins[-1]:
         return None

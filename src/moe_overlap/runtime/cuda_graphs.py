@@ -42,9 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES, NONE
 from moe_overlap.core.transfer import copy_to
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.moe import ExpertBank, grouped_fits
@@ -52,7 +54,6 @@ from moe_overlap.model.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
-GRAPH_MODES = ("none", "tbo", "dbo")  # and SBO over the low-latency dispatch (blocks by count)
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -95,7 +96,7 @@ class DecodeGraphs:
         self.kv_cache, self.forward_eager, self.capture = kv_cache, forward_eager, capture
         self.local = local
         self.mode_ran = mode_ran
-        self.last_mode = "none"  # the mode the last replay's forward ran
+        self.last_mode = NONE.name  # the mode the last replay's forward ran
         self.sizes = graph_sizes(max_bs)
         self.scratch = kv_cache.num_slots - 1
         self.device = kv_cache.device
@@ -117,7 +118,9 @@ class DecodeGraphs:
         ``stages``: the runner's pipeline group and PD-mux lane, which rule graphs out."""
         if device.type != "cuda":
             return "CUDA graphs run on CUDA devices only"
-        if not (dispatcher.name == "local" or low_latency) or any(s is not None for s in stages):
+        if not (dispatcher.name == Backend.LOCAL or low_latency) or any(
+            s is not None for s in stages
+        ):
             return (
                 "the step communicates (tensor or pipeline parallel, PD-mux, attention TP) and "
                 "its dispatch sizes its transfers on the host"
@@ -141,7 +144,7 @@ class DecodeGraphs:
             ForwardMode.DECODE in modes
             and modes <= {ForwardMode.DECODE, ForwardMode.IDLE}
             and max(p.num_seqs for p in peers) <= self.sizes[-1]
-            and (cfg.mode in GRAPH_MODES or (low_latency and cfg.mode == "sbo"))
+            and MODES[cfg.mode].graphable(low_latency)
             and (self.local or low_latency)
         )
 

@@ -7,17 +7,18 @@ each scheme is built once, on first use.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from moe_overlap.core.a2a_mode import step_a2a_mode
+from moe_overlap.core.a2a_mode import A2AMode, Backend, step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES, NONE
 from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
@@ -27,23 +28,15 @@ from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.auto import AutoOverlap
-from moe_overlap.overlap.dbo import DualBatchOverlap
 from moe_overlap.overlap.operations import execute_operations
-from moe_overlap.overlap.sbo import SingleBatchOverlap
 from moe_overlap.overlap.scheme import OverlapScheme
+from moe_overlap.overlap.schemes import scheme_class
 from moe_overlap.overlap.strategy import build_operations, strategy_for
-from moe_overlap.overlap.tbo import TwoBatchOverlap
 from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.pipeline import PipelineStage
 from moe_overlap.runtime.prefill_lane import PrefillLane
 
 log = logging.getLogger(__name__)
-SCHEMES: dict[str, Callable[[MoeForCausalLM, OverlapConfig, Group], OverlapScheme]] = {
-    "tbo": TwoBatchOverlap,
-    "sbo": SingleBatchOverlap,
-    "dbo": DualBatchOverlap,
-    "auto": AutoOverlap,
-}
 
 
 class ModelRunner:
@@ -94,14 +87,14 @@ class ModelRunner:
             None if num_pages is None else num_pages + graphs,
         )
         self.states = StateCache(model.state_shapes(), num_slots, dtype, device)
-        self.ops = build_operations(model, strategy_for(model, "none"))
-        self.overlap = overlap or OverlapConfig(mode="none")
+        self.ops = build_operations(model, strategy_for(model, NONE.name))
+        self.overlap = overlap or OverlapConfig()
         self.timeline = timeline or Timeline()
         self._schemes: dict[OverlapConfig, OverlapScheme] = {}
         # under --pp the stage drives forward_stage; under PD-mux the lane runs prefill waves
         self.pipeline = None if pp_group is None else PipelineStage(self, pp_group)
         self.prefill_lane = None if prefill_lane is None else PrefillLane(self, *prefill_lane)
-        self.last_mode = "none"  # the scheme the last forward ran (auto: the one it chose)
+        self.last_mode = NONE.name  # the scheme the last forward ran (auto: the one it chose)
         self.graphs = (
             DecodeGraphs(
                 model,
@@ -109,7 +102,7 @@ class ModelRunner:
                 self._logits,
                 cuda_graph_max_bs,
                 mode_ran=lambda: self.last_mode,
-                local=dispatcher.name == "local",
+                local=dispatcher.name == Backend.LOCAL,
             )
             if graphs
             else None
@@ -118,7 +111,7 @@ class ModelRunner:
     def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:
         key = cfg  # frozen: hashable, and cheaper than a deep astuple per forward
         if key not in self._schemes:
-            self._schemes[key] = SCHEMES[cfg.mode](self.model, cfg, self.group)
+            self._schemes[key] = scheme_class(cfg.mode)(self.model, cfg, self.group)
         return self._schemes[key]
 
     def choose_dispatch(self, cfg: OverlapConfig, batches: Sequence[ForwardBatch]) -> bool:
@@ -127,8 +120,8 @@ class ModelRunner:
         cap = cfg.num_max_dispatch_tokens_per_rank
         on_gpu = self.kv_cache.device.type == "cuda"
         mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu)
-        self.active = self.low_latency(cap) if mode == "low_latency" else self.dispatcher
-        return mode == "low_latency"
+        self.active = self.low_latency(cap) if mode == A2AMode.LOW_LATENCY else self.dispatcher
+        return mode == A2AMode.LOW_LATENCY
 
     def low_latency(self, capacity: int) -> LowLatencyDispatcher:
         if capacity not in self._low_latency:
@@ -172,14 +165,14 @@ class ModelRunner:
         """This pipeline stage's outputs for ``batch``: the logits on the last stage, else the
         ``hidden_states`` and ``residual`` the next stage starts from (``inputs`` on it)."""
         cfg = overlap or self.overlap
-        if cfg.mode != "none":
+        if MODES[cfg.mode].scheme is not None:
             scheme = self._scheme(cfg)
             out = scheme.forward(batch, self, inputs)
             if out is not None:
                 choice = scheme.last_choice if isinstance(scheme, AutoOverlap) else None
                 self.last_mode = choice.mode if choice is not None else cfg.mode
                 return out
-        self.last_mode = "none"
+        self.last_mode = NONE.name
         return execute_operations(self.context(batch), self.ops, inputs)
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.overlap.operations import Op, Yield, execute_operations
@@ -37,7 +38,7 @@ class PrefillLane:
         key = (layers.start, layers.stop)
         if key not in self._ops:
             model = self.runner.model
-            self._ops[key] = build_operations(model, strategy_for(model, "none"), layers=layers)
+            self._ops[key] = build_operations(model, strategy_for(model, NONE.name), layers=layers)
         return self._ops[key]
 
     def start(self, batch: ForwardBatch, layers: range, wave: int):

@@ -14,6 +14,7 @@ from moe_overlap.core.device import dist_backend, local_rank, rank_device, torch
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.step import GroupReply, StepReply, StepRequest
 from moe_overlap.core.timeline import Span, Timeline
@@ -176,7 +177,7 @@ def serve_step(
     wave_reply = None
     if wave is not None and wave_logits is not None:
         samples = None if wave.samples is None else wave.samples[group]
-        wave_reply = answer(wave.batches[group], wave_logits, samples, "none")
+        wave_reply = answer(wave.batches[group], wave_logits, samples, NONE.name)
     return reply, spans, wave_reply
 
 

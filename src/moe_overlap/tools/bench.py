@@ -16,7 +16,6 @@ so can pass 100% where splitting makes compute faster.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,49 +24,12 @@ import torch
 from rich.progress import Progress
 
 from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.overlap_config import DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD, OverlapConfig
+from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.core.step import SampleSpec, StepReply, StepRequest
 from moe_overlap.tools.bench_notes import mode_notes
 from moe_overlap.tools.workloads import Workload
-
-DEFAULT_MODES = (
-    "none",
-    "sbo",
-    "tbo",
-    "tbo+two-chunk",
-    "tbo+time-split",
-    "tbo3+time-split",
-    "dbo",
-    "auto",
-)
-_MODE = re.compile(r"(none|sbo|dbo|auto)|tbo(\d*)(\+two-chunk|\+time-split)?")
-
-
-def mode_config(name: str) -> OverlapConfig:
-    """A bench mode: none, sbo, dbo, auto, or tbo[N][+two-chunk|+time-split].
-
-    ``tbo`` splits by whole sequences, ``+two-chunk`` may cut one (SGLang), ``+time-split`` cuts
-    where estimated time balances (ours); N > 2 micro-batches always cut at token level.
-    """
-    match = _MODE.fullmatch(name)
-    if match is None:
-        raise ConfigError(
-            f"mode {name!r}: use none, sbo, dbo, auto or tbo[N][+two-chunk|+time-split], "
-            "e.g. tbo3+time-split"
-        )
-    if match[1]:
-        return OverlapConfig(match[1])
-    parts, cut = int(match[2] or 2), match[3] or ""
-    if parts < 2:
-        raise ConfigError(f"mode {name!r}: a tbo mode needs 2 or more micro-batches")
-    return OverlapConfig(
-        "tbo",
-        tbo_token_distribution_threshold=DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD if cut else 0.0,
-        num_micro_batches=parts,
-        tbo_split_policy="time" if cut == "+time-split" else "tokens",
-    )
 
 
 @dataclass
@@ -93,7 +55,7 @@ class BenchReport:
 
     @property
     def t_none(self) -> float:
-        return self.results["none"].median
+        return self.results[NONE.name].median
 
     @property
     def t_comp(self) -> float:
@@ -197,7 +159,7 @@ def fill_context(executor, workload: Workload, vocab: int, seed: int, chunk: int
                 if slots
                 else ForwardBatch.idle()
             )
-        executor.run(batches, mode_config("none"))
+        executor.run(batches, mode_config(NONE.name))
 
 
 def run_bench(
@@ -233,8 +195,8 @@ def run_bench(
                 _sync()  # on CUDA the forward's kernels, not their launches
                 results[m].times.append(time.perf_counter() - start)
                 bar.advance(task)
-            if "none" in modes:  # the same-run measurement of T_comm
-                spans = step(executor, batches, configs["none"], record=True).spans
+            if NONE.name in modes:  # the same-run measurement of T_comm
+                spans = step(executor, batches, configs[NONE.name], record=True).spans
                 comm.append(_slowest_track(spans, "comm"))
                 tp_comm.append(_slowest_track(spans, "tp comm"))
     t_comm = statistics.median(comm) if comm else 0.0

@@ -12,8 +12,10 @@ from rich.console import Console
 from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.layout_rules import check_layout
+from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs
@@ -21,13 +23,7 @@ from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
-from moe_overlap.tools.bench import (
-    DEFAULT_MODES,
-    BenchReport,
-    make_batches,
-    mode_config,
-    run_bench,
-)
+from moe_overlap.tools.bench import BenchReport, make_batches, run_bench
 from moe_overlap.tools.cli_args import (
     add_device_args,
     add_link_arg,
@@ -76,7 +72,7 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if "none" not in modes:
+    if NONE.name not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     par, peers = ParallelConfig(**layout_kwargs(args)), args.emulate_peers
     check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
@@ -91,7 +87,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(model_path(args))
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
-    step_a2a_mode(configs["none"].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
+    step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
     slots = max(len(lengths) for lengths in workload.lengths)
     source = (
@@ -139,8 +135,8 @@ def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, Overla
         "a2a_mode": parse_a2a_mode(args.a2a_mode),
         "num_max_dispatch_tokens_per_rank": args.num_max_dispatch_tokens_per_rank,
     }
-    auto = OverlapConfig("auto", log_overlap_decisions=args.log_overlap_decisions)
-    return {m: replace(auto if m == "auto" else mode_config(m), **dispatch) for m in modes}
+    auto = OverlapConfig(AUTO.name, log_overlap_decisions=args.log_overlap_decisions)
+    return {m: replace(auto if m == AUTO.name else mode_config(m), **dispatch) for m in modes}
 
 
 def zero_host_bounds(
@@ -260,7 +256,7 @@ def _add_bench_command(sub) -> None:
     )
     bench.add_argument(
         "--modes",
-        default=",".join(DEFAULT_MODES),
+        default=",".join(DEFAULT_LABELS),
         help="comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|"
         "+time-split], e.g. tbo4+time-split (default: %(default)s)",
     )

@@ -9,6 +9,7 @@ to no overlap (``decision``).
 from __future__ import annotations
 
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE, TBO
 from moe_overlap.core.step import StepReply
 from moe_overlap.core.timeline import DECISION, split_rows
 
@@ -18,7 +19,7 @@ SEQUENCE_SPLIT_HINT = "one sequence cannot be split by sequence; use tbo+two-chu
 def mode_notes(cfg: OverlapConfig, reply: StepReply) -> list[str]:
     """Why the figure of a mode (run as ``cfg``, recorded in ``reply``) measures less than the
     mode's name says; [] when it ran as named."""
-    if cfg.mode == "none":
+    if cfg.mode == NONE.name:
         return []
     notes = _fallbacks(reply)
     empty = _empty_micro_batches(reply)
@@ -31,7 +32,7 @@ def mode_notes(cfg: OverlapConfig, reply: StepReply) -> list[str]:
 def _fallbacks(reply: StepReply) -> list[str]:
     """No overlap where the mode asked for it, with the reason the ranks recorded (a scheme's
     agreement that fell back, or auto's choice)."""
-    if all(g.mode != "none" for g in reply.groups):
+    if all(g.mode != NONE.name for g in reply.groups):
         return []
     reasons = sorted(
         {s.name for spans in reply.spans if spans for s in spans if s.track == DECISION}
@@ -61,5 +62,5 @@ def _where(empty: dict[int, list[int]]) -> str:
 
 def _splits_by_sequence(cfg: OverlapConfig) -> bool:
     """Plain ``tbo``: two micro-batches cut only between whole sequences."""
-    two = cfg.mode == "tbo" and cfg.num_micro_batches == 2
+    two = cfg.mode == TBO.name and cfg.num_micro_batches == 2
     return two and not cfg.tbo_token_distribution_threshold

@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
-from moe_overlap.tools.bench import mode_config
 from moe_overlap.tools.bench_serve import (
     LoadResult,
     Target,

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_modes import TBO
 from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.tools.cli import main as cli
@@ -52,7 +53,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     with LLM(model_dir) as llm:
         alone = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM(model_dir, ep=2, link=link, overlap="tbo") as llm:
+    with LLM(model_dir, ep=2, link=link, overlap=TBO.name) as llm:
         spread = [o.token_ids for o in llm.generate(prompts, params)]
     verdict = "identical" if alone == spread else "DIFFERENT (a bug: please report it)"
     console.print(f"greedy tokens, 1 process vs 2 ranks with two-batch overlap: {verdict}")

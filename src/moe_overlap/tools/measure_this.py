@@ -11,6 +11,8 @@ from pathlib import Path
 from statistics import median
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.calibration import fit_cluster
 from moe_overlap.planner.cluster import Cluster
@@ -26,11 +28,10 @@ from moe_overlap.planner.measurements import (
     measurements_json,
     rank_batches,
 )
-from moe_overlap.tools.bench import mode_config
 
 _MB = re.compile(r"(\d+(?:\.\d+)?) MB")
 _OUT_IN = re.compile(r"(\d+(?:\.\d+)?) out, (\d+(?:\.\d+)?) in\)")
-NONE = mode_config("none")
+PLAIN = mode_config(NONE.name)
 
 
 def _timed(executor, batches, cfg, record: bool = False) -> tuple[float, list]:
@@ -71,7 +72,7 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
     extra: list[list[float]] = [[] for _ in pairs]
     for _ in range(rounds):
         for i, batch in enumerate(batches):
-            wall, spans = _timed(executor, batch, NONE, record=True)
+            wall, spans = _timed(executor, batch, PLAIN, record=True)
             walls[i].append(wall)
             comms[i].append(
                 max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
@@ -83,7 +84,7 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
             routed[i] = _dispatch_bytes(spans)
         for i, (mode, pair) in enumerate(pairs):
             for _ in range(2):
-                none[i].append(_timed(executor, pair, NONE)[0])
+                none[i].append(_timed(executor, pair, PLAIN)[0])
                 extra[i].append(_timed(executor, pair, TWO_PASSES[mode])[0] - none[i][-1])
     samples = [
         Sample(b[0], median(w), median(c), tuple(t), r)
@@ -142,10 +143,10 @@ def measure_this(
         for mode, pair in pairs:  # warm every path once
             ex.run(pair, TWO_PASSES[mode])
         for ranks in decode:
-            ex.run(ranks, NONE)
+            ex.run(ranks, PLAIN)
         # decode steps and pairs are short: more rounds
         samples, passes = _rounds(ex, decode, 3 * (repeat + 1), pairs)
         for ranks in prefill:
-            ex.run(ranks, NONE)
+            ex.run(ranks, PLAIN)
         samples += _rounds(ex, prefill, repeat)[0]
     return samples, passes

@@ -13,6 +13,8 @@ import time
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
+from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.planner.cluster import load_cluster, presets
 from moe_overlap.planner.inputs import load_model_spec, make_layout
@@ -27,14 +29,12 @@ from moe_overlap.planner.report import (
 )
 from moe_overlap.planner.reproduce import reproduce, reproduce_table
 from moe_overlap.planner.sweep import crossover, decode_sweep
-from moe_overlap.tools.bench import DEFAULT_MODES, make_batches, mode_config
+from moe_overlap.tools.bench import make_batches
 from moe_overlap.tools.cli_args import add_link_arg
 from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.measure_this import calibrate_this
 from moe_overlap.tools.trace import write_outputs
 from moe_overlap.tools.workloads import parse_workload
-
-NONE = mode_config("none")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     layout = make_layout(tp, dp, args.ep, args.enable_dp_attention, spec.cfg)
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     configs = {m: mode_config(m) for m in names}
-    if "none" not in configs:
+    if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     workload = parse_workload(args.workload, layout.dp_groups, args.seed)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
@@ -118,12 +118,12 @@ def print_decode_sweep(console, planner, configs, layout, spec, args) -> None:
 
     points = decode_sweep(planner, configs, batches_for)
     console.print(sweep_table(points, ctx, f"decode sweep on {planner.cluster.name}"))
-    for mode in (m for m in configs if m != "none"):
+    for mode in (m for m in configs if m != NONE.name):
         bs = crossover(planner, configs, batches_for, points, mode)
         if bs is None:
             console.print(f"{mode}: never beats none up to {points[-1].batch_size} per rank")
             continue
-        flag = " (--dbo-decode-token-threshold {bs})" if configs[mode].mode == "dbo" else ""
+        flag = " (--dbo-decode-token-threshold {bs})" if configs[mode].mode == DBO.name else ""
         console.print(f"{mode} beats none from {bs} decode tokens per rank{flag.format(bs=bs)}")
 
 
@@ -160,7 +160,7 @@ def add_plan_command(sub) -> None:
     )
     plan.add_argument(
         "--modes",
-        default=",".join(DEFAULT_MODES),
+        default=",".join(DEFAULT_LABELS),
         help="the bench's modes, comma-separated (default: %(default)s)",
     )
     add_fields(plan, ModelArgs, only=("seed",))
