@@ -36,7 +36,7 @@ def add_fields(
             target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         names = (flag_name(f.name), *meta.get("aliases", ()))
         if isinstance(f.default, bool):
-            target.add_argument(*names, dest=f.name, action="store_true", help=meta["help"])
+            target.add_argument(*names, dest=f.name, action="store_true", help=_help(f))
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
         parse = meta.get("parse", type(f.default) if f.default is not None else str)
@@ -48,11 +48,12 @@ def add_fields(
 
 
 def _help(f: dataclasses.Field) -> str:
-    default = f.default
-    if default is None:
-        return f.metadata["help"]
-    shown = ",".join(default) if isinstance(default, tuple) else default
-    return f"{f.metadata['help']} (default {str(shown).replace('%', '%%')})"
+    """The field's help with its default, ``%`` escaped for argparse."""
+    text, default = f.metadata["help"], f.default
+    if default is not None and not isinstance(default, bool):
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        text = f"{text} (default {shown})"
+    return text.replace("%", "%%")
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
