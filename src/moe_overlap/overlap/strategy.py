@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from moe_overlap.core import overlap_modes as modes
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.overlap_modes import DBO, NONE, SBO, TBO
 from moe_overlap.model.decoder import DENSE_OPS
 from moe_overlap.overlap.operations import YIELD, Op, Yield
 
@@ -106,12 +106,12 @@ TBO_DECODE = Strategy(
 )
 # SGLang's SBO: shared experts hide the dispatch; "experts_combine_a" is SBO's own op
 SBO = Strategy(
-    SBO.name,
+    modes.SBO.name,
     parse_ops(f"{_ATTN} dispatch_a shared_experts dispatch_b experts_combine_a combine_b output"),
 )
 # vLLM's modular kernel: shared experts run between the combine's send and its receive
 DBO = Strategy(
-    DBO.name,
+    modes.DBO.name,
     parse_ops(
         f"{_ATTN} dispatch_a | dispatch_b experts combine_a shared_experts | combine_b output"
     ),
@@ -132,10 +132,10 @@ MIMO_TBO_DECODE = Strategy(
     delta_stages=2,
 )
 _BY_SCHEME = {
-    NONE.name: {"prefill": PLAIN, "decode": PLAIN},
-    TBO.name: {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
-    SBO.name: {"prefill": SBO, "decode": SBO},
-    DBO.name: {"prefill": DBO, "decode": DBO},
+    modes.NONE.name: {"prefill": PLAIN, "decode": PLAIN},
+    modes.TBO.name: {"prefill": TBO_PREFILL, "decode": TBO_DECODE},  # MIXED batches use prefill's
+    modes.SBO.name: {"prefill": SBO, "decode": SBO},
+    modes.DBO.name: {"prefill": DBO, "decode": DBO},
 }
 STRATEGIES: dict[tuple[str, str, str], Strategy] = {
     (scheme, family, phase): strategy
@@ -143,8 +143,8 @@ STRATEGIES: dict[tuple[str, str, str], Strategy] = {
     for phase, strategy in phases.items()
     for family in FAMILIES
 } | {
-    (TBO.name, "mimo_v2_flash", "prefill"): MIMO_TBO_PREFILL,
-    (TBO.name, "mimo_v2_flash", "decode"): MIMO_TBO_DECODE,
+    (modes.TBO.name, "mimo_v2_flash", "prefill"): MIMO_TBO_PREFILL,
+    (modes.TBO.name, "mimo_v2_flash", "decode"): MIMO_TBO_DECODE,
 }
 
 

@@ -23,7 +23,6 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import dbo_decide, dbo_local_column, tbo_decide, tbo_local_vote
 from moe_overlap.overlap.operations import Op, Yield, execute_overlapped
 from moe_overlap.overlap.predict import MARGIN
-from moe_overlap.overlap.schemes import scheme_class
 from moe_overlap.overlap.split import split_batch, token_split
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.overlap.tbo import TwoBatchOverlap
@@ -120,8 +119,8 @@ class Planner:
         if not decision.run:
             out = self._run(mode, [batches], self.ops(), 0, record, agree=True)
             return dataclasses.replace(out, note=f"no overlap: {decision.reason}")
-        tbo = scheme_class(cfg.mode)(self.model, cfg, Group.single(name="ep"))  # plans alone
-        assert isinstance(tbo, TwoBatchOverlap), "a split mode's scheme plans as TBO's does"
+        # a split mode cuts and orders its micro-batches as TBO does; its plan needs no peers
+        tbo = TwoBatchOverlap(self.model, cfg, Group.single(name="ep"))
         per_rank = [split_batch(b, tbo.plan(b)) for b in batches]
         micro = [list(mb) for mb in zip(*per_rank, strict=True)]
         strategy = tbo.strategies[decision.decode]
