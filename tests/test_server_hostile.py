@@ -89,7 +89,7 @@ def test_an_unexpected_error_is_a_json_500_and_oversize_is_413(served, monkeypat
     def broken(*args):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(app_module, "_encode", broken)
+    monkeypatch.setattr(app_module, "encode_prompt", broken)
     code, reply = post(served, {"prompt": "hi"})
     assert code == 500 and reply["error"]["code"] == "internal_error"
     assert "injected" in reply["error"]["message"]

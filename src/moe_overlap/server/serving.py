@@ -1,0 +1,202 @@
+"""The path every generating route takes: encode, check, queue each choice on the engine loop
+(off the event loop), then stream the deltas or wait for every answer, in the shape a
+``Formatter`` writes (OpenAI's, or SGLang's native one)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from moe_overlap.engine.candidates import candidates, chosen
+from moe_overlap.engine.loop import SHUTTING_DOWN, EngineDead, EngineLoop
+from moe_overlap.engine.request import SamplingParams
+from moe_overlap.server.guards import APIError, ServerSettings, error_body
+from moe_overlap.server.logprobs import TokenText
+from moe_overlap.server.observability import RequestMetrics, ServerMetrics
+from moe_overlap.server.protocol import SamplingFields
+from moe_overlap.server.responses import DONE, Choice, Formatter, sse
+from moe_overlap.server.submission import Submission, choice_name
+
+Shape = Callable[[Formatter], Formatter]  # the call's formatter from the OpenAI one
+
+
+def encode_prompt(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int]:
+    if not isinstance(prompt, str):
+        return prompt
+    if engine.llm.tokenizer is None:
+        raise APIError(400, f"{where} is text, but the model has no tokenizer; send token ids")
+    return engine.llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def max_new_tokens(
+    engine: EngineLoop, settings: ServerSettings, ids: list[int], limit: int | None
+) -> int:
+    context = engine.llm.max_len
+    most = settings.max_prompt_tokens or context - 1
+    if len(ids) > most:
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens, more than the {most} this server accepts",
+            "prompt_too_long",
+        )
+    if limit is not None and len(ids) + limit > context:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {context} tokens, but {len(ids)} prompt "
+            f"tokens and max_tokens={limit} were asked for",
+            "context_length_exceeded",
+        )
+    return limit if limit is not None else context - len(ids)
+
+
+async def serve(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    metrics: ServerMetrics,
+    body: SamplingFields,
+    encode: Callable[[], list[list[int]]],
+    texts: list[str | list[int]] | None,
+    limit: int | None,
+    chat: bool,
+    request: Request,
+    shape: Shape | None = None,
+) -> dict | list[dict] | StreamingResponse:
+    """Queue every choice (a bad one aborts those queued before it), then stream the deltas
+    or wait for every answer."""
+    if engine.error:
+        raise EngineDead(engine.error)
+    trouble = engine.health()  # a stopped rank: no step can finish, so refuse at once
+    if trouble:
+        raise APIError(503, trouble, "rank_unhealthy")
+    sub = Submission(engine)
+    call = (engine, settings, body, encode, texts, limit, chat, sub)
+    try:  # off the event loop: tokenizing and checking hundreds of long prompts takes a while
+        params, fmt = await asyncio.to_thread(_queue, *call)
+        fmt = shape(fmt) if shape is not None else fmt
+    except BaseException:
+        sub.close()
+        raise
+    k = fmt.per_prompt
+    timed = metrics.request(fmt.id)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(sub, fmt, len(params) * k, usage, request, timed)
+        return StreamingResponse(events, media_type="text/event-stream")
+    choices = fmt.choices()
+    try:
+        async for index, delta in sub.deltas(request.is_disconnected):
+            timed.delta(index, delta)
+            if delta.error and delta.error == SHUTTING_DOWN:
+                raise APIError(503, f"{SHUTTING_DOWN}; retry elsewhere", "shutting_down")
+            if delta.error:
+                raise EngineDead(delta.error)
+            if delta.failed:
+                message = f"{choice_name(index, k)} failed: {delta.failed}"
+                raise APIError(500, message, "request_failed")
+            fmt.add(choices[index], index, delta)
+    finally:
+        sub.close()
+        timed.close(len(choices))
+    return fmt.whole(_best(params, choices, k))
+
+
+def _queue(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    body: SamplingFields,
+    encode: Callable[[], list[list[int]]],
+    texts: list[str | list[int]] | None,
+    limit: int | None,
+    chat: bool,
+    sub: Submission,
+) -> tuple[list[SamplingParams], Formatter]:
+    """On a worker thread: the prompts' tokens, each prompt's parameters (checked against the
+    vocabulary), every choice queued on ``sub``, and the call's formatter."""
+    prompts = encode()
+    params = [body.params(max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
+    params[0].check_vocabulary(engine.llm.config.vocab_size)  # the prompts share these ids
+    asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
+    k = len(asked[0])
+    if body.stream and k > body.n:
+        message = f"best_of={k} > n={body.n} cannot be streamed: the best are known at the end"
+        raise APIError(400, message, "invalid_value", "best_of")
+    for i, (ids, group) in enumerate(zip(prompts, asked, strict=True)):
+        for j, sp in enumerate(group):
+            sub.add(i * k + j, ids, sp, where=f"prompt {i}")
+        time.sleep(0)  # hand the GIL to the event loop between prompts
+    return params, _formatter(engine, settings, body, prompts, texts, chat, k)
+
+
+def _best(params: list[SamplingParams], choices: list[Choice], k: int) -> list[Choice]:
+    """Each prompt's ``n`` choices out of its ``k`` candidates (by total log-probability)."""
+    picked = []
+    for i, sp in enumerate(params):
+        group = choices[i * k : (i + 1) * k]
+        picked += [group[j] for j in chosen(sp, [c.cumulative for c in group])]
+    return picked
+
+
+async def _events(
+    sub: Submission, fmt: Formatter, n: int, usage: bool, request: Request, timed: RequestMetrics
+) -> AsyncIterator[str]:
+    """The stream: deltas as they come, then usage if asked, then [DONE]. A client that goes
+    away cancels this generator, and ``close`` aborts what it had asked for."""
+    choices = fmt.choices()
+    try:
+        if fmt.chat:
+            for i in range(n):
+                yield fmt.chunk(i, None)
+        async for index, delta in sub.deltas(request.is_disconnected):
+            timed.delta(index, delta)
+            if delta.error:
+                yield sse(stopped_body(delta.error))
+                break
+            if delta.failed:
+                message = f"{choice_name(index, fmt.per_prompt)} failed: {delta.failed}"
+                yield sse(request_failed_body(message))
+                break
+            fmt.add(choices[index], index, delta)
+            yield fmt.chunk(index, delta, choices[index])
+        if usage:
+            yield fmt.usage_chunk(choices)
+        yield DONE
+    finally:
+        sub.close()
+        timed.close(n)
+
+
+def _formatter(
+    engine: EngineLoop,
+    settings: ServerSettings,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    texts: list[str | list[int]] | None,
+    chat: bool,
+    per_prompt: int,
+) -> Formatter:
+    """The call's formatter: with ``echo`` each choice starts with its prompt's text (as sent,
+    or decoded from ids), and its log-probabilities when asked."""
+    tok = engine.llm.tokenizer
+    echo = None
+    if texts is not None and getattr(body, "echo", False):
+        decode = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
+        shown = [t if isinstance(t, str) else decode(t) for t in texts]
+        echo = [e for e in zip(prompts, shown, strict=True) for _ in range(per_prompt)]
+    asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
+    lengths = [len(ids) for ids in prompts]
+    name = settings.model_name
+    return Formatter(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
+
+
+def stopped_body(why: str) -> dict:
+    if why == SHUTTING_DOWN:
+        return error_body(503, f"{SHUTTING_DOWN}; retry elsewhere", "shutting_down")
+    return error_body(503, f"the engine stopped: {why}", "engine_dead")
+
+
+def request_failed_body(message: str) -> dict:
+    return error_body(500, message, "request_failed")

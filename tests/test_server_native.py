@@ -1,0 +1,110 @@
+"""SGLang's native routes and vLLM's token routes: the same engine path as the OpenAI ones,
+SGLang's shapes, and a 400 naming every field they do not honour."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from moe_overlap.engine.llm import LLM
+from tests.test_server import KEY, Running, served_model
+
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    run = Running(LLM(served_model(tmp_path_factory, "native"), max_num_seqs=4), api_key=KEY)
+    yield run
+    run.stop()
+    assert run.error is None
+
+
+def call(run: Running, path: str, body: dict | None = None, auth: bool = True):
+    conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
+    data = None if body is None else json.dumps(body).encode()
+    conn.request("GET" if body is None else "POST", path, data, AUTH if auth else {})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    return resp.status, raw
+
+
+def post(run: Running, path: str, body: dict | None = None) -> tuple[int, object]:
+    code, raw = call(run, path, body)
+    return code, json.loads(raw)
+
+
+def test_generate_is_the_completion_in_sglang_shape(served) -> None:
+    code, native = post(served, "/generate", {"text": "the river", "sampling_params": GREEDY})
+    assert code == 200, native
+    body = {"prompt": "the river", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    code, openai = post(served, "/v1/completions", body)
+    assert code == 200
+    choice = openai["choices"][0]
+    assert native["text"] == choice["text"] and native["output_ids"] == choice["token_ids"]
+    meta = native["meta_info"]
+    assert meta["completion_tokens"] == 5 and meta["finish_reason"] == {"type": "length"}
+    assert meta["prompt_tokens"] == openai["usage"]["prompt_tokens"]
+    # token ids in, n and a batch of prompts out as a list
+    ids = {"input_ids": [[3, 4, 5], [6, 7]], "sampling_params": {**GREEDY, "n": 2}}
+    code, many = post(served, "/generate", ids)
+    assert code == 200 and isinstance(many, list) and len(many) == 4
+    assert many[0]["output_ids"] == many[1]["output_ids"]  # greedy: the two choices agree
+
+
+def test_generate_streams_cumulative_text_and_logprobs(served) -> None:
+    body = {"text": "the sea", "sampling_params": GREEDY, "stream": True, "return_logprob": True}
+    code, raw = call(served, "/generate", body)
+    assert code == 200
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
+    code, whole = post(served, "/generate", {**body, "stream": False})
+    assert texts[-1] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    logprobs = whole["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in logprobs] == whole["output_ids"]
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in logprobs)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"text": "hi", "sampling_params": {"min_p": 0.1}}, "sampling_params"),
+        ({"text": "hi", "regex": "[a-z]+"}, "regex"),
+        ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
+        ({"text": "hi", "input_ids": [1]}, "text"),
+        ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+        ({"text": "hi", "sampling_params": {"temperature": True}}, "sampling_params"),
+        ({"text": "hi", "logprob_start_len": 0}, "logprob_start_len"),
+    ],
+)
+def test_what_generate_does_not_honour_is_a_400_naming_it(served, body, param) -> None:
+    code, reply = post(served, "/generate", body)
+    assert code == 400 and reply["error"]["param"] == param, reply
+
+
+def test_tokenize_detokenize_and_the_info_routes(served) -> None:
+    code, tokens = post(served, "/tokenize", {"prompt": "where is the fox"})
+    assert code == 200 and tokens["count"] == len(tokens["tokens"]) > 0
+    code, text = post(served, "/detokenize", {"tokens": tokens["tokens"]})
+    assert code == 200 and text["prompt"].strip() == "where is the fox"
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    code, templated = post(served, "/tokenize", chat)
+    assert code == 200 and templated["count"] > 1
+    code, reply = post(served, "/detokenize", {"tokens": [10**6]})
+    assert code == 400 and reply["error"]["param"] == "tokens"
+    code, reply = post(served, "/tokenize", {"prompt": "a", "model": "other"})
+    assert code == 404
+    code, info = post(served, "/get_model_info")
+    assert code == 200 and info["is_generation"] and info["served_model_name"] == "tiny"
+    code, server = post(served, "/get_server_info")
+    assert code == 200 and "api_key" not in server and server["max_num_seqs"] == 4
+    assert post(served, "/flush_cache", {})[0] == 200
+    code, health = post(served, "/health_generate")
+    assert code == 200 and health == {"status": "ok"}
+    assert call(served, "/generate", {"text": "hi"}, auth=False)[0] == 401
