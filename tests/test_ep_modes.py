@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_stats import overlap_stats
 from moe_overlap.core.timeline import split_rows
 from moe_overlap.overlap.agreement import tbo_decide, tbo_local_vote
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap, reference
@@ -80,9 +82,12 @@ def test_ep2_mode_really_micro_batches(engine, mode):
     for r in range(2):
         assert _same_logits(plain.logits[r], got.logits[r])
         n = MODES[mode].num_micro_batches
-        assert {f"mb{i}" for i in range(n + 1)} & _tracks(got.spans[r]) == {
-            f"mb{i}" for i in range(n)
-        }
+        names = {tracks.micro_batch(i) for i in range(n + 1)}
+        assert names & _tracks(got.spans[r]) == {tracks.micro_batch(i) for i in range(n)}
+        # every span lands on a track the readers know, so none drops out of the figures
+        assert all(tracks.known(s.track) for s in got.spans[r]), _tracks(got.spans[r])
+        stats = overlap_stats(got.spans[r])
+        assert stats.comm_s > 0 and stats.compute_s > 0 and stats.hidden_s > 0
 
 
 def test_ep4_tbo3_time_split_matches_one_process():

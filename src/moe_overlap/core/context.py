@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
@@ -51,7 +52,7 @@ class ForwardContext:
     kv_cache: KVCache
     dispatcher: Dispatcher
     positions: torch.Tensor = field(init=False)  # on the device, once per forward
-    name: str = "mb0"  # the micro-batch: names its spans and its all-to-alls in the timeline
+    name: str = tracks.FIRST  # the micro-batch: names its spans and its all-to-alls in the timeline
     timeline: Timeline | None = None
     state: StrictState = field(default_factory=StrictState)
     # how attention runs over this batch: built by the first attention layer, reused by the rest

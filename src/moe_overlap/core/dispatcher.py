@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.transfer import read_counts
 
 
@@ -46,7 +47,7 @@ class DispatchState:
     num_tokens: int
     topk_weights: torch.Tensor  # [T, k]
     order: torch.Tensor  # (token, slot) pairs sorted by destination expert
-    owner: str = "mb0"  # the micro-batch this belongs to, for the timeline
+    owner: str = tracks.FIRST  # the micro-batch this belongs to, for the timeline
     expert_inputs: torch.Tensor | None = None  # rows grouped by local expert
     # rows per local expert on the host; None while only the device has them (``counts``)
     tokens_per_expert: list[int] | None = None
@@ -104,7 +105,7 @@ class Dispatcher(ABC, Generic[S]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> S:
         """Sort the (token, slot) pairs by expert and start sending them to their owners.

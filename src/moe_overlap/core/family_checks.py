@@ -4,12 +4,33 @@ SwiGLU, MiMo's sliding layers' KV heads and RoPE base)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
-if TYPE_CHECKING:  # model_config.py calls in here; the type only
-    from moe_overlap.core.model_config import ModelConfig
+
+class ModelConfig(Protocol):
+    """What these checks read of ``model_config.py: ModelConfig`` (which calls in here)."""
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    v_head_dim: int
+    layer_types: list[str]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    shared_expert_intermediate_size: int
+    sliding_window: int
+    rope_scaling: dict[str, Any]
+    swa_num_key_value_heads: int
+
+    def validate_rotary(self) -> None: ...
+
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
 _LINEAR_DIMS = (

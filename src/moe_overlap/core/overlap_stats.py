@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_overlap.core import tracks
 from moe_overlap.core.timeline import Span
 
 Intervals = list[tuple[float, float]]  # sorted, disjoint
@@ -72,11 +73,11 @@ def overlap_stats(spans: list[Span]) -> OverlapStats:
     """Compute, communication and their overlap in one rank's recorded forward."""
     # blocked on a receive, or in a blocking attention-TP collective: not computing
     waits = union(
-        [(s.start, s.end) for s in spans if s.track.endswith(" wait") or s.track == "tp comm"]
+        [(s.start, s.end) for s in spans if tracks.is_wait(s.track) or s.track == tracks.TP_COMM]
     )
-    busy = union([(s.start, s.end) for s in spans if s.track.startswith("mb")])
+    busy = union([(s.start, s.end) for s in spans if tracks.is_micro_batch(s.track)])
     compute = subtract(busy, waits)
-    comm = union([(s.start, s.end) for s in spans if s.track == "comm"])
+    comm = union([(s.start, s.end) for s in spans if s.track == tracks.COMM])
     return OverlapStats(length(compute), length(comm), length(intersect(comm, compute)))
 
 

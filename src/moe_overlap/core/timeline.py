@@ -13,18 +13,16 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from moe_overlap.core.tracks import DECISION, SPLIT, micro_batch
+
 
 @dataclass
 class Span:
-    track: str  # "mb0", "mb1", ... computing; "mb0 wait" blocked on an all-to-all; "comm"
+    track: str  # core/tracks.py
     name: str
     start: float
     end: float
     rows: int | None = None  # a ``split`` mark: the micro-batch's rows (tokens) this forward
-
-
-SPLIT = "split"
-DECISION = "decision"
 
 
 class Timeline:
@@ -42,7 +40,7 @@ class Timeline:
         if self.enabled:
             now = time.perf_counter()
             for i, n in enumerate(rows):
-                self.spans.append(Span(SPLIT, f"mb{i}: {n} rows", now, now, rows=n))
+                self.spans.append(Span(SPLIT, f"{micro_batch(i)}: {n} rows", now, now, rows=n))
 
     def mark_decision(self, text: str) -> None:
         """Why the forward ran as it did (a scheme that fell back to no overlap says why)."""

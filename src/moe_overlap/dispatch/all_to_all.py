@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import (
     Dispatcher,
@@ -154,7 +155,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> AllToAllState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
@@ -183,7 +184,9 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         start = time.perf_counter()
         everyone = self.exchange_counts(counts)
         if self.timeline is not None:  # a blocking exchange: the ranks meet here
-            self.timeline.add(f"{state.owner} wait", "counts exchange", start, time.perf_counter())
+            self.timeline.add(
+                tracks.wait(state.owner), "counts exchange", start, time.perf_counter()
+            )
         state.counts, state.all_counts = counts, everyone
         state.recv_counts = everyone[:, self.group.rank].contiguous()  # [p, e]: rank p to my e
         state.send, state.recv = counts.sum(1).tolist(), state.recv_counts.sum(1).tolist()

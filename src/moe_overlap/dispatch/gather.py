@@ -19,6 +19,7 @@ from itertools import accumulate
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import (
     Dispatcher,
@@ -92,7 +93,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> GatherState:
         n = hidden.shape[0]

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.dispatcher import Pending
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.distributed.comm import CommHandle
@@ -51,18 +52,18 @@ class InFlight(Pending):
         who = waiter or self.owner
         label = "wait" if who == self.owner else f"receive hook for {self.owner}"
         recording = self.recording
-        with recording.span(f"{who} wait", label) if recording is not None else nullcontext():
+        with recording.span(tracks.wait(who), label) if recording is not None else nullcontext():
             out = consume(self.done, self.handle.wait())  # every waiter's stream waits
             if self.link is not None:
                 self.link.sleep_until(self.earliest_end)
         if recording is not None and self.began is not None:
             self.recording = None  # on the GPU: its length from the stream's events
-            recording.add_later("comm", self.label, self._gpu_span)
+            recording.add_later(tracks.COMM, self.label, self._gpu_span)
         elif recording is not None:
             self.recording = None  # one span per all-to-all, at its first wait
             now = time.perf_counter()
             end = now if self.completed_at is None else min(self.completed_at, now)
-            recording.add("comm", self.label, self.start, end)
+            recording.add(tracks.COMM, self.label, self.start, end)
         return out
 
     def _gpu_span(self) -> tuple[float, float]:

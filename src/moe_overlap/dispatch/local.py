@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, outputs, sort_by_expert
 
@@ -19,7 +20,7 @@ class LocalDispatcher(Dispatcher[DispatchState]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> DispatchState:
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)

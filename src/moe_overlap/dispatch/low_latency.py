@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import Backend, over_capacity
 from moe_overlap.core.dispatcher import (
     Dispatcher,
@@ -67,7 +68,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> LowLatencyState:
         tokens = topk_ids.shape[0]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState
 from moe_overlap.distributed.groups import Group
 
@@ -29,7 +30,7 @@ class ScatteredDispatcher(Dispatcher[DispatchState]):
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
-        owner: str = "mb0",
+        owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> DispatchState:
         sizes = shares(hidden.shape[0], self.attn_tp.size)

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe_overlap.core import tracks
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.distributed.comm import (
@@ -123,7 +124,7 @@ class Group:
             return handle.wait()
         start = time.perf_counter()
         out = handle.wait()
-        self.timeline.add("tp comm", f"{self.name} {op}", start, time.perf_counter())
+        self.timeline.add(tracks.TP_COMM, f"{self.name} {op}", start, time.perf_counter())
         return out
 
     @ordered

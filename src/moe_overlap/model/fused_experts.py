@@ -12,8 +12,6 @@ import torch
 
 from moe_overlap.model.moe import ExpertBank
 
-KINDS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
 
 @dataclass(frozen=True)
 class FusedExperts:

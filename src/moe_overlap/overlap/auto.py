@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.mode_labels import auto_choice_config
 from moe_overlap.core.model_flops import ModelFlops
@@ -85,7 +86,7 @@ class AutoOverlap:
             self.calibration = self._calibrate(runner)
         start = time.perf_counter()
         step = self.agree(batch)
-        runner.timeline.add("mb0 wait", "auto agreement", start, time.perf_counter())
+        runner.timeline.add(tracks.wait(tracks.FIRST), "auto agreement", start, time.perf_counter())
         cal = self.calibration
         if self.last is not None:
             mode, raw, weight = self.last
@@ -143,7 +144,9 @@ class AutoOverlap:
 
     def _report(self, runner: Runner, choice: Choice, start: float) -> None:
         self.steps += 1
-        runner.timeline.add("decision", f"auto: {choice.describe()}", start, time.perf_counter())
+        runner.timeline.add(
+            tracks.DECISION, f"auto: {choice.describe()}", start, time.perf_counter()
+        )
         if self.cfg.log_overlap_decisions and self.group.rank == 0:
             print(f"[auto] forward {self.steps}: {choice.describe()}", file=sys.stderr, flush=True)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.cost_fit import LinkFit, fit_costs, fit_link
@@ -47,7 +48,7 @@ class ScratchRunner:
         shapes = self.model.state_shapes()  # a scratch recurrent-state cache (hybrid models)
         self.states = StateCache(shapes, kv_cache.num_slots, kv_cache.dtype, kv_cache.device)
 
-    def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
+    def context(self, batch: ForwardBatch, name: str = tracks.FIRST) -> ForwardContext:
         return ForwardContext(
             batch,
             self.kv_cache,
@@ -88,11 +89,11 @@ def calibrate(runner: Runner, group: Group, sbo_blocks: int, run_mode: RunMode) 
             execute_operations(scratch.context(batch), runner.ops)
             wall = time.perf_counter() - start
             spans = timeline.take()
-            waits = sum(s.end - s.start for s in spans if s.track.endswith(" wait"))
+            waits = sum(s.end - s.start for s in spans if tracks.is_wait(s.track))
             flops = cost.cost(batch, whole(batch))
             compute.append(([flops, shape[0], 1.0], wall - waits))
             sent = batch.num_tokens * bytes_per_token
-            comm += [(sent, s.end - s.start) for s in spans if s.track == "comm"]
+            comm += [(sent, s.end - s.start) for s in spans if s.track == tracks.COMM]
         costs = fit_costs([x for x, _ in compute], [y for _, y in compute], required=(0,))
         link = fit_link(comm)
         fitted = torch.tensor([*costs, link.latency_s, link.s_per_byte], dtype=torch.float64)

@@ -18,6 +18,7 @@ the second piece of a cut sequence attends over KV the first piece already wrote
 
 from __future__ import annotations
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -83,7 +84,7 @@ class DualBatchOverlap:
         plan = token_split(batch.extend_lens, [split_point])
         children = split_batch(batch, plan)
         runner.timeline.mark_split([child.num_tokens for child in children])
-        ctxs = [runner.context(c, f"mb{i}") for i, c in enumerate(children)]
+        ctxs = [runner.context(c, tracks.micro_batch(i)) for i, c in enumerate(children)]
         outputs = self.threads.run(ctxs, self.ops, receive_hook, split_inputs(batch, plan, inputs))
         self.num_overlapped += 1
         return merge_outputs(batch, plan, outputs)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
@@ -98,7 +99,9 @@ class ExpertsThenCombine:
 def _span(ctx: ForwardContext, name: str):
     # a track of its own: the stage spans on ctx.name already cover this time
     timeline = ctx.timeline
-    return timeline.span(f"{ctx.name} sbo", name) if timeline is not None else nullcontext()
+    return (
+        timeline.span(tracks.sbo_block(ctx.name), name) if timeline is not None else nullcontext()
+    )
 
 
 def _timed(layer_id: int, name: str, op: Op) -> Op:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
@@ -22,7 +23,7 @@ class Runner(Protocol):
     dispatcher: Dispatcher  # the rank's all-to-all; calibration runs scratch forwards over it
     timeline: Timeline
 
-    def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext: ...
+    def context(self, batch: ForwardBatch, name: str = tracks.FIRST) -> ForwardContext: ...
 
 
 class OverlapScheme(Protocol):

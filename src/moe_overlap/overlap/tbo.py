@@ -5,6 +5,7 @@ Whether to micro-batch, and with which strategy, is agreed across ranks (agreeme
 
 from __future__ import annotations
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -62,7 +63,7 @@ class TwoBatchOverlap:
         plan = self.plan(batch)
         children = split_batch(batch, plan)
         runner.timeline.mark_split([child.num_tokens for child in children])
-        ctxs = [runner.context(child, f"mb{i}") for i, child in enumerate(children)]
+        ctxs = [runner.context(child, tracks.micro_batch(i)) for i, child in enumerate(children)]
         strategy = self.strategies[decode]
         ops = [self.ops[decode]] * len(ctxs)
         outs = execute_overlapped(

@@ -28,7 +28,6 @@ from moe_overlap.planner.work import Work, masked_pairs
 __all__ = ["CostModel", "MicroBatchCost", "Work", "masked_pairs"]
 
 ELEMENTWISE = ("prepare_attn", "prepare_mlp", "select_experts", "output")
-WAITS = ("dispatch_b", "combine_b")
 
 
 @dataclass
@@ -90,7 +89,7 @@ class CostModel:
         """One op call's fixed seconds (decode's: under CUDA graphs where the cluster says)."""
         return self._decode_over if decode else self.over
 
-    def _t(
+    def kernel_seconds(
         self,
         flops: float,
         weights: float,
@@ -202,12 +201,12 @@ class CostModel:
             + kv_per_key * w.keys / cl.kv_bytes_per_s
             + w.prefill_pieces * cl.seq_overhead_us * 1e-6
             + w.decode_tokens * cl.decode_seq_overhead_us * 1e-6,
-            "gate": self._t(
+            "gate": self.kernel_seconds(
                 2 * w.moe_tokens * s.gate, s.gate, w.moe_tokens * row, rows=w.moe_tokens
             ),
-            "dispatch_a": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
-            "dispatch_b": self._t(0, 0, 2 * received * row),
-            "experts": self._t(
+            "dispatch_a": self.kernel_seconds(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
+            "dispatch_b": self.kernel_seconds(0, 0, 2 * received * row),
+            "experts": self.kernel_seconds(
                 2 * received * expert_w,
                 experts_active * expert_w,
                 3 * received * row,
@@ -216,19 +215,19 @@ class CostModel:
             )
             + experts_active * cl.expert_overhead_us * 1e-6,
             "switch": cl.switch_overhead_us * 1e-6,
-            "combine_a": self._t(0, 0, 2 * received * row),
-            "combine_b": self._t(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
-            "shared_experts": self._t(
+            "combine_a": self.kernel_seconds(0, 0, 2 * received * row),
+            "combine_b": self.kernel_seconds(0, 0, 2 * c.num_experts_per_tok * w.moe_tokens * row),
+            "shared_experts": self.kernel_seconds(
                 2 * w.moe_tokens * shared_w, shared_w, 3 * w.moe_tokens * row, rows=w.moe_tokens
             ),
-            "dense_mlp": self._t(
+            "dense_mlp": self.kernel_seconds(
                 2 * w.tokens * s.dense, s.dense, 3 * w.tokens * row, rows=w.tokens
             ),
-            "embed": self._t(0, 0, 2 * w.tokens * row),
-            "logits": self._t(2 * w.pieces * s.logits, s.logits, 0, rows=w.pieces),
+            "embed": self.kernel_seconds(0, 0, 2 * w.tokens * row),
+            "logits": self.kernel_seconds(2 * w.pieces * s.logits, s.logits, 0, rows=w.pieces),
         }
         for name in ELEMENTWISE:
-            out[name] = self._t(0, 0, 3 * w.tokens * row)
+            out[name] = self.kernel_seconds(0, 0, 3 * w.tokens * row)
         return out
 
     def _attention(self, w: Work) -> tuple[float, float, float]:
@@ -241,8 +240,8 @@ class CostModel:
         # MLA: prefill decompresses every key it reads (MHA form); decode absorbs (MQA form)
         up_flops = 2 * (w.keys if prefill else 0) * up_w + 2 * w.decode_tokens * up_w
         kv_per_key = s.kv_elements * act
-        prepare = self._t(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
-        core = self._t(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
+        prepare = self.kernel_seconds(2 * t * prep_w, prep_w, 2 * t * h * act, rows=t)
+        core = self.kernel_seconds(up_flops + 2 * t * o_w, up_w + o_w, 2 * t * h * act, rows=t)
         decode_rate = self.cluster.decode_attention_tflops * 1e12
         kv_rate = self.cluster.kv_bytes_per_s
 

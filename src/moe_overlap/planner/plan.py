@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.mode_labels import auto_choice_configs
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -170,7 +171,9 @@ class Planner:
             clocks.host_meet(self.cluster.a2a_latency_us * 1e-6)
         ctxs = [
             SimContext(
-                f"mb{i}", clocks, (self.costs if i else self.first_costs).micro_batch(children)
+                tracks.micro_batch(i),
+                clocks,
+                (self.costs if i else self.first_costs).micro_batch(children),
             )
             for i, children in enumerate(micro)
         ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moe_overlap.core import tracks
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.timeline import Span
 from moe_overlap.model.decoder import DENSE_OPS, MOE_OPS
@@ -98,14 +99,14 @@ class RankClocks:
             self._comm_until[r] = max(self._comm_until[r], end)
             if self.record:
                 mb = sum(b) / 1e6
-                self.spans[r].append(Span("comm", f"{label} {mb:.2f} MB", ready[r], end))
+                self.spans[r].append(Span(tracks.COMM, f"{label} {mb:.2f} MB", ready[r], end))
         return done
 
     def wait(self, track: str, done: list[float]) -> None:
         for r, t in enumerate(done):
             if t > self.now[r]:
                 if self.record:
-                    self.spans[r].append(Span(f"{track} wait", "wait", self.now[r], t))
+                    self.spans[r].append(Span(tracks.wait(track), "wait", self.now[r], t))
                 self.now[r] = t
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import A2AMode, Backend, step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
@@ -180,7 +181,7 @@ class ModelRunner:
         self.active = self.dispatcher
         return execute_operations(self.context(batch), self.ops)["logits"]
 
-    def context(self, batch: ForwardBatch, name: str = "mb0") -> ForwardContext:
+    def context(self, batch: ForwardBatch, name: str = tracks.FIRST) -> ForwardContext:
         return ForwardContext(
             batch,
             self.kv_cache,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.groups import Group
@@ -30,7 +31,7 @@ class PipelineStage:
         sends, logits = [], []
         timeline = self.runner.timeline
         for i, child in enumerate(split_batch(batch, plan)):
-            with timeline.span(f"pp mb{i}", f"stage {self.pp.rank}, micro-batch {i}"):
+            with timeline.span(tracks.pipeline(i), f"stage {self.pp.rank}, micro-batch {i}"):
                 inputs = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
                 out = self.runner.forward_stage(child, overlap, inputs)
             if self.last:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from rich.progress import Progress
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import NONE
@@ -197,8 +198,8 @@ def run_bench(
                 bar.advance(task)
             if NONE.name in modes:  # the same-run measurement of T_comm
                 spans = step(executor, batches, configs[NONE.name], record=True).spans
-                comm.append(_slowest_track(spans, "comm"))
-                tp_comm.append(_slowest_track(spans, "tp comm"))
+                comm.append(_slowest_track(spans, tracks.COMM))
+                tp_comm.append(_slowest_track(spans, tracks.TP_COMM))
     t_comm = statistics.median(comm) if comm else 0.0
     t_tp = statistics.median(tp_comm) if tp_comm else 0.0
     return BenchReport(workload, results, t_comm, recording, t_tp, on_gpu, notes)

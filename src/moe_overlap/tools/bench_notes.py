@@ -11,7 +11,8 @@ from __future__ import annotations
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE, TBO
 from moe_overlap.core.step import StepReply
-from moe_overlap.core.timeline import DECISION, split_rows
+from moe_overlap.core.timeline import split_rows
+from moe_overlap.core.tracks import DECISION
 
 SEQUENCE_SPLIT_HINT = "one sequence cannot be split by sequence; use tbo+two-chunk"
 

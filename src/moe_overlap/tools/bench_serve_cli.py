@@ -44,7 +44,7 @@ def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
         "with --base-url, measure the OpenAI-compatible server already running there (ours, "
         "vLLM's or SGLang's).",
     )
-    add_model_args(bench, required=False)  # not needed with --base-url
+    add_model_args(bench)  # not needed with --base-url
     add_engine_args(bench)
     add_load_args(bench)
     bench.set_defaults(func=cmd_bench_serve)

@@ -14,9 +14,8 @@ from moe_overlap.tools.flags import add_fields, from_args
 DEVICE_FLAGS = ("device", "dtype", "cuda_graph_max_bs", "disable_cuda_graph")
 
 
-def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    """The model flags; whether one was given is checked where it is used (``model_source``),
-    so ``required`` only documents the caller's intent."""
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model flags; whether one was given is checked where it is used (``model_source``)."""
     add_fields(p, ModelArgs)
 
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from statistics import median
 
+from moe_overlap.core import tracks
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import NONE
@@ -75,10 +76,10 @@ def _rounds(executor, batches, rounds: int, pairs=()) -> tuple[list, list]:
             wall, spans = _timed(executor, batch, PLAIN, record=True)
             walls[i].append(wall)
             comms[i].append(
-                max(sum(s.end - s.start for s in r if s.track == "comm") for r in spans)
+                max(sum(s.end - s.start for s in r if s.track == tracks.COMM) for r in spans)
             )
             for s in spans[0]:
-                found = _MB.search(s.name) if s.track == "comm" else None
+                found = _MB.search(s.name) if s.track == tracks.COMM else None
                 if found:
                     transfers[i].append((float(found[1]) * 1e6, s.end - s.start))
             routed[i] = _dispatch_bytes(spans)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_overlap.core.timeline import DECISION, SPLIT, Span
+from moe_overlap.core.timeline import Span
+from moe_overlap.core.tracks import COMM, DECISION, SPLIT, is_compute, is_wait, wait, waiter
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
 _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange
@@ -18,8 +19,8 @@ _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never 
 
 def _tracks(spans: list[Span]) -> list[str]:
     """The compute lanes (one per micro-batch, SBO's blocks apart) and the communication lane."""
-    names = {s.track for s in spans if s.track.startswith("mb") and not s.track.endswith(" wait")}
-    return sorted(names) + ["comm"]
+    names = {s.track for s in spans if is_compute(s.track)}
+    return sorted(names) + [COMM]
 
 
 def _bars(spans: list[Span], track: str, origin: float) -> list[tuple[float, float]]:
@@ -47,15 +48,11 @@ def write_chrome_trace(recording: Recording, path: str | Path) -> None:
             tracks = _tracks(spans) + sorted({s.track for s in spans} - set(_tracks(spans)))
             for tid, track in enumerate(tracks):
                 label = {
-                    "comm": "communication",
+                    COMM: "communication",
                     DECISION: "overlap decision",
                     SPLIT: "micro-batch rows",
                 }.get(track, f"compute {track}")
-                label = (
-                    f"{track.removesuffix(' wait')} blocked on a receive"
-                    if track.endswith("wait")
-                    else label
-                )
+                label = f"{waiter(track)} blocked on a receive" if is_wait(track) else label
                 events.append(
                     {
                         "ph": "M",
@@ -98,9 +95,7 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
         origin = min((s.start for s in spans), default=0.0)
         tracks = _tracks(spans)
         for lane, track in enumerate(tracks):
-            color = (
-                "tab:orange" if track == "comm" else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
-            )
+            color = "tab:orange" if track == COMM else _COMPUTE_COLORS[lane % len(_COMPUTE_COLORS)]
             ax.broken_barh(
                 _bars(spans, track, origin),
                 (lane - 0.4, 0.8),
@@ -109,12 +104,10 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
                 linewidth=0.3,
             )
             # where the micro-batch sat blocked on a receive, over its compute bar
-            ax.broken_barh(
-                _bars(spans, f"{track} wait", origin), (lane - 0.4, 0.8), facecolors="0.85"
-            )
+            ax.broken_barh(_bars(spans, wait(track), origin), (lane - 0.4, 0.8), facecolors="0.85")
         end = max(((s.end - origin) * 1e3 for s in spans), default=0.0)
         longest = max(longest, end)
-        ax.set_yticks(range(len(tracks)), ["comm" if t == "comm" else t for t in tracks])
+        ax.set_yticks(range(len(tracks)), tracks)
         ax.set_ylim(-0.6, len(tracks) - 0.4)
         ax.set_title(f"{mode}: one forward on rank {rank}, {end:.0f} ms", loc="left", fontsize=10)
         ax.invert_yaxis()
