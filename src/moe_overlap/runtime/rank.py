@@ -47,7 +47,7 @@ class RankSpec:
 
 
 @dataclass
-class Joined:
+class RankGroups:
     """The groups a rank joined: its global rank, its groups by kind (``GROUP_KINDS`` and
     ``world``), the link its dispatcher models, and the torch.distributed backend (None in one
     process)."""
@@ -79,7 +79,7 @@ def rank_parallel(spec: EngineSpec) -> ParallelConfig:
     return ParallelConfig(ep=spec.emulate_peers) if spec.emulate_peers else spec.parallel
 
 
-def one_process_groups(peers: int, device: torch.device, link_spec: LinkSpec | None) -> Joined:
+def one_process_groups(peers: int, device: torch.device, link_spec: LinkSpec | None) -> RankGroups:
     """One process's groups, each of itself alone; with ``peers`` N its EP group emulates
     rank 0 of N over the modelled link of ``link_spec``, if any."""
     groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
@@ -88,10 +88,10 @@ def one_process_groups(peers: int, device: torch.device, link_spec: LinkSpec | N
         groups["ep"] = EmulatedGroup(peers, device)
         if link_spec is not None and link_spec.kind == "model":
             link = ModelledLink.from_spec(link_spec)
-    return Joined(0, groups, link, None)
+    return RankGroups(0, groups, link, None)
 
 
-def join_groups(spec: EngineSpec, rank: RankSpec) -> Joined:
+def join_groups(spec: EngineSpec, rank: RankSpec) -> RankGroups:
     """Join the launch's torch.distributed world (unless the launcher did) and this rank's
     groups of the layout."""
     par = rank_parallel(spec)
@@ -110,10 +110,10 @@ def join_groups(spec: EngineSpec, rank: RankSpec) -> Joined:
         )
     groups = init_process_groups(layout_for(par), rank.rank, backend)
     link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
-    return Joined(rank.rank, groups, link, backend)
+    return RankGroups(rank.rank, groups, link, backend)
 
 
-def assemble_rank(spec: EngineSpec, joined: Joined, device: torch.device) -> ModelRunner:
+def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) -> ModelRunner:
     """The rank's model shard on ``device``, its dispatcher (and PD multiplexing's lane) over
     the groups it ``joined``, and the ModelRunner over them. ``tools/device_ops.py`` assembles
     one process on ``meta`` here."""
@@ -180,7 +180,7 @@ def rank_dispatcher(
 
 
 def prefill_lane(
-    spec: EngineSpec, joined: Joined, coords: RankCoords, timeline: Timeline
+    spec: EngineSpec, joined: RankGroups, coords: RankCoords, timeline: Timeline
 ) -> tuple[Dispatcher, CollectiveOrder | None]:
     """PD multiplexing's lane: a dispatcher whose MoE collectives run on process groups of
     their own and, across processes, the one order in which every rank launches both lanes'
