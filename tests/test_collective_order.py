@@ -37,8 +37,14 @@ def _lanes_worker(rank, world_size, port):
     on each rank: rank 0's decode starts late, rank 1's prefill lane does. Returns the
     launches recorded with the turns on, then with them off (the code before the fix)."""
     init_gloo(rank, world_size, port)
-    spec = EngineSpec(ModelConfig(**TINY["qwen3_moe"]), seed=0, max_num_seqs=4, max_len=64)
-    spec.parallel, spec.pdmux_splits = ParallelConfig(ep=world_size), 2
+    spec = EngineSpec(
+        ModelConfig(**TINY["qwen3_moe"]),
+        seed=0,
+        max_num_seqs=4,
+        max_len=64,
+        parallel=ParallelConfig(ep=world_size),
+        pdmux_splits=2,
+    )
     runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
     lane, order = runner.prefill_lane, runner.prefill_lane.order
     if rank == 0:

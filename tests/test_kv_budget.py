@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from moe_overlap.core.engine_config import EngineSpec
@@ -43,6 +45,14 @@ def test_page_count_rounds_up_and_a_bad_page_size_is_refused():
     assert [pages_for(n, 16) for n in (1, 16, 17, 1000)] == [1, 1, 2, 63]
     with pytest.raises(ConfigError, match="page_size=0"):
         qwen3_30b(page_size=0)
+
+
+def test_a_checked_spec_cannot_change_into_one_its_budget_refuses():
+    spec = qwen3_30b(max_total_tokens=48_000)  # holds one sequence of max_len
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.max_len = 10 * 40960
+    with pytest.raises(ConfigError, match="holds no sequence"):  # a changed spec is checked
+        dataclasses.replace(spec, max_len=10 * 40960)
 
 
 def test_cpu_default_is_a_share_of_free_memory_over_the_ranks():

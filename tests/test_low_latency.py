@@ -122,8 +122,9 @@ def _deferred_worker(rank, world_size, port):
     order, forced here on gloo) against sending them at once."""
     init_gloo(rank, world_size, port)
     cfg = ModelConfig(**TINY["deepseek_v3"])
-    spec = EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64)
-    spec.parallel = ParallelConfig(ep=world_size)
+    spec = EngineSpec(
+        cfg, seed=0, max_num_seqs=4, max_len=64, parallel=ParallelConfig(ep=world_size)
+    )
     runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
     batch = _prefill([9, 14] if rank == 0 else [5], seed=rank)
     out = {}

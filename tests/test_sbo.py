@@ -242,8 +242,8 @@ class _LoggedGroup:
 def _structure_worker(rank, world_size, port, family, blocks):
     init_gloo(rank, world_size, port)
     cfg = ModelConfig(**TINY[family])
-    spec = EngineSpec(cfg, seed=0, max_num_seqs=2, max_len=64, overlap=sbo(blocks))
-    spec.parallel = ParallelConfig(ep=world_size)
+    par = ParallelConfig(ep=world_size)
+    spec = EngineSpec(cfg, seed=0, max_num_seqs=2, max_len=64, overlap=sbo(blocks), parallel=par)
     runner = build_rank_runner(spec, RankSpec(rank, world_size, "", 30.0, parse_link("none")))
     log: list[dict] = []
     runner.dispatcher.group = _LoggedGroup(runner.dispatcher.group, log)

@@ -29,8 +29,15 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_replayed_decode_equals_the_same_forward_run_eagerly(family, mode):
     cfg = MODELS[family]()
-    spec = EngineSpec(cfg, seed=0, max_num_seqs=6, max_len=300, device="cuda", dtype="bfloat16")
-    spec.cuda_graph_max_bs = 4
+    spec = EngineSpec(
+        cfg,
+        seed=0,
+        max_num_seqs=6,
+        max_len=300,
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graph_max_bs=4,
+    )
     runner = build_rank_runner(spec)
     assert runner.graphs is not None, DecodeGraphs.supported(
         runner.model, torch.device("cuda"), runner.dispatcher, runner.low_latency_fits

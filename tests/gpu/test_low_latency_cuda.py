@@ -54,8 +54,16 @@ def test_grouped_capacity_experts_match_the_padded_path(monkeypatch):
 @pytest.mark.parametrize("mode", ["none", "tbo", "sbo", "dbo"])
 def test_an_emulated_low_latency_decode_replays_bit_for_bit(mode):
     cfg = ModelConfig(**(TINY["deepseek_v3"] | {"hidden_size": 64, "moe_intermediate_size": 32}))
-    spec = EngineSpec(cfg, seed=0, max_num_seqs=6, max_len=300, device="cuda", dtype="bfloat16")
-    spec.cuda_graph_max_bs, spec.emulate_peers = 4, EP
+    spec = EngineSpec(
+        cfg,
+        seed=0,
+        max_num_seqs=6,
+        max_len=300,
+        device="cuda",
+        dtype="bfloat16",
+        cuda_graph_max_bs=4,
+        emulate_peers=EP,
+    )
     runner = build_rank_runner(spec, link_spec=parse_link("model:10gbit,50us"))
     assert runner.graphs is not None and not runner.graphs.local
     gen = torch.Generator().manual_seed(0)

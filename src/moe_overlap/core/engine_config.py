@@ -28,11 +28,11 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
     return heads * width * dtype_bytes
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineSpec:
     """``max_num_seqs`` sequences at once at most (``num_slots``: rows of the block table);
     the KV cache budget in pages of ``page_size`` tokens (``pool_pages``) bounds how many of
-    them fit, as they grow."""
+    them fit, as they grow. Frozen: what ``__post_init__`` checked is what every rank runs."""
 
     config: ModelConfig
     model_path: str | None = None

@@ -135,13 +135,34 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
     ``ModelConfig`` validates every field and names the bad one)."""
     raw = _text_part(raw)
     model_type = check_model_type(raw.get("model_type"))
+    _refuse_biases(raw, model_type)
+    reader = Reader(raw)
+    common = _common_fields(raw, reader, model_type)
+    if model_type == "qwen3_moe":
+        return common | _qwen3_fields(raw, reader)
+    if model_type == "qwen3_5_moe":
+        return common | qwen3_5_fields(raw, reader)
+    if model_type == "glm4_moe":
+        return common | glm4_fields(raw, reader)
+    if model_type == "gpt_oss":
+        return common | gpt_oss_fields(raw, reader)
+    if model_type == "mimo_v2_flash":
+        return common | mimo_fields(raw, reader)
+    return common | _deepseek_fields(raw, reader, v3=model_type == "deepseek_v3")
+
+
+def _refuse_biases(raw: dict[str, Any], model_type: str) -> None:
+    """Linear biases only where the family has them (GLM-4.5's and GPT-OSS's attention)."""
     for flag in ("attention_bias", "mlp_bias"):
         biased = flag == "attention_bias" and model_type in ("glm4_moe", "gpt_oss")
         if raw.get(flag) and not biased:
             raise ConfigError(f"{flag}=true is not supported for {model_type}")
-    reader = Reader(raw)
+
+
+def _common_fields(raw: dict[str, Any], reader: Reader, model_type: str) -> dict[str, Any]:
+    """The fields every family has (``_COMMON``), with each family's defaults."""
     oss = model_type == "gpt_oss"
-    common = dict(
+    return dict(
         model_type=model_type,
         vocab_size=reader.get("vocab_size"),
         hidden_size=reader.get("hidden_size"),
@@ -162,23 +183,20 @@ def fields_from_hf(raw: dict[str, Any]) -> dict[str, Any]:
         eos_token_id=_first_eos(raw.get("eos_token_id")),
         norm_topk_prob=raw.get("norm_topk_prob", model_type != "deepseek_v2"),
     )
-    if model_type == "qwen3_moe":
-        return common | dict(
-            num_experts=reader.get_any("num_experts", "num_local_experts"),
-            head_dim=raw.get("head_dim"),
-            mlp_only_layers=raw.get("mlp_only_layers") or [],
-            decoder_sparse_step=raw.get("decoder_sparse_step", 1),
-        )
-    if model_type == "qwen3_5_moe":
-        return common | qwen3_5_fields(raw, reader)
-    if model_type == "glm4_moe":
-        return common | glm4_fields(raw, reader)
-    if model_type == "gpt_oss":
-        return common | gpt_oss_fields(raw, reader)
-    if model_type == "mimo_v2_flash":
-        return common | mimo_fields(raw, reader)
-    v3 = model_type == "deepseek_v3"
-    return common | dict(
+
+
+def _qwen3_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
+    return dict(
+        num_experts=reader.get_any("num_experts", "num_local_experts"),
+        head_dim=raw.get("head_dim"),
+        mlp_only_layers=raw.get("mlp_only_layers") or [],
+        decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+    )
+
+
+def _deepseek_fields(raw: dict[str, Any], reader: Reader, v3: bool) -> dict[str, Any]:
+    """DeepSeek-V2's and V3's fields (MLA, grouped routing), with each version's defaults."""
+    return dict(
         num_experts=reader.get("n_routed_experts"),
         first_k_dense_replace=reader.get("first_k_dense_replace", 0),
         n_shared_experts=raw.get("n_shared_experts") or 0,

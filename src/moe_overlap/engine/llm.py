@@ -114,11 +114,11 @@ class LLM:
             device=device,
             dtype=dtype,
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+            pdmux_splits=pdmux_prefill_splits if enable_pdmux else 0,
+            emulate_peers=emulate_peers,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
         )
-        spec.pdmux_splits = pdmux_prefill_splits if enable_pdmux else 0
-        spec.emulate_peers = emulate_peers
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache

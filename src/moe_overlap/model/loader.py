@@ -185,7 +185,12 @@ def build_model(
 ) -> MoeForCausalLM:
     """Build this rank's model and fill it from ``path``, or with seeded random weights, then
     move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
-    the fp32 model's weights rounded once)."""
+    the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
+    nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``)."""
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            model = MoeForCausalLM(cfg, par)
+        return place_model(model, device, dtype).eval()
     model = MoeForCausalLM(cfg, par)
     if path is None:
         init_random(model, seed)

@@ -24,8 +24,8 @@ from moe_overlap.core.cost_fit import LinkFit, fit_costs, fit_link
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.model_flops import ModelFlops
-from moe_overlap.core.state_cache import StateCache
 from moe_overlap.distributed.groups import Group
+from moe_overlap.model.caches import kv_cache_for, state_cache_for
 from moe_overlap.overlap.operations import execute_operations
 from moe_overlap.overlap.predict import Calibration, StepStats, raw_times
 from moe_overlap.overlap.scheme import Runner
@@ -39,14 +39,14 @@ RunMode = Callable[[str, ForwardBatch, Runner], None]  # one forward of a batch 
 
 
 class ScratchRunner:
-    """The runner's model, ops, dispatcher and timeline over scratch caches (a ``Runner``)."""
+    """The rank's runner (its model, ops, dispatcher and timeline) over scratch caches, sized
+    as the runner sizes its own (``model/caches.py``): a ``Runner``."""
 
     def __init__(self, runner: Runner, kv_cache: KVCache) -> None:
         self.model, self.ops, self.timeline = runner.model, runner.ops, runner.timeline
         self.dispatcher = runner.dispatcher
         self.kv_cache = kv_cache
-        shapes = self.model.state_shapes()  # a scratch recurrent-state cache (hybrid models)
-        self.states = StateCache(shapes, kv_cache.num_slots, kv_cache.dtype, kv_cache.device)
+        self.states = state_cache_for(self.model, kv_cache.num_slots)  # hybrid models' states
 
     def context(self, batch: ForwardBatch, name: str = tracks.FIRST) -> ForwardContext:
         return ForwardContext(
@@ -69,10 +69,7 @@ def calibrate(runner: Runner, group: Group, sbo_blocks: int, run_mode: RunMode) 
     model, cfg = runner.model, runner.model.cfg
     cost = ModelFlops.for_model(cfg)
     layers = cfg.num_hidden_layers
-    kv = runner.kv_cache  # the scratch caches sit where the real one does
-    caches = {
-        s: KVCache(layers, s[0], s[1], model.kv_entries(), kv.dtype, kv.device) for s in SHAPES
-    }
+    caches = {shape: kv_cache_for(model, *shape) for shape in SHAPES}  # (slots, max_len)
     timeline = runner.timeline
     saved, was = timeline.spans, timeline.enabled
     timeline.spans, timeline.enabled = [], True

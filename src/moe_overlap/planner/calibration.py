@@ -161,10 +161,16 @@ def fit_cluster(
     spec: ModelSpec, layout: PlanLayout, samples: list[Sample], passes: list[PassSample]
 ) -> Cluster:
     """This machine as a Cluster, fitted in the module's steps."""
+    link = fit_link_fields(spec, layout, samples)
+    return fit_overheads(spec, layout, passes, fit_compute(spec, layout, samples, link))
+
+
+def fit_link_fields(spec: ModelSpec, layout: PlanLayout, samples: list[Sample]) -> LinkFields:
+    """Step 1: the link and the routing."""
     latency, rate = fit_this_link(samples)
     shares = expert_shares(spec, samples, layout.world)
-    loads, typical_load = imbalances(spec, samples)
-    link = LinkFields(
+    _, typical_load = imbalances(spec, samples)
+    return LinkFields(
         intra_node_a2a_gbps=rate / 1e9,
         inter_node_a2a_gbps=rate / 1e9,
         a2a_latency_us=latency * 1e6,
@@ -172,11 +178,19 @@ def fit_cluster(
         expert_shares=shares,
         expert_imbalance=typical_load,
     )
+
+
+def fit_compute(
+    spec: ModelSpec, layout: PlanLayout, samples: list[Sample], link: LinkFields
+) -> Cluster:
+    """Step 3: this machine with ``link`` and the compute costs fitted to each sample's wall
+    less its all-to-alls (no per-micro-batch overheads yet)."""
     # the all-to-alls' time as the plan will time it, with each shape's own routing (its
     # measured bytes); the rest of the wall is compute, whatever the spans say (a rank late to
     # an all-to-all makes the other's span longer; the plan counts that as its compute)
     computes = []
-    for s, factor in zip(samples, bytes_factors(spec, layout, samples, shares), strict=True):
+    factors = bytes_factors(spec, layout, samples, link["expert_shares"])
+    for s, factor in zip(samples, factors, strict=True):
         own = LinkFields(**link)
         own["a2a_bytes_factor"] = factor or link["a2a_bytes_factor"]
         link_only = Planner(spec, dataclasses.replace(UNIT, nodes=layout.world, **own), layout)
@@ -184,40 +198,26 @@ def fit_cluster(
         computes.append(s.wall_s - comm)
     # each shape's experts as its own routing loaded them: with even loads the rates would take
     # on the routing's luck (docs/planner.md, Known limits: a layer waits for its busiest rank)
+    loads, _ = imbalances(spec, samples)
     rows = [
         [*features(spec, layout, s.batch, load), 1.0]
         for s, load in zip(samples, loads, strict=True)
     ]
-    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = fit_costs(
-        rows, computes, required=(0, 1)
-    )
+    costs = fit_costs(rows, computes, required=(0, 1))
+    return _this_cluster(layout, link, costs)
+
+
+def fit_overheads(
+    spec: ModelSpec, layout: PlanLayout, passes: list[PassSample], fitted: Cluster
+) -> Cluster:
+    """Step 2, on the ``fitted`` rates of step 3: the per-micro-batch overheads, refitted
+    until they settle; the Cluster with them."""
     kinds = {_key(p): p for p in passes}  # one pass per (mode, shape) stands for its repeats
     in_pair = [_pair_overhead_seconds(spec, layout, p) for p in kinds.values()]
     measured = [_median([p.two_s - p.none_s for p in passes if _key(p) == k]) for k in kinds]
     overheads = [0.0] * len(UNIT_OVERHEADS)
     for step in range(8):  # overheads: the measured extra less what the plan adds beyond them
-        cluster = Cluster(
-            name="this",
-            description=f"this machine: {layout.world} ranks, calibrated by a short run",
-            nodes=layout.world,
-            gpus_per_node=1,
-            gemm_tflops_bf16=1e-12 / max(per_gemm, 1e-18),
-            gemm_efficiency=1.0,
-            attention_efficiency=1.0,
-            attention_tflops=1e-12 / max(per_attn, 1e-18),
-            kv_read_gbps=1e-9 / max(per_kv, 1e-18),
-            hbm_gbps=HUGE,
-            seq_overhead_us=per_seq * 1e6,
-            decode_seq_overhead_us=per_dec * 1e6,
-            forward_overhead_us=forward * 1e6,
-            activation_bytes=4,
-            attention_full_rectangle_with_prefix=True,
-            overheads_beyond_first=True,  # the first pass's fixed costs are in the fit above
-            sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
-            f"{DECODE_SHAPES}, decode {TINY}, {MID} and {LONG} with and without two micro-batches"},
-            **link,
-            **overheads_us(*overheads),
-        )  # fmt: skip
+        cluster = dataclasses.replace(fitted, **overheads_us(*overheads))
         beyond = [  # per pair: the plan's extra with the overheads taken out
             _two_minus_none(spec, cluster, layout, p) - _dot(overheads, units)
             for p, units in zip(kinds.values(), in_pair, strict=True)
@@ -232,6 +232,33 @@ def fit_cluster(
             return cluster  # built with overheads the next step would keep
         overheads = new
     raise AssertionError("unreachable")
+
+
+def _this_cluster(layout: PlanLayout, link: LinkFields, costs: list[float]) -> Cluster:
+    """The Cluster of step 3's ``costs``: seconds per GEMM FLOP, attention FLOP, KV byte read,
+    prefill and decode sequence pass, and per forward."""
+    per_gemm, per_attn, per_kv, per_seq, per_dec, forward = costs
+    return Cluster(
+        name="this",
+        description=f"this machine: {layout.world} ranks, calibrated by a short run",
+        nodes=layout.world,
+        gpus_per_node=1,
+        gemm_tflops_bf16=1e-12 / max(per_gemm, 1e-18),
+        gemm_efficiency=1.0,
+        attention_efficiency=1.0,
+        attention_tflops=1e-12 / max(per_attn, 1e-18),
+        kv_read_gbps=1e-9 / max(per_kv, 1e-18),
+        hbm_gbps=HUGE,
+        seq_overhead_us=per_seq * 1e6,
+        decode_seq_overhead_us=per_dec * 1e6,
+        forward_overhead_us=forward * 1e6,
+        activation_bytes=4,
+        attention_full_rectangle_with_prefix=True,
+        overheads_beyond_first=True,  # the first pass's fixed costs are in the fit above
+        sources={"all": f"fitted: no-overlap prefill {PREFILL_SHAPES} and decode "
+        f"{DECODE_SHAPES}, decode {TINY}, {MID} and {LONG} with and without two micro-batches"},
+        **link,
+    )  # fmt: skip
 
 
 def _key(p: PassSample) -> tuple[str, int, int]:

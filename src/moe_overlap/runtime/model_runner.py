@@ -17,15 +17,14 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
-from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, NONE
-from moe_overlap.core.state_cache import StateCache
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.order import CollectiveOrder
+from moe_overlap.model.caches import kv_cache_for, state_cache_for
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.auto import AutoOverlap
@@ -70,24 +69,10 @@ class ModelRunner:
         )
         self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
-        device, dtype = model_placement(model)  # the cache is kept in the model's dtype
-        why_not = DecodeGraphs.supported(
-            model, device, dispatcher, self.low_latency_fits, pp_group, prefill_lane
-        )
-        graphs = cuda_graph_max_bs > 0 and why_not is None
-        if cuda_graph_max_bs > 0 and why_not and device.type == "cuda":
-            log.info("decode runs without CUDA graphs: %s", why_not)
-        self.kv_cache = KVCache(  # with graphs, one more slot and page: the padding rows'
-            model.cfg.num_hidden_layers,
-            num_slots + graphs,
-            max_len,
-            model.kv_entries(),
-            dtype,
-            device,
-            page_size,
-            None if num_pages is None else num_pages + graphs,
-        )
-        self.states = StateCache(model.state_shapes(), num_slots, dtype, device)
+        graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
+        # with graphs, one more slot and page: the padding rows'
+        self.kv_cache = kv_cache_for(model, num_slots, max_len, page_size, num_pages, int(graphs))
+        self.states = state_cache_for(model, num_slots)
         self.ops = build_operations(model, strategy_for(model, NONE.name))
         self.overlap = overlap or OverlapConfig()
         self.timeline = timeline or Timeline()
@@ -96,17 +81,31 @@ class ModelRunner:
         self.pipeline = None if pp_group is None else PipelineStage(self, pp_group)
         self.prefill_lane = None if prefill_lane is None else PrefillLane(self, *prefill_lane)
         self.last_mode = NONE.name  # the scheme the last forward ran (auto: the one it chose)
-        self.graphs = (
-            DecodeGraphs(
-                model,
-                self.kv_cache,
-                self._logits,
-                cuda_graph_max_bs,
-                mode_ran=lambda: self.last_mode,
-                local=dispatcher.name == Backend.LOCAL,
-            )
-            if graphs
-            else None
+        self.graphs = self._decode_graphs(cuda_graph_max_bs) if graphs else None
+
+    def _graphs_fit(
+        self,
+        max_bs: int,
+        pp_group: Group | None,
+        prefill_lane: tuple[Dispatcher, CollectiveOrder | None] | None,
+    ) -> bool:
+        """Whether decode replays from CUDA graphs: asked for, and the model and layout allow."""
+        device, _ = model_placement(self.model)
+        why_not = DecodeGraphs.supported(
+            self.model, device, self.dispatcher, self.low_latency_fits, pp_group, prefill_lane
+        )
+        if max_bs > 0 and why_not and device.type == "cuda":
+            log.info("decode runs without CUDA graphs: %s", why_not)
+        return max_bs > 0 and why_not is None
+
+    def _decode_graphs(self, max_bs: int) -> DecodeGraphs:
+        return DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self._logits,
+            max_bs,
+            mode_ran=lambda: self.last_mode,
+            local=self.dispatcher.name == Backend.LOCAL,
         )
 
     def _scheme(self, cfg: OverlapConfig) -> OverlapScheme:

@@ -22,10 +22,11 @@ from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
 from moe_overlap.dispatch.factory import make_dispatcher
 from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.distributed.groups import Group, init_process_groups
-from moe_overlap.distributed.layout import GROUP_KINDS, layout_for
+from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout, RankCoords, layout_for
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.distributed.order import CollectiveOrder
+from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import build_model
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
@@ -46,91 +47,87 @@ class RankSpec:
     threads: int = 1
 
 
+@dataclass
+class RankGroups:
+    """The groups a rank joined: its global rank, its groups by kind (``GROUP_KINDS`` and
+    ``world``), the link its dispatcher models, and the torch.distributed backend (None in one
+    process)."""
+
+    rank: int
+    groups: dict[str, Group]
+    link: ModelledLink | None
+    backend: str | None
+
+
 def build_rank_runner(
     spec: EngineSpec, rank: RankSpec | None = None, link_spec: LinkSpec | None = None
 ) -> ModelRunner:
     """This rank's ModelRunner over its shard of the layout; ``rank=None`` is the one-process
     engine (no torch.distributed at all), or under ``spec.emulate_peers`` N rank 0 of ep=N
     with emulated peers over ``link_spec`` (``dispatch/emulated.py``)."""
-    peers = spec.emulate_peers
-    par = ParallelConfig(ep=peers) if peers else spec.parallel
-    layout = layout_for(par)
     device = rank_device(spec.device, 0 if rank is None else local_rank(rank.rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL: each rank's communicator on its own GPU
-    backend = dist_backend(spec.device)  # the one place the backend is chosen
     if rank is None:
-        me, link = 0, None
-        groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
-        if peers:
-            groups["ep"] = EmulatedGroup(peers, device)
-            if link_spec is not None and link_spec.kind == "model":
-                link = ModelledLink.from_spec(link_spec)
+        joined = one_process_groups(spec.emulate_peers, device, link_spec)
     else:
-        if rank.world_size != par.world_size:
-            raise ConfigError(
-                f"{rank.world_size} ranks were started but {par.describe()} needs {par.world_size}"
-            )
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend,
-                init_method=rank.init_method,
-                rank=rank.rank,
-                world_size=rank.world_size,
-                timeout=timedelta(seconds=rank.timeout_s),
-            )
-        me = rank.rank
-        groups = init_process_groups(layout, me, backend)
-        link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
-    coords = layout.coords(me)
-    model_par = ModelParallel(
-        groups["attn_tp"],
-        coords.ep_rank,
-        layout.ep,
-        coords.moe_tp_rank,
-        layout.moe_tp,
-        pp_layers(spec.config.num_hidden_layers, coords.pp_rank, par.pp),
-    )
-    path = Path(spec.model_path) if spec.model_path else None
-    model = build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+        joined = join_groups(spec, rank)
+    return assemble_rank(spec, joined, device)
+
+
+def rank_parallel(spec: EngineSpec) -> ParallelConfig:
+    """The layout this rank's shard is cut from: ep=N for N emulated peers."""
+    return ParallelConfig(ep=spec.emulate_peers) if spec.emulate_peers else spec.parallel
+
+
+def one_process_groups(peers: int, device: torch.device, link_spec: LinkSpec | None) -> RankGroups:
+    """One process's groups, each of itself alone; with ``peers`` N its EP group emulates
+    rank 0 of N over the modelled link of ``link_spec``, if any."""
+    groups = {kind: Group.single(name=kind) for kind in (*GROUP_KINDS, "world")}
+    link = None
+    if peers:
+        groups["ep"] = EmulatedGroup(peers, device)
+        if link_spec is not None and link_spec.kind == "model":
+            link = ModelledLink.from_spec(link_spec)
+    return RankGroups(0, groups, link, None)
+
+
+def join_groups(spec: EngineSpec, rank: RankSpec) -> RankGroups:
+    """Join the launch's torch.distributed world (unless the launcher did) and this rank's
+    groups of the layout."""
+    par = rank_parallel(spec)
+    if rank.world_size != par.world_size:
+        raise ConfigError(
+            f"{rank.world_size} ranks were started but {par.describe()} needs {par.world_size}"
+        )
+    backend = dist_backend(spec.device)  # the one place the backend is chosen
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=rank.init_method,
+            rank=rank.rank,
+            world_size=rank.world_size,
+            timeout=timedelta(seconds=rank.timeout_s),
+        )
+    groups = init_process_groups(layout_for(par), rank.rank, backend)
+    link = ModelledLink.from_spec(rank.link) if rank.link.kind == "model" else None
+    return RankGroups(rank.rank, groups, link, backend)
+
+
+def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) -> ModelRunner:
+    """The rank's model shard on ``device``, its dispatcher (and PD multiplexing's lane) over
+    the groups it ``joined``, and the ModelRunner over them. ``tools/device_ops.py`` assembles
+    one process on ``meta`` here."""
+    par = rank_parallel(spec)
+    layout = layout_for(par)
+    coords = layout.coords(joined.rank)
+    groups = joined.groups
+    model = rank_model(spec, layout, coords, groups["attn_tp"], device)
     timeline = Timeline()
     groups["attn_tp"].timeline = timeline  # attention/vocabulary all-reduces and all-gathers
-    ep_group = groups["ep"]
-    if isinstance(ep_group, EmulatedGroup):
-        dispatcher: Dispatcher = EmulatedAllToAllDispatcher(
-            ep_group, spec.config.num_experts, link, timeline
-        )
-    else:
-        dispatcher = make_dispatcher(
-            spec.overlap.moe_a2a_backend,
-            spec.config.num_experts,
-            par,
-            groups,
-            coords,
-            link,
-            timeline,
-        )
+    dispatcher = rank_dispatcher(spec, groups, coords, joined.link, timeline)
     # every rank that shares a MoE collective takes the overlap decisions together
     moe_group = groups["ep"] if layout.pure_ep else groups["tp"]
-    lane = None
-    if spec.pdmux_splits:  # the prefill lane's MoE gets process groups of its own
-        lane_groups = groups if rank is None else init_process_groups(layout, me, backend)
-        lane_dispatcher = make_dispatcher(
-            spec.overlap.moe_a2a_backend,
-            spec.config.num_experts,
-            par,
-            lane_groups,
-            coords,
-            link,
-            timeline,
-        )
-        order = None
-        if rank is not None:  # two threads launch collectives: one order on every rank
-            order = CollectiveOrder()
-            for name, of_lane in (("decode", groups), ("prefill", lane_groups)):
-                for group in of_lane.values():
-                    group.order, group.lane = order, name
-        lane = (lane_dispatcher, order)
     return ModelRunner(
         model,
         dispatcher,
@@ -140,11 +137,64 @@ def build_rank_runner(
         moe_group,
         timeline,
         pp_group=groups["pp"] if par.pp > 1 else None,
-        prefill_lane=lane,
+        prefill_lane=prefill_lane(spec, joined, coords, timeline) if spec.pdmux_splits else None,
         cuda_graph_max_bs=spec.cuda_graph_max_bs,
         page_size=spec.page_size,
         num_pages=spec.pool_pages,
     )
+
+
+def rank_model(
+    spec: EngineSpec,
+    layout: ParallelLayout,
+    coords: RankCoords,
+    attn_tp: Group,
+    device: torch.device,
+) -> MoeForCausalLM:
+    """This rank's shard of the model: its attention-TP share, experts and pipeline stage."""
+    model_par = ModelParallel(
+        attn_tp,
+        coords.ep_rank,
+        layout.ep,
+        coords.moe_tp_rank,
+        layout.moe_tp,
+        pp_layers(spec.config.num_hidden_layers, coords.pp_rank, rank_parallel(spec).pp),
+    )
+    path = Path(spec.model_path) if spec.model_path else None
+    return build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+
+
+def rank_dispatcher(
+    spec: EngineSpec,
+    groups: dict[str, Group],
+    coords: RankCoords,
+    link: ModelledLink | None,
+    timeline: Timeline,
+) -> Dispatcher:
+    """The MoE dispatcher over ``groups``: ``--moe-a2a-backend``'s for the layout, or the
+    emulated all-to-all where the EP group's peers are emulated."""
+    experts, ep = spec.config.num_experts, groups["ep"]
+    if isinstance(ep, EmulatedGroup):
+        return EmulatedAllToAllDispatcher(ep, experts, link, timeline)
+    backend, par = spec.overlap.moe_a2a_backend, rank_parallel(spec)
+    return make_dispatcher(backend, experts, par, groups, coords, link, timeline)
+
+
+def prefill_lane(
+    spec: EngineSpec, joined: RankGroups, coords: RankCoords, timeline: Timeline
+) -> tuple[Dispatcher, CollectiveOrder | None]:
+    """PD multiplexing's lane: a dispatcher whose MoE collectives run on process groups of
+    their own and, across processes, the one order in which every rank launches both lanes'
+    collectives (two threads launch them). One process shares its groups and needs no order."""
+    if joined.backend is None:
+        return rank_dispatcher(spec, joined.groups, coords, joined.link, timeline), None
+    lane_groups = init_process_groups(layout_for(rank_parallel(spec)), joined.rank, joined.backend)
+    dispatcher = rank_dispatcher(spec, lane_groups, coords, joined.link, timeline)
+    order = CollectiveOrder()
+    for name, of_lane in (("decode", joined.groups), ("prefill", lane_groups)):
+        for group in of_lane.values():
+            group.order, group.lane = order, name
+    return dispatcher, order
 
 
 def serve_step(

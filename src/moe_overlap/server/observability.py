@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI
@@ -51,7 +52,16 @@ class ServerMetrics:
 
     def __init__(self, engine: EngineLoop, overlap_mode: str):
         self.engine = engine
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._request_metrics()
+        self._engine_gauges(overlap_mode)
+        engine.step_listeners.append(self._step_metrics())
+        self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line
+        self._last_log = (time.monotonic(), 0, 0)
+
+    def _request_metrics(self) -> None:
+        """What ``RequestMetrics`` observes: latencies, tokens and finished requests."""
+        r = self.registry
         self.ttft, self.itl, self.e2e = (
             Histogram(f"moe_overlap_{name}_seconds", doc, buckets=LATENCY_BUCKETS, registry=r)
             for name, doc in (
@@ -74,6 +84,10 @@ class ServerMetrics:
             ["finish_reason"],
             registry=r,
         )
+
+    def _engine_gauges(self, overlap_mode: str) -> None:
+        """The engine's state, read when scraped: its queues, slots, health and mode."""
+        r, engine = self.registry, self.engine
         self._gauge("moe_overlap_requests_running", "Requests in the batch", "running")
         self._gauge("moe_overlap_requests_waiting", "Requests queued for a slot", "waiting")
         self._gauge("moe_overlap_kv_slots_used", "KV cache slots held by requests", "used_slots")
@@ -94,6 +108,10 @@ class ServerMetrics:
             ["mode"],
             registry=r,
         ).labels(overlap_mode).set(1)
+
+    def _step_metrics(self) -> Callable[[StepReply], None]:
+        """The forwards by mode and the communication hidden, fed by every step's reply."""
+        r = self.registry
         forwards = Counter(
             "moe_overlap_forwards",
             "Forwards by the overlap scheme each ran, per data-parallel group (under auto: the "
@@ -126,9 +144,7 @@ class ServerMetrics:
                 if stats.hidden_share is not None:
                     share.set(stats.hidden_share)
 
-        engine.step_listeners.append(count_modes)
-        self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line
-        self._last_log = (time.monotonic(), 0, 0)
+        return count_modes
 
     def _gauge(self, name: str, doc: str, stat: str) -> None:
         gauge = Gauge(name, doc, registry=self.registry)

@@ -17,23 +17,18 @@ of their own.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.core.device import torch_dtype
+from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
-from moe_overlap.dispatch.local import LocalDispatcher
-from moe_overlap.distributed.emulated import EmulatedGroup
-from moe_overlap.distributed.groups import Group
-from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.loader import place_model
-from moe_overlap.model.tensor_parallel import ModelParallel
 from moe_overlap.runtime.model_runner import ModelRunner
+from moe_overlap.runtime.rank import assemble_rank, one_process_groups
 
 _ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 
@@ -81,16 +76,18 @@ def meta_runner(
 ) -> ModelRunner:
     """A one-process runner of ``cfg`` built on ``meta`` tensors: no weight or cache memory
     at all, so a full-size model counts as cheaply as a tiny one. ``emulate_peers`` N: rank 0
-    of ep=N with its peers emulated, as ``bench --emulate-peers`` runs it."""
-    par = ModelParallel(Group.single(name="attn_tp"), 0, emulate_peers or 1)
-    with torch.device("meta"):
-        model = MoeForCausalLM(cfg, par)
-    place_model(model, "meta", torch_dtype(dtype))
-    if not emulate_peers:
-        return ModelRunner(model.eval(), LocalDispatcher(cfg.num_experts), seqs, max_len)
-    group = EmulatedGroup(emulate_peers, torch.device("meta"))
-    dispatcher = EmulatedAllToAllDispatcher(group, cfg.num_experts)
-    return ModelRunner(model.eval(), dispatcher, seqs, max_len, group=group)
+    of ep=N with its peers emulated, as ``bench --emulate-peers`` runs it. It is assembled as
+    every rank is (``runtime/rank.py: assemble_rank``), on ``meta``."""
+    spec = EngineSpec(
+        cfg,
+        max_num_seqs=seqs,
+        max_len=max_len,
+        kv_cache_bytes=sys.maxsize,  # meta tensors take no memory: every slot at max_len
+        emulate_peers=emulate_peers,
+        dtype=dtype,
+    )
+    meta = torch.device("meta")
+    return assemble_rank(spec, one_process_groups(emulate_peers, meta, None), meta)
 
 
 def count_forward(

@@ -1,0 +1,42 @@
+"""A model's caches on its rank: the paged KV pool and the recurrent-state cache, sized by the
+model's own layers and kept on its device in its dtype. The rank's model runner sizes its
+caches here, and ``auto``'s calibration its scratch ones (``overlap/calibrate.py``)."""
+
+from __future__ import annotations
+
+from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
+from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.state_cache import StateCache
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.loader import model_placement
+
+
+def kv_cache_for(
+    model: MoeForCausalLM,
+    num_slots: int,
+    max_len: int,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    num_pages: int | None = None,
+    padding: int = 0,
+) -> KVCache:
+    """The KV pool of ``num_slots`` sequences of up to ``max_len`` tokens for ``model``'s layers
+    (``num_pages`` of ``page_size`` tokens; None: every slot at ``max_len``), and ``padding``
+    more slots and pages for a CUDA graph's padding rows."""
+    device, dtype = model_placement(model)
+    return KVCache(
+        model.cfg.num_hidden_layers,
+        num_slots + padding,
+        max_len,
+        model.kv_entries(),
+        dtype,
+        device,
+        page_size,
+        None if num_pages is None else num_pages + padding,
+    )
+
+
+def state_cache_for(model: MoeForCausalLM, num_slots: int) -> StateCache:
+    """The linear-attention layers' conv and SSM states of ``num_slots`` sequences (empty for
+    a model without such layers)."""
+    device, dtype = model_placement(model)
+    return StateCache(model.state_shapes(), num_slots, dtype, device)
