@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams
+from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import SampleSpec
-from moe_overlap.model.layers import AttentionPlan
 from moe_overlap.runtime import sampler as sampler_module
 from moe_overlap.runtime.sampler import sample
 from tests.helpers import TINY

@@ -111,7 +111,7 @@ def test_a_custom_strategy_plugs_in_without_engine_changes():
     batch = ForwardBatch(torch.arange(30) % 80, [0, 1], [0, 0], [12, 18], [True, True])
     expected = runner.forward_plain(batch)
     assert scheme.strategies[False] is every_op
-    assert torch.allclose(scheme.forward(batch, runner)["logits"], expected, atol=1e-5, rtol=0)
+    assert torch.allclose(scheme.forward(batch, runner).final_logits(), expected, atol=1e-5, rtol=0)
 
 
 def test_tbo_min_tokens_threshold_edges():

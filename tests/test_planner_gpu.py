@@ -121,10 +121,16 @@ def test_gemm_rows_come_in_tiles_at_their_rows_efficiency() -> None:
     rate = 1979e12 * 0.66
     # 16 rows compute a 64-row tile, at 64 / (64 + 100) of the large-GEMM rate
     assert model.kernel_seconds(1e9, 0, 0, rows=16) == pytest.approx(1e9 * 4 / (rate * 64 / 164))
-    assert model.kernel_seconds(4e9, 0, 0, rows=64) == pytest.approx(model.kernel_seconds(1e9, 0, 0, rows=16))
+    assert model.kernel_seconds(4e9, 0, 0, rows=64) == pytest.approx(
+        model.kernel_seconds(1e9, 0, 0, rows=16)
+    )
     # grouped: 4 experts of 256 rows each run at 256 / 356 (DeepGEMM masked: 932 TFLOPS)
-    assert model.kernel_seconds(1e12, 0, 0, rows=1024, groups=4) == pytest.approx(1e12 / (rate * 256 / 356))
-    assert 1e12 / model.kernel_seconds(1e12, 0, 0, rows=1024, groups=4) / 1e12 == pytest.approx(939, rel=0.01)
+    assert model.kernel_seconds(1e12, 0, 0, rows=1024, groups=4) == pytest.approx(
+        1e12 / (rate * 256 / 356)
+    )
+    assert 1e12 / model.kernel_seconds(1e12, 0, 0, rows=1024, groups=4) / 1e12 == pytest.approx(
+        939, rel=0.01
+    )
 
 
 def test_a_normal_transfer_slows_overlapped_compute_a_low_latency_one_does_not() -> None:

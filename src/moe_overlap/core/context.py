@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from moe_overlap.core import tracks
+from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
@@ -56,7 +57,7 @@ class ForwardContext:
     timeline: Timeline | None = None
     state: StrictState = field(default_factory=StrictState)
     # how attention runs over this batch: built by the first attention layer, reused by the rest
-    attention_plan: Any = None
+    attention_plan: AttentionPlan | None = None
     states: StateCache | None = None  # linear-attention layers' recurrent states (Qwen3.5)
     input_ids: torch.Tensor = field(init=False)  # the batch's ids on the device
     # RoPE's cos and sin at this batch's positions, per table and dtype: looked up by the first

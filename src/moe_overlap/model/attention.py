@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
-    AttentionPlan,
     RMSNorm,
+    attention_plan,
     causal_attention,
     decode_attention,
 )
@@ -101,7 +102,7 @@ class GQAttention(nn.Module):
         v: torch.Tensor,
         gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
+        plan, cache, layer = attention_plan(ctx), ctx.kv_cache, self.layer_id
         cache.store(layer, plan.slots, ctx.positions, (ctx.position_end, ctx.slot_end), k=k, v=v)
         scale = self.head_dim**-0.5
         if self.window or self.sinks is not None:

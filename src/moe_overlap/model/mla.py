@@ -15,8 +15,8 @@ from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.layers import (
-    AttentionPlan,
     RMSNorm,
+    attention_plan,
     causal_attention,
     decode_attention,
 )
@@ -79,7 +79,7 @@ class MLAttention(nn.Module):
     def core(
         self, ctx: ForwardContext, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor
     ) -> torch.Tensor:
-        plan, cache, layer = AttentionPlan.of_context(ctx), ctx.kv_cache, self.layer_id
+        plan, cache, layer = attention_plan(ctx), ctx.kv_cache, self.layer_id
         bounds = (ctx.position_end, ctx.slot_end)
         cache.store(layer, plan.slots, ctx.positions, bounds, latent=latent, k_pe=k_pe)
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)

@@ -26,6 +26,7 @@ from moe_overlap.core.mode_labels import auto_choice_config
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, Runs
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.agreement import dbo_decide, tbo_decide, tbo_local_vote
@@ -76,8 +77,8 @@ class AutoOverlap:
         self.steps = 0
 
     def forward(
-        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
-    ) -> dict | None:
+        self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None
+    ) -> ForwardOutputs | None:
         """The chosen mode's outputs; None on one rank, where nothing is hidden. Not under
         pipeline parallelism (``inputs``): the engine refuses auto with ``--pp``."""
         if self.group.size == 1:
@@ -126,7 +127,7 @@ class AutoOverlap:
     def _run(self, mode: str, batch: ForwardBatch, runner: Runner, decode: bool, split: int | None):
         runs = shape(mode)[0]
         if runs is Runs.PLAIN:
-            return execute_operations(runner.context(batch), runner.ops)
+            return ForwardOutputs.of(execute_operations(runner.context(batch), runner.ops))
         scheme = self.schemes[mode]
         if runs is Runs.BLOCKS:
             return scheme.forward(batch, runner)

@@ -23,6 +23,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import DBO
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.model.causal_lm import MoeForCausalLM
@@ -66,8 +67,8 @@ class DualBatchOverlap:
         self.num_overlapped = 0  # forwards that ran as two micro-batches
 
     def forward(
-        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
-    ) -> dict | None:
+        self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None
+    ) -> ForwardOutputs | None:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = dbo_agree(batch, self.cfg, self.group)
@@ -77,8 +78,12 @@ class DualBatchOverlap:
         return self.run(batch, runner, decision.split_point, inputs)
 
     def run(
-        self, batch: ForwardBatch, runner: Runner, split_point: int, inputs: dict | None = None
-    ) -> dict:
+        self,
+        batch: ForwardBatch,
+        runner: Runner,
+        split_point: int,
+        inputs: StageInputs | None = None,
+    ) -> ForwardOutputs:
         """Run ``batch`` as two micro-batches cut at token ``split_point`` (agreed by every
         rank, with tokens on both sides)."""
         plan = token_split(batch.extend_lens, [split_point])

@@ -28,6 +28,7 @@ from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import SBO
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs, op_inputs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.decoder import DecoderLayer
@@ -140,7 +141,11 @@ class SingleBatchOverlap:
         own = sbo_ops(cfg.sbo_combine_blocks, self.lane)
         self.ops = build_operations(model, strategy_for(model, SBO.name), own)
 
-    def forward(self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None) -> dict:
+    def forward(
+        self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None
+    ) -> ForwardOutputs:
         """The outputs (logits ``[rows, vocab]``, or a pipeline stage's hidden states); an idle
         rank runs the same all-to-alls with no rows."""
-        return execute_operations(runner.context(batch), self.ops, inputs)
+        return ForwardOutputs.of(
+            execute_operations(runner.context(batch), self.ops, op_inputs(inputs))
+        )

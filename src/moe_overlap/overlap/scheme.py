@@ -11,6 +11,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.overlap.operations import Op, Yield
@@ -28,9 +29,9 @@ class Runner(Protocol):
 
 class OverlapScheme(Protocol):
     def forward(
-        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
-    ) -> dict | None:
-        """The stage's outputs for ``batch`` (``{"logits": ...}`` on the last stage, else the
-        hidden states the next starts from), or None when the ranks agreed not to use the
+        self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None
+    ) -> ForwardOutputs | None:
+        """The stage's outputs for ``batch`` (the logits on the last stage, else the hidden
+        states the next starts from), or None when the ranks agreed not to use the
         scheme this forward (the runner then runs its plain op list)."""
         ...

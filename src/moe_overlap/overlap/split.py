@@ -14,6 +14,7 @@ import torch
 
 from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.core.transfer import to_device
 
 
@@ -212,23 +213,24 @@ def child_rows(batch: ForwardBatch, plan: Plan) -> list[torch.Tensor]:
     ]
 
 
-def split_inputs(batch: ForwardBatch, plan: Plan, inputs: dict | None) -> list[dict]:
-    """A pipeline stage's inputs (per-token tensors of the whole batch) cut for each child;
-    none (the first stage) gives each child none."""
-    if not inputs:
+def split_inputs(batch: ForwardBatch, plan: Plan, inputs: StageInputs | None) -> list[dict]:
+    """A pipeline stage's inputs (per-token tensors of the whole batch) cut for each child,
+    as its first op takes them; none (the first stage) gives each child none."""
+    if inputs is None:
         return [{} for _ in plan]
-    return [{k: v[rows] for k, v in inputs.items()} for rows in child_rows(batch, plan)]
+    whole = inputs.as_dict()
+    return [{k: v[rows] for k, v in whole.items()} for rows in child_rows(batch, plan)]
 
 
-def merge_outputs(batch: ForwardBatch, plan: Plan, outs: list[dict]) -> dict:
+def merge_outputs(batch: ForwardBatch, plan: Plan, outs: list[dict]) -> ForwardOutputs:
     """The children's outputs as the whole batch's: logits (the last stage), or the per-token
     ``hidden_states`` and ``residual`` an earlier stage hands on."""
     if "logits" in outs[0]:
-        return {"logits": merge_logits(batch, plan, [o["logits"] for o in outs])}
+        return ForwardOutputs(logits=merge_logits(batch, plan, [o["logits"] for o in outs]))
     merged = {}
     for key, like in outs[0].items():
         whole = like.new_empty((batch.num_tokens, *like.shape[1:]))
         for rows, out in zip(child_rows(batch, plan), outs, strict=True):
             whole[rows] = out[key]
         merged[key] = whole
-    return merged
+    return ForwardOutputs.of(merged)

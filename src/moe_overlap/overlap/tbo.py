@@ -10,6 +10,7 @@ from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import TBO
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.agreement import tbo_agree
 from moe_overlap.overlap.operations import execute_overlapped
@@ -46,8 +47,8 @@ class TwoBatchOverlap:
         return plan_even_tokens(batch, n, self.cost)
 
     def forward(
-        self, batch: ForwardBatch, runner: Runner, inputs: dict | None = None
-    ) -> dict | None:
+        self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None
+    ) -> ForwardOutputs | None:
         """The outputs (logits, or a pipeline stage's hidden states) of an overlapped forward,
         or None if the ranks agreed not to micro-batch."""
         decision = tbo_agree(batch, self.cfg, self.group)
@@ -57,8 +58,8 @@ class TwoBatchOverlap:
         return self.run(batch, runner, decision.decode, inputs)
 
     def run(
-        self, batch: ForwardBatch, runner: Runner, decode: bool, inputs: dict | None = None
-    ) -> dict:
+        self, batch: ForwardBatch, runner: Runner, decode: bool, inputs: StageInputs | None = None
+    ) -> ForwardOutputs:
         """Micro-batch ``batch`` (every rank has agreed to) with the decode or prefill strategy."""
         plan = self.plan(batch)
         children = split_batch(batch, plan)

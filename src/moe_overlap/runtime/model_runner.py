@@ -19,6 +19,7 @@ from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, NONE
+from moe_overlap.core.stage_io import ForwardOutputs, StageInputs, op_inputs
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
@@ -156,12 +157,15 @@ class ModelRunner:
         return self._logits(batch, cfg)
 
     def _logits(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:
-        return self.forward_stage(batch, cfg)["logits"]
+        return self.forward_stage(batch, cfg).final_logits()
 
     @torch.inference_mode()
     def forward_stage(
-        self, batch: ForwardBatch, overlap: OverlapConfig | None = None, inputs: dict | None = None
-    ) -> dict:
+        self,
+        batch: ForwardBatch,
+        overlap: OverlapConfig | None = None,
+        inputs: StageInputs | None = None,
+    ) -> ForwardOutputs:
         """This pipeline stage's outputs for ``batch``: the logits on the last stage, else the
         ``hidden_states`` and ``residual`` the next stage starts from (``inputs`` on it)."""
         cfg = overlap or self.overlap
@@ -173,12 +177,14 @@ class ModelRunner:
                 self.last_mode = choice.mode if choice is not None else cfg.mode
                 return out
         self.last_mode = NONE.name
-        return execute_operations(self.context(batch), self.ops, inputs)
+        return ForwardOutputs.of(
+            execute_operations(self.context(batch), self.ops, op_inputs(inputs))
+        )
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:
         """One batch through every op in order: no overlap, the normal dispatch."""
         self.active = self.dispatcher
-        return execute_operations(self.context(batch), self.ops)["logits"]
+        return ForwardOutputs.of(execute_operations(self.context(batch), self.ops)).final_logits()
 
     def context(self, batch: ForwardBatch, name: str = tracks.FIRST) -> ForwardContext:
         return ForwardContext(

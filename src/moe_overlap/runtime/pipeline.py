@@ -17,6 +17,7 @@ import torch
 from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.stage_io import StageInputs
 from moe_overlap.distributed.groups import Group
 from moe_overlap.overlap.split import merge_logits, plan_even_tokens, split_batch
 
@@ -32,12 +33,14 @@ class PipelineStage:
         timeline = self.runner.timeline
         for i, child in enumerate(split_batch(batch, plan)):
             with timeline.span(tracks.pipeline(i), f"stage {self.pp.rank}, micro-batch {i}"):
-                inputs = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
+                received = None if self.first else self.pp.recv_dict(self.pp.rank - 1)
+                inputs = None if received is None else StageInputs.from_dict(received)
                 out = self.runner.forward_stage(child, overlap, inputs)
             if self.last:
-                logits.append(out["logits"])
+                logits.append(out.final_logits())
             else:
-                sends.append(self.pp.send_dict(out, self.pp.rank + 1, wait=False))
+                handoff = out.handoff().as_dict()
+                sends.append(self.pp.send_dict(handoff, self.pp.rank + 1, wait=False))
         for send in sends:  # the next stage has taken every micro-batch
             send.wait()
         if not self.last:

@@ -25,8 +25,14 @@ from moe_overlap.server.serving import encode_prompt, serve
 def install_native(
     app: FastAPI, engine: EngineLoop, settings: ServerSettings, metrics: ServerMetrics
 ) -> None:
-    llm = engine.llm
+    _install_generate(app, engine, settings, metrics)
+    _install_info(app, engine, settings, metrics)
+    _install_tokens(app, engine, settings)
 
+
+def _install_generate(
+    app: FastAPI, engine: EngineLoop, settings: ServerSettings, metrics: ServerMetrics
+) -> None:
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         completion = body.completion()
@@ -40,6 +46,12 @@ def install_native(
         batched = body.batched()
         call = (completion, encode, None, completion.max_tokens, False, request)
         return await serve(engine, settings, metrics, *call, lambda f: NativeFormatter(f, batched))
+
+
+def _install_info(
+    app: FastAPI, engine: EngineLoop, settings: ServerSettings, metrics: ServerMetrics
+) -> None:
+    llm = engine.llm
 
     @app.get("/get_model_info")
     async def model_info() -> dict:
@@ -74,6 +86,10 @@ def install_native(
         except (APIError, EngineDead) as error:
             return error_response(503, f"generation failed: {error}", "unhealthy")
         return JSONResponse({"status": "ok"})
+
+
+def _install_tokens(app: FastAPI, engine: EngineLoop, settings: ServerSettings) -> None:
+    llm = engine.llm
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
