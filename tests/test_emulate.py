@@ -17,7 +17,7 @@ from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher, symmetric_
 from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.tools.bench import make_batches, run_bench
 from moe_overlap.tools.cli import main
-from moe_overlap.tools.workloads import Workload, parse_workload
+from moe_overlap.core.workloads import Workload, parse_workload
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 LINK = "model:400mbit,1ms"

@@ -34,7 +34,7 @@ from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.bench import make_batches, run_bench
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.measure_this import calibrate_this
-from moe_overlap.tools.workloads import parse_workload
+from moe_overlap.core.workloads import parse_workload
 
 V3 = "configs/deepseek-v3.json"
 FLAT = Cluster(  # no overheads, one rate everywhere: the arithmetic can be checked by hand

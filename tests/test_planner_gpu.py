@@ -21,7 +21,7 @@ from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.reproduce import CASES, run_case
 from moe_overlap.tools.bench import make_batches
 from moe_overlap.tools.cli import main
-from moe_overlap.tools.workloads import parse_workload
+from moe_overlap.core.workloads import parse_workload
 
 V3 = load_model_spec("configs/deepseek-v3.json")
 EFFECTS = (

@@ -29,8 +29,8 @@ from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.core.step import SampleSpec, StepReply, StepRequest
+from moe_overlap.core.workloads import Workload
 from moe_overlap.tools.bench_notes import mode_notes
-from moe_overlap.tools.workloads import Workload
 
 
 @dataclass

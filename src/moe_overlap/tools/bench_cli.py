@@ -17,6 +17,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.workloads import DEFAULT_WORKLOAD, Workload, check_fits, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs
 from moe_overlap.engine.engine_args import OverlapArgs
@@ -29,13 +30,14 @@ from moe_overlap.tools.cli_args import (
     add_link_arg,
     add_model_args,
     device_kwargs,
+    engine_args,
+    engine_kwargs,
     model_path,
 )
 from moe_overlap.tools.flags import add_fields
-from moe_overlap.tools.layout_args import add_layout_args, layout_kwargs
+from moe_overlap.tools.layout_args import add_layout_args
 from moe_overlap.tools.report import bench_table
-from moe_overlap.tools.trace import write_outputs
-from moe_overlap.tools.workloads import Workload, parse_workload
+from moe_overlap.tools.trace import OutputArgs, write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -74,7 +76,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if NONE.name not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    par, peers = ParallelConfig(**layout_kwargs(args)), args.emulate_peers
+    par, peers = engine_args(args).parallel_config(), args.emulate_peers
     check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
     configs = mode_configs(args, modes)
     for mode in modes:  # each mode on this layout, as the engine would check it
@@ -89,22 +91,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
+    per_rank = max(sum(lengths) for lengths in workload.lengths)
     slots = max(len(lengths) for lengths in workload.lengths)
-    source = (
-        {"model": args.model, "load_format": args.load_format} if args.model else {"config": cfg}
-    )
+    # the engine's settings from the flags, sized for this workload's steps
+    sized = dict(max_num_seqs=slots, max_model_len=longest, max_num_batched_tokens=per_rank)
     console = Console()
-    with LLM(
-        **source,
-        seed=args.seed,
-        **layout_kwargs(args),
-        link=args.link,
-        timeout=args.timeout,
-        **device_kwargs(args),
-        max_num_seqs=slots,
-        max_model_len=longest,
-        emulate_peers=peers,
-    ) as llm:
+    with LLM(**(engine_kwargs(args) | sized), emulate_peers=peers) as llm:
         report = run_bench(
             llm.executor,
             workload,
@@ -122,7 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
             "(their steps ran eagerly)"
         )
-    payload = {"model": model_path(args), **layout_kwargs(args), "link": args.link}
+    payload = {"model": model_path(args), **engine_args(args).layout_kwargs(), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
     bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
     write_outputs(console, report.recording, args, payload | report.to_json(bounds))
@@ -184,11 +176,7 @@ def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Wo
     if args.emulate_peers:  # the one real rank's tokens; its peers' are alike by symmetry
         workload = Workload(workload.spec, workload.lengths[:1], workload.context)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    if longest > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"--workload {args.workload}: a sequence of {longest} tokens exceeds the model's "
-            f"context (max_position_embeddings={cfg.max_position_embeddings}); use shorter ones"
-        )
+    check_fits(longest, cfg.max_position_embeddings, f"--workload {args.workload}: a sequence")
     if workload.decode and cfg.is_hybrid:
         raise ConfigError(
             f"--workload {args.workload}: a decode workload times the same decode step again and "
@@ -249,10 +237,9 @@ def _add_bench_command(sub) -> None:
     add_device_args(bench)
     bench.add_argument(
         "--workload",
-        default="uniform:30-3072",
+        default=DEFAULT_WORKLOAD,
         metavar="SPEC",
-        help="single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH "
-        "(default uniform:30-3072)",
+        help="single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH (default %(default)s)",
     )
     bench.add_argument(
         "--modes",
@@ -262,14 +249,7 @@ def _add_bench_command(sub) -> None:
     )
     bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
     add_fields(bench, LayoutArgs, only=("timeout",))
-    bench.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
-    bench.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="write a Chrome/Perfetto trace: a track per rank and micro-batch, "
-        "and one per rank for communication",
-    )
-    bench.add_argument("--plot", metavar="PATH", help="draw the timelines of rank 0 as a PNG")
+    add_fields(bench, OutputArgs)
     add_fields(
         bench,
         OverlapArgs,

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.workloads import check_fits
 from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import SamplingParams
@@ -197,11 +198,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.hf_config)
     cases = make_cases(args)
     longest = max(c.prompt_len + c.new_tokens for c in cases)
-    if longest > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"a case needs {longest} tokens, more than max_position_embeddings="
-            f"{cfg.max_position_embeddings}"
-        )
+    check_fits(longest, cfg.max_position_embeddings, "a case")
     torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:

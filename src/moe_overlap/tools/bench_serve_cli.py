@@ -17,7 +17,7 @@ from rich.table import Table
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.workloads import DEFAULT_WORKLOAD, check_fits
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_serve import (
@@ -28,8 +28,7 @@ from moe_overlap.tools.bench_serve import (
     prompt_lengths,
     run_load,
 )
-from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_kwargs
-from moe_overlap.tools.layout_args import layout_kwargs
+from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
 from moe_overlap.tools.serving_metrics import parse_metrics, parse_percentiles, result_block
 
 
@@ -97,7 +96,7 @@ def add_load_args(bench: argparse.ArgumentParser) -> None:
 def _add_load_shape_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--workload",
-        default="uniform:30-3072",
+        default=DEFAULT_WORKLOAD,
         help="prompt lengths, in the bench's grammar (default %(default)s)",
     )
     g.add_argument(
@@ -160,14 +159,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     cfg = _model_config(args)
     lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
     if cfg is not None:
-        context = min(
-            args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        if max(lengths) + args.output_len > context:
-            raise ConfigError(
-                f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len "
-                f"{args.output_len} exceed the model's context of {context} tokens"
-            )
+        what = f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len"
+        context = engine_args(args).context_length(cfg)
+        check_fits(max(lengths) + args.output_len, context, f"{what} {args.output_len}")
     prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:
@@ -249,7 +243,7 @@ def _title(args: argparse.Namespace) -> str:
     load += f" of {args.output_len}-token answers per rate"
     if args.base_url:
         return f"{args.base_url}, workload {args.workload}, {load}"
-    layout = ParallelConfig(**layout_kwargs(args)).describe()
+    layout = engine_args(args).parallel_config().describe()
     name = Path(args.model or args.hf_config).stem
     return f"{name}, {layout}, --link {args.link}, workload {args.workload}, {load}"
 

@@ -4,7 +4,6 @@ controller's ``--load-balance-method``, generated from ``LayoutArgs``."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from moe_overlap.engine.args import LayoutArgs
 from moe_overlap.tools.flags import add_fields
@@ -14,7 +13,3 @@ LAYOUT_FLAGS = ("tp", "dp", "enable_dp_attention", "ep", "pp", "load_balance_met
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     add_fields(p, LayoutArgs, only=LAYOUT_FLAGS)
-
-
-def layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in ("tp", "dp", "ep", "enable_dp_attention", "pp")}

@@ -15,6 +15,7 @@ from rich.console import Console
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
 from moe_overlap.core.overlap_modes import DBO, NONE
+from moe_overlap.core.workloads import DEFAULT_WORKLOAD, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.planner.cluster import load_cluster, presets
 from moe_overlap.planner.inputs import load_model_spec, make_layout
@@ -33,8 +34,7 @@ from moe_overlap.tools.bench import make_batches
 from moe_overlap.tools.cli_args import add_link_arg
 from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.measure_this import calibrate_this
-from moe_overlap.tools.trace import write_outputs
-from moe_overlap.tools.workloads import parse_workload
+from moe_overlap.tools.trace import OutputArgs, write_outputs
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -153,7 +153,7 @@ def add_plan_command(sub) -> None:
     add_link_arg(plan)
     plan.add_argument(
         "--workload",
-        default="uniform:30-3072",
+        default=DEFAULT_WORKLOAD,
         metavar="SPEC",
         help="the bench's grammar: single-long[:N], uniform:A-B[:T], decode:BS[:CTX], file:PATH "
         "(per DP group)",
@@ -191,6 +191,4 @@ def _add_outputs(plan: argparse.ArgumentParser) -> None:
         help="also sweep decode batch sizes 1..1024 per rank at CTX tokens of context and print "
         "where each mode starts to beat none (DBO's --dbo-decode-token-threshold)",
     )
-    plan.add_argument("--json", metavar="PATH", help="write the plan in the bench's JSON shape")
-    plan.add_argument("--trace", metavar="PATH", help="write the predicted timelines as a trace")
-    plan.add_argument("--plot", metavar="PATH", help="draw the predicted timelines of rank 0")
+    add_fields(plan, OutputArgs)

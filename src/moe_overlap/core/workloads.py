@@ -15,6 +15,20 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_overlap.core.errors import ConfigError
+
+DEFAULT_WORKLOAD = "uniform:30-3072"  # bench's and plan's: prefill-heavy, as the references'
+
+
+def check_fits(tokens: int, context: int, what: str) -> None:
+    """Refuse ``what`` (a workload's longest sequence, a benchmark case) when its ``tokens``
+    exceed the model's ``context``."""
+    if tokens > context:
+        raise ConfigError(
+            f"{what} needs {tokens} tokens, which exceed the model's context of {context}; "
+            "use shorter ones"
+        )
+
 
 class WorkloadError(ValueError):
     """A workload spec that cannot be parsed or served."""
