@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,27 @@ def test_one_calibration_fit() -> None:
     # auto's start-up calibration and `plan --cluster this` fit costs with core/cost_fit.py only
     fitting = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "lstsq" in p.read_text())
     assert fitting == ["core/cost_fit.py"], fitting
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def test_the_architecture_page_matches_the_tree() -> None:
+    """Every folder of the package is named in docs/architecture.md's layer block, and every
+    ``folder/file.py`` the page names exists (a moved or renamed module fails here)."""
+    text = ARCHITECTURE.read_text()
+    block = text.split("```")[1]
+    folders = sorted(p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__")
+    missing = [f for f in folders if f"{f}/" not in block]
+    assert not missing, f"folders not in the layer block of docs/architecture.md: {missing}"
+    named = set(re.findall(rf"\b((?:{'|'.join(folders)})/\w+\.py)\b", text))
+    gone = sorted(n for n in named if not (SRC / n).exists())
+    assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    unlinked = [p for p in pages if f"(docs/{p})" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+    assert len(readme.splitlines()) <= 300
