@@ -15,7 +15,7 @@ from moe_overlap.runtime.cuda_graphs import DecodeGraphs
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY
-from tests.test_cuda_graphs import MODELS, eager_graphs
+from tests.runtime.test_cuda_graphs import MODELS, eager_graphs
 
 pytestmark = needs_gpu
 MODES = {

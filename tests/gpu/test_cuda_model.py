@@ -16,7 +16,7 @@ from moe_overlap.overlap.baton import DualBatchThreads
 from moe_overlap.overlap.operations import Yield
 from tests.gpu.common import needs_gpu
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same
-from tests.test_bf16 import PROMPTS, _near, _row_diffs
+from tests.model.test_bf16 import PROMPTS, _near, _row_diffs
 
 pytestmark = needs_gpu
 pytest.importorskip("transformers")

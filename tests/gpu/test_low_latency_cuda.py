@@ -20,7 +20,7 @@ from moe_overlap.model.moe import ExpertBank, grouped_fits
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY
-from tests.test_cuda_graphs import eager_graphs
+from tests.runtime.test_cuda_graphs import eager_graphs
 
 pytestmark = needs_gpu
 HIDDEN, INTER, EP, LOCAL, CAP = 256, 128, 4, 3, 16

@@ -1,5 +1,5 @@
 """On a GPU: a decode forward makes no host sync but the one read per dispatch, under
-``torch.cuda.set_sync_debug_mode("error")`` (the GPU side of tests/test_host_syncs.py)."""
+``torch.cuda.set_sync_debug_mode("error")`` (the GPU side of tests/runtime/test_host_syncs.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The forward reads the device once per dispatch (``read_counts``: the all-to-all 
 sizes on the host; on CUDA ``CountsRead``, which waits for the counts' copy alone) and nowhere
 else; everything else it needs on the host (positions, slots,
 bounds) comes from the batch's host metadata, sent with ``to_device``, which never waits.
-``tests/test_host_syncs.py`` holds the forward to that on CPU by running it on ``meta`` tensors.
+``tests/runtime/test_host_syncs.py`` holds the forward to that on CPU by running it on ``meta`` tensors.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from moe_overlap.core.dispatcher import host_counts
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model import moe
 from moe_overlap.model.moe import ExpertBank, grouped_fits
-from tests.test_experts import BANK, EXPERTS, HIDDEN, per_expert
+from tests.model.test_experts import BANK, EXPERTS, HIDDEN, per_expert
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
 

@@ -234,7 +234,7 @@ def test_ep2_timeline_records_each_wait_on_the_waiters_track():
 
 def test_dbo_aborts_its_own_group_on_a_stall():
     """A stall leaves a thread inside a collective: the scheme's threads abort its EP group
-    (tests/test_collective_risks.py runs one over gloo)."""
+    (tests/distributed/test_collective_risks.py runs one over gloo)."""
     group = Group.single(name="ep")
     scheme = DualBatchOverlap(build_model(ModelConfig(**TINY["qwen3_moe"]), None, 0), DBO, group)
     try:

@@ -13,7 +13,7 @@ import pytest
 from moe_overlap import LLM
 from moe_overlap.runtime import sampler as sampler_module
 from moe_overlap.runtime.sampler import sample
-from tests.test_server import KEY, Running, served_model
+from tests.server.test_server import KEY, Running, served_model
 
 SLOTS = 4
 HEALTH_S = 0.2  # the longest /health may take while the largest request is queued

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_overlap import LLM, SamplingParams
-from tests.test_server import KEY, Running, _metrics, served_model
+from tests.server.test_server import KEY, Running, _metrics, served_model
 
 PROMPT = "Question 3: where is the river?"
 

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from moe_overlap import LLM
-from tests.test_server import KEY, Running, served_model
+from tests.server.test_server import KEY, Running, served_model
 
 PER_CLIENT = 300
 

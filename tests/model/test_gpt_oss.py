@@ -15,7 +15,7 @@ import torch
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
-from tests.family_checks import (
+from tests.family_suite import (
     BUDGETS,
     PROMPTS,
     ep2_modes_match_one_process,

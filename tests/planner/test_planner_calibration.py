@@ -26,7 +26,7 @@ from moe_overlap.planner.measurements import (
 )
 from moe_overlap.planner.plan import Planner
 from moe_overlap.tools.cli import main
-from tests.test_plan import FLAT
+from tests.planner.test_plan import FLAT
 
 CONFIG = "configs/qwen3-moe-bench.json"
 SPEC = load_model_spec(CONFIG)

@@ -12,7 +12,7 @@ import pytest
 from moe_overlap import ModelConfig
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.strategy import build_operations, strategy_for
-from tests.family_checks import (
+from tests.family_suite import (
     BUDGETS,
     ep2_modes_match_one_process,
     layout_matches_one_process,

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moe_overlap.engine.llm import LLM
-from tests.test_server import KEY, Running, served_model
+from tests.server.test_server import KEY, Running, served_model
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}

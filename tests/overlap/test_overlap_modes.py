@@ -27,7 +27,7 @@ from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.tools.cli import main
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "moe_overlap"
+SRC = Path(__file__).resolve().parents[2] / "src" / "moe_overlap"
 REGISTRY = SRC / "core" / "overlap_modes.py"
 # "none" and "auto" also name values of other settings; these modules own those
 OTHER_ENUMS = {

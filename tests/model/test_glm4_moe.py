@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from moe_overlap import ModelConfig
-from tests.family_checks import (
+from tests.family_suite import (
     BUDGETS,
     ep2_modes_match_one_process,
     layout_matches_one_process,

@@ -17,7 +17,7 @@ import pytest
 from moe_overlap import LLM
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.server import app as app_module
-from tests.test_server import KEY, SERVE, Running, _free_port, served_model
+from tests.server.test_server import KEY, SERVE, Running, _free_port, served_model
 
 JSON = {"Content-Type": "application/json"}
 LIMITS = dict(

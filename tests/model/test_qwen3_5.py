@@ -22,7 +22,7 @@ from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
-from tests.family_checks import CASES, layout_matches_one_process, made_model_matches_transformers
+from tests.family_suite import CASES, layout_matches_one_process, made_model_matches_transformers
 from tests.helpers import (
     KW,
     PARAMS,

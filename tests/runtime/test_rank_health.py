@@ -15,7 +15,7 @@ import time
 import pytest
 
 from moe_overlap import LLM
-from tests.test_server import Running, _free_port, _metrics, served_model
+from tests.server.test_server import Running, _free_port, _metrics, served_model
 
 TIMEOUT_S = 3.0
 
