@@ -20,13 +20,13 @@ from moe_overlap.core.errors import ConfigError
 DEFAULT_WORKLOAD = "uniform:30-3072"  # bench's and plan's: prefill-heavy, as the references'
 
 
-def check_fits(tokens: int, context: int, what: str) -> None:
+def check_fits(tokens: int, context: int, what: str, limit: str) -> None:
     """Refuse ``what`` (a workload's longest sequence, a benchmark case) when its ``tokens``
-    exceed the model's ``context``."""
+    exceed the model's ``context`` (which ``limit`` names: the config field or the flag)."""
     if tokens > context:
         raise ConfigError(
-            f"{what} needs {tokens} tokens, which exceed the model's context of {context}; "
-            "use shorter ones"
+            f"{what} needs {tokens} tokens, which exceed the model's context of {context} "
+            f"({limit}); use shorter ones"
         )
 
 

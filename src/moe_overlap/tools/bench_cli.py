@@ -176,7 +176,8 @@ def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Wo
     if args.emulate_peers:  # the one real rank's tokens; its peers' are alike by symmetry
         workload = Workload(workload.spec, workload.lengths[:1], workload.context)
     longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    check_fits(longest, cfg.max_position_embeddings, f"--workload {args.workload}: a sequence")
+    what = f"--workload {args.workload}: a sequence"
+    check_fits(longest, cfg.max_position_embeddings, what, "max_position_embeddings")
     if workload.decode and cfg.is_hybrid:
         raise ConfigError(
             f"--workload {args.workload}: a decode workload times the same decode step again and "

@@ -198,7 +198,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.hf_config)
     cases = make_cases(args)
     longest = max(c.prompt_len + c.new_tokens for c in cases)
-    check_fits(longest, cfg.max_position_embeddings, "a case")
+    check_fits(longest, cfg.max_position_embeddings, "a case", "max_position_embeddings")
     torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:

@@ -161,7 +161,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if cfg is not None:
         what = f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len"
         context = engine_args(args).context_length(cfg)
-        check_fits(max(lengths) + args.output_len, context, f"{what} {args.output_len}")
+        tokens = max(lengths) + args.output_len
+        check_fits(tokens, context, f"{what} {args.output_len}", "--max-model-len")
     prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:
