@@ -339,6 +339,9 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, cap
     assert after["moe_overlap_engine_up"] == 1 and after["moe_overlap_requests_running"] == 0
     assert after["moe_overlap_ranks_healthy"] == 1
     assert after["moe_overlap_kv_slots_total"] == SLOTS
+    # every page came back with its request; none was preempted in a pool sized for all
+    assert after["moe_overlap_kv_pages_total"] > 0 and after["moe_overlap_kv_pages_used"] == 0
+    assert after["moe_overlap_kv_cache_usage"] == 0 and after["moe_overlap_preemptions"] == 0
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
     assert grew["moe_overlap_forwards_total{none}"] == 12  # one at a time: 6 steps each
     code, version = served.raw("GET", "/version", key="")
@@ -356,6 +359,8 @@ def test_wrong_or_missing_key_is_refused_but_health_is_open(served):
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200
     assert [m.id for m in served.client().models.list()] == ["tiny"]
+    card = served.raw("GET", "/v1/models")[1]["data"][0]
+    assert card["max_model_len"] == served.server.engine.llm.max_len
 
 
 def test_disconnected_stream_frees_its_slot(served):
@@ -368,7 +373,8 @@ def test_disconnected_stream_frees_its_slot(served):
         extra_body={"ignore_eos": True},
     )
     next(iter(stream)), next(iter(stream))
-    assert served.raw("GET", "/health")[1]["running"] == 1
+    running = served.raw("GET", "/health")[1]
+    assert running["running"] == 1 and running["free_pages"] < running["total_pages"]
     stream.close()  # the client goes away mid-answer
     deadline = time.monotonic() + 5  # the whole answer would take far longer
     while (health := served.raw("GET", "/health")[1])["running"]:

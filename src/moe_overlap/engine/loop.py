@@ -115,6 +115,9 @@ class EngineLoop:
             "waiting": len(sched.waiting) + len(self._new),
             "free_slots": sum(len(s) for s in sched.slots),
             "total_slots": sum(s.num_slots for s in sched.slots),
+            "free_pages": sum(p.free for p in sched.pages),
+            "total_pages": sum(p.total for p in sched.pages),
+            "preemptions": sched.preemptions,
         }
 
     def stop(self) -> None:

@@ -36,7 +36,12 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": settings.model_name, "object": "model", "created": created}
+        card = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": created,
+            "max_model_len": engine.llm.max_len,  # vLLM's field
+        }
         return {"object": "list", "data": [{**card, "owned_by": "moe-overlap"}]}
 
     @app.post("/v1/completions")

@@ -92,6 +92,16 @@ class ServerMetrics:
         self._gauge("moe_overlap_requests_waiting", "Requests queued for a slot", "waiting")
         self._gauge("moe_overlap_kv_slots_used", "KV cache slots held by requests", "used_slots")
         self._gauge("moe_overlap_kv_slots_total", "KV cache slots on all ranks", "total_slots")
+        self._gauge("moe_overlap_kv_pages_used", "KV cache pages held by requests", "used_pages")
+        self._gauge("moe_overlap_kv_pages_total", "KV cache pages on all ranks", "total_pages")
+        self._gauge(
+            "moe_overlap_kv_cache_usage", "Share of the KV cache pages in use (0-1)", "usage"
+        )
+        self._gauge(
+            "moe_overlap_preemptions",
+            "Requests preempted (their pages freed, recomputed later) since the start",
+            "preemptions",
+        )
         up = Gauge(
             "moe_overlap_engine_up", "1 while every rank serves, 0 once one failed", registry=r
         )
@@ -165,13 +175,16 @@ class ServerMetrics:
                 continue  # idle: nothing to say
             logger.info(
                 "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, "
-                "running %d, waiting %d, KV slots used %d of %d",
+                "running %d, waiting %d, KV slots used %d of %d, KV cache usage %.1f%%, "
+                "preemptions %d",
                 (prompt - prompt0) / (now - then),
                 (gen - gen0) / (now - then),
                 stats["running"],
                 stats["waiting"],
                 stats["used_slots"],
                 stats["total_slots"],
+                100 * stats["usage"],
+                stats["preemptions"],
             )
 
 
@@ -222,8 +235,15 @@ class RequestMetrics:
                             time.monotonic() - self.arrived)  # fmt: skip
 
 
-def _slots(stats: dict[str, int]) -> dict[str, int]:
-    return {**stats, "used_slots": stats["total_slots"] - stats["free_slots"]}
+def _slots(stats: dict[str, int]) -> dict[str, float]:
+    """The engine's stats with what is used, and the pages' share in use."""
+    used_pages = stats["total_pages"] - stats["free_pages"]
+    return {
+        **stats,
+        "used_slots": stats["total_slots"] - stats["free_slots"],
+        "used_pages": used_pages,
+        "usage": used_pages / max(stats["total_pages"], 1),
+    }
 
 
 def install_observability(app: FastAPI, engine: EngineLoop, overlap_mode: str) -> ServerMetrics:
