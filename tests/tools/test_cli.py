@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.distributed import netns
+from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.tools.cli import main
 
 CONFIG = "configs/qwen3-moe-tiny.json"
@@ -70,3 +74,23 @@ def test_cleanup_says_which_namespaces_it_could_not_remove(tmp_path, monkeypatch
         "moe-overlap: error: could not remove 1 network namespace(s) "
         "(moeo999999999-1-abc123-r0); deleting them needs root"
     ]
+
+
+def test_serve_takes_the_model_as_vllm_does_and_errors_show_its_usage(capsys):
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "give the model once" in capsys.readouterr().err
+    try:
+        main(["serve", "--no-such-flag"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    err = capsys.readouterr().err
+    assert "usage: moe-overlap serve" in err and "--no-such-flag" in err
+
+
+def test_vllm_launch_flags(capsys):
+    assert EngineArgs(tp=2, enable_expert_parallel=True).parallel_config().ep == 2
+    with pytest.raises(ConfigError, match="--enable-expert-parallel sets --ep"):
+        EngineArgs(tp=2, ep=4, enable_expert_parallel=True).parallel_config()
+    args = ["generate", "--hf-config", CONFIG, "--prompt-ids", "1,2", "--max-new-tokens", "1"]
+    assert main([*args, "--trust-remote-code"]) == 0
+    assert "no code from a checkpoint runs here" in capsys.readouterr().err

@@ -70,6 +70,18 @@ class ModelArgs:
         aliases=("--random-seed",),
         group="model",
     )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template in place of the tokenizer's: a file, or the template itself",
+        metavar="TEMPLATE",
+        group="model",
+    )
+    trust_remote_code: bool = setting(
+        False,
+        "accepted, as vLLM and SGLang take it; no code from a checkpoint ever runs here (every "
+        "model family is this package's own)",
+        group="model",
+    )
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -112,6 +124,11 @@ class LayoutArgs:
     )
     enable_dp_attention: bool = setting(
         False, "run attention data parallel: --dp groups of --tp/--dp ranks each", group="layout"
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "vLLM's: the experts split whole over the --tp ranks (the same as --ep equal to --tp)",
+        group="layout",
     )
     ep: int = setting(
         1,
@@ -167,7 +184,15 @@ class LayoutArgs:
 
     def layout_kwargs(self) -> dict[str, Any]:
         names = ("tp", "dp", "ep", "enable_dp_attention", "pp")
-        return {name: getattr(self, name) for name in names}
+        kwargs = {name: getattr(self, name) for name in names}
+        if self.enable_expert_parallel:
+            if self.ep not in (1, self.tp):
+                raise ConfigError(
+                    f"--enable-expert-parallel sets --ep to --tp ({self.tp}), but --ep is "
+                    f"{self.ep}; drop one"
+                )
+            kwargs["ep"] = self.tp
+        return kwargs
 
     def parallel_config(self) -> ParallelConfig:
         """The layout these flags ask for (``ParallelConfig`` checks its own sizes)."""

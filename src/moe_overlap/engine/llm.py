@@ -27,7 +27,7 @@ from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
-from moe_overlap.engine.tokenizer import load_tokenizer
+from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
 
 
@@ -100,6 +100,8 @@ class LLM:
         max_len = args.context_length(cfg)
         self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
+        if args.chat_template is not None:
+            with_chat_template(self.tokenizer, args.chat_template)
         spec = EngineSpec(
             cfg,
             str(model) if model is not None else None,

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.request import InvalidRequestError
 
 CORPUS = Path(__file__).resolve().parents[3] / "configs" / "tokenizer-corpus.txt"
 # ids 0, 1, 2 in this order; id 1 is the shipped configs' eos_token_id
@@ -70,3 +71,49 @@ def load_tokenizer(path: str | Path | None, vocab_size: int) -> PreTrainedTokeni
             f"vocab_size={vocab_size}"
         )
     return tok
+
+
+def with_chat_template(tok: PreTrainedTokenizerFast | None, template: str) -> None:
+    """Use ``template`` (a file, or the Jinja template itself) as ``tok``'s chat template;
+    one that does not render a conversation is refused now, not at the first chat."""
+    if tok is None:
+        raise ConfigError("--chat-template needs a model with a tokenizer (tokenizer.json)")
+    path = Path(template)
+    text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    try:
+        tok.chat_template = text
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except Exception as exc:  # jinja2's errors, the template's own raise_exception
+        raise ConfigError(f"--chat-template does not render a conversation: {exc}") from None
+
+
+def encode_chat(
+    tok: PreTrainedTokenizerFast, conversation: list[dict[str, str]], generation_prompt: bool
+) -> list[int]:
+    """The conversation through the chat template as token ids, each message's text encoded as
+    text: a special token's string written in a message stays characters (transformers'
+    ``split_special_tokens``), so a user cannot write the template's role markers. A
+    conversation with no such string is encoded whole, exactly as the template renders it."""
+    text = tok.apply_chat_template(
+        conversation, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    specials = [s for s in tok.all_special_tokens if s]
+    if not any(s in m["content"] for m in conversation for s in specials):
+        return tok.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    at = 0
+    for i, message in enumerate(conversation):
+        content = message["content"]
+        start = text.find(content, at) if content else -1
+        if start < 0:
+            if any(s in content for s in specials):
+                raise InvalidRequestError(
+                    f"messages.{i}.content holds a special token's text that the chat "
+                    "template rewrote, so it cannot be kept as plain text",
+                    f"messages.{i}.content",
+                )
+            continue
+        ids += tok.encode(text[at:start], add_special_tokens=False)
+        ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        at = start + len(content)
+    return ids + tok.encode(text[at:], add_special_tokens=False)

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_overlap.engine.loop import EngineLoop
+from moe_overlap.engine.tokenizer import encode_chat
 from moe_overlap.server.checks import check_fan_out, check_fields
 from moe_overlap.server.guards import APIError, ServerSettings, error_response, install_guards
 from moe_overlap.server.native_routes import install_native
@@ -68,9 +69,7 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
 
         def encode() -> list[list[int]]:
-            conversation = body.conversation()
-            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            return [tok.encode(text, add_special_tokens=False)]
+            return [encode_chat(tok, body.conversation(), generation_prompt=True)]
 
         limit = body.max_completion_tokens or body.max_tokens
         call = (body, encode, None, limit, True, request)

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_overlap.engine.loop import EngineDead, EngineLoop
+from moe_overlap.engine.tokenizer import encode_chat
 from moe_overlap.server.checks import check_fan_out, check_fields
 from moe_overlap.server.guards import APIError, ServerSettings, error_response
 from moe_overlap.server.native import (
@@ -96,15 +97,13 @@ def _install_tokens(app: FastAPI, engine: EngineLoop, settings: ServerSettings) 
         tok = _tokenizer(engine, body.model, settings)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", "invalid_value")
-        if body.prompt is not None:
+        if body.messages is None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = tok.encode(body.prompt, add_special_tokens=special)
         else:
-            template = body.add_generation_prompt
-            text = tok.apply_chat_template(
-                body.messages, add_generation_prompt=template, tokenize=False
-            )
-            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = encode_chat(tok, body.messages, body.add_generation_prompt)
+            if body.add_special_tokens:  # vLLM's default for messages is false
+                ids = tok.build_inputs_with_special_tokens(ids)
         return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize")

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_command(sub)
     add_plan_command(sub)
     _add_utilities(sub)
+    for command in sub.choices.values():  # errors print the command's usage, not the top's
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -178,7 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"moe-overlap: error: {exc}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "trust_remote_code", False):
+        print(
+            "moe-overlap: note: --trust-remote-code is accepted, but no code from a checkpoint "
+            "runs here: every model family is this package's own",
+            file=sys.stderr,
+        )
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:

@@ -26,6 +26,12 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
         "/v1/models and /health. Requests that arrive while others run join the batch at "
         "the next step. Ctrl-C or SIGTERM stops the server and every rank.",
     )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the checkpoint directory, as vLLM's `vllm serve MODEL` takes it (or --model)",
+    )
     add_model_args(serve)
     add_engine_args(serve)
     add_server_args(serve)
@@ -43,6 +49,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(
+                f"serve {args.model_tag} --model {args.model}: give the model once, either way"
+            )
+        args.model = args.model_tag
     settings = settings_from_args(args)  # before any rank starts
     if launched_by_torchrun():  # ranks > 0 would wait for steps between requests and time out
         raise ConfigError(
