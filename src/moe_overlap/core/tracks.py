@@ -3,7 +3,8 @@ renamed track cannot silently drop out of "comm hidden" or auto's calibration.
 
 A micro-batch computes on ``mb<i>`` and blocks on ``mb<i> wait``; an all-to-all (or the gather
 backend's collectives) is in flight on ``comm``; attention-TP collectives block on ``tp comm``;
-SBO's expert blocks run on ``mb<i> sbo``; a pipeline stage's micro-batch runs on ``pp mb<i>``. ``split`` and ``decision`` hold zero-length
+SBO's expert blocks run on ``mb<i> sbo``; a pipeline stage's micro-batch runs on ``pp mb<i>``; PD multiplexing's prefill wave on
+``prefill`` (its waits on ``prefill wait``). ``split`` and ``decision`` hold zero-length
 marks: each micro-batch's rows, and auto's choice or why a scheme ran without overlap.
 """
 
@@ -13,6 +14,7 @@ COMM = "comm"
 TP_COMM = "tp comm"
 SPLIT = "split"
 DECISION = "decision"
+PREFILL_LANE = "prefill"  # PD multiplexing's prefill wave beside the decode batch
 _MICRO_BATCH = "mb"
 _WAIT = " wait"
 _PIPELINE = "pp "
@@ -62,5 +64,5 @@ def waiter(track: str) -> str:
 
 def known(track: str) -> bool:
     """Whether ``track`` is one of the tracks above (what the readers recognise)."""
-    named = track in (COMM, TP_COMM, SPLIT, DECISION)
+    named = track in (COMM, TP_COMM, SPLIT, DECISION, PREFILL_LANE, wait(PREFILL_LANE))
     return named or is_micro_batch(track) or track.startswith(_PIPELINE)

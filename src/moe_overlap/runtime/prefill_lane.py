@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moe_overlap.core import tracks
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
@@ -63,7 +64,7 @@ class PrefillLane:
     def _run(self, batch: ForwardBatch, layers: range, wave: int) -> torch.Tensor | None:
         r = self.runner
         ctx = ForwardContext(
-            batch, r.kv_cache, self.dispatcher, name="prefill", timeline=r.timeline
+            batch, r.kv_cache, self.dispatcher, name=tracks.PREFILL_LANE, timeline=r.timeline
         )
         inputs = self.saved.pop(wave, None) if layers.start else None
         try:
