@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from moe_overlap.core.workloads import WorkloadError, parse_workload
 from moe_overlap.tools.cli import main
-from moe_overlap.tools.workloads import WorkloadError, parse_workload
 
 
 def test_workloads_parse_and_seeds_reproduce():

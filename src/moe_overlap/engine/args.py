@@ -16,6 +16,7 @@ from moe_overlap.core.device import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES
 from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
 
@@ -167,6 +168,10 @@ class LayoutArgs:
     def layout_kwargs(self) -> dict[str, Any]:
         names = ("tp", "dp", "ep", "enable_dp_attention", "pp")
         return {name: getattr(self, name) for name in names}
+
+    def parallel_config(self) -> ParallelConfig:
+        """The layout these settings ask for (its rules: ``core/layout_rules.py``)."""
+        return ParallelConfig(**self.layout_kwargs())
 
 
 @dataclass

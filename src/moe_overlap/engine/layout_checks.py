@@ -38,7 +38,7 @@ def check_settings(
         raise ConfigError(f"--timeout={timeout!r} must be a number of seconds")
     if not (math.isfinite(timeout) and timeout > 0):
         raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
-    par = ParallelConfig(**args.layout_kwargs())
+    par = args.parallel_config()
     check_method(args.load_balance_method)
     torch_dtype(args.dtype)
     device = resolve_device(args.device, ranks_on_this_node(par.world_size))

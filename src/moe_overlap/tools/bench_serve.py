@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from moe_overlap.core.workloads import parse_workload
 from moe_overlap.tools.serving_metrics import RequestTiming, percentile, samples_ms, summarize
-from moe_overlap.tools.workloads import parse_workload
 
 FIRST_ID = 3  # prompts avoid the shipped tokenizer's special tokens (ids 0-2)
 

@@ -1,8 +1,10 @@
-"""Benchmark workloads: what each rank prefills or decodes in one forward.
+"""Benchmark workloads: what each rank prefills or decodes in one forward, and its batches
+(``make_batches``: seeded random token ids).
 
 ``single-long[:N]``   one request of N tokens per rank (default 3072, the reference's case)
 ``uniform:A-B[:T]``   lengths drawn uniformly from A..B (seeded) until each rank holds T tokens
-                      (default 3072); the reference's mixed case is ``uniform:30-3072``
+                      (default 3072); the reference's mixed case is ``uniform:30-3072``, the
+                      commands' default (``DEFAULT_WORKLOAD``)
 ``decode:BS[:CTX]``   one decode step of BS sequences per rank, each with CTX tokens of context
 ``file:PATH``         a JSON list of prompt lengths (dealt to the ranks, fewest tokens first), or
                       a list with one list of lengths per rank
@@ -14,6 +16,14 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import ConfigError
+
+DEFAULT_WORKLOAD = "uniform:30-3072"
+WORKLOAD_GRAMMAR = "single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH"
 
 
 class WorkloadError(ValueError):
@@ -33,6 +43,21 @@ class Workload:
     @property
     def tokens(self) -> int:
         return sum(map(sum, self.lengths))
+
+    @property
+    def longest(self) -> int:
+        """The longest sequence's tokens after the forward: context, new tokens, the sampled one."""
+        return max(max(lengths) for lengths in self.lengths) + self.context + 1
+
+
+def check_fits(what: str, tokens: int, context: int) -> None:
+    """Refuse ``tokens`` tokens of one sequence (``what`` says whose) over the ``context``
+    the model serves."""
+    if tokens > context:
+        raise ConfigError(
+            f"{what}: {tokens} tokens exceed the model's context of {context} tokens; "
+            "use shorter ones"
+        )
 
 
 def parse_workload(spec: str, ranks: int, seed: int = 0) -> Workload:
@@ -58,10 +83,25 @@ def parse_workload(spec: str, ranks: int, seed: int = 0) -> Workload:
         return Workload(spec, [[1] * size for _ in range(ranks)], context)
     if kind == "file":
         return Workload(spec, _from_file(Path(arg), ranks, spec))
-    raise WorkloadError(
-        f"unknown workload {spec!r}; use single-long[:N], uniform:A-B[:T], "
-        "decode:BS[:CTX] or file:PATH"
-    )
+    raise WorkloadError(f"unknown workload {spec!r}; use {WORKLOAD_GRAMMAR}")
+
+
+def make_batches(workload: Workload, vocab: int, seed: int) -> list[ForwardBatch]:
+    """The timed forward of each rank (prefill from scratch, or one decode step)."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for lengths in workload.lengths:
+        n = len(lengths)
+        batches.append(
+            ForwardBatch(
+                torch.randint(vocab, (sum(lengths),), generator=gen),
+                list(range(n)),
+                [workload.context] * n,
+                list(lengths),
+                is_decode=[workload.decode] * n,
+            )
+        )
+    return batches
 
 
 def _int(text: str, spec: str, name: str) -> int:
