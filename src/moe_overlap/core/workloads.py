@@ -21,6 +21,7 @@ import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
 
 DEFAULT_WORKLOAD = "uniform:30-3072"
 WORKLOAD_GRAMMAR = "single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH"
@@ -50,13 +51,19 @@ class Workload:
         return max(max(lengths) for lengths in self.lengths) + self.context + 1
 
 
-def check_fits(what: str, tokens: int, context: int) -> None:
-    """Refuse ``tokens`` tokens of one sequence (``what`` says whose) over the ``context``
-    the model serves."""
+def check_fits(what: str, tokens: int, cfg: ModelConfig, max_model_len: int | None = None) -> None:
+    """Refuse a sequence of ``tokens`` tokens (``what`` says whose) longer than the model
+    serves (``ModelConfig.max_len``)."""
+    context = cfg.max_len(max_model_len)
     if tokens > context:
+        limit = (
+            "--max-model-len"
+            if context < cfg.max_position_embeddings
+            else "max_position_embeddings"
+        )
         raise ConfigError(
-            f"{what}: {tokens} tokens exceed the model's context of {context} tokens; "
-            "use shorter ones"
+            f"{what}: {tokens} tokens exceed the model's context of {context} tokens "
+            f"({limit}); use shorter ones"
         )
 
 

@@ -180,7 +180,7 @@ def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Wo
     workload = parse_workload(args.workload, ranks, args.seed)  # a batch per DP group
     if args.emulate_peers:  # the one real rank's tokens; its peers' are alike by symmetry
         workload = Workload(workload.spec, workload.lengths[:1], workload.context)
-    check_fits(f"--workload {args.workload}", workload.longest, cfg.max_position_embeddings)
+    check_fits(f"--workload {args.workload}", workload.longest, cfg)
     if workload.decode and cfg.is_hybrid:
         raise ConfigError(
             f"--workload {args.workload}: a decode workload times the same decode step again and "

@@ -178,7 +178,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.hf_config)
     cases = make_cases(args)
     longest = max(cases, key=lambda c: c.sequence_len)
-    check_fits(f"case {longest.name}", longest.sequence_len, cfg.max_position_embeddings)
+    check_fits(f"case {longest.name}", longest.sequence_len, cfg)
     torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:

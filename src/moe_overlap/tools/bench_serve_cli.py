@@ -82,7 +82,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
     if cfg is not None:
         what = f"--workload {args.workload} with --output-len {args.output_len}"
-        check_fits(what, max(lengths) + args.output_len, engine_args(args).max_len(cfg))
+        check_fits(what, max(lengths) + args.output_len, cfg, args.max_model_len)
     prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:
