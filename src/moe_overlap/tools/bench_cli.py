@@ -19,7 +19,7 @@ from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs
+from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
@@ -77,7 +77,7 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(parse_modes(args.modes))
     if NONE.name not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     settings, peers = engine_args(args), args.emulate_peers
@@ -211,7 +211,7 @@ def add_bench_commands(sub) -> None:
         description="Start --ep ranks over --link and time all-to-alls of --mib MiB per rank, "
         f"next to size/rate. The ranks hold --hf-config's model (default {PROBE_CONFIG}).",
     )
-    add_fields(probe, ModelArgs, only=("hf_config",))
+    add_fields(probe, ModelArgs, only=("hf_config", "seed"))
     add_fields(probe, LayoutArgs, only=PROBE_LAYOUT)
     add_fields(probe, ProbeFlags)
     probe.set_defaults(func=cmd_probe_link)

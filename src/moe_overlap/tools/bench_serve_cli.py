@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.mode_labels import SERVE_LABELS, mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.workloads import check_fits
+from moe_overlap.engine.args import parse_modes
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_serve import (
@@ -71,7 +72,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    modes = [m.strip() for m in (args.modes or "none,tbo+two-chunk,dbo").split(",") if m.strip()]
+    modes = list(parse_modes(args.modes) if args.modes else SERVE_LABELS)
     return (["external"] if args.base_url else modes), rates, metrics
 
 

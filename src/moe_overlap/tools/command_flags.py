@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from moe_overlap.core.mode_labels import DEFAULT_LABELS
+from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
@@ -123,7 +123,7 @@ class LoadFlags:
     )
     modes: str | None = setting(
         None,
-        "comma-separated overlap modes, as for bench (default none,tbo+two-chunk,dbo; not "
+        f"comma-separated overlap modes, as for bench (default {','.join(SERVE_LABELS)}; not "
         "with --base-url)",
         group="load",
     )

@@ -16,7 +16,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import make_batches, parse_workload
-from moe_overlap.engine.args import LayoutArgs, ModelArgs
+from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.planner.cluster import load_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
@@ -46,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the engine's defaults: --tp 1 with --ep N is pure EP, and --dp 1 leaves the groups to --tp
     tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
     layout = make_layout(tp, dp, args.ep, args.enable_dp_attention, spec.cfg)
-    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = parse_modes(args.modes)
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
