@@ -40,9 +40,9 @@ def add_fields(
             target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         names = (flag_name(f.name), *meta.get("aliases", ()))
         if isinstance(f.default, bool):
-            target.add_argument(*names, dest=f.name, action="store_true", help=_help(f))
+            target.add_argument(*names, dest=f.name, action="store_true", help=field_help(f))
             continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": field_help(f)}
         kwargs |= {"required": True} if required else {}
         parse = meta.get("parse", type(f.default) if f.default is not None else str)
         kwargs["type"] = parse
@@ -52,7 +52,7 @@ def add_fields(
         target.add_argument(*names, **kwargs)
 
 
-def _help(f: dataclasses.Field) -> str:
+def field_help(f: dataclasses.Field) -> str:
     """The field's help with its default, ``%`` escaped for argparse."""
     text, default = f.metadata["help"], f.default
     if default is not None and not isinstance(default, bool):
