@@ -56,14 +56,11 @@ def check_fits(what: str, tokens: int, cfg: ModelConfig, max_model_len: int | No
     serves (``ModelConfig.max_len``)."""
     context = cfg.max_len(max_model_len)
     if tokens > context:
-        limit = (
-            "--max-model-len"
-            if context < cfg.max_position_embeddings
-            else "max_position_embeddings"
-        )
+        positions = context == cfg.max_position_embeddings
+        limit = "max_position_embeddings" if positions else "--max-model-len"
         raise ConfigError(
-            f"{what}: {tokens} tokens exceed the model's context of {context} tokens "
-            f"({limit}); use shorter ones"
+            f"{what}: a sequence of {tokens} tokens exceeds the model's context of {context} "
+            f"tokens ({limit}={context}); use shorter ones"
         )
 
 
