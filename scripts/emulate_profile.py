@@ -12,8 +12,8 @@ import torch
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.mode_labels import mode_config
-from moe_overlap.core.workloads import Workload, parse_workload
-from moe_overlap.tools.bench import make_batches, step
+from moe_overlap.core.workloads import Workload, make_batches, parse_workload
+from moe_overlap.tools.bench import step
 
 config, spec, link = sys.argv[1:4]
 modes = (sys.argv[4] if len(sys.argv) > 4 else "none,tbo").split(",")

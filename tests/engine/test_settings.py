@@ -12,11 +12,13 @@ import pytest
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.server.settings import ServerSettings
+from moe_overlap.tools import command_flags
 from moe_overlap.tools.cli import build_parser, main
 from moe_overlap.tools.cli_args import engine_args
-from moe_overlap.tools.flags import expand_config, flag_name
+from moe_overlap.tools.flags import expand_config, field_help, flag_name
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 SETTINGS = {
@@ -52,6 +54,23 @@ def test_each_flag_has_one_default_across_subcommands():
                 assert action.default == SETTINGS[action.dest].default, (command, action.dest)
                 seen += 1
     assert seen > 100  # generate, serve, bench-serve, bench, plan, probe-link, ... all checked
+
+
+def test_the_bench_and_plan_commands_write_no_flag_by_hand():
+    """Every flag of these commands is generated from a settings field or from a field of the
+    command's own dataclass (``tools/command_flags.py``): its help is that field's."""
+    classes = (EngineArgs, ServerSettings, BenchArgs)
+    classes += tuple(c for c in vars(command_flags).values() if dataclasses.is_dataclass(c))
+    helps: dict[str, set[str]] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                helps.setdefault(f.name, set()).add(field_help(f))
+    commands = ("bench", "bench-serve", "bench-engine", "plan", "probe-link", "serve")
+    for command in commands:
+        for action in subcommands()[command]._actions:
+            if action.dest != "help" and action.option_strings:  # positionals are not flags
+                assert action.help in helps.get(action.dest, ()), (command, action.dest)
 
 
 def test_the_ep_default_is_the_same_in_every_command():

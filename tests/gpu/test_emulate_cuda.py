@@ -7,8 +7,8 @@ import pytest
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.mode_labels import mode_config
-from moe_overlap.core.workloads import Workload, parse_workload
-from moe_overlap.tools.bench import make_batches, run_bench
+from moe_overlap.core.workloads import Workload, make_batches, parse_workload
+from moe_overlap.tools.bench import run_bench
 from tests.gpu.common import needs_gpu
 
 pytestmark = needs_gpu

@@ -14,7 +14,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.workloads import parse_workload
+from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.engine.llm import LLM
 from moe_overlap.overlap.strategy import STRATEGIES
 from moe_overlap.planner.calibration import fit_cluster
@@ -32,7 +32,7 @@ from moe_overlap.planner.measurements import (
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.planner.sweep import crossover, decode_sweep
-from moe_overlap.tools.bench import make_batches, run_bench
+from moe_overlap.tools.bench import run_bench
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.measure_this import calibrate_this
 

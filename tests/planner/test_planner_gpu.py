@@ -13,14 +13,13 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
-from moe_overlap.core.workloads import parse_workload
+from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.planner import gpus
 from moe_overlap.planner.cluster import Cluster, load_cluster
 from moe_overlap.planner.costs import CostModel, node_hit_chance
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.reproduce import CASES, run_case
-from moe_overlap.tools.bench import make_batches
 from moe_overlap.tools.cli import main
 
 V3 = load_model_spec("configs/deepseek-v3.json")

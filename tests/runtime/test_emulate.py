@@ -13,10 +13,10 @@ from moe_overlap import LLM, ConfigError, ModelConfig
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.core.workloads import Workload, parse_workload
+from moe_overlap.core.workloads import Workload, make_batches, parse_workload
 from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher, symmetric_counts
 from moe_overlap.distributed.emulated import EmulatedGroup
-from moe_overlap.tools.bench import make_batches, run_bench
+from moe_overlap.tools.bench import run_bench
 from moe_overlap.tools.cli import main
 
 CONFIG = "configs/qwen3-moe-tiny.json"

@@ -13,8 +13,8 @@ import torch
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.transfer import host_values
-from moe_overlap.core.workloads import Workload, parse_workload
-from moe_overlap.tools.bench import fill_context, make_batches, step
+from moe_overlap.core.workloads import Workload, make_batches, parse_workload
+from moe_overlap.tools.bench import fill_context, step
 from moe_overlap.tools.host_reads import HostReads
 
 CONFIG = "configs/qwen3-moe-tiny.json"

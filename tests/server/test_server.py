@@ -541,7 +541,7 @@ def _parse(*argv: str):
         (["--rates", "0"], "every rate must be a positive number"),
         (["--rates", "fast"], "must be comma-separated numbers"),
         (["--modes", "tbo1"], "needs 2 or more micro-batches"),
-        (["--workload", "single-long:5000"], "exceed the model's context of 1024"),
+        (["--workload", "single-long:5000"], "exceeds the model's context of 1024"),
         (["--num-requests", "0"], "--num-requests=0 must be >= 1"),
         (["--duration", "0"], "--duration=0.0 must be a positive number"),
         (["--max-concurrency", "0"], "--max-concurrency=0 must be >= 1"),

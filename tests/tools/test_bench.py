@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from moe_overlap.core.workloads import WorkloadError, parse_workload
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.workloads import WorkloadError, check_fits, parse_workload
 from moe_overlap.tools.cli import main
 
 
@@ -23,6 +25,20 @@ def test_workloads_parse_and_seeds_reproduce():
     assert all(sum(r) == 1000 and all(1 <= n <= 300 for n in r) for r in a.lengths)
     d = parse_workload("decode:64:128", 2)
     assert d.decode and d.context == 128 and d.lengths == [[1] * 64] * 2
+
+
+def test_a_sequence_longer_than_the_model_serves_is_refused_naming_the_limit():
+    assert parse_workload("decode:4:100", 1).longest == 102  # context, new token, sampled one
+    assert parse_workload("single-long:50", 2).longest == 51
+    cfg = ModelConfig.from_hf("configs/qwen3-moe-tiny.json")
+    positions = cfg.max_position_embeddings
+    assert cfg.max_len() == cfg.max_len(positions + 1) == positions  # capped by the positions
+    assert cfg.max_len(100) == 100
+    check_fits("w", positions, cfg)
+    with pytest.raises(ConfigError, match=f"w: a sequence of {positions + 1} tokens exceeds"):
+        check_fits("w", positions + 1, cfg)
+    with pytest.raises(ConfigError, match="context of 100 tokens \\(--max-model-len=100\\)"):
+        check_fits("w", 101, cfg, max_model_len=100)
 
 
 def test_file_workloads(tmp_path):

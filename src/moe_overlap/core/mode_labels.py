@@ -26,6 +26,7 @@ DEFAULT_LABELS = (
     DBO.name,
     AUTO.name,
 )
+SERVE_LABELS = (NONE.name, TBO.name + TWO_CHUNK, DBO.name)  # bench-serve: a server per mode
 _SPLIT = re.compile(rf"([a-z_-]+?)(\d*)({re.escape(TWO_CHUNK)}|{re.escape(TIME_SPLIT)})?")
 _DEFAULTS = OverlapConfig()
 

@@ -157,6 +157,10 @@ class ModelConfig:
     def is_mimo(self) -> bool:
         return self.model_type == "mimo_v2_flash"
 
+    def max_len(self, max_model_len: int | None = None) -> int:
+        """The longest sequence served: ``max_model_len``, at most the model's positions."""
+        return min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_size * self.partial_rotary_factor)

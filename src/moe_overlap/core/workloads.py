@@ -1,8 +1,10 @@
-"""Benchmark workloads: what each rank prefills or decodes in one forward.
+"""Benchmark workloads: what each rank prefills or decodes in one forward, and its batches
+(``make_batches``: seeded random token ids).
 
 ``single-long[:N]``   one request of N tokens per rank (default 3072, the reference's case)
 ``uniform:A-B[:T]``   lengths drawn uniformly from A..B (seeded) until each rank holds T tokens
-                      (default 3072); the reference's mixed case is ``uniform:30-3072``
+                      (default 3072); the reference's mixed case is ``uniform:30-3072``, the
+                      commands' default (``DEFAULT_WORKLOAD``)
 ``decode:BS[:CTX]``   one decode step of BS sequences per rank, each with CTX tokens of context
 ``file:PATH``         a JSON list of prompt lengths (dealt to the ranks, fewest tokens first), or
                       a list with one list of lengths per rank
@@ -15,19 +17,14 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.model_config import ModelConfig
 
-DEFAULT_WORKLOAD = "uniform:30-3072"  # bench's and plan's: prefill-heavy, as the references'
-
-
-def check_fits(tokens: int, context: int, what: str, limit: str) -> None:
-    """Refuse ``what`` (a workload's longest sequence, a benchmark case) when its ``tokens``
-    exceed the model's ``context`` (which ``limit`` names: the config field or the flag)."""
-    if tokens > context:
-        raise ConfigError(
-            f"{what} needs {tokens} tokens, which exceed the model's context of {context} "
-            f"({limit}); use shorter ones"
-        )
+DEFAULT_WORKLOAD = "uniform:30-3072"
+WORKLOAD_GRAMMAR = "single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH"
 
 
 class WorkloadError(ValueError):
@@ -47,6 +44,24 @@ class Workload:
     @property
     def tokens(self) -> int:
         return sum(map(sum, self.lengths))
+
+    @property
+    def longest(self) -> int:
+        """The longest sequence's tokens after the forward: context, new tokens, the sampled one."""
+        return max(max(lengths) for lengths in self.lengths) + self.context + 1
+
+
+def check_fits(what: str, tokens: int, cfg: ModelConfig, max_model_len: int | None = None) -> None:
+    """Refuse a sequence of ``tokens`` tokens (``what`` says whose) longer than the model
+    serves (``ModelConfig.max_len``)."""
+    context = cfg.max_len(max_model_len)
+    if tokens > context:
+        positions = context == cfg.max_position_embeddings
+        limit = "max_position_embeddings" if positions else "--max-model-len"
+        raise ConfigError(
+            f"{what}: a sequence of {tokens} tokens exceeds the model's context of {context} "
+            f"tokens ({limit}={context}); use shorter ones"
+        )
 
 
 def parse_workload(spec: str, ranks: int, seed: int = 0) -> Workload:
@@ -72,10 +87,25 @@ def parse_workload(spec: str, ranks: int, seed: int = 0) -> Workload:
         return Workload(spec, [[1] * size for _ in range(ranks)], context)
     if kind == "file":
         return Workload(spec, _from_file(Path(arg), ranks, spec))
-    raise WorkloadError(
-        f"unknown workload {spec!r}; use single-long[:N], uniform:A-B[:T], "
-        "decode:BS[:CTX] or file:PATH"
-    )
+    raise WorkloadError(f"unknown workload {spec!r}; use {WORKLOAD_GRAMMAR}")
+
+
+def make_batches(workload: Workload, vocab: int, seed: int) -> list[ForwardBatch]:
+    """The timed forward of each rank (prefill from scratch, or one decode step)."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for lengths in workload.lengths:
+        n = len(lengths)
+        batches.append(
+            ForwardBatch(
+                torch.randint(vocab, (sum(lengths),), generator=gen),
+                list(range(n)),
+                [workload.context] * n,
+                list(lengths),
+                is_decode=[workload.decode] * n,
+            )
+        )
+    return batches
 
 
 def _int(text: str, spec: str, name: str) -> int:

@@ -10,7 +10,6 @@ from typing import Any
 from moe_overlap.core.a2a_mode import A2A_MODES, VLLM_BACKENDS, parse_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.kv_budget import CPU_FREE_RAM_SHARE, DEFAULT_MEM_FRACTION, DEFAULT_PAGE_SIZE
-from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
     AUTO_MODES,
@@ -79,10 +78,6 @@ class CapacityArgs:
         aliases=("--block-size",),
         group="capacity",
     )
-
-    def context_length(self, cfg: ModelConfig) -> int:
-        """The longest sequence served: ``--max-model-len``, at most the model's own."""
-        return min(self.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
 @dataclass

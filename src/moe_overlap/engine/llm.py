@@ -97,7 +97,7 @@ class LLM:
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
-        max_len = args.context_length(cfg)
+        max_len = cfg.max_len(args.max_model_len)
         self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         if args.chat_template is not None:

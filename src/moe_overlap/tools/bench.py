@@ -29,7 +29,7 @@ from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.overlap_stats import OverlapStats, combined, overlap_stats
 from moe_overlap.core.step import SampleSpec, StepReply, StepRequest
-from moe_overlap.core.workloads import Workload
+from moe_overlap.core.workloads import Workload, make_batches
 from moe_overlap.tools.bench_notes import mode_notes
 
 
@@ -122,24 +122,6 @@ class BenchReport:
             "limit_s": self.limit,
             "modes": modes,
         }
-
-
-def make_batches(workload: Workload, vocab: int, seed: int) -> list[ForwardBatch]:
-    """The timed forward of each rank (prefill from scratch, or one decode step)."""
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for lengths in workload.lengths:
-        n = len(lengths)
-        batches.append(
-            ForwardBatch(
-                torch.randint(vocab, (sum(lengths),), generator=gen),
-                list(range(n)),
-                [workload.context] * n,
-                list(lengths),
-                is_decode=[workload.decode] * n,
-            )
-        )
-    return batches
 
 
 def fill_context(executor, workload: Workload, vocab: int, seed: int, chunk: int = 4096) -> None:

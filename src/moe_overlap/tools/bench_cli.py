@@ -12,34 +12,40 @@ from rich.console import Console
 from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.layout_rules import check_layout
-from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.core.workloads import DEFAULT_WORKLOAD, Workload, check_fits, parse_workload
+from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.engine.args import BenchArgs, LayoutArgs
+from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
-from moe_overlap.tools.bench import BenchReport, make_batches, run_bench
+from moe_overlap.tools.bench import BenchReport, run_bench
 from moe_overlap.tools.cli_args import (
-    add_device_args,
-    add_link_arg,
     add_model_args,
-    device_kwargs,
     engine_args,
     engine_kwargs,
     model_path,
 )
+from moe_overlap.tools.command_flags import BenchFlags, ProbeFlags
 from moe_overlap.tools.flags import add_fields
-from moe_overlap.tools.layout_args import add_layout_args
 from moe_overlap.tools.report import bench_table
-from moe_overlap.tools.trace import OutputArgs, write_outputs
+from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
+PROBE_LAYOUT = (
+    "ep",
+    "timeout",
+    "link",
+    "device",
+    "dtype",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+)
 
 
 def cmd_probe_link(args: argparse.Namespace) -> int:
@@ -50,9 +56,7 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     spec = parse_link(args.link)
-    cfg = ModelConfig.from_hf(args.hf_config or PROBE_CONFIG)
-    kw = dict(ep=args.ep, link=args.link, timeout=args.timeout, **device_kwargs(args))
-    with LLM(config=cfg, **kw) as llm:
+    with LLM(**engine_kwargs(args) | {"hf_config": args.hf_config or PROBE_CONFIG}) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
         max(ts) for ts in zip(*per_rank, strict=True)
@@ -73,10 +77,11 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(parse_modes(args.modes))
     if NONE.name not in modes:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    par, peers = engine_args(args).parallel_config(), args.emulate_peers
+    settings, peers = engine_args(args), args.emulate_peers
+    par = settings.parallel_config()
     check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
     configs = mode_configs(args, modes)
     for mode in modes:  # each mode on this layout, as the engine would check it
@@ -90,13 +95,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
-    longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    per_rank = max(sum(lengths) for lengths in workload.lengths)
-    slots = max(len(lengths) for lengths in workload.lengths)
-    # the engine's settings from the flags, sized for this workload's steps
-    sized = dict(max_num_seqs=slots, max_model_len=longest, max_num_batched_tokens=per_rank)
+    sized = {  # the engine starts without overlap: each mode's config comes with its forwards
+        "overlap": OverlapConfig(),
+        "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
+        "max_model_len": workload.longest,
+    }
     console = Console()
-    with LLM(**(engine_kwargs(args) | sized), emulate_peers=peers) as llm:
+    with LLM(**engine_kwargs(args) | sized, emulate_peers=peers) as llm:
         report = run_bench(
             llm.executor,
             workload,
@@ -114,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
             "(their steps ran eagerly)"
         )
-    payload = {"model": model_path(args), **engine_args(args).layout_kwargs(), "link": args.link}
+    payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
     bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
     write_outputs(console, report.recording, args, payload | report.to_json(bounds))
@@ -175,9 +180,7 @@ def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Wo
     workload = parse_workload(args.workload, ranks, args.seed)  # a batch per DP group
     if args.emulate_peers:  # the one real rank's tokens; its peers' are alike by symmetry
         workload = Workload(workload.spec, workload.lengths[:1], workload.context)
-    longest = max(max(lengths) for lengths in workload.lengths) + workload.context + 1
-    what = f"--workload {args.workload}: a sequence"
-    check_fits(longest, cfg.max_position_embeddings, what, "max_position_embeddings")
+    check_fits(f"--workload {args.workload}", workload.longest, cfg)
     if workload.decode and cfg.is_hybrid:
         raise ConfigError(
             f"--workload {args.workload}: a decode workload times the same decode step again and "
@@ -206,19 +209,11 @@ def add_bench_commands(sub) -> None:
         "probe-link",
         help="time one all-to-all over a (shaped) link",
         description="Start --ep ranks over --link and time all-to-alls of --mib MiB per rank, "
-        "next to size/rate.",
+        f"next to size/rate. The ranks hold --hf-config's model (default {PROBE_CONFIG}).",
     )
-    add_fields(probe, LayoutArgs, only=("ep", "timeout"))
-    add_link_arg(probe)
-    add_device_args(probe)
-    probe.add_argument("--mib", type=float, default=16.0, help="MiB each rank sends (default 16)")
-    probe.add_argument("--repeat", type=int, default=8, help="all-to-alls to time (default 8)")
-    probe.add_argument(
-        "--hf-config",
-        default=None,
-        metavar="JSON",
-        help=f"model config for the ranks (default {PROBE_CONFIG})",
-    )
+    add_fields(probe, ModelArgs, only=("hf_config", "seed"))
+    add_fields(probe, LayoutArgs, only=PROBE_LAYOUT)
+    add_fields(probe, ProbeFlags)
     probe.set_defaults(func=cmd_probe_link)
     _add_bench_command(sub)
 
@@ -233,24 +228,8 @@ def _add_bench_command(sub) -> None:
         "(with T_comp, T_comm and the limit max(T_comp, T_comm) from the no-overlap forwards).",
     )
     add_model_args(bench)
-    add_layout_args(bench)
-    add_link_arg(bench)
-    add_device_args(bench)
-    bench.add_argument(
-        "--workload",
-        default=DEFAULT_WORKLOAD,
-        metavar="SPEC",
-        help="single-long[:N], uniform:A-B[:T], decode:BS[:CTX] or file:PATH (default %(default)s)",
-    )
-    bench.add_argument(
-        "--modes",
-        default=",".join(DEFAULT_LABELS),
-        help="comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|"
-        "+time-split], e.g. tbo4+time-split (default: %(default)s)",
-    )
-    bench.add_argument("--repeat", type=int, default=5, help="timed forwards per mode (default 5)")
-    add_fields(bench, LayoutArgs, only=("timeout",))
-    add_fields(bench, OutputArgs)
+    add_fields(bench, LayoutArgs)  # the layout, the link and the device
+    add_fields(bench, BenchFlags)
     add_fields(
         bench,
         OverlapArgs,

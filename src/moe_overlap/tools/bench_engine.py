@@ -24,6 +24,7 @@ from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import SamplingParams
 from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.tools.command_flags import BenchEngineFlags
 from moe_overlap.tools.engine_profile import (
     Breakdown,
     breakdown_table,
@@ -50,6 +51,10 @@ class Case:
     def tokens(self) -> int:
         return self.batch * (self.prompt_len if self.kind == "prefill" else self.new_tokens)
 
+    @property
+    def sequence_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
 
 @dataclass
 class CaseResult:
@@ -66,31 +71,6 @@ class CaseResult:
     hf_times: list[float] = field(default_factory=list)
     ours_breakdown: Breakdown | None = None  # with --breakdown: the fastest profiled run
     hf_breakdown: Breakdown | None = None
-
-
-def parse_prefill(text: str) -> list[tuple[int, int]]:
-    """``"1x3072,8x512"`` -> ``[(1, 3072), (8, 512)]`` (prompts x tokens)."""
-    cases: list[tuple[int, int]] = []
-    for part in text.split(","):
-        prompts, _, tokens = part.partition("x")
-        try:
-            cases.append((int(prompts), int(tokens)))
-        except ValueError:
-            cases = []
-            break
-    if not cases or any(min(c) < 1 for c in cases):
-        raise argparse.ArgumentTypeError(f"--prefill {text!r}: want e.g. 1x3072,8x512")
-    return cases
-
-
-def parse_batches(text: str) -> list[int]:
-    try:
-        sizes = [int(n) for n in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--decode-batches {text!r}: want e.g. 32,128")
-    return sizes
 
 
 def make_cases(args: argparse.Namespace) -> list[Case]:
@@ -147,7 +127,7 @@ def bench_case(
     ours_out: list[list[int]] = []
     hf_out: list[list[int]] = []
     # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
-    with LLM(model_dir, max_model_len=case.prompt_len + case.new_tokens) as llm:
+    with LLM(model_dir, max_model_len=case.sequence_len) as llm:
         for _ in range(repeats):
             t, ours_out = timed(lambda: run_ours(llm, case, prompts))
             ours.append(t)
@@ -197,8 +177,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         raise ConfigError("--compare-hf needs transformers (pip install transformers)")
     cfg = ModelConfig.from_hf(args.hf_config)
     cases = make_cases(args)
-    longest = max(c.prompt_len + c.new_tokens for c in cases)
-    check_fits(longest, cfg.max_position_embeddings, "a case", "max_position_embeddings")
+    longest = max(cases, key=lambda c: c.sequence_len)
+    check_fits(f"case {longest.name}", longest.sequence_len, cfg)
     torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
@@ -248,33 +228,7 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
         "batch sizes, one process without overlap, on seeded random weights; with "
         "--compare-hf, transformers runs the same weights and prompts in the same run.",
     )
-    p.add_argument("--hf-config", required=True, metavar="JSON", help="a Hugging Face config.json")
-    p.add_argument("--compare-hf", action="store_true", help="also run transformers")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument(
-        "--prefill",
-        type=parse_prefill,
-        default=parse_prefill("1x3072,8x512"),
-        metavar="BxN[,BxN]",
-        help="prefill cases: prompts x tokens (default 1x3072,8x512)",
-    )
-    p.add_argument(
-        "--decode-batches",
-        type=parse_batches,
-        default=parse_batches("32,128"),
-        metavar="B[,B]",
-        help="decode batch sizes (default 32,128)",
-    )
-    p.add_argument("--decode-prompt-len", type=int, default=16, help="decode prompts' tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens each decode generates")
-    p.add_argument("--repeats", type=int, default=3, help="runs per case; the best counts")
+    add_fields(p, ModelArgs, only=("hf_config",), required=True)
+    add_fields(p, BenchEngineFlags)
     add_fields(p, ModelArgs, only=("seed",))
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
-    p.add_argument(
-        "--breakdown",
-        action="store_true",
-        help="profile 3 more runs of each case per engine (the fastest counts): the time in "
-        "matrix multiplies (and their GFLOPS against this CPU's peak), attention, other "
-        "operators and outside any operator",
-    )
     p.set_defaults(func=cmd_bench_engine)

@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.mode_labels import SERVE_LABELS, mode_config
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.workloads import DEFAULT_WORKLOAD, check_fits
+from moe_overlap.core.workloads import check_fits
+from moe_overlap.engine.args import parse_modes
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_serve import (
@@ -29,6 +30,8 @@ from moe_overlap.tools.bench_serve import (
     run_load,
 )
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
+from moe_overlap.tools.command_flags import LoadFlags
+from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.serving_metrics import parse_metrics, parse_percentiles, result_block
 
 
@@ -45,88 +48,8 @@ def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
     )
     add_model_args(bench)  # not needed with --base-url
     add_engine_args(bench)
-    add_load_args(bench)
+    add_fields(bench, LoadFlags)
     bench.set_defaults(func=cmd_bench_serve)
-
-
-def add_load_args(bench: argparse.ArgumentParser) -> None:
-    g = bench.add_argument_group("load")
-    g.add_argument(
-        "--base-url",
-        default=None,
-        metavar="URL",
-        help="measure the server at this root URL (e.g. http://127.0.0.1:8000) instead of "
-        "starting ours; the model flags then only give the vocabulary for random prompts",
-    )
-    g.add_argument("--api-key", default=None, metavar="KEY", help="sent as a Bearer token")
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        metavar="NAME",
-        help="the requests' model (default: the first model the server lists)",
-    )
-    g.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="with --base-url and no --model/--hf-config: draw prompt token ids below this",
-    )
-    g.add_argument(
-        "--modes",
-        default=None,
-        help="comma-separated overlap modes, as for bench (default none,tbo+two-chunk,dbo; "
-        "not with --base-url)",
-    )
-    g.add_argument(
-        "--rates",
-        "--request-rate",
-        dest="rates",
-        default="1,4",
-        help="requests per second, comma-separated; inf sends all at once (default 1,4)",
-    )
-    g.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="at most this many requests in flight (default: no limit)",
-    )
-    _add_load_shape_args(g)
-
-
-def _add_load_shape_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument(
-        "--workload",
-        default=DEFAULT_WORKLOAD,
-        help="prompt lengths, in the bench's grammar (default %(default)s)",
-    )
-    g.add_argument(
-        "--num-requests",
-        "--num-prompts",
-        dest="num_requests",
-        type=int,
-        default=32,
-        help="requests per rate (default 32)",
-    )
-    g.add_argument(
-        "--duration",
-        type=float,
-        default=None,
-        metavar="S",
-        help="soak: hold each rate for about S seconds (rate x S requests, prompts reused) "
-        "instead of --num-requests; compare errors and memory before and after",
-    )
-    g.add_argument("--output-len", type=int, default=32, help="tokens per answer (default 32)")
-    g.add_argument(
-        "--percentile-metrics",
-        default="ttft,tpot,itl",
-        help="metrics to report percentiles of: ttft, tpot, itl, e2el (default %(default)s)",
-    )
-    g.add_argument(
-        "--metric-percentiles",
-        default="99",
-        help="comma-separated percentiles to report, e.g. 50,90,99 (default %(default)s)",
-    )
-    g.add_argument("--json", metavar="PATH", help="also write the results here")
 
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
@@ -149,7 +72,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    modes = [m.strip() for m in (args.modes or "none,tbo+two-chunk,dbo").split(",") if m.strip()]
+    modes = list(parse_modes(args.modes) if args.modes else SERVE_LABELS)
     return (["external"] if args.base_url else modes), rates, metrics
 
 
@@ -159,10 +82,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     cfg = _model_config(args)
     lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
     if cfg is not None:
-        what = f"--workload {args.workload}: a {max(lengths)}-token prompt and --output-len"
-        context = engine_args(args).context_length(cfg)
-        tokens = max(lengths) + args.output_len
-        check_fits(tokens, context, f"{what} {args.output_len}", "--max-model-len")
+        what = f"--workload {args.workload} with --output-len {args.output_len}"
+        check_fits(what, max(lengths) + args.output_len, cfg, args.max_model_len)
     prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
     for mode in modes:

@@ -144,9 +144,7 @@ def _add_utilities(sub: argparse._SubParsersAction) -> None:
         description="Write config.json and model.safetensors (Hub layout), and a small BPE "
         "tokenizer with a chat template trained on text kept in the repo.",
     )
-    make.add_argument(
-        "--hf-config", required=True, metavar="JSON", help="a Hugging Face config.json"
-    )
+    add_fields(make, ModelArgs, only=("hf_config",), required=True)
     make.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     add_fields(make, ModelArgs, only=("seed",))
     make.set_defaults(func=cmd_make_model)

@@ -11,24 +11,10 @@ from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.flags import add_fields, from_args
 
-DEVICE_FLAGS = ("device", "dtype", "cuda_graph_max_bs", "disable_cuda_graph")
-
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model flags; whether one was given is checked where it is used (``model_source``)."""
     add_fields(p, ModelArgs)
-
-
-def add_link_arg(p: argparse.ArgumentParser) -> None:
-    add_fields(p, LayoutArgs, only=("link",))
-
-
-def add_device_args(p: argparse.ArgumentParser) -> None:
-    add_fields(p, LayoutArgs, only=DEVICE_FLAGS)
-
-
-def device_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in DEVICE_FLAGS}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -21,24 +21,29 @@ def flag_name(name: str) -> str:
 
 
 def add_fields(
-    parser: argparse.ArgumentParser, cls: type, only: Iterable[str] | None = None
+    parser: argparse.ArgumentParser,
+    cls: type,
+    only: Iterable[str] | None = None,
+    required: bool = False,
 ) -> None:
-    """Add a flag for each of ``cls``'s settings fields (those with help), or for ``only``."""
+    """Add a flag for each of ``cls``'s settings fields (those with help), or for ``only``;
+    ``required``: the command cannot run without them."""
     wanted = set(only) if only is not None else None
-    groups: dict[str, Any] = {}
+    groups = {g.title: g for g in parser._action_groups}  # a section across calls is one
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata or (wanted is not None and f.name not in wanted):
             continue
         meta = f.metadata
         title = meta.get("group")
-        target = parser
+        target: argparse._ActionsContainer = parser
         if title is not None:
             target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         names = (flag_name(f.name), *meta.get("aliases", ()))
         if isinstance(f.default, bool):
-            target.add_argument(*names, dest=f.name, action="store_true", help=_help(f))
+            target.add_argument(*names, dest=f.name, action="store_true", help=field_help(f))
             continue
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _help(f)}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": field_help(f)}
+        kwargs |= {"required": True} if required else {}
         parse = meta.get("parse", type(f.default) if f.default is not None else str)
         kwargs["type"] = parse
         for key in ("choices", "metavar"):
@@ -47,7 +52,7 @@ def add_fields(
         target.add_argument(*names, **kwargs)
 
 
-def _help(f: dataclasses.Field) -> str:
+def field_help(f: dataclasses.Field) -> str:
     """The field's help with its default, ``%`` escaped for argparse."""
     text, default = f.metadata["help"], f.default
     if default is not None and not isinstance(default, bool):

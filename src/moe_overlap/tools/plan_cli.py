@@ -13,11 +13,11 @@ import time
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import DBO, NONE
-from moe_overlap.core.workloads import DEFAULT_WORKLOAD, parse_workload
-from moe_overlap.engine.args import LayoutArgs, ModelArgs
-from moe_overlap.planner.cluster import load_cluster, presets
+from moe_overlap.core.workloads import make_batches, parse_workload
+from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.planner.cluster import load_cluster
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
@@ -30,11 +30,10 @@ from moe_overlap.planner.report import (
 )
 from moe_overlap.planner.reproduce import reproduce, reproduce_table
 from moe_overlap.planner.sweep import crossover, decode_sweep
-from moe_overlap.tools.bench import make_batches
-from moe_overlap.tools.cli_args import add_link_arg
+from moe_overlap.tools.command_flags import PlanFlags
 from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.measure_this import calibrate_this
-from moe_overlap.tools.trace import OutputArgs, write_outputs
+from moe_overlap.tools.trace import write_outputs
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -47,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the engine's defaults: --tp 1 with --ep N is pure EP, and --dp 1 leaves the groups to --tp
     tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
     layout = make_layout(tp, dp, args.ep, args.enable_dp_attention, spec.cfg)
-    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = parse_modes(args.modes)
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
@@ -133,62 +132,10 @@ def add_plan_command(sub) -> None:
         help="predict each overlap mode on a cluster without running it",
         description="Run the engine's own overlap schedules over simulated operations timed "
         "from FLOPs and bytes on a cluster, and print each mode's predicted time, speed-up, "
-        "limit max(T_comp, T_comm), bottleneck and the flags to use.",
+        "limit max(T_comp, T_comm), bottleneck and the flags to use. Needs --hf-config and "
+        "--cluster, or --reproduce alone.",
     )
-    plan.add_argument("--hf-config", metavar="JSON", help="a Hugging Face config.json (required)")
-    plan.add_argument(
-        "--cluster",
-        metavar="NAME|JSON",
-        help=f"<nodes>x<gpus>-<gpu> for h100, h800, h20, h200, b200 (e.g. {', '.join(presets())})"
-        ", a cluster JSON file, or this (this machine, measured by a short run over --link) "
-        "(required)",
-    )
-    plan.add_argument(
-        "--reproduce",
-        action="store_true",
-        help="plan the published GPU results (reference 004, SGLang's large-scale EP blog) and "
-        "print each prediction beside its measurement (needs no other flag)",
-    )
-    add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention"))
-    add_link_arg(plan)
-    plan.add_argument(
-        "--workload",
-        default=DEFAULT_WORKLOAD,
-        metavar="SPEC",
-        help="the bench's grammar: single-long[:N], uniform:A-B[:T], decode:BS[:CTX], file:PATH "
-        "(per DP group)",
-    )
-    plan.add_argument(
-        "--modes",
-        default=",".join(DEFAULT_LABELS),
-        help="the bench's modes, comma-separated (default: %(default)s)",
-    )
-    add_fields(plan, ModelArgs, only=("seed",))
-    plan.add_argument(
-        "--repeat", type=int, default=3, help="--cluster this: forwards per calibration shape"
-    )
-    plan.add_argument(
-        "--calibration",
-        metavar="PATH",
-        help="--cluster this: reuse the measurements in PATH if it exists, else measure and "
-        "save them there",
-    )
-    plan.add_argument(
-        "--compare-bench",
-        metavar="BENCH_JSON",
-        help="a `moe-overlap bench --json` file of the same workload: print the plan next to "
-        "it, mode by mode, with the error",
-    )
-    _add_outputs(plan)
+    add_fields(plan, ModelArgs, only=("hf_config", "seed"))
+    add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
+    add_fields(plan, PlanFlags)
     plan.set_defaults(func=cmd_plan)
-
-
-def _add_outputs(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument(
-        "--decode-sweep",
-        type=int,
-        metavar="CTX",
-        help="also sweep decode batch sizes 1..1024 per rank at CTX tokens of context and print "
-        "where each mode starts to beat none (DBO's --dbo-decode-token-threshold)",
-    )
-    add_fields(plan, OutputArgs)

@@ -8,30 +8,12 @@ launch to its completion). Span times are ``perf_counter`` seconds, one clock fo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from moe_overlap.core.timeline import Span
 from moe_overlap.core.tracks import COMM, DECISION, SPLIT, is_compute, is_wait, wait, waiter
-from moe_overlap.engine.args import setting
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
-
-
-@dataclass
-class OutputArgs:
-    """Where ``bench`` and ``plan`` write what they measured or predicted."""
-
-    json: str | None = setting(
-        None, "write every figure as JSON (plan: in the bench's shape)", metavar="PATH"
-    )
-    trace: str | None = setting(
-        None,
-        "write the timelines as a Chrome/Perfetto trace: a track per rank and micro-batch, "
-        "and one per rank for communication",
-        metavar="PATH",
-    )
-    plot: str | None = setting(None, "draw the timelines of rank 0 as a PNG", metavar="PATH")
 
 
 _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange
