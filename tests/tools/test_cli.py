@@ -8,7 +8,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.distributed import netns
 from moe_overlap.engine.engine_args import EngineArgs
-from moe_overlap.tools.cli import main
+from moe_overlap.tools.cli import build_parser, main
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -94,3 +94,14 @@ def test_vllm_launch_flags(capsys):
     args = ["generate", "--hf-config", CONFIG, "--prompt-ids", "1,2", "--max-new-tokens", "1"]
     assert main([*args, "--trust-remote-code"]) == 0
     assert "no code from a checkpoint runs here" in capsys.readouterr().err
+
+
+def test_every_commands_help_renders(capsys):
+    """argparse formats each flag's help with %: one stray % in a field's help broke a
+    command's --help (generate's, over --kv-cache-memory's "40% of")."""
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name in commands:
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0, name
+        assert f"usage: moe-overlap {name}" in capsys.readouterr().out
