@@ -102,7 +102,12 @@ def feasible(stats: StepStats, ep: int) -> list[str]:
         Runs.SPLIT: lambda n: not idle and stats.tbo_ok and min(busy) >= n,
         Runs.THREADS: lambda n: not idle and stats.dbo_split is not None,
     }
-    return [m for m in candidates() if fits[shape(m)[0]](shape(m)[1])]
+    return [m for m in candidates() if _fits(fits, m)]
+
+
+def _fits(fits: dict, label: str) -> bool:
+    runs, n = shape(label)
+    return fits[runs](n)
 
 
 def raw_times(cal: Calibration, stats: StepStats) -> dict[str, float]:
@@ -167,9 +172,10 @@ def explore(choice: Choice, forward: int) -> Choice:
     best = choice.predicted.get(choice.mode)
     if best is None:
         return choice
+    order = candidates()
     near = sorted(
         (m for m, t in choice.predicted.items() if m != choice.mode and t <= best * (1 + margin)),
-        key=lambda m: (choice.predicted[m], candidates().index(m)),
+        key=lambda m: (choice.predicted[m], order.index(m)),
     )
     if not near:
         return choice

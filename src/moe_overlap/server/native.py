@@ -90,8 +90,8 @@ class NativeFormatter(Formatter):
     object for one prompt and one choice, else a list; streamed chunks carry the whole text
     so far."""
 
-    def __init__(self, base: Formatter, batched: bool):
-        self.__dict__.update(vars(base))
+    def __init__(self, *args, batched: bool, **kwargs):
+        super().__init__(*args, **kwargs)
         self.batched = batched
 
     def _meta(self, index: int, c: Choice) -> dict:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -46,7 +47,8 @@ def _install_generate(
 
         batched = body.batched()
         call = (completion, encode, None, completion.max_tokens, False, request)
-        return await serve(engine, settings, metrics, *call, lambda f: NativeFormatter(f, batched))
+        make = functools.partial(NativeFormatter, batched=batched)
+        return await serve(engine, settings, metrics, *call, make)
 
 
 def _install_info(

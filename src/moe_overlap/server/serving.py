@@ -21,7 +21,7 @@ from moe_overlap.server.protocol import SamplingFields
 from moe_overlap.server.responses import DONE, Choice, Formatter, sse
 from moe_overlap.server.submission import Submission, choice_name
 
-Shape = Callable[[Formatter], Formatter]  # the call's formatter from the OpenAI one
+MakeFormatter = Callable[..., Formatter]  # Formatter, or a subclass writing another shape
 
 
 def encode_prompt(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int]:
@@ -63,7 +63,7 @@ async def serve(
     limit: int | None,
     chat: bool,
     request: Request,
-    shape: Shape | None = None,
+    make: MakeFormatter = Formatter,
 ) -> dict | list[dict] | StreamingResponse:
     """Queue every choice (a bad one aborts those queued before it), then stream the deltas
     or wait for every answer."""
@@ -73,10 +73,9 @@ async def serve(
     if trouble:
         raise APIError(503, trouble, "rank_unhealthy")
     sub = Submission(engine)
-    call = (engine, settings, body, encode, texts, limit, chat, sub)
+    call = (engine, settings, body, encode, texts, limit, chat, sub, make)
     try:  # off the event loop: tokenizing and checking hundreds of long prompts takes a while
         params, fmt = await asyncio.to_thread(_queue, *call)
-        fmt = shape(fmt) if shape is not None else fmt
     except BaseException:
         sub.close()
         raise
@@ -113,6 +112,7 @@ def _queue(
     limit: int | None,
     chat: bool,
     sub: Submission,
+    make: MakeFormatter,
 ) -> tuple[list[SamplingParams], Formatter]:
     """On a worker thread: the prompts' tokens, each prompt's parameters (checked against the
     vocabulary), every choice queued on ``sub``, and the call's formatter."""
@@ -128,7 +128,7 @@ def _queue(
         for j, sp in enumerate(group):
             sub.add(i * k + j, ids, sp, where=f"prompt {i}")
         time.sleep(0)  # hand the GIL to the event loop between prompts
-    return params, _formatter(engine, settings, body, prompts, texts, chat, k)
+    return params, _formatter(engine, settings, body, prompts, texts, chat, k, make)
 
 
 def _best(params: list[SamplingParams], choices: list[Choice], k: int) -> list[Choice]:
@@ -177,6 +177,7 @@ def _formatter(
     texts: list[str | list[int]] | None,
     chat: bool,
     per_prompt: int,
+    make: MakeFormatter,
 ) -> Formatter:
     """The call's formatter: with ``echo`` each choice starts with its prompt's text (as sent,
     or decoded from ids), and its log-probabilities when asked."""
@@ -189,7 +190,7 @@ def _formatter(
     asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
     lengths = [len(ids) for ids in prompts]
     name = settings.model_name
-    return Formatter(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
+    return make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
 
 
 def stopped_body(why: str) -> dict:
