@@ -7,13 +7,16 @@
 #          (default all; decode-ll runs only with decode)
 #
 # The emulated runs come first (they are what the overlap criteria judge), then the one-process
-# forward, the profiles and last the GPU checks. Every step has its own `timeout`; a step that
+# forward, the GPU checks and last the profiles. Every step has its own `timeout`; a step that
 # fails or times out is named in the summary and the run goes on, except a failed link
 # calibration, which aborts (every later figure would be over a wrong link). Whatever ran is
 # packed into at most 8 files under OUT_DIR (a device call returns no more):
 #   summary.txt   each step's exit status and its figures' lines
 #   logs.tgz      every step's whole log
 #   gpu-check.txt the GPU checks' tail
+# BUDGET (seconds, default 480) bounds the whole run: each step's limit is cut to what is left,
+# and a step with under 20 s left is skipped and named, so the logs are always packed before the
+# device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
 steps=",${2:-emulated,decode,decode-ll,prefill,profile,device-ops,gpu-check},"
@@ -28,9 +31,16 @@ trap pack EXIT
 note() { echo "$*" | tee -a "$summary"; }
 want() { [[ $steps == *",$1,"* ]]; }
 # run NAME SECONDS CMD...: the command's whole output to logs/NAME.txt, its status to the summary
+budget=${BUDGET:-480}
 run() {
   local name=$1 limit=$2 rc
   shift 2
+  local left=$((budget - SECONDS - 10))
+  if ((left < 20)); then
+    note "-- $name: skipped, the ${budget} s budget is spent"
+    return 125
+  fi
+  ((limit > left)) && limit=$left
   local began=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$logs/$name.txt" 2>&1
   rc=$?
@@ -112,7 +122,13 @@ if want prefill; then
   table prefill
 fi
 
-# 3. where the emulated forward's host time goes, per mode (its waits for the device among
+# 3. the GPU checks (tests/gpu), before the diagnostics
+if want gpu-check; then
+  run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
+  tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
+fi
+
+# 4. where the emulated forward's host time goes, per mode (its waits for the device among
 #    them), and the device operations the same forward issues, counted on meta
 if want profile; then
   run emulate-profile 120 "$py" scripts/emulate_profile.py "$cfg" single-long:3072 \
@@ -125,8 +141,3 @@ if want device-ops; then
   grep overlap "$logs/device-ops.txt" >> "$summary"
 fi
 
-# 4. the GPU checks (tests/gpu), last
-if want gpu-check; then
-  run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
-  tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
-fi

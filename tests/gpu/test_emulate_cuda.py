@@ -3,8 +3,6 @@ CUDA events on the communication stream, is the modelled link's time for the row
 
 from __future__ import annotations
 
-import pytest
-
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.workloads import Workload, make_batches, parse_workload
@@ -14,6 +12,7 @@ from tests.gpu.common import needs_gpu
 pytestmark = needs_gpu
 MODES = ["none", "sbo", "dbo", "tbo", "tbo+two-chunk", "tbo+time-split", "tbo3+time-split"]
 PEERS, LATENCY_S, BYTES_PER_S = 4, 200e-6, 1e9 / 8  # --link model:1gbit,200us
+WAKE_UP_S = 0.6e-3  # the most a host function's wake-up adds to one transfer
 
 
 def test_emulated_bench_on_cuda_times_the_link_with_events():
@@ -29,7 +28,8 @@ def test_emulated_bench_on_cuda_times_the_link_with_events():
         report = run_bench(llm.executor, rank0, MODES, 3, cfg.vocab_size, 0, False, on_gpu=True)
     transfers = 2 * cfg.num_hidden_layers  # a dispatch and a combine per MoE layer
     link_s = transfers * LATENCY_S + crossing_bytes / BYTES_PER_S
-    assert report.t_comm == pytest.approx(link_s, rel=0.1)  # the wait plus a device copy
-    assert report.t_comm >= 0.97 * link_s
+    # the wait plus a device copy and, per transfer, the host function's wake-up (on an H200
+    # 0.3-0.5 ms: 35.7-36.9 ms read for 33.1 ms asked over 8 transfers)
+    assert 0.97 * link_s <= report.t_comm <= 1.05 * link_s + transfers * WAKE_UP_S
     assert all(report.results[m].median > 0 for m in MODES)
     print({m: round(report.limit_share(m), 3) for m in MODES}, report.t_comp, report.t_comm)
