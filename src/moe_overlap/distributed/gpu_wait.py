@@ -21,30 +21,19 @@ import functools
 
 import torch
 
-try:  # CUDA builds of torch ship Triton; CPU builds do not, and never call hold_stream
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
 _SLEEP_PROBE_CYCLES = 20_000_000
 _SLEEP_WARM_CYCLES = 100_000_000  # an idle GPU's clock is low: boost it before the probe
 _cycles_per_s: dict[int, float] = {}  # per device: torch.cuda._sleep's cycles per second
 
-if triton is not None:
 
-    @triton.jit
-    def _now():
-        return tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
-
-    @triton.jit(do_not_specialize=["duration_ns"])  # one compile, not one per alignment
-    def _spin(duration_ns):
-        start = _now()
-        now = start
-        while now - start < duration_ns:
-            now = _now()
+@functools.cache
+def _spin_kernel():
+    """``gpu_spin.spin``, imported on first use; None without Triton (CPU builds of torch)."""
+    try:
+        from moe_overlap.distributed.gpu_spin import spin
+    except ImportError:
+        return None
+    return spin
 
 
 WAYS = ("host", "globaltimer", "sleep")
@@ -60,9 +49,10 @@ def hold_stream(seconds: float, device: torch.device, how: str = "host") -> None
         return
     if how == "host" and _host_function_wait(seconds, device):
         return
-    if how in ("host", "globaltimer") and triton is not None:
+    spin = _spin_kernel() if how in ("host", "globaltimer") else None
+    if spin is not None:
         with torch.cuda.device(device):
-            _spin[(1,)](int(seconds * 1e9), num_warps=1)
+            spin[(1,)](int(seconds * 1e9), num_warps=1)
         return
     torch.cuda._sleep(int(seconds * sleep_cycles_per_s(device)))
 
