@@ -30,6 +30,9 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill (possibly a later chunk of a prompt)
     DECODE = "decode"  # one new token per sequence
     MIXED = "mixed"  # prefill chunks and decode tokens together
+    # speculative decoding: each sequence feeds its last token and k draft tokens (k + 1 rows),
+    # every row's logits scored; split, voted and scheduled as decode is
+    TARGET_VERIFY = "target_verify"
     IDLE = "idle"  # no tokens on this rank; it still joins every collective
 
 
@@ -76,8 +79,19 @@ class ForwardBatch:
         if not self.slots:
             return ForwardMode.IDLE
         if all(self.is_decode):
-            return ForwardMode.DECODE
+            return ForwardMode.DECODE if self.token_num_per_seq == 1 else ForwardMode.TARGET_VERIFY
         return ForwardMode.MIXED if any(self.is_decode) else ForwardMode.EXTEND
+
+    @property
+    def decodes(self) -> bool:
+        """A decode or target-verify batch: the decode strategy, votes and split rules."""
+        return self.mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+
+    @property
+    def token_num_per_seq(self) -> int:
+        """SGLang's ``token_num_per_seq``: rows per sequence of a verify batch (its draft
+        tokens and the last token), 1 in decode."""
+        return max(self.extend_lens, default=1)
 
     @property
     def num_tokens(self) -> int:

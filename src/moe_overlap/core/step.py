@@ -53,6 +53,15 @@ class SampleSpec:
     prompt_logprobs: int | None = None
     next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
     penalties: Penalties | None = None
+    # speculative decoding: the draft tokens fed after the last one (a target-verify row each);
+    # its first row then decides the next token, and a greedy unpenalised sequence verifies
+    # the drafts (the others are sampled from that row alone, as without speculation)
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def verifies(self) -> bool:
+        """Its drafts are verified greedily (else they are padding in a verify batch)."""
+        return bool(self.drafts) and self.temperature == 0.0 and self.penalties is None
 
 
 @dataclass
@@ -104,6 +113,10 @@ class GroupReply:
     # the logit rows of the sequences with ``keep_logits`` (every row: a forward-only step)
     logits: torch.Tensor | None = None
     mode: str = NONE.name  # the overlap scheme the forward ran (auto's choice)
+    # speculative decoding, per sequence: the tokens verification adds after ``token_ids[i]``
+    # (the target's argmax at each accepted draft, the last one the bonus), with logprobs
+    more_ids: list[list[int]] = field(default_factory=list)
+    more_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
 
     def __getstate__(self) -> dict:  # logits cross processes as NumPy, not torch's fd sharing
         state = dict(self.__dict__)

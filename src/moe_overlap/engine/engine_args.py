@@ -28,6 +28,7 @@ from moe_overlap.engine.args import (
     parse_modes,
     setting,
 )
+from moe_overlap.engine.spec_config import SpeculativeArgs
 
 
 @dataclass
@@ -215,7 +216,7 @@ class OverlapArgs:
 
 
 @dataclass
-class EngineArgs(OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
+class EngineArgs(SpeculativeArgs, OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
     """Every engine setting; ``LLM(**kwargs)`` and the command line take these names."""
 
     @classmethod

@@ -27,6 +27,7 @@ from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.engine.speculation import Speculation
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
 
@@ -133,6 +134,7 @@ class LLM:
             else None,
             spec.pool_pages,
             spec.page_size,
+            Speculation.of(args.speculative()),
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)

@@ -6,6 +6,7 @@ prompt chunks up to a per-rank token budget. A request stays on the rank whose K
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
+from moe_overlap.engine.finish import FinishRule
 from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
@@ -24,6 +26,7 @@ from moe_overlap.engine.load_balance import (
 )
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import Request
+from moe_overlap.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +38,23 @@ class Step:
     prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
     released: list[list[int]] = field(default_factory=list)  # per rank: slots whose pages go
+    # per rank, per sequence: the draft tokens it feeds after its last (a verify step), or none
+    drafts: list[list[list[int]]] = field(default_factory=list)
 
     def samples(self) -> list[list[SampleSpec]]:
         """Per group, per scheduled sequence: what its rank does with its logits."""
-        return [[req.sample_spec(n) for req, n in group] for group in self.scheduled]
+        return [
+            [
+                dataclasses.replace(req.sample_spec(n), drafts=tuple(d))
+                if d
+                else req.sample_spec(n)
+                for (req, n), d in zip(group, self.drafts_of(rank), strict=True)
+            ]
+            for rank, group in enumerate(self.scheduled)
+        ]
+
+    def drafts_of(self, rank: int) -> list[list[int]]:
+        return self.drafts[rank] if self.drafts else [[] for _ in self.scheduled[rank]]
 
 
 class Scheduler:
@@ -53,14 +69,15 @@ class Scheduler:
         pdmux: PrefillWaves | None = None,
         num_pages: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        speculation: Speculation | None = None,
     ):
         """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
-        ``max_len``), which admission counts."""
+        ``max_len``), which admission counts. ``speculation``: decode steps verify drafts."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
         self.budget = max_num_batched_tokens
-        self.eos = eos_token_id
+        self.finish = FinishRule(eos_token_id, max_len)
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
@@ -71,6 +88,7 @@ class Scheduler:
         self.pdmux = pdmux  # prompts go whole, in layer ranges, beside the decode steps
         # (rank, slot, pages) an aborted wave still writes
         self.deferred: list[tuple[int, int, int]] = []
+        self.speculation = speculation
 
     def add(self, request: Request) -> None:
         """Queue ``request``; one whose longest run could never fit the pool is refused."""
@@ -100,11 +118,12 @@ class Scheduler:
 
     def schedule(self) -> Step:
         self._admit()
-        batches, scheduled = [], []
+        batches, scheduled, drafts = [], [], []
         for rank in range(len(self.running)):
             seqs = self._plan(rank)
+            drafts.append(self._draft(rank, seqs))
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
-            batches.append(_make_batch(seqs))
+            batches.append(_make_batch(seqs, drafts[-1]))
         waves = self.pdmux
         prefill = waves.next_slice(self.running, _make_batch) if waves is not None else None
         if waves is not None and prefill is not None and prefill.last:
@@ -112,7 +131,7 @@ class Scheduler:
                 [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
             ]
         released = [pages.take_released() for pages in self.pages]
-        return Step(batches, scheduled, prefill, released=released)
+        return Step(batches, scheduled, prefill, released=released, drafts=drafts)
 
     def update(self, step: Step, reply: StepReply) -> list[Request]:
         """Take each group's sampled tokens (and a finished prefill wave's); return the
@@ -161,29 +180,11 @@ class Scheduler:
             elif token is None:  # its draw failed on the rank: it ends alone
                 req.error, req.finish_reason = error or "no token was sampled", "error"
             else:
-                try:
-                    req.take(token, reply.logprobs[i])
-                    req.finish_reason = self._finish_reason(req)
-                except Exception as exc:  # e.g. its text: this request's fault ends it alone
-                    req.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                    req.finish_reason = "error"
+                self.finish.take(req, reply, i, len(step.drafts_of(rank)[i]), self.speculation)
             if req.finish_reason:
                 self.running[rank].remove(req)
                 self._free(rank, req)
                 finished.append(req)
-
-    def _finish_reason(self, req: Request) -> str | None:
-        token = req.output_ids[-1]
-        if not req.params.ignore_eos and self.eos is not None and token == self.eos:
-            return "eos"
-        stopped = req.text is not None and req.text.push(token)  # every token goes to the text
-        if stopped or token in (req.params.stop_token_ids or []):
-            return "stop"
-        if len(req.output_ids) >= req.params.max_new_tokens:
-            return "length"
-        if req.total_len >= self.max_len:
-            return "context"
-        return None
 
     def _admit(self) -> None:
         while self.waiting:
@@ -222,6 +223,11 @@ class Scheduler:
             pool.hold(pages)
             req.pages += pages
         return seqs
+
+    def _draft(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> list[list[int]]:
+        if self.speculation is None:
+            return [[] for _ in seqs]
+        return self.speculation.draft_step(seqs, self.budget, self.max_len, self.pages[rank])
 
     def _growth(self, req: Request, fed: int) -> int:
         return max(0, pages_for(req.num_computed + fed, self.page_size) - req.pages)
@@ -264,7 +270,11 @@ class Scheduler:
         ]
 
 
-def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
+def _make_batch(
+    seqs: list[tuple[Request, list[int]]], drafts: list[list[int]] | None = None
+) -> ForwardBatch:
+    """The batch of ``seqs``; a sequence with ``drafts`` is verified: every row's logits."""
+    verify = [bool(d) for d in drafts] if drafts else [False] * len(seqs)
     if not seqs:
         return ForwardBatch.idle()
     return ForwardBatch(
@@ -272,6 +282,6 @@ def _make_batch(seqs: list[tuple[Request, list[int]]]) -> ForwardBatch:
         slots=[req.slot for req, _ in seqs],
         prefix_lens=[req.num_computed for req, _ in seqs],
         extend_lens=[len(tokens) for _, tokens in seqs],
-        all_logits=[req.needs_all_logits for req, _ in seqs],
+        all_logits=[req.needs_all_logits or v for (req, _), v in zip(seqs, verify, strict=True)],
         is_decode=[not req.in_prefill for req, _ in seqs],
     )

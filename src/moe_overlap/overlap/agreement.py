@@ -51,9 +51,10 @@ def tbo_local_vote(batch: ForwardBatch, min_tokens: int = 2) -> list[int]:
     if batch.mode == ForwardMode.IDLE:
         return [1, 1, 1, 1]
     can = batch.num_tokens >= max(min_tokens, 2)
-    if batch.mode == ForwardMode.DECODE:
+    if batch.decodes:  # target verify votes as decode: split by sequences, decode strategy
         can = can and batch.num_seqs >= 2
-    return [int(can)] + [int(batch.mode != mode) for mode in _MODES]
+    mode = ForwardMode.DECODE if batch.decodes else batch.mode
+    return [int(can)] + [int(mode != m) for m in _MODES]
 
 
 def tbo_decide(votes: list[int], mode_mismatch: str = "off") -> TboDecision:
@@ -97,7 +98,7 @@ def dbo_local_column(batch: ForwardBatch, cfg: OverlapConfig) -> list[int]:
     """This rank's column of the table: tokens, padded tokens, vote, graph mode."""
     tokens = batch.num_tokens
     padded = tokens  # no CUDA graphs and attention TP 1 here: nothing to pad a batch to
-    vote = dbo_vote(tokens, batch.mode == ForwardMode.DECODE, cfg)
+    vote = dbo_vote(tokens, batch.decodes, cfg)
     return [tokens, padded, int(vote), 0]
 
 

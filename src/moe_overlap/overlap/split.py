@@ -111,10 +111,12 @@ def plan_two_batch(batch: ForwardBatch, threshold: float, cost: ModelFlops | Non
     """SGLang's two-batch split: decode gives the first micro-batch floor(n / 2) sequences;
     extend balances tokens by sequence, and cuts a sequence in two (two-chunk overlap) when
     that split is lopsided. With a ``cost`` model the cut balances estimated time instead of
-    tokens (ours)."""
+    tokens (ours). Target verify splits by whole sequences, never inside one's drafts."""
     lens = batch.extend_lens
     if batch.mode == ForwardMode.DECODE:
         return seq_split(lens, len(lens) // 2)
+    if batch.mode == ForwardMode.TARGET_VERIFY:  # SGLang's rule; two-chunk and time never cut
+        return seq_split(lens, (batch.num_tokens // batch.token_num_per_seq) // 2)
     if needs_two_chunk(lens, threshold):
         cut = time_balanced_cuts(batch, cost, 2)[0] if cost is not None else sum(lens) // 2
         return token_split(lens, [cut])
@@ -123,8 +125,16 @@ def plan_two_batch(batch: ForwardBatch, threshold: float, cost: ModelFlops | Non
 
 def plan_even_tokens(batch: ForwardBatch, parts: int, cost: ModelFlops | None = None) -> Plan:
     """N micro-batches of (nearly) equal token counts, cutting sequences where needed; with a
-    ``cost`` model, of (nearly) equal estimated time instead."""
+    ``cost`` model, of (nearly) equal estimated time instead. A target-verify batch is cut
+    between sequences into ``parts`` runs of (nearly) equal counts."""
     total = batch.num_tokens
+    if batch.mode == ForwardMode.TARGET_VERIFY:
+        lens, n = batch.extend_lens, batch.num_seqs
+        bounds = [n * k // parts for k in range(parts + 1)]
+        return [
+            [Piece(i, 0, lens[i]) for i in range(a, b)]
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
     if cost is not None and total >= parts:
         return token_split(batch.extend_lens, time_balanced_cuts(batch, cost, parts))
     return token_split(batch.extend_lens, [total * k // parts for k in range(1, parts)])

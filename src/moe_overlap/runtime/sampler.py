@@ -63,50 +63,90 @@ def answer(
     batch: ForwardBatch, logits: torch.Tensor, samples: list[SampleSpec] | None, mode: str
 ) -> GroupReply:
     """The group's reply from its logit rows (``batch.logit_rows()``'s order): each sequence's
-    scored prompt tokens, drawn token and its log-probabilities, and the rows of those that
-    keep them. ``samples`` None: a forward-only step, every row comes back."""
+    scored prompt tokens, drawn token (and, verifying drafts, the tokens accepted after it)
+    with their log-probabilities, and the rows of those that keep them. ``samples`` None: a
+    forward-only step, every row comes back."""
     if samples is None:
         return GroupReply(logits=logits.cpu(), mode=mode)
     reply = GroupReply(mode=mode)
-    starts, ends, kept, row = [], [], [], 0
+    starts, decide, kept, row = [], [], [], 0
     for n, every, spec in zip(batch.extend_lens, batch.all_logits, samples, strict=True):
         rows = n if every else 1
         if spec.keep_logits:
             kept.append(torch.arange(row, row + rows))
         starts.append(row)
+        # the row that decides the next token: a verify sequence's first, else its last
+        decide.append(row if spec.drafts else row + rows - 1)
         row += rows
-        ends.append(row - 1)
     greedy = [
         i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0 and not s.penalties
     ]
-    picked = dict(zip(greedy, logits[[ends[i] for i in greedy]].argmax(-1).tolist(), strict=True))
+    picked = dict(zip(greedy, logits[[decide[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
         scored = logits[starts[i] : starts[i] + len(spec.next_ids)]
         top = spec.prompt_logprobs or 0
         reply.prompt_logprobs.append(
             token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
         )
-        token, error = None, None
-        if spec.draw:
-            try:
-                last = logits[ends[i]]
-                if spec.penalties is not None:
-                    last = penalised(last, spec.penalties, spec.index)
-                token = picked[i] if i in picked else sample(last, spec)
-            except Exception as exc:  # this sequence alone fails; the driver says why
-                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        reply.token_ids.append(token)
+        tokens, error = _draw(logits, decide[i], spec, picked.get(i))
+        reply.token_ids.append(tokens[0] if tokens else None)
+        reply.more_ids.append(tokens[1:])
         reply.errors.append(error)
-    # the drawn tokens' log-probabilities, of the raw logits (never the penalised ones)
-    asked = [
-        (i, t) for i, (s, t) in enumerate(zip(samples, reply.token_ids, strict=True))
-        if s.logprobs is not None and t is not None
-    ]  # fmt: skip
-    drawn = logits[[ends[i] for i, _ in asked]]
-    tops = [samples[i].logprobs or 0 for i, _ in asked]
-    lps = token_logprobs(drawn, [t for _, t in asked], tops)
-    found = dict(zip([i for i, _ in asked], lps, strict=True))
-    reply.logprobs = [found.get(i) for i in range(len(samples))]
+    _add_logprobs(reply, logits, samples, decide)
     if kept:
         reply.logits = logits[torch.cat(kept)].cpu()
     return reply
+
+
+def _draw(
+    logits: torch.Tensor, row: int, spec: SampleSpec, picked: int | None
+) -> tuple[list[int], str | None]:
+    """One sequence's new tokens (none where it draws none) from its deciding ``row`` on: the
+    greedy pick, or a draw, or the tokens greedy verification accepts; or why its draw failed."""
+    if not spec.draw:
+        return [], None
+    if spec.verifies:
+        return verify_greedy(logits[row : row + len(spec.drafts) + 1], spec.drafts), None
+    try:
+        last = logits[row]
+        if spec.penalties is not None:
+            last = penalised(last, spec.penalties, spec.index)
+        return [picked if picked is not None else sample(last, spec)], None
+    except Exception as exc:  # this sequence alone fails; the driver says why
+        return [], f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def verify_greedy(rows: torch.Tensor, drafts: tuple[int, ...]) -> list[int]:
+    """Greedy verification: the target's argmax of each row while the draft before it was
+    accepted, i.e. the longest prefix of ``drafts`` equal to the target's picks, plus the
+    bonus token (the pick after the last accepted draft)."""
+    picks = rows.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == picks[accepted]:
+        accepted += 1
+    return picks[: accepted + 1]
+
+
+def _add_logprobs(
+    reply: GroupReply, logits: torch.Tensor, samples: list[SampleSpec], decide: list[int]
+) -> None:
+    """The drawn tokens' log-probabilities, of the raw logits (never the penalised ones): a
+    verified token's from the row that predicted it."""
+    asked = [
+        i for i, (s, t) in enumerate(zip(samples, reply.token_ids, strict=True))
+        if s.logprobs is not None and t is not None
+    ]  # fmt: skip
+    rows: list[int] = []
+    tokens: list[int] = []
+    tops: list[int] = []
+    for i in asked:
+        first = reply.token_ids[i]
+        assert first is not None  # ``asked`` holds drawn tokens only
+        drawn = [first, *reply.more_ids[i]]
+        rows.extend(range(decide[i], decide[i] + len(drawn)))
+        tokens.extend(drawn)
+        tops.extend([samples[i].logprobs or 0] * len(drawn))
+    lps = iter(token_logprobs(logits[rows], tokens, tops))
+    found = {i: [next(lps) for _ in range(1 + len(reply.more_ids[i]))] for i in asked}
+    reply.logprobs = [found[i][0] if i in found else None for i in range(len(samples))]
+    reply.more_logprobs = [found[i][1:] if i in found else [] for i in range(len(samples))]

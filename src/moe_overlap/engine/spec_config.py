@@ -1,0 +1,172 @@
+"""Speculative decoding's settings: SGLang's ``--speculative-*`` flags and vLLM's
+``--speculative-config`` JSON, read into one ``SpeculativeConfig`` (a conflict between them is
+refused), and the layouts and models speculation refuses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TypeVar
+
+from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.engine.args import setting
+
+ALGORITHMS = ("NGRAM",)  # SGLang's names; vLLM's "method" values are their lower case
+DEFAULT_NUM_DRAFT_TOKENS = 4  # rows per sequence in verify: the last token and 3 drafts
+DEFAULT_LOOKUP = (1, 12)  # SGLang's n-gram match window sizes
+_VLLM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_GROUP = "speculative decoding"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What the scheduler drafts: ``num_drafts`` n-gram tokens per decoding sequence, found
+    by matching its last ``lookup_min .. lookup_max`` tokens earlier in its prompt and output."""
+
+    algorithm: str
+    num_drafts: int  # vLLM's num_speculative_tokens; SGLang's num_draft_tokens less one
+    lookup_min: int
+    lookup_max: int
+
+
+@dataclass
+class SpeculativeArgs:
+    speculative_algorithm: str | None = setting(
+        None,
+        "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
+        "next tokens from an earlier match of its last tokens in its prompt and output (no "
+        "weights); the target verifies them in one forward. Greedy requests without "
+        "penalties are sped up; sampled and penalised ones are served exactly as without it",
+        choices=ALGORITHMS,
+        parse=str.upper,
+        group=_GROUP,
+    )
+    speculative_num_draft_tokens: int | None = setting(
+        None,
+        "SGLang's count of rows per sequence in a verify forward: the last token plus the "
+        f"drafts (None: {DEFAULT_NUM_DRAFT_TOKENS}, i.e. {DEFAULT_NUM_DRAFT_TOKENS - 1} drafts; "
+        "vLLM's num_speculative_tokens is this less one)",
+        parse=int,
+        group=_GROUP,
+    )
+    speculative_ngram_min_match_window_size: int = setting(
+        DEFAULT_LOOKUP[0],
+        "NGRAM: the shortest suffix matched (vLLM's prompt_lookup_min)",
+        group=_GROUP,
+    )
+    speculative_ngram_max_match_window_size: int = setting(
+        DEFAULT_LOOKUP[1],
+        "NGRAM: the longest suffix matched, tried first (vLLM's prompt_lookup_max)",
+        group=_GROUP,
+    )
+    speculative_config: str | None = setting(
+        None,
+        'vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\'; read into the flags above, '
+        "and refused where it contradicts one given",
+        metavar="JSON",
+        group=_GROUP,
+    )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The one speculative config of the flags and the JSON (None: no speculation)."""
+        algorithm, drafts = self.speculative_algorithm, self.speculative_num_draft_tokens
+        algorithm = algorithm.upper() if isinstance(algorithm, str) else algorithm
+        low = self.speculative_ngram_min_match_window_size
+        high = self.speculative_ngram_max_match_window_size
+        given = _vllm_config(self.speculative_config)
+        if given:
+            method = str(given.get("method", "")).upper()
+            algorithm = _agree("--speculative-algorithm", algorithm, method or None)
+            tokens = given.get("num_speculative_tokens", 0)
+            _check_count("num_speculative_tokens", tokens, 1)
+            drafts = _agree("--speculative-num-draft-tokens", drafts, int(tokens) + 1)
+            low = _agree_default("prompt_lookup_min", low, DEFAULT_LOOKUP[0], given)
+            high = _agree_default("prompt_lookup_max", high, DEFAULT_LOOKUP[1], given)
+        if algorithm is None:
+            if drafts is not None:
+                raise ConfigError(
+                    f"--speculative-num-draft-tokens={drafts} needs --speculative-algorithm "
+                    "NGRAM (or --speculative-config)"
+                )
+            return None
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"speculative algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)} "
+                "(MTP drafters are not built yet)"
+            )
+        drafts = DEFAULT_NUM_DRAFT_TOKENS if drafts is None else drafts
+        _check_count("--speculative-num-draft-tokens", drafts, 2)
+        _check_count("--speculative-ngram-min-match-window-size", low, 1)
+        if not is_int(high) or high < low:
+            raise ConfigError(
+                f"--speculative-ngram-max-match-window-size={high!r} must be an integer >= "
+                f"the min window size {low}"
+            )
+        return SpeculativeConfig(algorithm, drafts - 1, low, high)
+
+
+def _vllm_config(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config={text!r} is not JSON: {exc}") from None
+    if not isinstance(given, dict):
+        raise ConfigError(f"--speculative-config={text!r} must be a JSON object")
+    unknown = sorted(set(given) - _VLLM_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"--speculative-config key {unknown[0]!r} is not supported; use "
+            f"{', '.join(sorted(_VLLM_KEYS))}"
+        )
+    return given
+
+
+def _agree(flag: str, value: T | None, from_json: T | None) -> T | None:
+    """The JSON's value where the flag was not given; a different one given is refused."""
+    if value is not None and from_json is not None and value != from_json:
+        raise ConfigError(
+            f"{flag}={value} contradicts --speculative-config's {from_json}; give one of them"
+        )
+    return from_json if from_json is not None else value
+
+
+def _agree_default(key: str, value: int, default: int, given: dict) -> int:
+    if key not in given:
+        return value
+    if value != default and value != given[key]:
+        raise ConfigError(
+            f"--speculative-config's {key}={given[key]} contradicts the flag's {value}; give one"
+        )
+    return given[key]
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if not is_int(value) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def check_speculation(
+    spec: SpeculativeConfig | None, par: ParallelConfig, cfg: ModelConfig, pdmux: bool
+) -> None:
+    """Refuse what speculation is not exact on yet, each with the reason."""
+    if spec is None:
+        return
+    refusals = [
+        (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
+         "rejected draft would have to roll back, which is not built; serve it without "
+         "--speculative-algorithm"),
+        (par.pp > 1, f"--pp {par.pp}: pipeline stages do not carry verify batches yet; use "
+         "--pp 1"),
+        (par.enable_dp_attention, "--enable-dp-attention: verify batches are not checked "
+         "against DP attention's gather yet; drop it (pure --ep is supported)"),
+        (pdmux, "--enable-pdmux: prefill waves beside verify steps are not built; drop one"),
+    ]  # fmt: skip
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"speculative decoding ({spec.algorithm}) is refused: {why}")

@@ -1,0 +1,94 @@
+"""Speculative decoding on the driver: which steps verify drafts, each sequence's drafts, and
+the counts ``/metrics`` and the bench read. The ranks verify (``runtime/sampler.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_overlap.core.kv_budget import pages_for
+from moe_overlap.engine.kv_pages import PageBudget
+from moe_overlap.engine.ngram import propose
+from moe_overlap.engine.request import Request
+from moe_overlap.engine.spec_config import SpeculativeConfig
+
+
+@dataclass
+class SpeculationStats:
+    """Counted over every sequence whose drafts were verified (greedy, unpenalised)."""
+
+    verifications: int = 0  # a sequence's drafts checked in one verify forward
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification gives, the bonus token included (SGLang's accept length)."""
+        if not self.verifications:
+            return 0.0
+        return (self.accepted_tokens + self.verifications) / self.verifications
+
+
+def verifies(req: Request) -> bool:
+    """A request whose drafts are verified: greedy, no penalties (else its drafts are padding
+    and it is sampled from its first row, exactly as without speculation)."""
+    return req.params.temperature == 0.0 and not req.params.penalised
+
+
+class Speculation:
+    """Drafts a rank's step: a verify step when every sequence in it decodes, with the same
+    number of drafts for each (SGLang's ``token_num_per_seq``), within the token budget and the
+    context; a request without a match, or not verified, is padded with its last token."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpeculationStats()
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | None) -> Speculation | None:
+        return None if config is None else cls(config)
+
+    def draft(self, reqs: list[Request], budget: int, max_len: int) -> list[list[int]] | None:
+        """Each request's drafts for a verify step, or None: a plain step."""
+        if not reqs or any(req.in_prefill for req in reqs):
+            return None  # prefill chunks in the step: verify steps are decode-only
+        room = min(max_len - req.total_len for req in reqs)
+        k = min(self.config.num_drafts, budget // len(reqs) - 1, room)
+        if k < 1:
+            return None
+        lo, hi = self.config.lookup_min, self.config.lookup_max
+        found = [
+            propose(req.prompt_ids + req.output_ids, k, lo, hi) if verifies(req) else []
+            for req in reqs
+        ]
+        if not any(found):
+            return None
+        return [
+            d + [(d or req.output_ids)[-1]] * (k - len(d))
+            for d, req in zip(found, reqs, strict=True)
+        ]
+
+    def draft_step(
+        self, seqs: list[tuple[Request, list[int]]], budget: int, max_len: int, pool: PageBudget
+    ) -> list[list[int]]:
+        """A rank's step made a verify step where ``draft`` gives drafts and ``pool`` has the
+        pages they grow into: each sequence's drafts, appended to the tokens it feeds, their
+        pages held; else none (a plain step)."""
+        drafts = self.draft([req for req, _ in seqs], budget, max_len)
+        if drafts is None:
+            return [[] for _ in seqs]
+        grow = [
+            max(0, pages_for(req.num_computed + len(tokens) + len(d), pool.page_size) - req.pages)
+            for (req, tokens), d in zip(seqs, drafts, strict=True)
+        ]
+        if not pool.fits(sum(grow)):
+            return [[] for _ in seqs]
+        pool.hold(sum(grow))
+        for (req, tokens), d, pages in zip(seqs, drafts, grow, strict=True):
+            tokens.extend(d)
+            req.pages += pages
+        return drafts
+
+    def record(self, drafts: int, accepted: int) -> None:
+        self.stats.verifications += 1
+        self.stats.draft_tokens += drafts
+        self.stats.accepted_tokens += accepted
