@@ -18,12 +18,14 @@ from moe_overlap.engine.ngram import propose
 from moe_overlap.overlap.split import plan_even_tokens, plan_two_batch
 from moe_overlap.runtime.sampler import verify_greedy
 from tests.helpers import TINY, every_mode, qwen3_5_hf_config
+from tests.server.test_server import KEY, Running, _metrics, served_model
 
 LONG = 600  # the issue's long prompt
 NEW = 32  # the issue's 64 halved: every mode's run stays within the suite's budget
 CFG = ModelConfig(**(TINY["qwen3_moe"] | dict(max_position_embeddings=LONG + NEW + 8)))
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
+SERVED = dict(max_new_tokens=16)
 STOP_AT = 9  # prompt 3 stops at the first occurrence of its plain output's token STOP_AT
 
 
@@ -172,3 +174,29 @@ def test_vllm_config_is_read_into_the_flags():
     assert (config.algorithm, config.num_drafts, config.lookup_min, config.lookup_max) == (
         "NGRAM", 2, 2, 3,
     )  # fmt: skip
+
+
+def test_served_speculation_streams_every_token_and_counts_acceptance(tmp_path_factory):
+    """Over HTTP: a verify step's several tokens all reach the stream and the reply, the text
+    is plain decoding's, and /metrics counts drafts, accepted tokens and acceptance length."""
+    path = served_model(tmp_path_factory, "speculative")
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    llm = LLM(path, speculative_algorithm="NGRAM")
+    run = Running(llm, api_key=KEY)
+    try:
+        client = run.client()
+        body = dict(model="tiny", prompt=prompt, max_tokens=SERVED["max_new_tokens"])
+        extra = dict(temperature=0, extra_body={"ignore_eos": True})
+        speculation, llm.scheduler.speculation = llm.scheduler.speculation, None  # idle: plain
+        want = client.completions.create(**body, **extra).choices[0].text
+        llm.scheduler.speculation = speculation
+        whole = client.completions.create(**body, **extra).choices[0].text
+        parts = [c.choices[0].text for c in client.completions.create(**body, **extra, stream=True)]
+        got = _metrics(run)
+    finally:
+        run.stop()
+    assert whole == want and "".join(parts) == want
+    drafts, accepted = got["moe_overlap_spec_draft_tokens"], got["moe_overlap_spec_accepted_tokens"]
+    verified = got["moe_overlap_spec_verifications"]
+    assert 0 < accepted <= drafts and verified > 0
+    assert got["moe_overlap_spec_mean_acceptance_length"] == (accepted + verified) / verified

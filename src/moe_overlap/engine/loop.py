@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
+from moe_overlap.engine.speculation import Speculation, SpeculationStats
 
 logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
@@ -58,6 +59,7 @@ class EngineLoop:
         self._new: list[tuple[Request, Listener]] = []
         self._aborted: set[int] = set()
         self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
+        self._told: dict[int, int] = {}  # per live request: output tokens told so far
         self._stopping = False
         self.error: str | None = None  # why the engine died, once it has
         self._down: str | None = None  # a rank died while the engine was idle (the watcher)
@@ -118,6 +120,7 @@ class EngineLoop:
             "free_pages": sum(p.free for p in sched.pages),
             "total_pages": sum(p.total for p in sched.pages),
             "preemptions": sched.preemptions,
+            **_speculation_counts(sched.speculation),
         }
 
     def stop(self) -> None:
@@ -191,6 +194,8 @@ class EngineLoop:
             self._live[req.request_id] = (req, listener)
             self.llm.scheduler.add(req)
         gone = [self._live.pop(i)[0] for i in aborted if i in self._live]
+        for i in aborted:
+            self._told.pop(i, None)
         self.llm.scheduler.abort(gone)
         return True
 
@@ -204,7 +209,10 @@ class EngineLoop:
         else:
             text = req.text.delta(final=done) if req.text is not None else ""
             params = req.params
-            new = req.output_ids[-1:] if params.max_new_tokens else []  # 0: only scored
+            # every token since its last delta (a verify step gives several)
+            told = self._told.pop(req.request_id, 0)
+            new = req.output_ids[told:] if params.max_new_tokens else []  # 0: only scored
+            self._told[req.request_id] = len(req.output_ids)
             delta = _delta(req, new, text, finish_reason=req.finish_reason)
             if params.logprobs is not None:
                 delta.logprobs = req.logprobs[-len(new) :] if new else []
@@ -214,7 +222,18 @@ class EngineLoop:
             entry[1](delta)
         if done:
             del self._live[req.request_id]
+            self._told.pop(req.request_id, None)
 
 
 def _delta(req: Request, ids: list[int], text: str, **kw) -> Delta:
     return Delta(req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw)
+
+
+def _speculation_counts(speculation: Speculation | None) -> dict[str, int]:
+    """Speculative decoding's totals (zeros without it): verifications, drafts, accepted."""
+    stats = speculation.stats if speculation is not None else SpeculationStats()
+    return {
+        "spec_verifications": stats.verifications,
+        "spec_draft_tokens": stats.draft_tokens,
+        "spec_accepted_tokens": stats.accepted_tokens,
+    }

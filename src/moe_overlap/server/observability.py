@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.loop import Delta, EngineLoop
+from moe_overlap.engine.speculation import SpeculationStats
 
 logger = logging.getLogger("moe_overlap.server")
 LOG_EVERY_S = 10.0
@@ -101,6 +102,18 @@ class ServerMetrics:
             "moe_overlap_preemptions",
             "Requests preempted (their pages freed, recomputed later) since the start",
             "preemptions",
+        )
+        for name, doc in (
+            ("verifications", "sequences whose drafts a target-verify forward checked"),
+            ("draft_tokens", "draft tokens verified"),
+            ("accepted_tokens", "draft tokens accepted"),
+        ):
+            self._gauge(f"moe_overlap_spec_{name}", f"Speculative decoding: {doc}", f"spec_{name}")
+        self._gauge(
+            "moe_overlap_spec_mean_acceptance_length",
+            "Speculative decoding: tokens per verification, the bonus token included (SGLang's "
+            "accept length; 0 before any)",
+            "spec_acceptance_length",
         )
         up = Gauge(
             "moe_overlap_engine_up", "1 while every rank serves, 0 once one failed", registry=r
@@ -243,6 +256,9 @@ def _slots(stats: dict[str, int]) -> dict[str, float]:
         "used_slots": stats["total_slots"] - stats["free_slots"],
         "used_pages": used_pages,
         "usage": used_pages / max(stats["total_pages"], 1),
+        "spec_acceptance_length": SpeculationStats(
+            stats["spec_verifications"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+        ).mean_acceptance_length,
     }
 
 
