@@ -134,3 +134,14 @@ def test_a_gather_through_the_block_table_reads_what_was_stored_from_any_start()
         assert torch.equal(got[0, :, 0], torch.arange(start, 50) + 200.0)
         if start < 7:
             assert torch.equal(got[1, : 7 - start, 0], torch.arange(start, 7).float())
+
+
+def test_bench_engine_speculative_against_plain_decoding(capsys):
+    """--speculative-algorithm: each decode batch with and without n-gram drafts in one run,
+    the same tokens, and the acceptance length (contents, not timings)."""
+    argv = ["--hf-config", "configs/qwen3-moe-tiny.json", "--speculative-algorithm", "NGRAM"]
+    flags = ["--decode-batches", "3", "--decode-prompt-len", "16", "--new-tokens", "12"]
+    assert run_bench_engine([*argv, *flags, "--repeats", "1", "--threads", "1"]) == 0
+    table = capsys.readouterr().out
+    for column in ("plain tok/s", "spec tok/s", "speed-up", "accept len", "accepted", "3/3"):
+        assert column in table

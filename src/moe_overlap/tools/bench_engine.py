@@ -23,7 +23,9 @@ from moe_overlap.core.workloads import check_fits
 from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.request import SamplingParams
+from moe_overlap.engine.spec_config import SpeculativeArgs
 from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.tools.bench_spec import bench_speculative, speculative_args
 from moe_overlap.tools.command_flags import BenchEngineFlags
 from moe_overlap.tools.engine_profile import (
     Breakdown,
@@ -184,6 +186,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         save_checkpoint(build_model(cfg, seed=args.seed), tmp)  # both engines load these
         hf = load_hf(Path(tmp)) if args.compare_hf else None
+        if speculative_args(args) is not None:
+            console.print(bench_speculative(Path(tmp), args, cfg.vocab_size))
+            return 0
         results = []
         for case in cases:
             results.append(
@@ -231,4 +236,5 @@ def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:
     add_fields(p, ModelArgs, only=("hf_config",), required=True)
     add_fields(p, BenchEngineFlags)
     add_fields(p, ModelArgs, only=("seed",))
+    add_fields(p, SpeculativeArgs)
     p.set_defaults(func=cmd_bench_engine)
