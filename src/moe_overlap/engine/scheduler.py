@@ -138,7 +138,7 @@ class Scheduler:
         requests that finished."""
         finished: list[Request] = []
         for rank, (entries, group) in enumerate(zip(step.scheduled, reply.groups, strict=True)):
-            self._consume(step, rank, entries, group, finished)
+            self._consume(step, rank, entries, group, finished, step.drafts_of(rank))
         if step.prefill is not None and step.prefill.last:
             assert self.pdmux is not None and reply.wave is not None
             for rank, members in enumerate(self.pdmux.finish()):
@@ -157,6 +157,7 @@ class Scheduler:
         entries: list[tuple[Request, int]],
         reply: GroupReply,
         finished: list[Request],
+        drafts: list[list[int]] | None = None,  # per entry, a verify step's
     ) -> None:
         row = 0  # into the logit rows of the sequences that keep theirs
         for i, (req, n) in enumerate(entries):
@@ -180,7 +181,8 @@ class Scheduler:
             elif token is None:  # its draw failed on the rank: it ends alone
                 req.error, req.finish_reason = error or "no token was sampled", "error"
             else:
-                self.finish.take(req, reply, i, len(step.drafts_of(rank)[i]), self.speculation)
+                drafted = len(drafts[i]) if drafts else 0
+                self.finish.take(req, reply, i, drafted, self.speculation)
             if req.finish_reason:
                 self.running[rank].remove(req)
                 self._free(rank, req)
