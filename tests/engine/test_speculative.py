@@ -21,7 +21,7 @@ from tests.helpers import TINY, every_mode, qwen3_5_hf_config
 from tests.server.test_server import KEY, Running, _metrics, served_model
 
 LONG = 600  # the issue's long prompt
-NEW = 32  # the issue's 64 halved: every mode's run stays within the suite's budget
+NEW = 64
 CFG = ModelConfig(**(TINY["qwen3_moe"] | dict(max_position_embeddings=LONG + NEW + 8)))
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
@@ -178,7 +178,8 @@ def test_vllm_config_is_read_into_the_flags():
 
 def test_served_speculation_streams_every_token_and_counts_acceptance(tmp_path_factory):
     """Over HTTP: a verify step's several tokens all reach the stream and the reply, the text
-    is plain decoding's, and /metrics counts drafts, accepted tokens and acceptance length."""
+    is plain decoding's (and stops where a stop string in it begins), and /metrics counts
+    drafts, accepted tokens and acceptance length."""
     path = served_model(tmp_path_factory, "speculative")
     prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
     llm = LLM(path, speculative_algorithm="NGRAM")
@@ -192,10 +193,13 @@ def test_served_speculation_streams_every_token_and_counts_acceptance(tmp_path_f
         llm.scheduler.speculation = speculation
         whole = client.completions.create(**body, **extra).choices[0].text
         parts = [c.choices[0].text for c in client.completions.create(**body, **extra, stream=True)]
+        stop = want[len(want) // 2 :][:2]  # a stop string inside plain decoding's text
+        stopped = client.completions.create(**body, **extra, stop=[stop]).choices[0]
         got = _metrics(run)
     finally:
         run.stop()
     assert whole == want and "".join(parts) == want
+    assert (stopped.text, stopped.finish_reason) == (want[: want.index(stop)], "stop")
     drafts, accepted = got["moe_overlap_spec_draft_tokens"], got["moe_overlap_spec_accepted_tokens"]
     verified = got["moe_overlap_spec_verifications"]
     assert 0 < accepted <= drafts and verified > 0
