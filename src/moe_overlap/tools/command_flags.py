@@ -11,6 +11,7 @@ from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
+from moe_overlap.tools.bench_datasets import DATASETS
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
 
@@ -148,7 +149,38 @@ class LoadFlags:
         metavar="S",
         group="load",
     )
-    output_len: int = setting(32, "tokens per answer", group="load")
+    output_len: int = setting(32, "tokens per answer (--dataset-name workload)", group="load")
+    dataset_name: str = setting(
+        "workload",
+        "where prompt and answer lengths come from: workload (--workload, --output-len), or "
+        "vLLM's bench serve datasets random and prefix_repetition (their flags below); "
+        "prompts are random token ids either way",
+        choices=DATASETS,
+        group="load",
+    )
+    random_input_len: int = setting(1024, "random: mean prompt tokens", group="load")
+    random_output_len: int = setting(128, "random: mean answer tokens", group="load")
+    random_range_ratio: float = setting(
+        0.0,
+        "random: lengths drawn uniformly from mean x [1 - R, 1 + R], 0 <= R < 1",
+        metavar="R",
+        group="load",
+    )
+    random_prefix_len: int = setting(
+        0, "random: tokens of one prefix every prompt starts with", group="load"
+    )
+    prefix_repetition_prefix_len: int = setting(
+        256, "prefix_repetition: tokens of each shared prefix", group="load"
+    )
+    prefix_repetition_suffix_len: int = setting(
+        256, "prefix_repetition: tokens after it, each prompt's own", group="load"
+    )
+    prefix_repetition_num_prefixes: int = setting(
+        10, "prefix_repetition: distinct prefixes, taken in turn", group="load"
+    )
+    prefix_repetition_output_len: int = setting(
+        128, "prefix_repetition: answer tokens", group="load"
+    )
     percentile_metrics: str = setting(
         "ttft,tpot,itl",
         "metrics to report percentiles of: ttft, tpot, itl, e2el",
