@@ -91,9 +91,9 @@ class BenchEngineFlags:
     json: str | None = setting(None, "write the results here", metavar="PATH")
     breakdown: bool = setting(
         False,
-        "profile 3 more runs of each case per engine (the fastest counts): the time in matrix "
-        "multiplies (and their GFLOPS against this CPU's peak), attention, other operators and "
-        "outside any operator",
+        "profile --repeats more runs of each case per engine (the fastest counts): the time in "
+        "matrix multiplies (and their GFLOPS against this CPU's peak), attention, other "
+        "operators and outside any operator",
     )
 
 
