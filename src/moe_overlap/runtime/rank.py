@@ -161,7 +161,9 @@ def rank_model(
         pp_layers(spec.config.num_hidden_layers, coords.pp_rank, rank_parallel(spec).pp),
     )
     path = Path(spec.model_path) if spec.model_path else None
-    return build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+    dtype = torch_dtype(spec.dtype)
+    # one bar for the whole engine: global rank 0's (every rank reads its own share)
+    return build_model(spec.config, path, spec.seed, model_par, device, dtype, coords.rank == 0)
 
 
 def rank_dispatcher(

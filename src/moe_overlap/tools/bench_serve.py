@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rich.progress import Progress
+
 from moe_overlap.tools.bench_datasets import BenchRequest
 from moe_overlap.tools.serving_metrics import RequestTiming, percentile, samples_ms, summarize
 
@@ -117,22 +119,27 @@ def run_load(
     mode: str = "",
     max_concurrency: int | None = None,
     metrics: tuple[list[str], list[float]] = (["ttft", "tpot", "itl"], [99.0]),
+    progress: bool = False,
 ) -> LoadResult:
     """Send ``requests`` as Poisson arrivals at ``rate`` per second (at most ``max_concurrency``
-    in flight); wait for every answer."""
+    in flight); wait for every answer. ``progress``: a bar of the answers, on a terminal."""
     rng = random.Random(seed)
     model = target.model or served_model(target)
     rss_before = rss_mib()
     gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(len(requests), max_concurrency or 256)) as pool:
+    workers = min(len(requests), max_concurrency or 256)
+    bar = Progress(disable=not progress, transient=True)
+    answered = bar.add_task(f"{mode} at {rate:g}/s", total=len(requests))
+    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
         for request in requests:
             if gate is not None:
                 gate.acquire()
             timing = RequestTiming(time.perf_counter(), len(request.prompt))
             timings.append(timing)
-            pool.submit(_stream, target, model, request, timing, gate)
+            done = pool.submit(_stream, target, model, request, timing, gate)
+            done.add_done_callback(lambda _: bar.advance(answered))
             time.sleep(rng.expovariate(rate) if rate != float("inf") else 0.0)
     ends = [t.chunks[-1] for t in timings if t.chunks]
     samples = samples_ms(timings)

@@ -124,6 +124,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     mode,
                     args.max_concurrency,
                     metrics,
+                    progress=console.is_terminal,
                 )
                 console.print(result_block(result.summary, *metrics), highlight=False)
                 results.append(result)
