@@ -40,6 +40,17 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def masked(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
+    """One row of logits with every token the bitmask ``allowed`` leaves out at -inf (those
+    past the bitmask too: a head wider than the tokenizer's vocabulary)."""
+    words = torch.frombuffer(bytearray(allowed), dtype=torch.int32).to(logits.device)
+    bits = (words.unsqueeze(1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    n = min(keep.numel(), bits.numel())
+    keep[:n] = bits.flatten()[:n].bool()
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
     """Row i's ``tokens[i]``: its log-probability, its rank and the ``tops[i]`` likeliest,
     for all the rows at once (one log-softmax, one copy to the host)."""
@@ -77,7 +88,9 @@ def answer(
         row += rows
         ends.append(row - 1)
     greedy = [
-        i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0 and not s.penalties
+        i
+        for i, s in enumerate(samples)
+        if s.draw and s.temperature == 0.0 and not s.penalties and s.allowed is None
     ]
     picked = dict(zip(greedy, logits[[ends[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
@@ -90,6 +103,8 @@ def answer(
         if spec.draw:
             try:
                 last = logits[ends[i]]
+                if spec.allowed is not None:
+                    last = masked(last, spec.allowed)
                 if spec.penalties is not None:
                     last = penalised(last, spec.penalties, spec.index)
                 token = picked[i] if i in picked else sample(last, spec)

@@ -42,6 +42,9 @@ class NativeSampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = Field(default=None, ge=0)
+    json_schema: str | None = None  # structured outputs: a JSON schema as text
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -80,6 +83,9 @@ class GenerateRequest(BaseModel):
             repetition_penalty=sp.repetition_penalty,
             logit_bias=sp.logit_bias,
             seed=sp.sampling_seed,
+            json_schema=sp.json_schema,
+            regex=sp.regex,
+            ebnf=sp.ebnf,
             logprobs=0 if self.return_logprob else None,
             stream=self.stream,
         )

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 # field -> the values that change nothing, and what to say when another is sent
 _BOTH = {
     "min_p": ((None, 0), "min_p"),
-    "response_format": ((None, {"type": "text"}), "structured output (only text)"),
 }
 _COMPLETIONS = {
     "suffix": ((None, ""), "suffix (insertion)"),
