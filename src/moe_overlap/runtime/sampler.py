@@ -4,6 +4,7 @@ ids instead of ``[batch, vocab]`` logits."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
@@ -43,12 +44,12 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
 def masked(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
     """One row of logits with every token the bitmask ``allowed`` leaves out at -inf (those
     past the bitmask too: a head wider than the tokenizer's vocabulary)."""
-    words = torch.frombuffer(bytearray(allowed), dtype=torch.int32).to(logits.device)
-    bits = (words.unsqueeze(1) >> torch.arange(32, device=logits.device, dtype=torch.int32)) & 1
-    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    n = min(keep.numel(), bits.numel())
-    keep[:n] = bits.flatten()[:n].bool()
-    return logits.masked_fill(~keep, float("-inf"))
+    # little-endian words: bit t % 8 of byte t // 8 is token t's
+    bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    n = min(keep.numel(), bits.size)
+    keep[:n] = torch.from_numpy(bits[:n]).bool()
+    return logits.masked_fill(~keep.to(logits.device, non_blocking=True), float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
