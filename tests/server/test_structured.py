@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -78,29 +79,31 @@ def test_json_schema_outputs_validate_over_twenty_seeded_sampled_requests(served
     def ask(seed: int):
         return client.chat.completions.create(**ask_args(seed), logprobs=seed % 2 == 0).choices[0]
 
-    with ThreadPoolExecutor(20) as pool:
+    def three():  # n > 1 and completions' logprobs, beside the twenty
+        return client.completions.create(
+            model="tiny",
+            prompt="A fox:",
+            n=3,
+            seed=5,
+            logprobs=2,
+            max_tokens=60,
+            extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        ).choices
+
+    with ThreadPoolExecutor(21) as pool:
+        n3 = pool.submit(three)
         choices = list(pool.map(ask, range(20)))
     assert all(c.finish_reason == "stop" and valid(c.message.content) for c in choices)
     assert len({c.message.content for c in choices}) > 1  # sampled, not one answer
     assert served.server.engine.llm.scheduler.preemptions > 0
+    with_logprobs = choices[0].logprobs
+    assert with_logprobs is not None and "".join(t.token for t in with_logprobs.content)
+    assert len(n3.result()) == 3 and all(valid(c.text) for c in n3.result())
+    assert all(len(c.logprobs.tokens) > 0 for c in n3.result())
     # alone and streamed, a request gives what it gave among twenty with preemptions
     chunks = client.chat.completions.create(**ask_args(7), stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == choices[7].message.content
-    with_logprobs = choices[0].logprobs
-    assert with_logprobs is not None and "".join(t.token for t in with_logprobs.content)
-    # n > 1 and completions' logprobs: every choice follows the schema
-    reply = client.completions.create(
-        model="tiny",
-        prompt="A fox:",
-        n=3,
-        seed=5,
-        logprobs=2,
-        max_tokens=60,
-        extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
-    )
-    assert len(reply.choices) == 3 and all(valid(c.text) for c in reply.choices)
-    assert all(len(c.logprobs.tokens) > 0 for c in reply.choices)
 
 
 def test_regex_choice_and_ebnf_outputs_match(served):
@@ -118,35 +121,38 @@ def test_regex_choice_and_ebnf_outputs_match(served):
         ({"json_schema": json.dumps(SCHEMA)}, valid),
     ]
 
-    def ask(case):
-        extra, _ = case
-        return [
-            c.text
-            for c in client.completions.create(
-                model="tiny", prompt="Answer:", seed=3, max_tokens=60, extra_body=extra
-            ).choices
+    def completion(extra: dict, **kw) -> str:
+        kw = {"seed": 3, "max_tokens": 60, **kw}
+        reply = client.completions.create(model="tiny", prompt="Answer:", extra_body=extra, **kw)
+        return reply.choices[0].text
+
+    def json_object() -> str:  # any JSON object: it starts as one (it may run on inside it)
+        form = {"type": "json_object"}
+        reply = client.chat.completions.create(
+            model="tiny", messages=CHAT, response_format=form, seed=1, max_tokens=8
+        )
+        return reply.choices[0].message.content
+
+    def native() -> str:
+        sampling = {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 60, "sampling_seed": 2}
+        return post(served, "/generate", {"text": "Answer:", "sampling_params": sampling})[1][
+            "text"
         ]
 
-    with ThreadPoolExecutor(len(asks)) as pool:
-        texts = list(pool.map(ask, asks))
-    for (extra, matches), got in zip(asks, texts, strict=True):
-        assert all(matches(t) for t in got), (extra, got)
-    # any JSON object: it starts as one (a random model may run on inside it)
-    reply = client.chat.completions.create(
-        model="tiny", messages=CHAT, response_format={"type": "json_object"}, seed=1, max_tokens=8
-    )
-    assert reply.choices[0].message.content.startswith("{")
-    # a stop string cuts the constrained output: what is left is the regex's prefix
-    reply = client.completions.create(
-        model="tiny", prompt="Answer:", seed=4, max_tokens=20, stop=["c"], extra_body=asks[0][0]
-    )
-    assert re.fullmatch(r"[ab]*", reply.choices[0].text.removesuffix("x"))
-    code, native = post(
-        served,
-        "/generate",
-        {"text": "Answer:", "sampling_params": {"json_schema": json.dumps(SCHEMA), "n": 1}},
-    )
-    assert code == 200 and valid(native["text"])
+    calls = [(partial(completion, extra), matches) for extra, matches in asks]
+    calls += [
+        (json_object, lambda t: t.startswith("{")),
+        (native, valid),
+        # a stop string cuts the constrained output: what is left is the regex's prefix
+        (
+            partial(completion, asks[0][0], seed=4, stop=["c"]),
+            lambda t: re.fullmatch(r"[ab]*x?", t),
+        ),
+    ]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        texts = list(pool.map(lambda call: call[0](), calls))
+    for (call, matches), text in zip(calls, texts, strict=True):
+        assert matches(text), (call, text)
 
 
 @pytest.mark.parametrize(
