@@ -166,6 +166,7 @@ def test_regex_choice_and_ebnf_outputs_match(served):
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"regex": "[z-a]"}, "regex"),
         ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
@@ -177,3 +178,7 @@ def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_its_field(served, 
     body = {"messages": CHAT, "max_tokens": 4, **extra}
     code, reply = served.raw("POST", "/v1/chat/completions", json.dumps(body).encode())
     assert code == 400 and reply["error"]["param"].startswith(field), reply
+    if set(extra) == {field} <= {"regex", "ebnf"}:  # SGLang's, in /generate's sampling_params too
+        sampling = {**extra, "max_new_tokens": 4}
+        code, reply = post(served, "/generate", {"text": "hi", "sampling_params": sampling})
+        assert code == 400 and reply["error"]["param"] == f"sampling_params.{field}", reply

@@ -63,11 +63,12 @@ class GenerateRequest(BaseModel):
         return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
     def completion(self) -> CompletionRequest:
-        """The same request as ``/v1/completions`` takes it."""
+        """The same request as ``/v1/completions`` takes it (its errors name the fields inside
+        ``sampling_params``)."""
         if (self.text is None) == (self.input_ids is None):
             raise APIError(400, "send exactly one of text and input_ids", "invalid_value", "text")
         sp = self.sampling_params
-        return CompletionRequest(
+        return NativeCompletion(
             prompt=self.text if self.text is not None else self.input_ids,
             max_tokens=sp.max_new_tokens,
             min_tokens=sp.min_new_tokens,
@@ -89,6 +90,11 @@ class GenerateRequest(BaseModel):
             logprobs=0 if self.return_logprob else None,
             stream=self.stream,
         )
+
+
+class NativeCompletion(CompletionRequest):
+    def fields_at(self) -> str:
+        return "sampling_params."
 
 
 class NativeFormatter(Formatter):

@@ -74,6 +74,10 @@ class SamplingFields(BaseModel):
         """``best_of``: completions only."""
         return None
 
+    def fields_at(self) -> str:
+        """Where the sampling fields sit in the body, for errors that name one."""
+        return ""
+
     def params(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -93,7 +97,9 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens or 0,
             n=self.n,
             best_of=self.candidates(),
-            structured_outputs=structured_outputs({f: getattr(self, f) for f in FIELDS}),
+            structured_outputs=structured_outputs(
+                {f: getattr(self, f) for f in FIELDS}, self.fields_at()
+            ),
         )
 
 

@@ -28,12 +28,13 @@ _VLLM_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
 _VLLM_ALWAYS = {"disable_any_whitespace": (None, True)}
 
 
-def structured_outputs(body: Mapping[str, object]) -> StructuredOutputs | None:
-    """The one constraint that ``body``'s structured-output fields ask for, or None."""
+def structured_outputs(body: Mapping[str, object], where: str = "") -> StructuredOutputs | None:
+    """The one constraint that ``body``'s structured-output fields ask for, or None; errors
+    name a field as ``where`` + its name (``sampling_params.`` in SGLang's ``/generate``)."""
     found = [
         made
         for name in FIELDS
-        if body.get(name) is not None and (made := _read(name, body[name])) is not None
+        if body.get(name) is not None and (made := _read(name, body[name], where)) is not None
     ]
     if len(found) > 1:
         names = " and ".join(so.field for so in found)
@@ -41,12 +42,13 @@ def structured_outputs(body: Mapping[str, object]) -> StructuredOutputs | None:
     return found[0] if found else None
 
 
-def _read(name: str, value: object) -> StructuredOutputs | None:
+def _read(name: str, value: object, where: str) -> StructuredOutputs | None:
     if name == "response_format":
         return _response_format(value)
     if name == "structured_outputs":
         return _vllm(value)
-    return StructuredOutputs(**{FLAT_FIELDS[name]: value}, field=name)  # type: ignore[arg-type]
+    field = where + name
+    return StructuredOutputs(**{FLAT_FIELDS[name]: value}, field=field)  # type: ignore[arg-type]
 
 
 def _response_format(value: object) -> StructuredOutputs | None:
