@@ -256,7 +256,7 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
     "field, value",
     [
         ("suffix", "end"),
-        ("response_format", {"type": "json_object"}),
+        ("min_p", 0.1),
     ],
 )
 def test_a_completion_field_not_implemented_is_refused_by_name(served, field, value):
@@ -274,7 +274,6 @@ def test_a_completion_field_not_implemented_is_refused_by_name(served, field, va
     "extra",
     [
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         dict(
             messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}

@@ -53,6 +53,9 @@ class SampleSpec:
     prompt_logprobs: int | None = None
     next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
     penalties: Penalties | None = None
+    # structured outputs: the tokens the grammar allows next, a bitmask (bit t % 32 of the
+    # little-endian int32 word t // 32); the others are masked before penalties and the draw
+    allowed: bytes | None = None
 
 
 @dataclass
