@@ -23,7 +23,7 @@ _VLLM_SAMPLING = """use_beam_search top_k min_p repetition_penalty length_penalt
     spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids
     bad_words response_format structured_outputs priority request_id return_tokens_as_token_ids
     return_token_ids cache_salt kv_transfer_params vllm_xargs guided_json guided_regex
-    guided_choice guided_grammar"""
+    guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern"""
 VLLM = {
     "completions": f"""{_OPENAI} {_VLLM_SAMPLING} prompt echo suffix truncation_side
         logprob_token_ids prompt_embeds add_special_tokens return_token_offsets

@@ -70,6 +70,7 @@ _BOTH: dict[str, tuple[tuple, str]] = {
     "max_repetition_pattern_size": (ZERO, "repetition detection"),
     "min_repetition_pattern_size": (ZERO, "repetition detection"),
     "repetition_min_count": (ZERO, "repetition detection"),
+    "guided_whitespace_pattern": (NONE, "a whitespace pattern (JSON is compiled compact)"),
 }
 _COMPLETIONS: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "suffix (insertion)"),
@@ -112,6 +113,7 @@ NO_OPS: dict[str, str] = {
     "separate_reasoning": "no model here separates reasoning from the answer",
     "stream_reasoning": "no model here separates reasoning from the answer",
     "parallel_tool_calls": "tools are refused, so there are no calls to run in parallel",
+    "guided_decoding_backend": "xgrammar serves every constraint; the output obeys it either way",
 }
 REFUSED = {"completions": {**_BOTH, **_COMPLETIONS}, "chat": {**_BOTH, **_CHAT}}
 
