@@ -37,7 +37,7 @@ class StructuredOutputs:
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise InvalidRequestError(
-                f"{self.field} must set exactly one of {', '.join(KINDS)} (got {set_ or 'none'})",
+                f"{self.field} must set exactly one of {', '.join(KINDS)} (got {set_ or 'nothing'})",
                 self.field,
             )
         if isinstance(self.json, dict):

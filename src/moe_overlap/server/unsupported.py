@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-OFF = (None, False)
-NONE = (None,)
-EMPTY = (None, [], {}, "")
-ZERO = (None, 0)
+OFF: tuple[object, ...] = (None, False)
+NONE: tuple[object, ...] = (None,)
+EMPTY: tuple[object, ...] = (None, [], {}, "")
+ZERO: tuple[object, ...] = (None, 0)
 
 # field -> (the values that change nothing, what is not supported)
 _BOTH: dict[str, tuple[tuple, str]] = {
