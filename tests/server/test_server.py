@@ -342,6 +342,9 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, cap
     # every page came back with its request; none was preempted in a pool sized for all
     assert after["moe_overlap_kv_pages_total"] > 0 and after["moe_overlap_kv_pages_used"] == 0
     assert after["moe_overlap_kv_cache_usage"] == 0 and after["moe_overlap_preemptions"] == 0
+    # vLLM's names: every prompt token was looked up in the prefix cache
+    assert grew["vllm:prefix_cache_queries_total"] == grew["moe_overlap_prompt_tokens_total"]
+    assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
     assert grew["moe_overlap_forwards_total{none}"] == 12  # one at a time: 6 steps each
     code, version = served.raw("GET", "/version", key="")

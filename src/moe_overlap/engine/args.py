@@ -3,6 +3,7 @@ spellings. The command line's flags are generated from these fields (``tools/fla
 ``LLM(**kwargs)`` takes the same names, so a default is written here and nowhere else.
 
 A field's metadata: ``help``; ``aliases`` (SGLang's and vLLM's spellings of the flag);
+``negations`` (spellings that turn an on-by-default setting off, as ``--disable-radix-cache``);
 ``choices``; ``parse`` (the argparse type where the default's type does not say it);
 ``group`` (the help section); ``metavar``.
 """
