@@ -111,7 +111,8 @@ def test_tokenize_detokenize_and_the_info_routes(served) -> None:
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache_until_flush_cache(served) -> None:
-    prompt = {"input_ids": list(range(3, 43)), "sampling_params": GREEDY}  # 2 full pages + 8
+    one = {**GREEDY, "max_new_tokens": 1}
+    prompt = {"input_ids": list(range(3, 43)), "sampling_params": one}  # 2 full pages + 8
     first = post(served, "/generate", prompt)[1]
     before = post(served, "/get_server_info")[1]
     again = post(served, "/generate", prompt)[1]

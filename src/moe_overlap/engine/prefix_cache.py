@@ -69,6 +69,7 @@ class PrefixCache:
         self.next_id = 1
         self.ops = PageOps()
         self.queries = self.hits = 0  # prompt tokens looked up, and found (vLLM's counters)
+        self.evictions = 0  # cached pages freed for room or by a flush
 
     @property
     def evictable(self) -> int:
@@ -165,4 +166,5 @@ class PrefixCache:
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
         self.ops.evict.append(page.id)
+        self.evictions += 1
         self.budget.free += 1
