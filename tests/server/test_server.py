@@ -551,6 +551,9 @@ def _parse(*argv: str):
         (["--percentile-metrics", "ttft,speed"], "choose from ttft,tpot,itl,e2el"),
         (["--metric-percentiles", "0"], r"comma-separated numbers in \(0, 100\]"),
         (["--base-url", "http://x:1", "--modes", "tbo"], "drop one of them"),
+        (["--shared-prefix", "-1"], "--shared-prefix=-1 must be >= 0"),
+        (["--shared-prefix", "1000", "--workload", "single-long:100"], "--shared-prefix 1000"),
+        (["--base-url", "http://x:1", "--compare-prefix-caching"], "drop one of them"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):

@@ -24,6 +24,7 @@ from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_serve import (
     LoadResult,
     Target,
+    cache_hit_rate,
     free_port,
     make_prompts,
     prompt_lengths,
@@ -54,6 +55,13 @@ def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
     rates = _rates(args.rates)
+    if args.shared_prefix < 0:
+        raise ConfigError(f"--shared-prefix={args.shared_prefix} must be >= 0")
+    if args.base_url and args.compare_prefix_caching:
+        raise ConfigError(
+            "--compare-prefix-caching starts our servers with the cache on and off; a server "
+            "at --base-url runs its own: drop one of them"
+        )
     for name in ("num_requests", "output_len", "max_concurrency", "vocab_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -80,14 +88,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     modes, rates, metrics = _check(args)
     overlaps = {} if args.base_url else {m: mode_config(m) for m in modes}  # bad names fail now
     cfg = _model_config(args)
-    lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
-    if cfg is not None:
-        what = f"--workload {args.workload} with --output-len {args.output_len}"
-        check_fits(what, max(lengths) + args.output_len, cfg, args.max_model_len)
-    prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
+    prompts = _prompts(args, cfg)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
-    for mode in modes:
-        with _target(args, cfg, overlaps.get(mode)) as target:
+    caching = (True, False) if args.compare_prefix_caching else (None,)
+    for mode, cache in ((m, c) for m in modes for c in caching):
+        label = mode if cache is not False else f"{mode} no-prefix-cache"
+        with _target(args, cfg, overlaps.get(mode), cache) as target:
             for rate in rates:
                 count = (
                     round(rate * args.duration)
@@ -95,20 +101,25 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     else len(prompts)
                 )
                 sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
-                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
+                console.print(f"{label}: {len(sent)} requests at {rate:g}/s ...")
                 result = run_load(
                     target,
                     sent,
                     rate,
                     args.output_len,
                     args.seed,
-                    mode,
+                    label,
                     args.max_concurrency,
                     metrics,
                 )
                 console.print(result_block(result.summary, *metrics), highlight=False)
                 results.append(result)
+            hit_rate = cache_hit_rate(target) if not args.base_url else None
+            if hit_rate is not None:
+                console.print(f"{label}: prefix cache hit rate {hit_rate:.1%} of prompt tokens")
     console.print(load_table(results, _title(args)))
+    if args.compare_prefix_caching:
+        console.print(prefix_caching_note(results), highlight=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -120,6 +131,20 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results: {args.json}")
     return 1 if any(r.errors for r in results) else 0
+
+
+def _prompts(args: argparse.Namespace, cfg: ModelConfig | None) -> list[list[int]]:
+    """Random prompts of --workload's lengths, each after the same --shared-prefix tokens."""
+    lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
+    if cfg is not None:
+        what = f"--workload {args.workload} with --shared-prefix {args.shared_prefix} and "
+        what += f"--output-len {args.output_len}"
+        longest = args.shared_prefix + max(lengths) + args.output_len
+        check_fits(what, longest, cfg, args.max_model_len)
+    vocab = cfg.vocab_size if cfg else args.vocab_size
+    prompts = make_prompts(lengths, vocab, args.seed)
+    prefix = make_prompts([args.shared_prefix], vocab, args.seed + 1)[0]
+    return [prefix + prompt for prompt in prompts]
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig | None:
@@ -136,12 +161,17 @@ def _model_config(args: argparse.Namespace) -> ModelConfig | None:
 
 
 @contextmanager
-def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Iterator[Target]:
-    """The server at --base-url, or ours with ``overlap``, running until the block ends."""
+def _target(
+    args: argparse.Namespace, cfg: ModelConfig | None, overlap, prefix_caching: bool | None
+) -> Iterator[Target]:
+    """The server at --base-url, or ours with ``overlap`` (and ``prefix_caching`` when not
+    None), running until the block ends."""
     if args.base_url:
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
     kwargs = {**engine_kwargs(args), "overlap": overlap}
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = prefix_caching
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve
 
     llm = LLM(**kwargs)
@@ -163,6 +193,8 @@ def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Itera
 def _title(args: argparse.Namespace) -> str:
     load = f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests"
     load += f" of {args.output_len}-token answers per rate"
+    if args.shared_prefix:
+        load += f", each prompt after the same {args.shared_prefix} tokens"
     if args.base_url:
         return f"{args.base_url}, workload {args.workload}, {load}"
     layout = engine_args(args).parallel_config().describe()
@@ -197,3 +229,21 @@ def load_table(results: list[LoadResult], title: str) -> Table:
             f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
         )
     return table
+
+
+def prefix_caching_note(results: list[LoadResult]) -> str:
+    """The closing note of --compare-prefix-caching: per mode and rate, TTFT p50 and output
+    throughput with the cache against without it."""
+    lines = ["prefix caching on against off (the same prompts, the same rates):"]
+    by_label = {(r.mode, r.rate): r for r in results}
+    for (label, rate), on in by_label.items():
+        off = by_label.get((f"{label} no-prefix-cache", rate))
+        if off is None:
+            continue
+        lines.append(
+            f"  {label} at {rate:g}/s: TTFT p50 {off.ttft_ms[0]:.0f} -> {on.ttft_ms[0]:.0f} ms "
+            f"({off.ttft_ms[0] / max(on.ttft_ms[0], 1e-9):.2f}x), output "
+            f"{off.tokens_per_s:,.0f} -> {on.tokens_per_s:,.0f} tokens/s "
+            f"({on.tokens_per_s / max(off.tokens_per_s, 1e-9):.2f}x)"
+        )
+    return "\n".join(lines)

@@ -140,6 +140,19 @@ class LoadFlags:
         DEFAULT_WORKLOAD, "prompt lengths, in the bench's grammar", metavar="SPEC", group="load"
     )
     num_requests: int = setting(32, "requests per rate", aliases=("--num-prompts",), group="load")
+    shared_prefix: int = setting(
+        0,
+        "tokens every prompt starts with, the same random ones, before its --workload tokens: "
+        "a shared system prompt, as vLLM's prefix_repetition dataset (0: none)",
+        aliases=("--prefix-repetition-prefix-len",),
+        group="load",
+    )
+    compare_prefix_caching: bool = setting(
+        False,
+        "start each mode's server twice, with prefix caching on and off, and close with what "
+        "the cache changed: TTFT, throughput and the hit rate (not with --base-url)",
+        group="load",
+    )
     duration: float | None = setting(
         None,
         "soak: hold each rate for about S seconds (rate x S requests, prompts reused) instead "
