@@ -118,6 +118,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_until_flush_cache(served) -> No
     again = post(served, "/generate", prompt)[1]
     hit = post(served, "/get_server_info")[1]
     assert again["output_ids"] == first["output_ids"]
+    assert (first["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, 32)
     assert hit["prefix_cache_queries"] - before["prefix_cache_queries"] == 40
     assert hit["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # both full pages
     assert 0 < hit["cache_hit_rate"] <= 1 and hit["cached_pages"] >= 2

@@ -42,6 +42,7 @@ class Delta:
     failed: str | None = None  # this request alone failed; this is its last delta
     logprobs: list[TokenLogprobs] | None = None  # of its new tokens, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, when asked
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
 
 
 Listener = Callable[[Delta], None]
@@ -235,4 +236,7 @@ class EngineLoop:
 
 
 def _delta(req: Request, ids: list[int], text: str, **kw) -> Delta:
-    return Delta(req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw)
+    return Delta(
+        req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw,
+        cached_tokens=req.cached_tokens,
+    )  # fmt: skip

@@ -186,6 +186,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     pages: int = 0  # KV pages the scheduler counts as this request's
     cached: list[CachedPage] = field(default_factory=list)  # its first pages, prefix-cached
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     preemptions: int = 0  # times its cache was dropped to make room (then recomputed)
     output_ids: list[int] = field(default_factory=list)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
@@ -204,8 +205,7 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """Tokens to feed before the next draw: the prompt's, or after a preemption every
-        token but the last output."""
+        """Tokens to feed before the draw: the prompt's, or after a preemption all but one."""
         return self.num_computed < max(self.prompt_len, self.total_len - 1)
 
     @property

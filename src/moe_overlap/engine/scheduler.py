@@ -209,6 +209,7 @@ class Scheduler:
             self.waiting.popleft()
             req.rank, req.slot, req.pages = rank, self.slots[rank].alloc(), need
             req.cached, req.num_computed = chain, len(chain) * self.page_size
+            req.cached_tokens = req.cached_tokens if req.preemptions else req.num_computed
             self.pages[rank].hold(need - len(chain))
             cache.admit(req.slot, chain, req.total_len)
             self.running[rank].append(req)
