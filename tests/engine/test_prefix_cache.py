@@ -94,3 +94,21 @@ def test_flush_forgets_every_cached_page_and_frees_those_in_use_when_they_end():
     step = run_out(sched, step)
     assert cache.evictions == 2 and not cache.lookup(list(range(10)), True)
     assert sched.pages[0].free + cache.evictable == 16
+
+
+def test_a_preempted_request_finds_its_own_cached_pages_when_it_comes_back():
+    sched = scheduler(pages=7)
+    sched.add(request(0, list(range(8)), new=8))  # 2 pages at admission, 4 at the longest
+    sched.add(request(1, [40 + i for i in range(8)], new=8))
+    step = sched.schedule()
+    while not sched.preemptions:
+        sched.update(step, reply(step))
+        step = sched.schedule()
+    victim = sched.waiting[0]
+    assert victim.request_id == 1 and victim.num_computed == 0 and not victim.cached
+    while sched.waiting:  # request 0 finishes, request 1 comes back
+        sched.update(step, reply(step))
+        step = sched.schedule()
+    assert victim.num_computed >= 2 * PAGE and victim.cached_tokens == 0  # its prompt's pages
+    run_out(sched, step)
+    assert victim.output_ids == [2] * 8
