@@ -112,3 +112,23 @@ def test_a_preempted_request_finds_its_own_cached_pages_when_it_comes_back():
     assert victim.num_computed >= 2 * PAGE and victim.cached_tokens == 0  # its prompt's pages
     run_out(sched, step)
     assert victim.output_ids == [2] * 8
+
+
+def test_cache_aware_routing_sends_a_request_to_the_rank_holding_its_prefix():
+    sched = Scheduler(2, 8, 64, 1024, None, "cache_aware", None, 16, PAGE, prefix_caching=True)
+    p, q = list(range(10)), [50 + i for i in range(10)]
+    sched.add(request(0, p))  # nothing cached anywhere: fewest requests, so ranks 0 and 1
+    sched.add(request(1, q))
+    step = sched.schedule()
+    first = {r.request_id: r.rank for r in sum(sched.running, [])}
+    while sched.has_work():
+        n = [len(g) for g in step.scheduled]
+        replies = [GroupReply([2] * k, [None] * k, [None] * k, [[]] * k) for k in n]
+        sched.update(step, StepReply(replies, [None, None]))
+        step = sched.schedule()
+    sched.add(request(2, q + [7]))  # round robin would start at rank 0 again
+    sched.add(request(3, p + [7]))
+    sched.schedule()
+    placed = {r.request_id: r.rank for r in sum(sched.running, [])}
+    assert first == {0: 0, 1: 1} and placed == {2: 1, 3: 0}
+    assert [c.hits for c in sched.prefix] == [8, 8]  # each found on the rank holding it

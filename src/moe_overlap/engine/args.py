@@ -149,8 +149,10 @@ class LayoutArgs:
     load_balance_method: str = setting(
         DEFAULT_LOAD_BALANCE_METHOD,
         "which data-parallel group (replica or attention-DP group) a new request joins: "
-        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests) or "
-        "minimum_tokens (fewest tokens left to compute)",
+        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests), "
+        "minimum_tokens (fewest tokens left to compute) or cache_aware (the group with most of "
+        "the prompt in its prefix cache, as SGLang's router; fewest requests when none has any "
+        "or the groups' request counts differ by more than 32)",
         choices=LOAD_BALANCE_METHODS,
         group="layout",
     )

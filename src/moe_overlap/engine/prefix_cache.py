@@ -90,6 +90,10 @@ class PrefixCache:
             parent = page.id
         return chain
 
+    def cached_tokens(self, req: Request) -> int:
+        """The tokens of ``req`` a lookup would find here now."""
+        return len(self.lookup(token_ids(req, 0, req.total_len), may_use(req))) * self.page_size
+
     def acquire(self, chain: list[CachedPage]) -> None:
         for page in chain:
             page.refs += 1

@@ -194,7 +194,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting:
-            rank = choose_group(self.method, self.loads(), self.turn)  # the DP controller
+            rank = choose_group(self.method, self.loads(self.waiting[0]), self.turn)
             if rank is None:
                 return
             req, cache = self.waiting[0], self.prefix[rank]
@@ -270,15 +270,18 @@ class Scheduler:
         cache.drop(req.cached)
         req.cached = []
 
-    def loads(self) -> list[GroupLoad]:
-        """Each data-parallel group's load, as the balancing policies read it."""
+    def loads(self, req: Request | None = None) -> list[GroupLoad]:
+        """Each data-parallel group's load, as the balancing policies (the DP controller) read
+        it; for ``cache_aware``, with ``req``'s prompt tokens each group has cached."""
+        affinity = req is not None and self.method == "cache_aware"
         return [
             GroupLoad(
                 len(running),
                 sum(r.prompt_len - r.num_computed + 1 for r in running),
                 len(slots),
+                cache.cached_tokens(req) if affinity and req is not None else 0,
             )
-            for running, slots in zip(self.running, self.slots, strict=True)
+            for running, slots, cache in zip(self.running, self.slots, self.prefix, strict=True)
         ]
 
 
