@@ -342,6 +342,9 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, cap
     # every page came back with its request; none was preempted in a pool sized for all
     assert after["moe_overlap_kv_pages_total"] > 0 and after["moe_overlap_kv_pages_used"] == 0
     assert after["moe_overlap_kv_cache_usage"] == 0 and after["moe_overlap_preemptions"] == 0
+    # vLLM's names: every prompt token was looked up in the prefix cache
+    assert grew["vllm:prefix_cache_queries_total"] == grew["moe_overlap_prompt_tokens_total"]
+    assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
     assert grew["moe_overlap_forwards_total{none}"] == 12  # one at a time: 6 steps each
     code, version = served.raw("GET", "/version", key="")
@@ -554,6 +557,7 @@ def _parse(*argv: str):
             ["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len", "30"],
             r"--dataset-name random \(--random-input-len 1000.*exceeds the model's context",
         ),
+        (["--base-url", "http://x:1", "--compare-prefix-caching"], "drop one of them"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):

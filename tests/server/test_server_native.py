@@ -108,3 +108,22 @@ def test_tokenize_detokenize_and_the_info_routes(served) -> None:
     code, health = post(served, "/health_generate")
     assert code == 200 and health == {"status": "ok"}
     assert call(served, "/generate", {"text": "hi"}, auth=False)[0] == 401
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_until_flush_cache(served) -> None:
+    one = {**GREEDY, "max_new_tokens": 1}
+    prompt = {"input_ids": list(range(3, 43)), "sampling_params": one}  # 2 full pages + 8
+    first = post(served, "/generate", prompt)[1]
+    before = post(served, "/get_server_info")[1]
+    again = post(served, "/generate", prompt)[1]
+    hit = post(served, "/get_server_info")[1]
+    assert again["output_ids"] == first["output_ids"]
+    assert (first["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, 32)
+    assert hit["prefix_cache_queries"] - before["prefix_cache_queries"] == 40
+    assert hit["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # both full pages
+    assert 0 < hit["cache_hit_rate"] <= 1 and hit["cached_pages"] >= 2
+    assert post(served, "/flush_cache", {})[0] == 200
+    flushed = post(served, "/generate", prompt)[1]
+    after = post(served, "/get_server_info")[1]
+    assert flushed["output_ids"] == first["output_ids"]
+    assert after["prefix_cache_hits"] == hit["prefix_cache_hits"]  # nothing was left to find

@@ -81,6 +81,21 @@ class WaveSlice:
 
 
 @dataclass
+class PageOps:
+    """One group's KV page changes before its step's forward, applied in this order (the
+    driver's prefix cache decides them; ``core/kv_cache.py: KVCache.apply`` carries them out).
+    ``publish``: (slot, page index, id): a full, computed page of a running sequence becomes a
+    cached page named ``id``. ``released``: slots whose sequences ended (their pages go back,
+    cached ones stay cached). ``evict``: cached pages no sequence holds, freed. ``attach``:
+    (slot, ids): a new sequence's first pages are those cached pages."""
+
+    publish: list[tuple[int, int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    evict: list[int] = field(default_factory=list)
+    attach: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+@dataclass
 class StepRequest:
     batches: list[ForwardBatch]  # one per data-parallel group
     # per group, per sequence: what its rank does with its logits; None for the whole step:
@@ -89,8 +104,8 @@ class StepRequest:
     overlap: OverlapConfig | None = None  # this step's scheme instead of the engine's
     record: bool = False  # each rank's timeline spans come back
     prefill: WaveSlice | None = None
-    # per group: KV cache slots whose sequences ended since the last step (pages to free)
-    released: list[list[int]] | None = None
+    # per group: KV pages freed, cached and shared since the last step
+    pages: list[PageOps] | None = None
 
     def group_samples(self, group: int) -> list[SampleSpec] | None:
         return None if self.samples is None else self.samples[group]

@@ -3,6 +3,7 @@ spellings. The command line's flags are generated from these fields (``tools/fla
 ``LLM(**kwargs)`` takes the same names, so a default is written here and nowhere else.
 
 A field's metadata: ``help``; ``aliases`` (SGLang's and vLLM's spellings of the flag);
+``negations`` (spellings that turn an on-by-default setting off, as ``--disable-radix-cache``);
 ``choices``; ``parse`` (the argparse type where the default's type does not say it);
 ``group`` (the help section); ``metavar``.
 """
@@ -150,8 +151,10 @@ class LayoutArgs:
     load_balance_method: str = setting(
         DEFAULT_LOAD_BALANCE_METHOD,
         "which data-parallel group (replica or attention-DP group) a new request joins: "
-        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests) or "
-        "minimum_tokens (fewest tokens left to compute)",
+        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests), "
+        "minimum_tokens (fewest tokens left to compute) or cache_aware (the group with most of "
+        "the prompt in its prefix cache, as SGLang's router; fewest requests when none has any "
+        "or the groups' request counts differ by more than 32)",
         choices=LOAD_BALANCE_METHODS,
         group="layout",
     )

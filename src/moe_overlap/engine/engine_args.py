@@ -78,6 +78,17 @@ class CapacityArgs:
         aliases=("--block-size",),
         group="capacity",
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        "prefix caching (vLLM's automatic prefix caching, SGLang's radix cache): a request "
+        "whose tokens start with full KV pages cached from earlier or running requests reuses "
+        "them and prefills only the rest; pages no request holds stay cached until the pool "
+        "needs them (least recently used first). Off for hybrid linear-attention models and "
+        "with --enable-pdmux, with the reason logged. --no-enable-prefix-caching or SGLang's "
+        "--disable-radix-cache turn it off (on by default, as in both)",
+        negations=("--disable-radix-cache",),
+        group="capacity",
+    )
 
 
 @dataclass
@@ -228,8 +239,15 @@ class EngineArgs(OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
             for f in dataclasses.fields(cls)
             for alias in f.metadata.get("aliases", ())
         }
+        negations = {
+            flag.lstrip("-").replace("-", "_"): f.name
+            for f in dataclasses.fields(cls)
+            for flag in f.metadata.get("negations", ())
+        }
         resolved: dict[str, Any] = {}
         for key, value in kwargs.items():
+            if key in negations:  # LLM(disable_radix_cache=True): the setting off
+                key, value = negations[key], not value
             name = aliases.get(key, key)
             if name not in names:
                 raise ConfigError(f"unknown engine setting {key!r}; see `moe-overlap serve --help`")

@@ -23,6 +23,7 @@ from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
+from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.structured import Constraints
@@ -133,6 +134,7 @@ class LLM:
             else None,
             spec.pool_pages,
             spec.page_size,
+            prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
@@ -197,7 +199,7 @@ class LLM:
             step.samples(),
             record=record,
             prefill=step.prefill,
-            released=step.released,
+            pages=step.pages,
         )
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)

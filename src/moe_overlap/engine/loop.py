@@ -42,6 +42,7 @@ class Delta:
     failed: str | None = None  # this request alone failed; this is its last delta
     logprobs: list[TokenLogprobs] | None = None  # of its new tokens, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, when asked
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
 
 
 Listener = Callable[[Delta], None]
@@ -57,6 +58,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._new: list[tuple[Request, Listener]] = []
         self._aborted: set[int] = set()
+        self._flush = False  # /flush_cache: forget the prefix cache before the next step
         self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
         self._stopping = False
         self.error: str | None = None  # why the engine died, once it has
@@ -108,16 +110,29 @@ class EngineLoop:
             self._aborted.add(request_id)
             self._wake.notify()
 
+    def flush_cache(self) -> None:
+        """Forget every cached prefix before the next step (pages in use go when their
+        requests end)."""
+        with self._wake:
+            self._flush = True
+            self._wake.notify()
+
     def stats(self) -> dict[str, int]:
+        """Counts for /metrics and /get_server_info: free pages include cached ones no request
+        holds (evicted when needed, as vLLM counts them); prefix-cache queries and hits are
+        prompt tokens looked up and found since the start."""
         sched = self.llm.scheduler
         return {
             "running": sum(len(r) for r in sched.running),
             "waiting": len(sched.waiting) + len(self._new),
             "free_slots": sum(len(s) for s in sched.slots),
             "total_slots": sum(s.num_slots for s in sched.slots),
-            "free_pages": sum(p.free for p in sched.pages),
+            "free_pages": sum(c.budget.free + c.evictable for c in sched.prefix),
             "total_pages": sum(p.total for p in sched.pages),
             "preemptions": sched.preemptions,
+            "prefix_cache_queries": sum(c.queries for c in sched.prefix),
+            "prefix_cache_hits": sum(c.hits for c in sched.prefix),
+            "cached_pages": sum(len(c.pages) for c in sched.prefix),
         }
 
     def stop(self) -> None:
@@ -177,7 +192,7 @@ class EngineLoop:
         """Add new requests and drop aborted ones; wait while there is nothing to do. False
         when the loop must stop."""
         with self._wake:
-            while not (self._stopping or self._new or self._aborted or self._down):
+            while not (self._stopping or self._new or self._aborted or self._down or self._flush):
                 if self.llm.scheduler.has_work():
                     break
                 self._wake.wait()
@@ -187,6 +202,10 @@ class EngineLoop:
                 raise EngineDead(self._down)
             new, self._new = self._new, []
             aborted, self._aborted = self._aborted, set()
+            flush, self._flush = self._flush, False
+        if flush:  # before the new requests: none of them finds a page cached earlier
+            flushed = sum(cache.flush() for cache in self.llm.scheduler.prefix)
+            logger.info("prefix cache flushed: %d cached pages freed", flushed)
         for req, listener in new:
             self._live[req.request_id] = (req, listener)
             self.llm.scheduler.add(req)
@@ -217,4 +236,7 @@ class EngineLoop:
 
 
 def _delta(req: Request, ids: list[int], text: str, **kw) -> Delta:
-    return Delta(req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw)
+    return Delta(
+        req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw,
+        cached_tokens=req.cached_tokens,
+    )  # fmt: skip

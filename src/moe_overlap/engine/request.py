@@ -15,11 +15,10 @@ from moe_overlap.engine.errors import (
     listed,
 )
 from moe_overlap.engine.structured import StructuredOutputs, TokenConstraint
+from moe_overlap.engine.kv_pages import CachedPage
 
-# Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
-SAMPLING_EPS = 1e-5
-# vLLM's and OpenAI's default, for Python, the command line and HTTP alike
-DEFAULT_TEMPERATURE = 1.0
+SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's rule): dividing would overflow
+DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's, for Python, the command line and HTTP alike
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 # repetition_penalty's bounds: fp32 logits divided or multiplied by a value outside overflow to
 # inf (1e-45 makes NaN probabilities) or vanish, and vLLM's (0, inf) admits those
@@ -167,6 +166,8 @@ class Request:
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
     pages: int = 0  # KV pages the scheduler counts as this request's
+    cached: list[CachedPage] = field(default_factory=list)  # its first pages, prefix-cached
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     preemptions: int = 0  # times its cache was dropped to make room (then recomputed)
     output_ids: list[int] = field(default_factory=list)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
@@ -186,8 +187,7 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """Tokens to feed before the next draw: the prompt's, or after a preemption every
-        token but the last output."""
+        """Tokens to feed before the draw: the prompt's, or after a preemption all but one."""
         return self.num_computed < max(self.prompt_len, self.total_len - 1)
 
     @property

@@ -208,8 +208,8 @@ def serve_step(
     range the wave's; every rank returns its timeline's spans when the step is recorded."""
     runner.timeline.enabled = request.record
     batch, wave = request.batches[group], request.prefill
-    if request.released is not None:  # before this step's sequences take pages
-        runner.kv_cache.release(request.released[group])
+    if request.pages is not None:  # before this step's sequences take pages
+        runner.kv_cache.apply(request.pages[group])
     running, lane = None, runner.prefill_lane
     if wave is not None:
         if lane is None:

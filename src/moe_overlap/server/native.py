@@ -112,7 +112,7 @@ class NativeFormatter(Formatter):
             "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
             "prompt_tokens": self.prompt_tokens[index // self.per_prompt],
             "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0,  # no prefix cache
+            "cached_tokens": c.cached_tokens,  # prompt tokens found in the prefix cache
         }
         if self.logprobs:
             meta["output_token_logprobs"] = [

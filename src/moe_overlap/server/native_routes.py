@@ -71,11 +71,21 @@ def _install_info(
         server = dataclasses.asdict(settings)
         server.pop("api_key", None)  # a secret, not a setting to show
         engine_args = dataclasses.asdict(llm.args)
-        return {**engine_args, **server, "version": package_version(), **engine.stats()}
+        stats = engine.stats()
+        rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        # SGLang's cache_hit_rate: the share of prompt tokens found in the prefix cache
+        return {
+            **engine_args,
+            **server,
+            "version": package_version(),
+            **stats,
+            "cache_hit_rate": rate,
+        }
 
     async def flush_cache() -> JSONResponse:
-        message = "nothing to flush: this server keeps no prefix cache (a request's KV pages "
-        return JSONResponse({"message": message + "are freed when it ends)"})
+        engine.flush_cache()  # done on the engine's thread before its next step
+        message = "Cache flushed: cached KV pages are freed before the next step"
+        return JSONResponse({"message": message})
 
     app.get("/flush_cache", operation_id="flush_cache_get")(flush_cache)  # SGLang takes both
     app.post("/flush_cache", operation_id="flush_cache_post")(flush_cache)

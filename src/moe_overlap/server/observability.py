@@ -18,7 +18,9 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
@@ -97,6 +99,17 @@ class ServerMetrics:
         self._gauge(
             "moe_overlap_kv_cache_usage", "Share of the KV cache pages in use (0-1)", "usage"
         )
+        self._gauge(
+            "moe_overlap_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache since the start",
+            "prefix_cache_queries",
+        )
+        self._gauge(
+            "moe_overlap_prefix_cache_hits",
+            "Of those, tokens found cached (their prefill skipped)",
+            "prefix_cache_hits",
+        )
+        r.register(_VllmAliases(engine))
         self._gauge(
             "moe_overlap_preemptions",
             "Requests preempted (their pages freed, recomputed later) since the start",
@@ -233,6 +246,26 @@ class RequestMetrics:
                 self.metrics.finished.labels("aborted").inc()
                 logger.info("%s choice %d: aborted after %.3f s", self.name, index,
                             time.monotonic() - self.arrived)  # fmt: skip
+
+
+class _VllmAliases(Collector):
+    """vLLM's names for the KV cache's usage and the prefix cache's counters."""
+
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []  # collected when scraped: the engine's counts then
+
+    def collect(self):
+        stats = _slots(self.engine.stats())
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (0-1)")
+        usage.add_metric([], stats["usage"])
+        yield usage
+        for name in ("prefix_cache_queries", "prefix_cache_hits"):
+            counter = CounterMetricFamily(f"vllm:{name}", f"Prefix cache {name[13:]}, in tokens")
+            counter.add_metric([], stats[name])
+            yield counter
 
 
 def _slots(stats: dict[str, int]) -> dict[str, float]:

@@ -111,6 +111,19 @@ def served_model(target: Target) -> str:
         conn.close()
 
 
+def cache_hit_rate(target: Target) -> float | None:
+    """The share of prompt tokens the server found in its prefix cache since it started
+    (SGLang's ``cache_hit_rate`` in ``/get_server_info``), or None where it reports none."""
+    conn = target.connection(timeout=30)
+    try:
+        conn.request("GET", target.path("/get_server_info"), headers=target.headers())
+        resp = conn.getresponse()
+        body = resp.read()
+        return json.loads(body).get("cache_hit_rate") if resp.status == 200 else None
+    finally:
+        conn.close()
+
+
 def run_load(
     target: Target,
     requests: list[BenchRequest],

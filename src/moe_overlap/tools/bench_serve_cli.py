@@ -27,7 +27,7 @@ from moe_overlap.tools.bench_datasets import (
     random_requests,
     workload_requests,
 )
-from moe_overlap.tools.bench_serve import LoadResult, Target, free_port, run_load
+from moe_overlap.tools.bench_serve import LoadResult, Target, cache_hit_rate, free_port, run_load
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
 from moe_overlap.tools.command_flags import LoadFlags
 from moe_overlap.tools.flags import add_fields
@@ -68,6 +68,11 @@ _AT_LEAST_ONE = (
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
     rates = _rates(args.rates)
+    if args.base_url and args.compare_prefix_caching:
+        raise ConfigError(
+            "--compare-prefix-caching starts our servers with the cache on and off; a server "
+            "at --base-url runs its own: drop one of them"
+        )
     for name in _AT_LEAST_ONE:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -106,8 +111,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         longest = max(len(r.prompt) + r.output_len for r in prompts)
         check_fits(f"--dataset-name {_dataset(args)}", longest, cfg, args.max_model_len)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
-    for mode in modes:
-        with _target(args, cfg, overlaps.get(mode)) as target:
+    caching = (True, False) if args.compare_prefix_caching else (None,)
+    for mode, cache in ((m, c) for m in modes for c in caching):
+        label = mode if cache is not False else f"{mode} no-prefix-cache"
+        with _target(args, cfg, overlaps.get(mode), cache) as target:
             for rate in rates:
                 count = (
                     round(rate * args.duration)
@@ -115,20 +122,25 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     else len(prompts)
                 )
                 sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
-                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
+                console.print(f"{label}: {len(sent)} requests at {rate:g}/s ...")
                 result = run_load(
                     target,
                     sent,
                     rate,
                     args.seed,
-                    mode,
+                    label,
                     args.max_concurrency,
                     metrics,
                     progress=console.is_terminal,
                 )
                 console.print(result_block(result.summary, *metrics), highlight=False)
                 results.append(result)
+            hit_rate = cache_hit_rate(target) if not args.base_url else None
+            if hit_rate is not None:
+                console.print(f"{label}: prefix cache hit rate {hit_rate:.1%} of prompt tokens")
     console.print(load_table(results, _title(args)))
+    if args.compare_prefix_caching:
+        console.print(prefix_caching_note(results), highlight=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -200,12 +212,17 @@ def _model_config(args: argparse.Namespace) -> ModelConfig | None:
 
 
 @contextmanager
-def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Iterator[Target]:
-    """The server at --base-url, or ours with ``overlap``, running until the block ends."""
+def _target(
+    args: argparse.Namespace, cfg: ModelConfig | None, overlap, prefix_caching: bool | None
+) -> Iterator[Target]:
+    """The server at --base-url, or ours with ``overlap`` (and ``prefix_caching`` when not
+    None), running until the block ends."""
     if args.base_url:
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
     kwargs = {**engine_kwargs(args), "overlap": overlap}
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = prefix_caching
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve
 
     llm = LLM(**kwargs)
@@ -261,3 +278,21 @@ def load_table(results: list[LoadResult], title: str) -> Table:
             f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
         )
     return table
+
+
+def prefix_caching_note(results: list[LoadResult]) -> str:
+    """The closing note of --compare-prefix-caching: per mode and rate, TTFT p50 and output
+    throughput with the cache against without it."""
+    lines = ["prefix caching on against off (the same prompts, the same rates):"]
+    by_label = {(r.mode, r.rate): r for r in results}
+    for (label, rate), on in by_label.items():
+        off = by_label.get((f"{label} no-prefix-cache", rate))
+        if off is None:
+            continue
+        lines.append(
+            f"  {label} at {rate:g}/s: TTFT p50 {off.ttft_ms[0]:.0f} -> {on.ttft_ms[0]:.0f} ms "
+            f"({off.ttft_ms[0] / max(on.ttft_ms[0], 1e-9):.2f}x), output "
+            f"{off.tokens_per_s:,.0f} -> {on.tokens_per_s:,.0f} tokens/s "
+            f"({on.tokens_per_s / max(off.tokens_per_s, 1e-9):.2f}x)"
+        )
+    return "\n".join(lines)

@@ -141,6 +141,12 @@ class LoadFlags:
         DEFAULT_WORKLOAD, "prompt lengths, in the bench's grammar", metavar="SPEC", group="load"
     )
     num_requests: int = setting(32, "requests per rate", aliases=("--num-prompts",), group="load")
+    compare_prefix_caching: bool = setting(
+        False,
+        "start each mode's server twice, with prefix caching on and off, and close with what "
+        "the cache changed: TTFT, throughput and the hit rate (not with --base-url)",
+        group="load",
+    )
     duration: float | None = setting(
         None,
         "soak: hold each rate for about S seconds (rate x S requests, prompts reused) instead "
