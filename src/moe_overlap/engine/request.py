@@ -14,8 +14,8 @@ from moe_overlap.engine.errors import (
     check_number,
     listed,
 )
-from moe_overlap.engine.structured import StructuredOutputs, TokenConstraint
 from moe_overlap.engine.kv_pages import CachedPage
+from moe_overlap.engine.structured import StructuredOutputs, TokenConstraint
 
 SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's rule): dividing would overflow
 DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's, for Python, the command line and HTTP alike
