@@ -7,12 +7,14 @@ by rank. ``--init-expert-location`` takes either (a distribution is placed with
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from moe_overlap.core.eplb_placement import Algorithm, PlacementShape, rebalance, trivial
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
 TRIVIAL = "trivial"
+DISPATCH_ALGORITHMS = ("static", "dynamic")
 
 
 def read_json(path: str, key: str) -> list[list]:
@@ -65,7 +67,9 @@ def initial_placement(
 ) -> list[list[int]]:
     """``--init-expert-location``'s placement: one row per MoE layer."""
     if location == TRIVIAL:
-        return [trivial(shape)] * num_layers
+        placement = [trivial(shape)] * num_layers
+        check_placement(placement, shape, "--ep-num-redundant-experts (trivial placement)")
+        return placement
     try:
         data = json.loads(Path(location).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -81,3 +85,40 @@ def initial_placement(
         )
     check_placement(placement, shape, f"--init-expert-location {location}")
     return placement
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Every MoE layer's ``physical_to_logical`` (``rows[i]`` for layer ``moe_layers[i]``) and
+    how a token picks among an expert's replicas: ``static`` (the replica nearest its rank) or
+    ``dynamic`` (spread over the replicas by token)."""
+
+    moe_layers: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    dispatch: str = "static"
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.rows[0])
+
+    def row(self, layer_id: int) -> tuple[int, ...]:
+        return self.rows[self.moe_layers.index(layer_id)]
+
+
+def make_placement(
+    moe_layers: list[int],
+    shape: PlacementShape,
+    location: str,
+    dispatch: str,
+    algorithm: Algorithm = "auto",
+) -> ExpertPlacement | None:
+    """The engine's placement from its flags; None where every rank holds its E/ep experts in
+    order and dispatch needs no map (no redundant slot, the trivial location)."""
+    if dispatch not in DISPATCH_ALGORITHMS:
+        raise ConfigError(
+            f"--ep-dispatch-algorithm={dispatch!r} must be one of {', '.join(DISPATCH_ALGORITHMS)}"
+        )
+    if location == TRIVIAL and shape.num_slots == shape.num_experts:
+        return None
+    rows = initial_placement(location, shape, len(moe_layers), algorithm)
+    return ExpertPlacement(tuple(moe_layers), tuple(tuple(r) for r in rows), dispatch)

@@ -94,6 +94,9 @@ class LLM:
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
+        placement = args.expert_placement(cfg, par.ep)
+        if placement is not None and emulate_peers:
+            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -118,6 +121,7 @@ class LLM:
             emulate_peers=emulate_peers,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
+            placement=placement,
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))

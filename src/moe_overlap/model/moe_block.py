@@ -9,6 +9,7 @@ from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.layers import GatedMLP
 from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.replicas import ReplicaMap
 from moe_overlap.model.router import Router
 from moe_overlap.model.tensor_parallel import ColumnLinear, ModelParallel, even_part
 
@@ -17,18 +18,27 @@ class SparseMoeBlock(nn.Module):
     """Router, this rank's experts and shared experts (DeepSeek's, or Qwen3.5's gated one),
     exposed as operations."""
 
-    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None, layer_id: int = 0):
         super().__init__()
         par = par or ModelParallel.single()
-        local = cfg.num_experts // par.ep_size
+        # EPLB: this layer's physical slots, each a copy of a logical expert, and the map from a
+        # routed (logical) expert to the slot that serves it
+        slots = par.placement.row(layer_id) if par.placement else tuple(range(cfg.num_experts))
+        local = len(slots) // par.ep_size
+        first = par.ep_rank * local
         self.gate = Router(cfg)
+        self.replicas = None
+        if par.placement is not None:
+            dynamic = par.placement.dispatch == "dynamic"
+            self.replicas = ReplicaMap(slots, par.ep_rank, par.ep_size, dynamic)
         self.experts = ExpertBank(
             cfg.hidden_size,
             cfg.moe_intermediate_size,
-            par.ep_rank * local,
+            first,
             local,
             even_part(cfg.moe_intermediate_size, par.moe_tp_rank, par.moe_tp_size),
             (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.is_gpt_oss else None,
+            slots[first : first + local],
         )
         self.shared_experts = None
         if cfg.n_shared_experts:
@@ -53,6 +63,8 @@ class SparseMoeBlock(nn.Module):
         s = ctx.state
         x = s.get("mlp_in") if self.has_shared else s.pop("mlp_in")
         ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
+        if self.replicas is not None:
+            ids = self.replicas(ids)  # logical experts to the physical slots that serve them
         extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
         s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
 

@@ -159,6 +159,7 @@ def rank_model(
         coords.moe_tp_rank,
         layout.moe_tp,
         pp_layers(spec.config.num_hidden_layers, coords.pp_rank, rank_parallel(spec).pp),
+        spec.placement,
     )
     path = Path(spec.model_path) if spec.model_path else None
     return build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
@@ -173,7 +174,9 @@ def rank_dispatcher(
 ) -> Dispatcher:
     """The MoE dispatcher over ``groups``: ``--moe-a2a-backend``'s for the layout, or the
     emulated all-to-all where the EP group's peers are emulated."""
-    experts, ep = spec.config.num_experts, groups["ep"]
+    ep = groups["ep"]
+    # the dispatchers route to physical slots: E, or E + redundant ones under EPLB
+    experts = spec.placement.num_slots if spec.placement else spec.config.num_experts
     if isinstance(ep, EmulatedGroup):
         return EmulatedAllToAllDispatcher(ep, experts, link, timeline)
     backend, par = spec.overlap.moe_a2a_backend, rank_parallel(spec)

@@ -1,0 +1,98 @@
+"""EPLB's redundant experts on real gloo ranks: whichever replica serves a token, the logits
+are those of the run without redundancy, in every overlap mode, static and dynamic dispatch,
+for Qwen3-MoE and DeepSeek-V3 (grouped routing); and the engine's refusals."""
+
+from __future__ import annotations
+
+import random
+from itertools import product
+
+import pytest
+import torch
+
+from moe_overlap import LLM, ConfigError, ModelConfig
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.eplb_placement import PlacementShape, rebalance
+from moe_overlap.core.expert_location import ExpertPlacement
+from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.distributed.link import parse_link
+from moe_overlap.runtime.worker import RankSpec, build_rank_runner
+from tests.dist_utils import init_gloo, run_workers
+from tests.helpers import TINY, every_mode
+
+MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
+# four ranks: pure ep=4 (all-to-all), and ep=2 under tp=4 with attention DP (each expert's
+# width split two ways: the tensor-parallel MoE's gather), each with the R that divide
+LAYOUTS = {
+    4: (ParallelConfig(ep=4), (4, 8)),
+    2: (ParallelConfig(tp=4, dp=4, ep=2, enable_dp_attention=True), (2, 4)),
+}
+
+
+def _placement(cfg: ModelConfig, ep: int, redundant: int, dispatch: str) -> ExpertPlacement:
+    # a skewed load per layer, so the hot experts get the replicas
+    layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    rng = random.Random(redundant)
+    load = [[1000 / (rng.random() + e) ** 1.5 for e in range(1, cfg.num_experts + 1)]]
+    shape = PlacementShape(cfg.num_experts, cfg.num_experts + redundant, ep)
+    rows = rebalance([rng.sample(load[0], len(load[0])) for _ in layers], shape)
+    return ExpertPlacement(tuple(layers), tuple(tuple(r) for r in rows), dispatch)
+
+
+def _runs(fewer: int, more: int) -> list[tuple[int, str, tuple[str, ...]]]:
+    # every mode at each R and each dispatch, within the test-time budget: the full grid
+    # less the two corners that repeat what their row and column show
+    return [
+        (0, "-", ("none",)),
+        (fewer, "static", MODES),
+        (more, "dynamic", MODES),
+        (fewer, "dynamic", ("none", "tbo+two-chunk")),
+        (more, "static", ("none", "sbo")),
+    ]
+
+
+def _worker(rank: int, world_size: int, port: int) -> dict:
+    init_gloo(rank, world_size, port)
+    gen = torch.Generator().manual_seed(rank)
+    lengths = [9, 14, 5] if rank == 0 else [11, 6]
+    batch = ForwardBatch(
+        torch.randint(1, 60, (sum(lengths),), generator=gen),
+        list(range(len(lengths))),
+        [0] * len(lengths),
+        lengths,
+    )
+    modes = {m: every_mode()[m] for m in MODES}
+    out = {}
+    for (ep, (par, redundants)), family in product(LAYOUTS.items(), ("qwen3_moe", "deepseek_v3")):
+        cfg = ModelConfig(**TINY[family])
+        for redundant, dispatch, mode_names in _runs(*redundants):
+            placement = _placement(cfg, ep, redundant, dispatch) if redundant else None
+            spec = EngineSpec(
+                cfg, seed=0, max_num_seqs=4, max_len=64, parallel=par, placement=placement
+            )
+            runner = build_rank_runner(spec, RankSpec(rank, 4, "", 30.0, parse_link("none")))
+            for mode in mode_names:
+                out[ep, family, redundant, dispatch, mode] = runner.forward(batch, modes[mode])
+    return out
+
+
+def test_redundant_experts_give_the_same_logits():
+    for rank, out in enumerate(run_workers(_worker, 4, timeout=180)):
+        assert len(out) == 2 * 2 * (5 + 2 * len(MODES))
+        for (ep, family, redundant, dispatch, mode), logits in out.items():
+            base = out[ep, family, 0, "-", "none"]
+            diff = (logits - base).abs().max().item()
+            assert diff <= 1e-4, (rank, ep, family, redundant, dispatch, mode, diff)
+
+
+def test_engine_generates_the_same_tokens_and_refuses_bad_settings(tmp_path):
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with pytest.raises(ConfigError, match="two replicas of one expert on rank 0"):
+        LLM(config=cfg, ep_num_redundant_experts=2)
+    with pytest.raises(ConfigError, match="slots must divide over the"):
+        LLM(config=cfg, ep=2, ep_num_redundant_experts=1)
+    with pytest.raises(ConfigError, match="must be an integer >= 0"):
+        LLM(config=cfg, ep=2, ep_num_redundant_experts=-2)
+    with pytest.raises(ConfigError, match="init-expert-location .*nope.json"):
+        LLM(config=cfg, ep=2, init_expert_location=str(tmp_path / "nope.json"))
