@@ -4,6 +4,7 @@ for Qwen3-MoE and DeepSeek-V3 (grouped routing); and the engine's refusals."""
 
 from __future__ import annotations
 
+import json
 import random
 from itertools import product
 
@@ -19,7 +20,7 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
-from tests.helpers import TINY, every_mode
+from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, every_mode
 
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 # four ranks: pure ep=4 (all-to-all), and ep=2 under tp=4 with attention DP (each expert's
@@ -88,6 +89,16 @@ def test_redundant_experts_give_the_same_logits():
 
 def test_engine_generates_the_same_tokens_and_refuses_bad_settings(tmp_path):
     cfg = ModelConfig(**TINY["qwen3_moe"])
+    prompts = CASES["mixed-batch"]
+    with LLM(config=cfg, **KW) as llm:
+        base = llm.generate(prompts, PARAMS, return_logits=True)
+    # a distribution placed at start-up, pure ep=2 over the all-to-all, TBO
+    dist = tmp_path / "load.json"
+    dist.write_text(json.dumps({"load": [[50, 900, 10, 40]] * cfg.num_hidden_layers}))
+    eplb = dict(ep_num_redundant_experts=2, init_expert_location=str(dist))
+    with LLM(config=cfg, ep=2, overlap="tbo", ep_dispatch_algorithm="dynamic", **eplb, **KW) as llm:
+        assert llm.spec.placement is not None and llm.spec.placement.rows[0].count(1) == 2
+        assert_same(base, llm.generate(prompts, PARAMS, return_logits=True))
     with pytest.raises(ConfigError, match="two replicas of one expert on rank 0"):
         LLM(config=cfg, ep_num_redundant_experts=2)
     with pytest.raises(ConfigError, match="slots must divide over the"):
