@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from itertools import product
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.eplb_placement import PlacementShape, rebalance
 from moe_overlap.core.expert_location import ExpertPlacement
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
@@ -23,11 +23,13 @@ from tests.dist_utils import init_gloo, run_workers
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, every_mode
 
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
-# four ranks: pure ep=4 (all-to-all), and ep=2 under tp=4 with attention DP (each expert's
-# width split two ways: the tensor-parallel MoE's gather), each with the R that divide
+LOW_LATENCY = "none+low-latency"  # the fixed-capacity all-to-all (pure EP only)
+# four ranks: pure ep=4 (all-to-all) for both families, and ep=2 under tp=4 with attention DP
+# (each expert's width split two ways: the tensor-parallel MoE's gather) for DeepSeek-V3, each
+# with the R that divide (pure ep=2 over the all-to-all: the engine test below)
 LAYOUTS = {
-    4: (ParallelConfig(ep=4), (4, 8)),
-    2: (ParallelConfig(tp=4, dp=4, ep=2, enable_dp_attention=True), (2, 4)),
+    4: (ParallelConfig(ep=4), (4, 8), ("qwen3_moe", "deepseek_v3")),
+    2: (ParallelConfig(tp=4, dp=4, ep=2, enable_dp_attention=True), (2, 4), ("deepseek_v3",)),
 }
 
 
@@ -49,7 +51,7 @@ def _runs(fewer: int, more: int) -> list[tuple[int, str, tuple[str, ...]]]:
         (fewer, "static", MODES),
         (more, "dynamic", MODES),
         (fewer, "dynamic", ("none", "tbo+two-chunk")),
-        (more, "static", ("none", "sbo")),
+        (more, "static", ("none", "sbo", LOW_LATENCY)),
     ]
 
 
@@ -64,8 +66,10 @@ def _worker(rank: int, world_size: int, port: int) -> dict:
         lengths,
     )
     modes = {m: every_mode()[m] for m in MODES}
+    modes[LOW_LATENCY] = OverlapConfig(a2a_mode="low_latency", num_max_dispatch_tokens_per_rank=32)
     out = {}
-    for (ep, (par, redundants)), family in product(LAYOUTS.items(), ("qwen3_moe", "deepseek_v3")):
+    runs = [(ep, par, r, f) for ep, (par, r, families) in LAYOUTS.items() for f in families]
+    for ep, par, redundants, family in runs:
         cfg = ModelConfig(**TINY[family])
         for redundant, dispatch, mode_names in _runs(*redundants):
             placement = _placement(cfg, ep, redundant, dispatch) if redundant else None
@@ -73,14 +77,14 @@ def _worker(rank: int, world_size: int, port: int) -> dict:
                 cfg, seed=0, max_num_seqs=4, max_len=64, parallel=par, placement=placement
             )
             runner = build_rank_runner(spec, RankSpec(rank, 4, "", 30.0, parse_link("none")))
-            for mode in mode_names:
+            for mode in mode_names if ep == 4 else set(mode_names) - {LOW_LATENCY}:
                 out[ep, family, redundant, dispatch, mode] = runner.forward(batch, modes[mode])
     return out
 
 
 def test_redundant_experts_give_the_same_logits():
     for rank, out in enumerate(run_workers(_worker, 4, timeout=180)):
-        assert len(out) == 2 * 2 * (5 + 2 * len(MODES))
+        assert len(out) == 3 * (5 + 2 * len(MODES)) + 2  # low-latency at ep=4
         for (ep, family, redundant, dispatch, mode), logits in out.items():
             base = out[ep, family, 0, "-", "none"]
             diff = (logits - base).abs().max().item()
