@@ -95,14 +95,27 @@ def test_engine_generates_the_same_tokens_and_refuses_bad_settings(tmp_path):
     cfg = ModelConfig(**TINY["qwen3_moe"])
     prompts = CASES["mixed-batch"]
     with LLM(config=cfg, **KW) as llm:
+        llm.start_expert_distribution_record()
         base = llm.generate(prompts, PARAMS, return_logits=True)
+        recorded = llm.expert_distribution()
+    tokens = sum(len(p) for p in prompts) + len(prompts) * (PARAMS.max_new_tokens - 1)
+    top_k = cfg.num_experts_per_tok
+    assert [sum(layer) for layer in recorded.load] == [tokens * top_k] * cfg.num_hidden_layers
     # a distribution placed at start-up, pure ep=2 over the all-to-all, TBO
     dist = tmp_path / "load.json"
     dist.write_text(json.dumps({"load": [[50, 900, 10, 40]] * cfg.num_hidden_layers}))
     eplb = dict(ep_num_redundant_experts=2, init_expert_location=str(dist))
     with LLM(config=cfg, ep=2, overlap="tbo", ep_dispatch_algorithm="dynamic", **eplb, **KW) as llm:
         assert llm.spec.placement is not None and llm.spec.placement.rows[0].count(1) == 2
+        llm.start_expert_distribution_record()
         assert_same(base, llm.generate(prompts, PARAMS, return_logits=True))
+        llm.stop_expert_distribution_record()
+        llm.generate(prompts[:1], PARAMS)  # not counted
+        spread = llm.expert_distribution()
+    # the same routing, whichever replica served it, now spread over two ranks
+    assert spread.load == recorded.load
+    assert all(len(r) == 2 and sum(r) == tokens * top_k for r in spread.rank_load)
+    assert recorded.balancedness == [1.0, 1.0] and all(b < 1 for b in spread.balancedness)
     with pytest.raises(ConfigError, match="two replicas of one expert on rank 0"):
         LLM(config=cfg, ep_num_redundant_experts=2)
     with pytest.raises(ConfigError, match="slots must divide over the"):

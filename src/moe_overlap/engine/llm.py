@@ -22,6 +22,7 @@ from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
@@ -31,7 +32,7 @@ from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
 
 
-class LLM:
+class LLM(ExpertRecorder):
     """An MoE inference engine over SGLang's layouts: ``tp`` tensor-parallel ranks, cut into
     ``dp`` attention-DP groups with ``enable_dp_attention``, experts sharded ``ep`` ways inside
     them; ``tp=1, ep=N`` is pure expert parallelism over N ranks; all 1 is this process only.

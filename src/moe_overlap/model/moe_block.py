@@ -18,6 +18,8 @@ class SparseMoeBlock(nn.Module):
     """Router, this rank's experts and shared experts (DeepSeek's, or Qwen3.5's gated one),
     exposed as operations."""
 
+    routed: torch.Tensor  # [physical slots]: rows sent to each while ``record``
+
     def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None, layer_id: int = 0):
         super().__init__()
         par = par or ModelParallel.single()
@@ -51,6 +53,10 @@ class SparseMoeBlock(nn.Module):
             )
             self.shared_expert_gate = ColumnLinear(cfg.hidden_size, 1, range(1))
         self.has_shared = cfg.n_shared_experts > 0 or cfg.shared_expert_intermediate_size > 0
+        # the expert-distribution recorder: rows this rank sent each physical slot, kept on the
+        # device (read only when asked, ``runtime/expert_load.py``)
+        self.record, self.layer_id = False, layer_id
+        self.register_buffer("routed", torch.zeros(len(slots), dtype=torch.long), persistent=False)
 
     def op_gate(self, ctx: ForwardContext) -> None:
         ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
@@ -65,6 +71,9 @@ class SparseMoeBlock(nn.Module):
         ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
         if self.replicas is not None:
             ids = self.replicas(ids)  # logical experts to the physical slots that serve them
+        if self.record:
+            flat = ids.reshape(-1).long()
+            self.routed.index_add_(0, flat, torch.ones_like(flat))
         extend = not all(ctx.batch.is_decode)  # padding rules differ for prefill and decode
         s.put(dispatch=ctx.dispatcher.dispatch_a(x, ids, weights, owner=ctx.name, extend=extend))
 
