@@ -124,3 +124,17 @@ def test_engine_generates_the_same_tokens_and_refuses_bad_settings(tmp_path):
         LLM(config=cfg, ep=2, ep_num_redundant_experts=-2)
     with pytest.raises(ConfigError, match="init-expert-location .*nope.json"):
         LLM(config=cfg, ep=2, init_expert_location=str(tmp_path / "nope.json"))
+
+
+def test_expert_skew_makes_a_few_experts_hot():
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    shares = []
+    for skew in (None, "zipf:3"):
+        with LLM(config=cfg, expert_skew=skew, **KW) as llm:
+            llm.start_expert_distribution_record()
+            llm.generate(CASES["mixed-batch"], PARAMS)
+            load = llm.expert_distribution().load
+        shares.append(min(max(layer) / sum(layer) for layer in load))
+    assert shares[1] > max(0.4, shares[0]), shares  # top-2 of 4: 0.5 is an expert in every pick
+    with pytest.raises(ConfigError, match="want zipf:S"):
+        LLM(config=cfg, expert_skew="pareto:2")

@@ -241,6 +241,29 @@ class EplbArgs:
         group="eplb",
     )
 
+    expert_skew: str | None = setting(
+        None,
+        "bias the routers so a few experts are hot, to show imbalance (random-weight routers "
+        "route almost evenly): zipf:S gives the expert of rank r in each layer odds falling "
+        "as 1/(r+1)**S (e.g. zipf:1.2)",
+        metavar="zipf:S",
+        group="eplb",
+    )
+
+    def skew_exponent(self) -> float:
+        """``--expert-skew``'s S (0.0: none)."""
+        text = self.expert_skew
+        if text is None:
+            return 0.0
+        kind, _, value = str(text).partition(":")
+        try:
+            exponent = float(value)
+        except ValueError:
+            exponent = -1.0
+        if kind != "zipf" or not exponent >= 0 or exponent == float("inf"):
+            raise ConfigError(f"--expert-skew={text!r}: want zipf:S with S >= 0, e.g. zipf:1.2")
+        return exponent
+
     def expert_placement(self, cfg: ModelConfig, ep: int) -> ExpertPlacement | None:
         """The placement these flags ask for over ``ep`` ranks (None: E/ep experts each)."""
         redundant = self.ep_num_redundant_experts

@@ -123,6 +123,7 @@ class LLM(ExpertRecorder):
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
             placement=placement,
+            expert_skew=args.skew_exponent(),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))

@@ -97,3 +97,17 @@ class SparseMoeBlock(nn.Module):
             return
         gate = torch.sigmoid(self.shared_expert_gate(x))
         ctx.state.put(shared_out=gate * self.shared_expert(x))
+
+
+def skew_routing(model: nn.Module, exponent: float, seed: int) -> None:
+    """``--expert-skew zipf:S``: in each MoE layer, the expert of rank r (a seeded order per
+    layer, the same on every rank) gets ``-S * ln(r + 1)`` added to its router logit, so a
+    softmax router picks it with odds falling as ``1 / (r + 1) ** S``."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = block.gate.weight.shape[0]
+            gen = torch.Generator().manual_seed(seed * 1009 + block.layer_id)
+            order = torch.randperm(experts, generator=gen)
+            skew = torch.empty(experts)
+            skew[order] = -exponent * torch.arange(1, experts + 1, dtype=torch.float32).log()
+            block.gate.set_skew(skew.to(block.gate.weight.device))

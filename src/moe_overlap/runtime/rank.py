@@ -28,6 +28,7 @@ from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import build_model
+from moe_overlap.model.moe_block import skew_routing
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.runtime.sampler import answer
@@ -162,7 +163,10 @@ def rank_model(
         spec.placement,
     )
     path = Path(spec.model_path) if spec.model_path else None
-    return build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+    model = build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+    if spec.expert_skew:
+        skew_routing(model, spec.expert_skew, spec.seed)
+    return model
 
 
 def rank_dispatcher(
