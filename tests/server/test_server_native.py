@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moe_overlap.engine.llm import LLM
-from tests.server.test_server import KEY, Running, served_model
+from tests.server.test_server import CFG, KEY, Running, served_model
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
@@ -127,3 +127,19 @@ def test_a_repeated_prompt_hits_the_prefix_cache_until_flush_cache(served) -> No
     after = post(served, "/get_server_info")[1]
     assert flushed["output_ids"] == first["output_ids"]
     assert after["prefix_cache_hits"] == hit["prefix_cache_hits"]  # nothing was left to find
+
+
+def test_expert_distribution_record_start_stop_dump_and_metrics(served) -> None:
+    code, _ = post(served, "/start_expert_distribution_record", {})
+    assert code == 200
+    ids = {"input_ids": [[3, 4, 5]], "sampling_params": {**GREEDY, "max_new_tokens": 2}}
+    assert post(served, "/generate", ids)[0] == 200
+    assert post(served, "/stop_expert_distribution_record", {})[0] == 200
+    assert post(served, "/generate", ids)[0] == 200  # not counted
+    code, dump = post(served, "/dump_expert_distribution_record", {})
+    assert code == 200, dump
+    top_k = CFG["num_experts_per_tok"]  # 4 tokens routed: 3 of the prompt, 1 decoded
+    assert [sum(layer) for layer in dump["load"]] == [4 * top_k] * len(dump["layers"])
+    assert dump["balancedness"] == [1.0] * len(dump["layers"])  # one rank
+    code, text = call(served, "/metrics")
+    assert code == 200 and 'moe_overlap_expert_balancedness{layer="0"} 1.0' in text

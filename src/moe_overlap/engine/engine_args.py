@@ -22,6 +22,7 @@ from moe_overlap.engine.args import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_SPLITS,
+    EplbArgs,
     LayoutArgs,
     ModelArgs,
     overlap_setting,
@@ -226,7 +227,7 @@ class OverlapArgs:
 
 
 @dataclass
-class EngineArgs(OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
+class EngineArgs(EplbArgs, OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
     """Every engine setting; ``LLM(**kwargs)`` and the command line take these names."""
 
     @classmethod

@@ -20,6 +20,7 @@ from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.engine.errors import token_ids
+from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
@@ -31,7 +32,7 @@ from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
 
 
-class LLM:
+class LLM(ExpertRecorder):
     """An MoE inference engine over SGLang's layouts: ``tp`` tensor-parallel ranks, cut into
     ``dp`` attention-DP groups with ``enable_dp_attention``, experts sharded ``ep`` ways inside
     them; ``tp=1, ep=N`` is pure expert parallelism over N ranks; all 1 is this process only.
@@ -94,6 +95,9 @@ class LLM:
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
+        placement = args.expert_placement(cfg, par.ep)
+        if placement is not None and emulate_peers:
+            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -119,6 +123,8 @@ class LLM:
             emulate_peers=emulate_peers,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
+            placement=placement,
+            expert_skew=args.skew_exponent(),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))

@@ -14,8 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Any, TypeVar
 
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
@@ -24,6 +26,7 @@ from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
 logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
 WATCH_S = 0.5  # how often the rank watcher also looks for the engine stopping
+T = TypeVar("T")
 
 
 class EngineDead(RuntimeError):
@@ -58,7 +61,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._new: list[tuple[Request, Listener]] = []
         self._aborted: set[int] = set()
-        self._flush = False  # /flush_cache: forget the prefix cache before the next step
+        self._calls: list[tuple[Callable[[], Any], Future]] = []  # run between steps
         self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
         self._stopping = False
         self.error: str | None = None  # why the engine died, once it has
@@ -104,6 +107,17 @@ class EngineLoop:
             self._wake.notify()
         return req
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's thread between two steps (the ranks take one message at a
+        time) and return what it returns; blocks the calling thread until then."""
+        done: Future = Future()
+        with self._wake:
+            if self.error or self._stopping:
+                raise EngineDead(self.error or "the engine is shutting down")
+            self._calls.append((fn, done))
+            self._wake.notify()
+        return done.result()
+
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is; its slot and KV cache row are freed at the next step."""
         with self._wake:
@@ -111,11 +125,16 @@ class EngineLoop:
             self._wake.notify()
 
     def flush_cache(self) -> None:
-        """Forget every cached prefix before the next step (pages in use go when their
-        requests end)."""
+        """Forget every cached prefix before the next step, without waiting for it (pages in
+        use go when their requests end); run before the requests that arrived with it, so none
+        of them finds a page cached earlier."""
         with self._wake:
-            self._flush = True
+            self._calls.append((self._flush_prefixes, Future()))
             self._wake.notify()
+
+    def _flush_prefixes(self) -> None:
+        flushed = sum(cache.flush() for cache in self.llm.scheduler.prefix)
+        logger.info("prefix cache flushed: %d cached pages freed", flushed)
 
     def stats(self) -> dict[str, int]:
         """Counts for /metrics and /get_server_info: free pages include cached ones no request
@@ -163,6 +182,9 @@ class EngineLoop:
         with self._wake:
             self._live.update({r.request_id: (r, cb) for r, cb in self._new})
             self._new.clear()
+            for _, pending in self._calls:
+                pending.set_exception(EngineDead(self.error or SHUTTING_DOWN))
+            self._calls.clear()
         for req, listener in self._live.values():  # before closing: that may wait on a rank
             listener(_delta(req, [], "", error=self.error or SHUTTING_DOWN))
         self._live.clear()
@@ -192,7 +214,7 @@ class EngineLoop:
         """Add new requests and drop aborted ones; wait while there is nothing to do. False
         when the loop must stop."""
         with self._wake:
-            while not (self._stopping or self._new or self._aborted or self._down or self._flush):
+            while not (self._stopping or self._new or self._aborted or self._down or self._calls):
                 if self.llm.scheduler.has_work():
                     break
                 self._wake.wait()
@@ -202,10 +224,12 @@ class EngineLoop:
                 raise EngineDead(self._down)
             new, self._new = self._new, []
             aborted, self._aborted = self._aborted, set()
-            flush, self._flush = self._flush, False
-        if flush:  # before the new requests: none of them finds a page cached earlier
-            flushed = sum(cache.flush() for cache in self.llm.scheduler.prefix)
-            logger.info("prefix cache flushed: %d cached pages freed", flushed)
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # the caller hears it; the engine goes on
+                done.set_exception(exc)
         for req, listener in new:
             self._live[req.request_id] = (req, listener)
             self.llm.scheduler.add(req)

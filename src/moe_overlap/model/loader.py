@@ -61,7 +61,7 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sl
         assert isinstance(bank, ExpertBank), f"{prefix} is not an expert bank"
         rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
         for i in range(bank.count):
-            expert = f"{prefix}.{bank.first + i}"
+            expert = f"{prefix}.{bank.logical[i]}"
             weights = tensor.detach()[i]
             if match[2] == "down_proj":
                 cols = Shard(1, bank.inter_start, bank.inter_full)

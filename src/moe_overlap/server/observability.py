@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
+from moe_overlap.engine.expert_distribution import ExpertDistribution
 from moe_overlap.engine.loop import Delta, EngineLoop
 
 logger = logging.getLogger("moe_overlap.server")
@@ -58,8 +59,29 @@ class ServerMetrics:
         self._request_metrics()
         self._engine_gauges(overlap_mode)
         engine.step_listeners.append(self._step_metrics())
+        self.expert_rank_load = Gauge(
+            "moe_overlap_expert_rank_load",
+            "Tokens routed to each EP rank's experts per MoE layer, as of the last "
+            "/dump_expert_distribution_record",
+            ["layer", "rank"],
+            registry=self.registry,
+        )
+        self.expert_balancedness = Gauge(
+            "moe_overlap_expert_balancedness",
+            "Mean EP rank load over the largest per MoE layer (1 is even), as of the last dump",
+            ["layer"],
+            registry=self.registry,
+        )
         self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line
         self._last_log = (time.monotonic(), 0, 0)
+
+    def expert_load(self, distribution: ExpertDistribution) -> None:
+        """Set the expert gauges from a read of the recorder."""
+        d = distribution
+        for layer, ranks, balance in zip(d.layers, d.rank_load, d.balancedness, strict=True):
+            self.expert_balancedness.labels(str(layer)).set(balance)
+            for rank, tokens in enumerate(ranks):
+                self.expert_rank_load.labels(str(layer), str(rank)).set(tokens)
 
     def _request_metrics(self) -> None:
         """What ``RequestMetrics`` observes: latencies, tokens and finished requests."""

@@ -19,7 +19,7 @@ from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.engine.args import BenchArgs, EplbArgs, LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
@@ -236,4 +236,5 @@ def _add_bench_command(sub) -> None:
         only=("log_overlap_decisions", "a2a_mode", "num_max_dispatch_tokens_per_rank"),
     )
     add_fields(bench, BenchArgs)
+    add_fields(bench, EplbArgs)  # redundant experts, their placement, and --expert-skew
     bench.set_defaults(func=cmd_bench)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moe_overlap.engine.args import LayoutArgs, ModelArgs
+from moe_overlap.engine.args import EplbArgs, LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.flags import add_fields, from_args
@@ -21,6 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_fields(p, LayoutArgs)
     add_fields(p, CapacityArgs)
     add_fields(p, OverlapArgs)
+    add_fields(p, EplbArgs)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from moe_overlap.core.eplb_placement import ALGORITHMS
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
@@ -243,3 +244,39 @@ class PlanFlags:
     json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
     trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
     plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")
+
+
+@dataclass
+class EplbPlacementFlags:
+    """``moe-overlap eplb-placement``: a recorded load in, a placement out."""
+
+    distribution: str | None = setting(
+        None,
+        'the load: a JSON file {"load": [[tokens per logical expert] per layer]} (required)',
+        metavar="JSON",
+    )
+    ep: int = setting(1, "expert-parallel ranks (GPUs) the slots spread over")
+    num_redundant_experts: int = setting(
+        0, "extra physical slots: E + R slots in all, R replicas of the hottest experts"
+    )
+    nodes: int = setting(
+        1, "nodes the ranks are on (the hierarchical policy packs groups onto them)"
+    )
+    num_groups: int | None = setting(
+        None,
+        "expert groups (a grouped router's n_group); with groups dividing over --nodes, auto "
+        "packs groups onto nodes first",
+        parse=int,
+    )
+    algorithm: str = setting(
+        "auto",
+        "deepseek (global), deepseek_hierarchical (groups to nodes to GPUs), or auto: "
+        "hierarchical when --num-groups divide over --nodes, else global",
+        choices=ALGORITHMS,
+    )
+    out: str | None = setting(
+        None,
+        'write {"physical_to_logical": [[logical expert per slot] per layer]} here, slots rank '
+        "by rank (--init-expert-location takes it) (required)",
+        metavar="JSON",
+    )
