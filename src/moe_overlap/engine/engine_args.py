@@ -22,13 +22,13 @@ from moe_overlap.engine.args import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PREFILL_SPLITS,
-    EplbArgs,
     LayoutArgs,
     ModelArgs,
     overlap_setting,
     parse_modes,
     setting,
 )
+from moe_overlap.engine.eplb_args import EplbArgs
 
 
 @dataclass

@@ -18,14 +18,13 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.registry import Collector
 
 from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.expert_distribution import ExpertDistribution
 from moe_overlap.engine.loop import Delta, EngineLoop
+from moe_overlap.server.vllm_metrics import VllmAliases, engine_slots
 
 logger = logging.getLogger("moe_overlap.server")
 LOG_EVERY_S = 10.0
@@ -131,7 +130,7 @@ class ServerMetrics:
             "Of those, tokens found cached (their prefill skipped)",
             "prefix_cache_hits",
         )
-        r.register(_VllmAliases(engine))
+        r.register(VllmAliases(engine))
         self._gauge(
             "moe_overlap_preemptions",
             "Requests preempted (their pages freed, recomputed later) since the start",
@@ -193,7 +192,7 @@ class ServerMetrics:
 
     def _gauge(self, name: str, doc: str, stat: str) -> None:
         gauge = Gauge(name, doc, registry=self.registry)
-        gauge.set_function(lambda: float(_slots(self.engine.stats())[stat]))
+        gauge.set_function(lambda: float(engine_slots(self.engine.stats())[stat]))
 
     def request(self, name: str) -> RequestMetrics:
         return RequestMetrics(self, name)
@@ -202,7 +201,7 @@ class ServerMetrics:
         """While requests run: every LOG_EVERY_S, a line of throughput and load (as vLLM)."""
         while True:
             await asyncio.sleep(LOG_EVERY_S)
-            stats = _slots(self.engine.stats())
+            stats = engine_slots(self.engine.stats())
             then, prompt0, gen0 = self._last_log
             now, (prompt, gen) = time.monotonic(), self.totals
             self._last_log = (now, prompt, gen)
@@ -268,37 +267,6 @@ class RequestMetrics:
                 self.metrics.finished.labels("aborted").inc()
                 logger.info("%s choice %d: aborted after %.3f s", self.name, index,
                             time.monotonic() - self.arrived)  # fmt: skip
-
-
-class _VllmAliases(Collector):
-    """vLLM's names for the KV cache's usage and the prefix cache's counters."""
-
-    def __init__(self, engine: EngineLoop):
-        self.engine = engine
-
-    def describe(self) -> list:
-        return []  # collected when scraped: the engine's counts then
-
-    def collect(self):
-        stats = _slots(self.engine.stats())
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (0-1)")
-        usage.add_metric([], stats["usage"])
-        yield usage
-        for name in ("prefix_cache_queries", "prefix_cache_hits"):
-            counter = CounterMetricFamily(f"vllm:{name}", f"Prefix cache {name[13:]}, in tokens")
-            counter.add_metric([], stats[name])
-            yield counter
-
-
-def _slots(stats: dict[str, int]) -> dict[str, float]:
-    """The engine's stats with what is used, and the pages' share in use."""
-    used_pages = stats["total_pages"] - stats["free_pages"]
-    return {
-        **stats,
-        "used_slots": stats["total_slots"] - stats["free_slots"],
-        "used_pages": used_pages,
-        "usage": used_pages / max(stats["total_pages"], 1),
-    }
 
 
 def install_observability(app: FastAPI, engine: EngineLoop, overlap_mode: str) -> ServerMetrics:

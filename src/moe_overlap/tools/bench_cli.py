@@ -19,8 +19,9 @@ from moe_overlap.core.overlap_modes import AUTO, NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
-from moe_overlap.engine.args import BenchArgs, EplbArgs, LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from moe_overlap.engine.args import EplbArgs, LayoutArgs, ModelArgs
+from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.flags import add_fields, from_args
 
