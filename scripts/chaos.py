@@ -1,11 +1,15 @@
-"""Chaos run for the server (issue 30): a load of mixed requests while faults are injected, one
-phase per fault, each against a fresh ``moe-overlap serve --ep 2`` of a tiny model on CPU.
+"""Chaos run for the server: a load of mixed requests while faults are injected, one phase per
+fault, each against a fresh ``moe-overlap serve --ep 2`` of a tiny model on CPU.
 
-Every request ends in one of: answered (a whole answer, or a stream ending in [DONE]), errored
-with a reason (an OpenAI error body or stream error event, then [DONE]), lost (no answer, an
-answer not in the OpenAI shape, or a stream cut without [DONE]) or hung (nothing within
---client-timeout); "refused" counts connections tried after the server exited (a dead rank
-stops it). Lost and hung must be 0. Hostile clients (trickled headers, stalled bodies,
+Each fault lands while requests are in flight: the phase waits until the server's /health
+counts at least --in-flight running requests, fires, and prints how many were running then.
+Every request ends in one of: answered (a whole answer, or a stream ending in [DONE]), wrong
+(answered, but with text that differs from the same request's answer on an idle server, asked
+alone before the phases), errored with a reason (an OpenAI error body or stream error event,
+then [DONE]), lost (no answer, an answer not in the OpenAI shape, or a stream cut without
+[DONE]) or hung (nothing within --client-timeout); "refused" counts connections tried after
+the server exited (a dead rank stops it). Wrong, lost and hung must be 0. The server's and
+its ranks' memory is read before the load and after it. Hostile clients (trickled headers, stalled bodies,
 a connection flood) are counted apart: they must be cut off, and the server's memory must come
 back near where it was once they leave.
 
@@ -29,6 +33,9 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
 
 from moe_overlap import ModelConfig
 from moe_overlap.engine.tokenizer import write_tokenizer
@@ -74,55 +81,78 @@ def rss_mib(pid: int) -> float:
     return kib / 1024
 
 
-def ask(port: int, body: bytes, path: str, timeout: float) -> str:
-    """One request's outcome: "answered", "error:<code>", "lost:<why>" or "hung"."""
+def ask(port: int, body: bytes, path: str, timeout: float) -> tuple[str, str | None]:
+    """One request's outcome ("answered", "error:<code>", "lost:<why>", "hung" or "refused")
+    and, when answered, the answer's text (a stream's chunks joined)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", path, body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         raw = resp.read()
     except TimeoutError:
-        return "hung"
+        return "hung", None
     except ConnectionRefusedError:  # the server had already exited (a dead rank stops it)
-        return "refused"
+        return "refused", None
     except (OSError, http.client.HTTPException) as exc:
-        return f"lost:{type(exc).__name__}"
+        return f"lost:{type(exc).__name__}", None
     if resp.getheader("content-type", "").startswith("text/event-stream"):
         lines = [ln for ln in raw.decode().splitlines() if ln]
         if not lines or lines[-1] != "data: [DONE]":
-            return "lost:stream cut"
-        errors = [json.loads(ln[6:])["error"] for ln in lines[:-1] if '"error"' in ln[:20]]
-        return f"error:{errors[0]['code']}" if errors else "answered"
+            return "lost:stream cut", None
+        events = [json.loads(ln[6:]) for ln in lines[:-1]]
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:
+            return f"error:{errors[0]['code']}", None
+        return "answered", "".join(c["text"] for e in events for c in e.get("choices", []))
     try:
         reply = json.loads(raw)
     except ValueError:
-        return "lost:not json"
+        return "lost:not json", None
     if resp.status == 200 and reply.get("choices"):
-        return "answered"
+        return "answered", reply["choices"][0]["text"]
     if "error" in reply and reply["error"].get("message"):
-        return f"error:{reply['error']['code']}"
-    return "lost:bad shape"
+        return f"error:{reply['error']['code']}", None
+    return "lost:bad shape", None
 
 
-def mixed(port: int, count: int, timeout: float, seed: int) -> list[str]:
+def jobs(count: int, seed: int) -> list[tuple[bytes, str]]:
+    """``count`` requests: every fourth a bad one (it must fail alone, with a reason), the rest
+    seeded completions (greedy or sampled, streamed or not) long enough to be in flight."""
     rng = random.Random(seed)
-    jobs = []
+    out = []
     for i in range(count):
         if i % 4 == 3:
-            jobs.append(
-                (
-                    BAD[i // 4 % len(BAD)],
-                    "/v1/chat/completions"
-                    if b"messages" in BAD[i // 4 % len(BAD)]
-                    else "/v1/completions",
-                )
-            )
+            bad = BAD[i // 4 % len(BAD)]
+            out.append((bad, "/v1/chat/completions" if b"messages" in bad else "/v1/completions"))
             continue
-        body = {"prompt": f"Question {i}: where?", "max_tokens": rng.randint(4, 64)}
+        body = {"prompt": f"Question {i}: where?", "max_tokens": rng.randint(16, 128)}
         body |= {"stream": rng.random() < 0.5, "temperature": rng.choice([0, 0.7])}
-        jobs.append((json.dumps(body).encode(), "/v1/completions"))
+        body |= {"seed": i, "ignore_eos": True}
+        out.append((json.dumps(body).encode(), "/v1/completions"))
+    return out
+
+
+def solo_answers(port: int, work: list[tuple[bytes, str]], timeout: float) -> dict[int, str]:
+    """Each good request's answer on an idle server, asked one at a time."""
+    answers = {}
+    for i, (body, path) in enumerate(work):
+        if i % 4 != 3:
+            outcome, text = ask(port, body, path, timeout)
+            if outcome != "answered" or text is None:
+                raise RuntimeError(f"request {i} failed on an idle server: {outcome}")
+            answers[i] = text
+    return answers
+
+
+def mixed(port: int, work: list[tuple[bytes, str]], timeout: float, solo: dict[int, str]):
+    """Send ``work`` 16 at a time; each outcome, "wrong" where an answer's text is not
+    ``solo``'s."""
     with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda j: ask(port, j[0], j[1], timeout), jobs))
+        replies = list(pool.map(lambda j: ask(port, j[0], j[1], timeout), work))
+    return [
+        "wrong" if outcome == "answered" and i in solo and text != solo[i] else outcome
+        for i, (outcome, text) in enumerate(replies)
+    ]
 
 
 def hostile(port: int, count: int) -> Counter:
@@ -167,22 +197,53 @@ def rank_pids(pid: int) -> list[int]:
     return children(zygote)
 
 
-def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:
+def running(port: int) -> int:
+    """Requests in the server's batch, by its /health (0 once it does not answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        return int(json.loads(conn.getresponse().read()).get("running", 0))
+    except (OSError, ValueError, http.client.HTTPException):
+        return 0
+    finally:
+        conn.close()
+
+
+def memory(proc: subprocess.Popen) -> tuple[float, float] | None:
+    """(the server's RSS, its ranks' together) in MiB; None once it has exited."""
+    if proc.poll() is not None:
+        return None
+    try:
+        return rss_mib(proc.pid), sum(rss_mib(p) for p in rank_pids(proc.pid))
+    except (OSError, ValueError):  # a rank or the fork server is gone
+        return rss_mib(proc.pid), float("nan")
+
+
+def land(fault, proc: subprocess.Popen, port: int, want: int, load: threading.Thread):
+    """Fire ``fault`` once ``want`` requests are running (or the load is about to end);
+    (what it returned, how many were running as it fired)."""
+    deadline = time.monotonic() + 30
+    while (now := running(port)) < want and load.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return fault(proc, port), now
+
+
+def phase(model: Path, name: str, args: argparse.Namespace, fault, solo) -> dict:
     port = free_port()
     proc = serve(model, port)
+    work = jobs(args.requests, 1)
     try:
-        mixed(port, 8, args.client_timeout, 0)  # warm up before the baseline
-        before = rss_mib(proc.pid)
+        mixed(port, jobs(8, 0), args.client_timeout, {})  # warm up before the baseline
+        before = memory(proc)
         result: dict = {}
         load = threading.Thread(
-            target=lambda: result.update(out=mixed(port, args.requests, args.client_timeout, 1))
+            target=lambda: result.update(out=mixed(port, work, args.client_timeout, solo))
         )
         load.start()
-        time.sleep(1.0)
-        hostile_seen = fault(proc, port)
+        hostile_seen, in_flight = land(fault, proc, port, args.in_flight, load)
         load.join()
         time.sleep(2.0)
-        after = rss_mib(proc.pid) if proc.poll() is None else None
+        after = memory(proc)
     finally:
         try:
             proc.wait(0 if name.startswith("bad") else 15)  # a dead rank stops the server
@@ -190,17 +251,23 @@ def phase(model: Path, name: str, args: argparse.Namespace, fault) -> dict:
             proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
         proc.reader.join(15)  # type: ignore[attr-defined]
-    outcomes = Counter(o.split(":")[0] for o in result["out"])
-    reasons = Counter(o.split(":", 1)[1] for o in result["out"] if o.startswith("error:"))
+    return _row(name, result["out"], hostile_seen, in_flight, (before, after), code, proc)
+
+
+def _row(name, out, hostile_seen, in_flight, rss, code, proc) -> dict:
+    outcomes = Counter(o.split(":")[0] for o in out)
+    reasons = Counter(o.split(":", 1)[1] for o in out if o.startswith("error:"))
     log = getattr(proc, "log", "(stderr still open: not read)")
     return {
         "phase": name,
-        "sent": len(result["out"]),
-        **{k: outcomes.get(k, 0) for k in ("answered", "error", "lost", "hung", "refused")},
+        "sent": len(out),
+        "in_flight": in_flight,
+        **{k: outcomes.get(k, 0) for k in ("answered", "wrong", "error", "lost", "hung")},
+        "refused": outcomes.get("refused", 0),
         "reasons": dict(reasons),
-        "lost_why": [o for o in result["out"] if o.startswith("lost")],
+        "lost_why": [o for o in out if o.startswith("lost")],
         "hostile": dict(hostile_seen or {}),
-        "rss": (before, after),
+        "rss": rss,
         "exit": code,
         "tracebacks": log.count("Traceback"),
         "last": log.strip().splitlines()[-1][:150] if log.strip() else "",
@@ -213,16 +280,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def solo_run(model: Path, args: argparse.Namespace) -> dict[int, str]:
+    """Every good request of the phases' load, asked alone on an idle server of its own."""
+    port = free_port()
+    proc = serve(model, port)
+    try:
+        return solo_answers(port, jobs(args.requests, 1), args.client_timeout)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def _mib(pair: tuple[float, float] | None) -> str:
+    return "(exited)" if pair is None else f"{pair[0]:.0f} + {pair[1]:.0f}"
+
+
+def print_rows(rows: list[dict]) -> None:
+    table = Table(title="chaos: one fresh `serve --ep 2` per phase")
+    columns = ["phase", "sent", "running at fault", "answered", "wrong", "errored", "lost"]
+    columns += ["hung", "refused", "MiB before", "MiB after", "exit", "tracebacks"]
+    for c in columns:
+        table.add_column(c, justify="left" if c == "phase" else "right")
+    for r in rows:
+        counts = [r[k] for k in ("sent", "in_flight", "answered", "wrong", "error", "lost")]
+        counts += [r["hung"], r["refused"]]
+        table.add_row(
+            r["phase"], *map(str, counts), _mib(r["rss"][0]), _mib(r["rss"][1]),
+            str(r["exit"]), str(r["tracebacks"]),
+        )  # fmt: skip
+    console = Console(width=200)
+    console.print(table)
+    console.print("MiB: the server's RSS + its ranks' together, before the load and 2 s after")
+    for r in rows:
+        console.print(f"{r['phase']}: reasons {r['reasons']}; last words: {r['last']}")
+        if r["hostile"]:
+            console.print(f"    hostile connections: {r['hostile']}")
+        if r["lost_why"]:
+            console.print(f"    lost: {Counter(r['lost_why'])}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=40, help="mixed requests per phase")
     parser.add_argument("--hostile", type=int, default=150, help="hostile connections")
     parser.add_argument("--client-timeout", type=float, default=60.0, help="seconds = hung")
+    parser.add_argument(
+        "--in-flight", type=int, default=6, help="requests running when a fault fires"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp)
         save_checkpoint(build_model(ModelConfig(**CFG), seed=0), model)
         write_tokenizer(model, CFG["vocab_size"])
+        solo = solo_run(model, args)
 
         def stop_rank(proc, port):
             os.kill(rank_pids(proc.pid)[1], signal.SIGSTOP)
@@ -236,22 +346,9 @@ def main() -> int:
             ("rank 1 killed (SIGKILL)", kill_rank),
             ("SIGTERM mid-load", lambda proc, port: proc.send_signal(signal.SIGTERM)),
         ]
-        rows = [phase(model, name, args, fault) for name, fault in phases]
-    head = f"{'phase':32} {'sent':>4} {'answered':>8} {'errored':>7} {'lost':>4} {'hung':>4}"
-    print(head + " refused  RSS MiB before->after  exit  tracebacks")
-    for r in rows:
-        rss = f"{r['rss'][0]:.0f}->" + (f"{r['rss'][1]:.0f}" if r["rss"][1] else "(exited)")
-        print(
-            f"{r['phase']:32} {r['sent']:>4} {r['answered']:>8} {r['error']:>7} {r['lost']:>4} "
-            f"{r['hung']:>4} {r['refused']:>7}  {rss:>21}  {r['exit']:>4}  {r['tracebacks']:>10}"
-        )
-        print(f"    reasons: {r['reasons']}")
-        if r["hostile"]:
-            print(f"    hostile connections: {r['hostile']}")
-        print(f"    server's last words: {r['last']}")
-        if r["lost_why"]:
-            print(f"    lost: {Counter(r['lost_why'])}")
-    return 1 if any(r["lost"] or r["hung"] for r in rows) else 0
+        rows = [phase(model, name, args, fault, solo) for name, fault in phases]
+    print_rows(rows)
+    return 1 if any(r["lost"] or r["hung"] or r["wrong"] for r in rows) else 0
 
 
 if __name__ == "__main__":

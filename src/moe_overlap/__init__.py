@@ -9,10 +9,11 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": "moe_overlap.engine.llm",
     "ConfigError": "moe_overlap.core.errors",
-    "InvalidRequestError": "moe_overlap.engine.request",
+    "InvalidRequestError": "moe_overlap.engine.errors",
     "ModelConfig": "moe_overlap.core.model_config",
     "RequestOutput": "moe_overlap.engine.request",
     "SamplingParams": "moe_overlap.engine.request",
+    "StructuredOutputs": "moe_overlap.engine.structured",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -97,13 +97,13 @@ def test_pages_come_back_when_a_sequence_finishes_and_the_rank_is_told():
     for i in range(3):
         sched.add(_request(i, 20, 4))  # 24 tokens: 2 pages each
     step = sched.schedule()
-    assert [r.request_id for r in sched.running[0]] == [0, 1, 2] and step.released == [[]]
+    assert [r.request_id for r in sched.running[0]] == [0, 1, 2] and step.pages[0].released == []
     sched.add(_request(3, 40, 4))  # 3 pages: 2 are free
     for _ in range(4):  # the prefill's token, then three decodes: max_new_tokens reached
         sched.update(step, _decode_reply(step))
         step = sched.schedule()
     assert [r.request_id for r in sched.running[0]] == [3]  # admitted once pages came back
-    assert sorted(step.released[0]) == [0, 1, 2]  # the rank frees those slots' pages first
+    assert sorted(step.pages[0].released) == [0, 1, 2]  # the rank frees those slots' pages first
     assert sched.pages[0].free == 8 - 3
 
 
@@ -124,7 +124,7 @@ def test_a_decode_that_would_overflow_preempts_the_newest_sequence_by_recompute(
     assert sched.preemptions == 1 and [r.request_id for r in sched.running[0]] == [0]
     victim = sched.waiting[0]
     assert (victim.request_id, victim.num_computed, victim.slot) == (1, 0, -1)
-    assert step.released == [[1]] and step.scheduled[0][0][1] == 1
+    assert step.pages[0].released == [1] and step.scheduled[0][0][1] == 1
     first = sched.running[0][0]
     while first.finish_reason is None:  # request 0 runs to its end alone
         sched.update(step, _decode_reply(step))

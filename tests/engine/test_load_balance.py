@@ -25,6 +25,9 @@ CHOICES = [
     ("minimum_tokens", [L(0, 0, 0), L(4, 7, 1)], 0, 1),  # the idle one is full
     ("shortest_queue", [L(1, 1, 1), L(1, 2, 1)], 1, 0),  # ties: lowest index
     ("minimum_tokens", [L(0, 0, 0), L(0, 0, 0)], 0, None),  # nowhere: the request waits
+    ("cache_aware", [L(3, 10, 1, 0), L(1, 9, 1, 32), L(0, 5, 1, 16)], 0, 1),  # most cached
+    ("cache_aware", [L(3, 10, 1, 0), L(1, 9, 1, 0), L(0, 5, 1, 0)], 0, 2),  # none: shortest
+    ("cache_aware", [L(40, 10, 1, 64), L(1, 9, 1, 0)], 0, 1),  # too unbalanced: shortest
 ]
 
 

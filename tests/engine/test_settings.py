@@ -37,8 +37,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_every_setting_is_a_flag_of_serve_with_the_fields_default_choices_and_aliases():
-    actions = {a.dest: a for a in subcommands()["serve"]._actions}
+    actions: dict[str, argparse.Action] = {}
+    for a in subcommands()["serve"]._actions:
+        actions.setdefault(a.dest, a)  # a switch's first flag: --name, --no-name
+    negations = {o for a in subcommands()["serve"]._actions for o in a.option_strings}
     for name, f in SETTINGS.items():
+        assert set(f.metadata.get("negations", ())) <= negations, name
         action = actions[name]  # every engine and server setting is a serve flag
         assert action.default == f.default, name
         assert flag_name(name) in action.option_strings
@@ -62,6 +66,7 @@ def test_the_bench_and_plan_commands_write_no_flag_by_hand():
     classes = (EngineArgs, ServerSettings, BenchArgs)
     classes += tuple(c for c in vars(command_flags).values() if dataclasses.is_dataclass(c))
     helps: dict[str, set[str]] = {}
+    negations = {o for f in SETTINGS.values() for o in f.metadata.get("negations", ())}
     for cls in classes:
         for f in dataclasses.fields(cls):
             if "help" in f.metadata:
@@ -70,6 +75,9 @@ def test_the_bench_and_plan_commands_write_no_flag_by_hand():
     for command in commands:
         for action in subcommands()[command]._actions:
             if action.dest != "help" and action.option_strings:  # positionals are not flags
+                if action.help == argparse.SUPPRESS:  # a negation, named in its switch's help
+                    assert action.option_strings[0] in negations, (command, action.dest)
+                    continue
                 assert action.help in helps.get(action.dest, ()), (command, action.dest)
 
 
@@ -203,3 +211,11 @@ def test_load_format_dummy_builds_the_same_random_weights_as_hf_config():
         assert [o.token_ids for o in llm.generate(prompts, params)] == dummy
     with LLM(config=ModelConfig.from_hf(CONFIG), seed=3) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == dummy
+
+
+def test_prefix_caching_is_on_by_default_and_each_engines_spelling_turns_it_off():
+    assert parse("serve", "--model", CONFIG).enable_prefix_caching is True
+    for off in ("--no-enable-prefix-caching", "--disable-radix-cache"):
+        assert parse("serve", "--model", CONFIG, off).enable_prefix_caching is False, off
+    assert EngineArgs.from_kwargs(disable_radix_cache=True).enable_prefix_caching is False
+    assert EngineArgs.from_kwargs(enable_prefix_caching=False).enable_prefix_caching is False

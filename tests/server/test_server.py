@@ -29,7 +29,8 @@ from moe_overlap.runtime import sampler as sampler_module
 from moe_overlap.runtime.sampler import sample
 from moe_overlap.server.guards import ServerSettings
 from moe_overlap.server.run import EngineStopped, Server
-from moe_overlap.tools.bench_serve import Target, make_prompts, prompt_lengths, run_load
+from moe_overlap.tools.bench_datasets import workload_requests
+from moe_overlap.tools.bench_serve import Target, run_load
 from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.serve_cli import add_serve_commands
 from moe_overlap.tools.serving_metrics import percentile
@@ -255,7 +256,7 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
     "field, value",
     [
         ("suffix", "end"),
-        ("response_format", {"type": "json_object"}),
+        ("min_p", 0.1),
     ],
 )
 def test_a_completion_field_not_implemented_is_refused_by_name(served, field, value):
@@ -273,7 +274,6 @@ def test_a_completion_field_not_implemented_is_refused_by_name(served, field, va
     "extra",
     [
         dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         dict(
             messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
@@ -342,6 +342,9 @@ def test_metrics_move_with_requests_and_parse_as_prometheus(served, offline, cap
     # every page came back with its request; none was preempted in a pool sized for all
     assert after["moe_overlap_kv_pages_total"] > 0 and after["moe_overlap_kv_pages_used"] == 0
     assert after["moe_overlap_kv_cache_usage"] == 0 and after["moe_overlap_preemptions"] == 0
+    # vLLM's names: every prompt token was looked up in the prefix cache
+    assert grew["vllm:prefix_cache_queries_total"] == grew["moe_overlap_prompt_tokens_total"]
+    assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["moe_overlap_overlap_mode_info{none}"] == 1
     assert grew["moe_overlap_forwards_total{none}"] == 12  # one at a time: 6 steps each
     code, version = served.raw("GET", "/version", key="")
@@ -401,11 +404,11 @@ def test_client_gone_before_a_whole_answer_frees_its_slot(served):
 
 
 def test_online_load_is_served_without_errors_and_timed(served):
-    lengths = prompt_lengths("uniform:5-40", 12, seed=0)
+    requests = workload_requests("uniform:5-40", 12, 3, CFG["vocab_size"], seed=0)
+    lengths = [len(r.prompt) for r in requests]
     assert len(lengths) == 12 and all(5 <= n <= 40 for n in lengths)
-    prompts = make_prompts(lengths, CFG["vocab_size"], seed=0)
     target = Target(f"http://127.0.0.1:{served.port}/v1", KEY)  # a /v1 suffix is allowed
-    result = run_load(target, prompts, rate=40.0, output_len=3, seed=0, max_concurrency=4)
+    result = run_load(target, requests, rate=40.0, seed=0, max_concurrency=4)
     assert result.errors == 0 and result.output_tokens == 12 * 3  # counted from usage
     assert 0 < result.ttft_ms[0] <= result.ttft_ms[1] and 0 < result.itl_ms[0] <= result.itl_ms[1]
     assert result.tokens_per_s > 0 and result.rss_mib[0] > 0 and result.rss_mib[1] > 0
@@ -548,6 +551,13 @@ def _parse(*argv: str):
         (["--percentile-metrics", "ttft,speed"], "choose from ttft,tpot,itl,e2el"),
         (["--metric-percentiles", "0"], r"comma-separated numbers in \(0, 100\]"),
         (["--base-url", "http://x:1", "--modes", "tbo"], "drop one of them"),
+        (["--random-range-ratio", "1"], r"--random-range-ratio=1.0 must be in \[0, 1\)"),
+        (["--prefix-repetition-num-prefixes", "0"], "--prefix-repetition-num-prefixes=0 must"),
+        (
+            ["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len", "30"],
+            r"--dataset-name random \(--random-input-len 1000.*exceeds the model's context",
+        ),
+        (["--base-url", "http://x:1", "--compare-prefix-caching"], "drop one of them"),
     ],
 )
 def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
@@ -594,6 +604,17 @@ def test_bench_serve_measures_a_server_it_did_not_start(served, tmp_path, capsys
     with pytest.raises(ConfigError, match="give --vocab-size"):
         bad = _parse("bench-serve", "--base-url", f"http://127.0.0.1:{served.port}")
         bad.func(bad)
+    # vLLM's dataset flags: two prefixes of 8 tokens, each prompt 4 of its own, 3 out
+    args = _parse(
+        "bench-serve", "--base-url", f"http://127.0.0.1:{served.port}", "--api-key", KEY,
+        "--vocab-size", str(CFG["vocab_size"]), "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "8", "--prefix-repetition-suffix-len", "4",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+        "--num-prompts", "4", "--request-rate", "inf", "--json", str(out),
+    )  # fmt: skip
+    assert args.func(args) == 0
+    [result] = json.loads(out.read_text())["results"]
+    assert result["input_lens"] == [12] * 4 and result["total_output_tokens"] == 12
 
 
 def test_serve_refuses_torchrun(model_dir, monkeypatch):

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moe_overlap.engine.llm import LLM
-from tests.server.test_server import KEY, Running, served_model
+from tests.server.test_server import CFG, KEY, Running, served_model
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
@@ -108,3 +108,38 @@ def test_tokenize_detokenize_and_the_info_routes(served) -> None:
     code, health = post(served, "/health_generate")
     assert code == 200 and health == {"status": "ok"}
     assert call(served, "/generate", {"text": "hi"}, auth=False)[0] == 401
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_until_flush_cache(served) -> None:
+    one = {**GREEDY, "max_new_tokens": 1}
+    prompt = {"input_ids": list(range(3, 43)), "sampling_params": one}  # 2 full pages + 8
+    first = post(served, "/generate", prompt)[1]
+    before = post(served, "/get_server_info")[1]
+    again = post(served, "/generate", prompt)[1]
+    hit = post(served, "/get_server_info")[1]
+    assert again["output_ids"] == first["output_ids"]
+    assert (first["meta_info"]["cached_tokens"], again["meta_info"]["cached_tokens"]) == (0, 32)
+    assert hit["prefix_cache_queries"] - before["prefix_cache_queries"] == 40
+    assert hit["prefix_cache_hits"] - before["prefix_cache_hits"] == 32  # both full pages
+    assert 0 < hit["cache_hit_rate"] <= 1 and hit["cached_pages"] >= 2
+    assert post(served, "/flush_cache", {})[0] == 200
+    flushed = post(served, "/generate", prompt)[1]
+    after = post(served, "/get_server_info")[1]
+    assert flushed["output_ids"] == first["output_ids"]
+    assert after["prefix_cache_hits"] == hit["prefix_cache_hits"]  # nothing was left to find
+
+
+def test_expert_distribution_record_start_stop_dump_and_metrics(served) -> None:
+    code, _ = post(served, "/start_expert_distribution_record", {})
+    assert code == 200
+    ids = {"input_ids": [[3, 4, 5]], "sampling_params": {**GREEDY, "max_new_tokens": 2}}
+    assert post(served, "/generate", ids)[0] == 200
+    assert post(served, "/stop_expert_distribution_record", {})[0] == 200
+    assert post(served, "/generate", ids)[0] == 200  # not counted
+    code, dump = post(served, "/dump_expert_distribution_record", {})
+    assert code == 200, dump
+    top_k = CFG["num_experts_per_tok"]  # 4 tokens routed: 3 of the prompt, 1 decoded
+    assert [sum(layer) for layer in dump["load"]] == [4 * top_k] * len(dump["layers"])
+    assert dump["balancedness"] == [1.0] * len(dump["layers"])  # one rank
+    code, text = call(served, "/metrics")
+    assert code == 200 and 'moe_overlap_expert_balancedness{layer="0"} 1.0' in text

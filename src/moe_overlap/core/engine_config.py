@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from moe_overlap.core.device import rank_device, torch_dtype
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.kv_budget import CPU_FALLBACK_BYTES, DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -49,6 +50,8 @@ class EngineSpec:
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay from CUDA graphs (0: off)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page
     max_total_tokens: int | None = None  # caps the pool's tokens below the budget (SGLang's)
+    placement: ExpertPlacement | None = None  # EPLB's physical slots (None: E/ep experts each)
+    expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name

@@ -5,6 +5,10 @@ A running sequence owns one slot (a row of the block table, as vLLM's block tabl
 (``reserve``, from the host's metadata before a forward) and given back when it ends
 (``release``). Page 0 is never handed out: unused entries of the table point at it, so a
 gather past a sequence's end reads zeros, to be masked.
+
+Prefix caching (``apply``): the driver names full, computed pages; a named page outlives the
+sequence that wrote it, and a later sequence's first table entries point at it, until the
+driver evicts it. A sequence never writes a page it was attached to: its writes start past them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
+from moe_overlap.core.step import PageOps
 
 NULL_PAGE = 0
 
@@ -71,6 +76,8 @@ class KVCache:
         )
         self.held: list[list[int]] = [[] for _ in range(num_slots)]  # the host's copy, by slot
         self.free = list(range(self.num_pages, NULL_PAGE, -1))  # popped lowest first
+        self.cached: dict[int, int] = {}  # prefix caching: a cached page's id -> its page
+        self.cached_pages: set[int] = set()
 
     @property
     def free_pages(self) -> int:
@@ -96,12 +103,35 @@ class KVCache:
                 self._grow(max(new) + 1)
 
     def release(self, slots: Sequence[int]) -> None:
-        """Give the pages of ``slots`` (sequences that ended) back to the pool."""
+        """Give the pages of ``slots`` (sequences that ended) back to the pool, but for cached
+        ones, which stay until evicted."""
         with self._lock:
             for slot in slots:
-                self.free.extend(reversed(self.held[slot]))
+                own = [p for p in self.held[slot] if p not in self.cached_pages]
+                self.free.extend(reversed(own))
                 self.held[slot] = []
                 self.block_table[slot].fill_(NULL_PAGE)
+
+    def apply(self, ops: PageOps) -> None:
+        """The driver's page changes for this step, in ``PageOps``' order: cache full pages,
+        release ended slots, evict cached pages, attach cached pages to new slots."""
+        with self._lock:
+            for slot, index, page_id in ops.publish:
+                page = self.held[slot][index]
+                self.cached[page_id] = page
+                self.cached_pages.add(page)
+        self.release(ops.released)
+        with self._lock:
+            for page_id in ops.evict:
+                page = self.cached.pop(page_id)
+                self.cached_pages.discard(page)
+                self.free.append(page)
+            for slot, ids in ops.attach:
+                if self.held[slot]:
+                    raise RuntimeError(f"cached pages attached to slot {slot}, which holds pages")
+                pages = [self.cached[i] for i in ids]
+                self.held[slot] = pages
+                self.block_table[slot, : len(pages)] = torch.tensor(pages)
 
     def store(
         self,

@@ -53,6 +53,9 @@ class SampleSpec:
     prompt_logprobs: int | None = None
     next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
     penalties: Penalties | None = None
+    # structured outputs: the tokens the grammar allows next, a bitmask (bit t % 32 of the
+    # little-endian int32 word t // 32); the others are masked before penalties and the draw
+    allowed: bytes | None = None
     # speculative decoding: the draft tokens fed after the last one (a target-verify row each);
     # its first row then decides the next token, and a greedy unpenalised sequence verifies
     # the drafts (the others are sampled from that row alone, as without speculation)
@@ -61,7 +64,12 @@ class SampleSpec:
     @property
     def verifies(self) -> bool:
         """Its drafts are verified greedily (else they are padding in a verify batch)."""
-        return bool(self.drafts) and self.temperature == 0.0 and self.penalties is None
+        return (
+            bool(self.drafts)
+            and self.temperature == 0.0
+            and self.penalties is None
+            and self.allowed is None
+        )
 
 
 @dataclass
@@ -87,6 +95,21 @@ class WaveSlice:
 
 
 @dataclass
+class PageOps:
+    """One group's KV page changes before its step's forward, applied in this order (the
+    driver's prefix cache decides them; ``core/kv_cache.py: KVCache.apply`` carries them out).
+    ``publish``: (slot, page index, id): a full, computed page of a running sequence becomes a
+    cached page named ``id``. ``released``: slots whose sequences ended (their pages go back,
+    cached ones stay cached). ``evict``: cached pages no sequence holds, freed. ``attach``:
+    (slot, ids): a new sequence's first pages are those cached pages."""
+
+    publish: list[tuple[int, int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    evict: list[int] = field(default_factory=list)
+    attach: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+@dataclass
 class StepRequest:
     batches: list[ForwardBatch]  # one per data-parallel group
     # per group, per sequence: what its rank does with its logits; None for the whole step:
@@ -95,8 +118,8 @@ class StepRequest:
     overlap: OverlapConfig | None = None  # this step's scheme instead of the engine's
     record: bool = False  # each rank's timeline spans come back
     prefill: WaveSlice | None = None
-    # per group: KV cache slots whose sequences ended since the last step (pages to free)
-    released: list[list[int]] | None = None
+    # per group: KV pages freed, cached and shared since the last step
+    pages: list[PageOps] | None = None
 
     def group_samples(self, group: int) -> list[SampleSpec] | None:
         return None if self.samples is None else self.samples[group]

@@ -3,6 +3,7 @@ spellings. The command line's flags are generated from these fields (``tools/fla
 ``LLM(**kwargs)`` takes the same names, so a default is written here and nowhere else.
 
 A field's metadata: ``help``; ``aliases`` (SGLang's and vLLM's spellings of the flag);
+``negations`` (spellings that turn an on-by-default setting off, as ``--disable-radix-cache``);
 ``choices``; ``parse`` (the argparse type where the default's type does not say it);
 ``group`` (the help section); ``metavar``.
 """
@@ -17,6 +18,7 @@ from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAU
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.engine.hub_cache import resolve_model
 from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
 
@@ -46,9 +48,10 @@ class ModelArgs:
 
     model: str | None = setting(
         None,
-        "checkpoint directory: config.json and *.safetensors in the Hub layout",
+        "checkpoint directory (config.json and *.safetensors in the Hub layout), or a Hub id "
+        "(Qwen/Qwen3-30B-A3B) found in the local Hugging Face cache (nothing is downloaded)",
         aliases=("--model-path",),
-        metavar="DIR",
+        metavar="DIR|HUB_ID",
         group="model",
     )
     hf_config: str | None = setting(
@@ -95,12 +98,12 @@ class ModelArgs:
             raise ConfigError(
                 "give a model: --model DIR (a checkpoint) or --hf-config JSON (random weights)"
             )
-        if self.load_format == "dummy" and self.model is not None:
-            path = self.model
-            if not path.endswith(".json"):
-                path = path.rstrip("/") + "/config.json"
-            return None, path
-        return self.model, self.hf_config
+        model = None if self.model is None else resolve_model(self.model)
+        if self.load_format == "dummy" and model is not None:
+            if not model.endswith(".json"):
+                model = model.rstrip("/") + "/config.json"
+            return None, model
+        return model, self.hf_config
 
 
 @dataclass
@@ -148,8 +151,10 @@ class LayoutArgs:
     load_balance_method: str = setting(
         DEFAULT_LOAD_BALANCE_METHOD,
         "which data-parallel group (replica or attention-DP group) a new request joins: "
-        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests) or "
-        "minimum_tokens (fewest tokens left to compute)",
+        "round_robin (in turn; SGLang's default), shortest_queue (fewest requests), "
+        "minimum_tokens (fewest tokens left to compute) or cache_aware (the group with most of "
+        "the prompt in its prefix cache, as SGLang's router; fewest requests when none has any "
+        "or the groups' request counts differ by more than 32)",
         choices=LOAD_BALANCE_METHODS,
         group="layout",
     )

@@ -28,6 +28,7 @@ from moe_overlap.engine.args import (
     parse_modes,
     setting,
 )
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.spec_config import SpeculativeArgs
 
 
@@ -77,6 +78,17 @@ class CapacityArgs:
         DEFAULT_PAGE_SIZE,
         "tokens per KV cache page",
         aliases=("--block-size",),
+        group="capacity",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "prefix caching (vLLM's automatic prefix caching, SGLang's radix cache): a request "
+        "whose tokens start with full KV pages cached from earlier or running requests reuses "
+        "them and prefills only the rest; pages no request holds stay cached until the pool "
+        "needs them (least recently used first). Off for hybrid linear-attention models and "
+        "with --enable-pdmux, with the reason logged. --no-enable-prefix-caching or SGLang's "
+        "--disable-radix-cache turn it off (on by default, as in both)",
+        negations=("--disable-radix-cache",),
         group="capacity",
     )
 
@@ -216,7 +228,7 @@ class OverlapArgs:
 
 
 @dataclass
-class EngineArgs(SpeculativeArgs, OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
+class EngineArgs(SpeculativeArgs, EplbArgs, OverlapArgs, CapacityArgs, LayoutArgs, ModelArgs):
     """Every engine setting; ``LLM(**kwargs)`` and the command line take these names."""
 
     @classmethod
@@ -229,8 +241,15 @@ class EngineArgs(SpeculativeArgs, OverlapArgs, CapacityArgs, LayoutArgs, ModelAr
             for f in dataclasses.fields(cls)
             for alias in f.metadata.get("aliases", ())
         }
+        negations = {
+            flag.lstrip("-").replace("-", "_"): f.name
+            for f in dataclasses.fields(cls)
+            for flag in f.metadata.get("negations", ())
+        }
         resolved: dict[str, Any] = {}
         for key, value in kwargs.items():
+            if key in negations:  # LLM(disable_radix_cache=True): the setting off
+                key, value = negations[key], not value
             name = aliases.get(key, key)
             if name not in names:
                 raise ConfigError(f"unknown engine setting {key!r}; see `moe-overlap serve --help`")

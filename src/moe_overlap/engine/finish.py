@@ -53,6 +53,8 @@ class FinishRule:
         stopped = req.text is not None and req.text.push(token)  # every token goes to the text
         if stopped or token in (req.params.stop_token_ids or []):
             return "stop"
+        if req.constraint is not None and req.constraint.done:  # its grammar took its stop token
+            return "stop"
         if len(req.output_ids) >= req.params.max_new_tokens:
             return "length"
         if req.total_len >= self.max_len:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class PageBudget:
     """One rank's KV pages as admission counts them: each running request holds the pages
@@ -45,3 +47,11 @@ class SlotAllocator:
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
+
+
+@dataclass(eq=False)
+class CachedPage:
+    id: int  # names the page to the ranks
+    key: tuple[int, tuple[int, ...]]  # the page before it (0: none) and its token ids
+    refs: int = 0  # running requests whose table holds it
+    listed: bool = True  # found by lookups (False once flushed while in use)

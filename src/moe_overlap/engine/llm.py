@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from rich.progress import Progress
 
 from moe_overlap.core.engine_config import EngineSpec
@@ -22,17 +19,21 @@ from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.errors import token_ids
+from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.pdmux import PrefillWaves
+from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.speculation import Speculation
+from moe_overlap.engine.structured import Constraints
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
 
 
-class LLM:
+class LLM(ExpertRecorder):
     """An MoE inference engine over SGLang's layouts: ``tp`` tensor-parallel ranks, cut into
     ``dp`` attention-DP groups with ``enable_dp_attention``, experts sharded ``ep`` ways inside
     them; ``tp=1, ep=N`` is pure expert parallelism over N ranks; all 1 is this process only.
@@ -95,6 +96,9 @@ class LLM:
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
+        placement = args.expert_placement(cfg, par.ep)
+        if placement is not None and emulate_peers:
+            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -103,6 +107,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         if args.chat_template is not None:
             with_chat_template(self.tokenizer, args.chat_template)
+        self.constraints = Constraints(self.tokenizer, cfg.vocab_size, cfg.eos_token_id)
         spec = EngineSpec(
             cfg,
             str(model) if model is not None else None,
@@ -119,6 +124,8 @@ class LLM:
             emulate_peers=emulate_peers,
             page_size=args.page_size,
             max_total_tokens=args.max_total_tokens,
+            placement=placement,
+            expert_skew=args.skew_exponent(),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -134,6 +141,7 @@ class LLM:
             else None,
             spec.pool_pages,
             spec.page_size,
+            prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
             Speculation.of(args.speculative()),
         )
         self._next_id = 0
@@ -199,7 +207,7 @@ class LLM:
             step.samples(),
             record=record,
             prefill=step.prefill,
-            released=step.released,
+            pages=step.pages,
         )
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)
@@ -215,7 +223,7 @@ class LLM:
             raise InvalidRequestError(f"{where}: stop strings need a model with a tokenizer")
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = _token_ids(where, prompt)
+        ids = token_ids(where, prompt)
         if not ids:
             raise InvalidRequestError(f"{where} is empty; give at least one token id")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -235,9 +243,16 @@ class LLM:
             params.check_vocabulary(self.config.vocab_size)  # stop_token_ids, logit_bias
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{where}: {exc}", exc.field) from None
-        eos = self.config.eos_token_id
+        so = params.structured_outputs
         return Request(
-            self._next_id, ids, params, return_logits, seed=seed, text=text, eos_token_id=eos
+            self._next_id,
+            ids,
+            params,
+            return_logits,
+            seed=seed,
+            text=text,
+            eos_token_id=self.config.eos_token_id,
+            constraint=self.constraints.matcher(so, where) if so is not None else None,
         )
 
     def close(self) -> None:
@@ -259,38 +274,3 @@ def _pick(params: SamplingParams, outs: list[RequestOutput]) -> RequestOutput:
         for out in picked:
             out.logprobs = out.cumulative_logprob = None
     return dataclasses.replace(picked[0], outputs=picked)
-
-
-def _token_ids(where: str, prompt: object) -> list[int]:
-    """The prompt's ids as ints; anything but a sequence of integers is refused, not converted."""
-    if isinstance(prompt, torch.Tensor | np.ndarray):
-        if prompt.ndim != 1 or not _integer_dtype(prompt.dtype):
-            raise InvalidRequestError(
-                f"{where} must be a 1-D integer array, got {prompt.ndim}-D {prompt.dtype}"
-            )
-        return [int(t) for t in prompt.tolist()]
-    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
-        note = " (the model has no tokenizer for text)" if isinstance(prompt, str) else ""
-        raise InvalidRequestError(
-            f"{where} must be a list of token ids, not {type(prompt).__name__} {prompt!r:.40}"
-            + note
-        )
-    bad = [t for t in prompt if not _is_integer(t)]
-    if bad:
-        raise InvalidRequestError(
-            f"{where} holds {bad[0]!r} ({type(bad[0]).__name__}); token ids must be integers"
-        )
-    return [int(t) for t in prompt]
-
-
-def _integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
-    if isinstance(dtype, torch.dtype):
-        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    return dtype.kind in "iu"
-
-
-def _is_integer(value: object) -> bool:
-    """An int, a NumPy integer or a 0-D integer tensor; never a bool, float or string."""
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return value.ndim == 0 and _integer_dtype(value.dtype)
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 from moe_overlap.core.errors import ConfigError
 
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens", "cache_aware")
 DEFAULT_LOAD_BALANCE_METHOD = "round_robin"  # SGLang's default
+# cache_aware balances by queue instead once the groups' running requests differ by more than
+# this (the SGLang router's balance_abs_threshold)
+CACHE_AWARE_SPREAD = 32
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class GroupLoad:
     requests: int  # running on the group (prefilling or decoding)
     tokens: int  # tokens it still has to compute for them (prompt left, plus one each)
     free_slots: int
+    cached: int = 0  # cache_aware: the next request's prompt tokens this group has cached
 
 
 def check_method(method: object) -> str:
@@ -34,7 +38,10 @@ def choose_group(method: str, loads: list[GroupLoad], turn: int) -> int | None:
 
     ``round_robin``: the groups in turn, from ``turn`` (the caller's cursor), skipping full
     ones; ``shortest_queue``: fewest requests; ``minimum_tokens``: fewest tokens left to
-    compute. Ties go to the lowest index.
+    compute; ``cache_aware`` (the SGLang router's policy, by prefix affinity): the group with
+    the most of the request's prompt cached, unless none has any or the groups' request
+    counts differ by more than ``CACHE_AWARE_SPREAD``, then fewest requests. Ties go to the
+    lowest index.
     """
     open_groups = [g for g, load in enumerate(loads) if load.free_slots > 0]
     if not open_groups:
@@ -43,6 +50,12 @@ def choose_group(method: str, loads: list[GroupLoad], turn: int) -> int | None:
         n = len(loads)
         return min(open_groups, key=lambda g: (g - turn) % n)
     if method == "shortest_queue":
+        return min(open_groups, key=lambda g: loads[g].requests)
+    if method == "cache_aware":
+        counts = [loads[g].requests for g in open_groups]
+        best = max(open_groups, key=lambda g: (loads[g].cached, -loads[g].requests, -g))
+        if loads[best].cached and max(counts) - min(counts) <= CACHE_AWARE_SPREAD:
+            return best
         return min(open_groups, key=lambda g: loads[g].requests)
     if method == "minimum_tokens":
         return min(open_groups, key=lambda g: loads[g].tokens)

@@ -14,8 +14,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from typing import Any, TypeVar
 
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
@@ -25,6 +27,7 @@ from moe_overlap.engine.speculation import Speculation, SpeculationStats
 logger = logging.getLogger(__name__)
 SHUTTING_DOWN = "the server is shutting down"  # the error requests hear from ``stop``
 WATCH_S = 0.5  # how often the rank watcher also looks for the engine stopping
+T = TypeVar("T")
 
 
 class EngineDead(RuntimeError):
@@ -43,6 +46,7 @@ class Delta:
     failed: str | None = None  # this request alone failed; this is its last delta
     logprobs: list[TokenLogprobs] | None = None  # of its new tokens, when asked
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta, when asked
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
 
 
 Listener = Callable[[Delta], None]
@@ -58,6 +62,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._new: list[tuple[Request, Listener]] = []
         self._aborted: set[int] = set()
+        self._calls: list[tuple[Callable[[], Any], Future]] = []  # run between steps
         self._live: dict[int, tuple[Request, Listener]] = {}  # engine thread only
         self._told: dict[int, int] = {}  # per live request: output tokens told so far
         self._stopping = False
@@ -104,22 +109,51 @@ class EngineLoop:
             self._wake.notify()
         return req
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's thread between two steps (the ranks take one message at a
+        time) and return what it returns; blocks the calling thread until then."""
+        done: Future = Future()
+        with self._wake:
+            if self.error or self._stopping:
+                raise EngineDead(self.error or "the engine is shutting down")
+            self._calls.append((fn, done))
+            self._wake.notify()
+        return done.result()
+
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is; its slot and KV cache row are freed at the next step."""
         with self._wake:
             self._aborted.add(request_id)
             self._wake.notify()
 
+    def flush_cache(self) -> None:
+        """Forget every cached prefix before the next step, without waiting for it (pages in
+        use go when their requests end); run before the requests that arrived with it, so none
+        of them finds a page cached earlier."""
+        with self._wake:
+            self._calls.append((self._flush_prefixes, Future()))
+            self._wake.notify()
+
+    def _flush_prefixes(self) -> None:
+        flushed = sum(cache.flush() for cache in self.llm.scheduler.prefix)
+        logger.info("prefix cache flushed: %d cached pages freed", flushed)
+
     def stats(self) -> dict[str, int]:
+        """Counts for /metrics and /get_server_info: free pages include cached ones no request
+        holds (evicted when needed, as vLLM counts them); prefix-cache queries and hits are
+        prompt tokens looked up and found since the start."""
         sched = self.llm.scheduler
         return {
             "running": sum(len(r) for r in sched.running),
             "waiting": len(sched.waiting) + len(self._new),
             "free_slots": sum(len(s) for s in sched.slots),
             "total_slots": sum(s.num_slots for s in sched.slots),
-            "free_pages": sum(p.free for p in sched.pages),
+            "free_pages": sum(c.budget.free + c.evictable for c in sched.prefix),
             "total_pages": sum(p.total for p in sched.pages),
             "preemptions": sched.preemptions,
+            "prefix_cache_queries": sum(c.queries for c in sched.prefix),
+            "prefix_cache_hits": sum(c.hits for c in sched.prefix),
+            "cached_pages": sum(len(c.pages) for c in sched.prefix),
             **_speculation_counts(sched.speculation),
         }
 
@@ -151,6 +185,9 @@ class EngineLoop:
         with self._wake:
             self._live.update({r.request_id: (r, cb) for r, cb in self._new})
             self._new.clear()
+            for _, pending in self._calls:
+                pending.set_exception(EngineDead(self.error or SHUTTING_DOWN))
+            self._calls.clear()
         for req, listener in self._live.values():  # before closing: that may wait on a rank
             listener(_delta(req, [], "", error=self.error or SHUTTING_DOWN))
         self._live.clear()
@@ -180,7 +217,7 @@ class EngineLoop:
         """Add new requests and drop aborted ones; wait while there is nothing to do. False
         when the loop must stop."""
         with self._wake:
-            while not (self._stopping or self._new or self._aborted or self._down):
+            while not (self._stopping or self._new or self._aborted or self._down or self._calls):
                 if self.llm.scheduler.has_work():
                     break
                 self._wake.wait()
@@ -190,6 +227,12 @@ class EngineLoop:
                 raise EngineDead(self._down)
             new, self._new = self._new, []
             aborted, self._aborted = self._aborted, set()
+            calls, self._calls = self._calls, []
+        for fn, done in calls:
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # the caller hears it; the engine goes on
+                done.set_exception(exc)
         for req, listener in new:
             self._live[req.request_id] = (req, listener)
             self.llm.scheduler.add(req)
@@ -226,7 +269,10 @@ class EngineLoop:
 
 
 def _delta(req: Request, ids: list[int], text: str, **kw) -> Delta:
-    return Delta(req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw)
+    return Delta(
+        req.request_id, ids, text, req.prompt_len, len(req.output_ids), **kw,
+        cached_tokens=req.cached_tokens,
+    )  # fmt: skip
 
 
 def _speculation_counts(speculation: Speculation | None) -> dict[str, int]:

@@ -6,27 +6,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_overlap.core.errors import is_finite_number, is_int
 from moe_overlap.core.step import Penalties, SampleSpec, TokenLogprobs
 from moe_overlap.engine.detokenize import TextStream
+from moe_overlap.engine.errors import (
+    InvalidRequestError,
+    check_integer,
+    check_number,
+    listed,
+)
+from moe_overlap.engine.kv_pages import CachedPage
+from moe_overlap.engine.structured import StructuredOutputs, TokenConstraint
 
-# Temperatures below this are greedy (vLLM's rule): logits divided by them overflow.
-SAMPLING_EPS = 1e-5
-# vLLM's and OpenAI's default, for Python, the command line and HTTP alike
-DEFAULT_TEMPERATURE = 1.0
+SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's rule): dividing would overflow
+DEFAULT_TEMPERATURE = 1.0  # vLLM's and OpenAI's, for Python, the command line and HTTP alike
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 # repetition_penalty's bounds: fp32 logits divided or multiplied by a value outside overflow to
 # inf (1e-45 makes NaN probabilities) or vanish, and vLLM's (0, inf) admits those
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
-
-
-class InvalidRequestError(ValueError):
-    """A request cannot be served as given; nothing was scheduled. ``field``: the parameter at
-    fault, when one is."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
@@ -52,46 +48,51 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
     n: int = 1  # outputs per prompt
     best_of: int | None = None  # candidates per prompt, the n likeliest returned (>= n)
+    # the output follows a JSON schema, regex, choice or grammar (engine/grammar.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
-        self.stop = _listed("stop", self.stop, str)
+        self.stop = listed("stop", self.stop, str)
         bad = [s for s in self.stop if not isinstance(s, str) or not s]
         if bad:
             raise InvalidRequestError(f"stop={bad[0]!r}: stop strings must be non-empty strings")
-        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, int)
+        self.stop_token_ids = listed("stop_token_ids", self.stop_token_ids, int)
         for t in self.stop_token_ids:
-            _integer("stop_token_ids", t, minimum=0, note=" (a token id)")
+            check_integer("stop_token_ids", t, minimum=0, note=" (a token id)")
         scoring = " (0 needs prompt_logprobs: scoring a prompt)"
         minimum = 0 if self.prompt_logprobs is not None else 1
-        _integer("max_new_tokens", self.max_new_tokens, minimum=minimum, note=scoring)
-        _integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
+        check_integer("max_new_tokens", self.max_new_tokens, minimum=minimum, note=scoring)
+        check_integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
         if self.seed is not None:
-            _integer("seed", self.seed, minimum=0)
-        _number("temperature", self.temperature)
+            check_integer("seed", self.seed, minimum=0)
+        check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
-        _number("top_p", self.top_p)
+        check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _integer(name, value, minimum=0, note=" (alternatives per token)")
+                check_integer(name, value, minimum=0, note=" (alternatives per token)")
                 if value > MAX_LOGPROBS:
                     raise InvalidRequestError(f"{name}={value} must be at most {MAX_LOGPROBS}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise InvalidRequestError(f"structured_outputs={so!r:.40} must be StructuredOutputs")
         self._check_penalties()
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _number(name, value)
+            check_number(name, value)
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
-        _number("repetition_penalty", self.repetition_penalty)
+        check_number("repetition_penalty", self.repetition_penalty)
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
             raise InvalidRequestError(
@@ -99,7 +100,7 @@ class SamplingParams:
                 f"[{low:g}, {high:g}] (1 disables it)",
                 "repetition_penalty",
             )
-        _integer("min_tokens", self.min_tokens, minimum=0)
+        check_integer("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_new_tokens:
             raise InvalidRequestError(
                 f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
@@ -108,8 +109,8 @@ class SamplingParams:
         if not isinstance(bias, dict):
             raise InvalidRequestError(f"logit_bias={bias!r:.40} must map token ids to biases")
         for token, value in bias.items():
-            _integer("logit_bias", token, minimum=0, note=" (a token id as key)")
-            _number(f"logit_bias[{token}]", value)
+            check_integer("logit_bias", token, minimum=0, note=" (a token id as key)")
+            check_number(f"logit_bias[{token}]", value)
         self.logit_bias = {t: min(100.0, max(-100.0, float(v))) for t, v in bias.items()}
 
     def check_vocabulary(self, vocab_size: int) -> None:
@@ -135,27 +136,6 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
-
-
-def _listed(name: str, value: object, kind: type) -> list:
-    """None is an empty list and a lone string one stop string; other values must be lists."""
-    if value is None:
-        return []
-    if kind is str and isinstance(value, str):
-        return [value]
-    if not isinstance(value, list | tuple):
-        raise InvalidRequestError(f"{name}={value!r:.40} must be a list of {kind.__name__}s")
-    return list(value)
-
-
-def _integer(name: str, value: object, minimum: int, note: str = "") -> None:
-    if not is_int(value) or value < minimum:
-        raise InvalidRequestError(f"{name}={value!r} must be an integer >= {minimum}{note}")
-
-
-def _number(name: str, value: object) -> None:
-    if not is_finite_number(value):
-        raise InvalidRequestError(f"{name}={value!r} must be a finite number")
 
 
 @dataclass
@@ -186,6 +166,8 @@ class Request:
     slot: int = -1
     num_computed: int = 0  # tokens whose K/V are in the cache
     pages: int = 0  # KV pages the scheduler counts as this request's
+    cached: list[CachedPage] = field(default_factory=list)  # its first pages, prefix-cached
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     preemptions: int = 0  # times its cache was dropped to make room (then recomputed)
     output_ids: list[int] = field(default_factory=list)
     logit_chunks: list[torch.Tensor] = field(default_factory=list)
@@ -197,6 +179,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
     told: bool = False  # a listener has heard from it (the first delta carries prompt_logprobs)
     eos_token_id: int | None = None  # masked until min_tokens are generated
+    constraint: TokenConstraint | None = None  # structured outputs: follows every token taken
 
     @property
     def prompt_len(self) -> int:
@@ -204,8 +187,7 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """Tokens to feed before the next draw: the prompt's, or after a preemption every
-        token but the last output."""
+        """Tokens to feed before the draw: the prompt's, or after a preemption all but one."""
         return self.num_computed < max(self.prompt_len, self.total_len - 1)
 
     @property
@@ -240,6 +222,7 @@ class Request:
         score the prompt tokens they predict, and after the prompt's last chunk draw a token."""
         p, start = self.params, self.num_computed
         scored = p.prompt_logprobs is not None and self.in_prompt
+        draw = start + fed >= self.total_len and p.max_new_tokens > 0  # a new token next
         return SampleSpec(
             p.temperature,
             p.top_p,
@@ -247,11 +230,12 @@ class Request:
             self.seed,
             len(self.output_ids),
             p.logprobs,
-            draw=start + fed >= self.total_len and p.max_new_tokens > 0,  # a new token next
+            draw=draw,
             keep_logits=self.keeps_logits,
             prompt_logprobs=p.prompt_logprobs,
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
             penalties=self._penalties() if p.penalised else None,
+            allowed=self.constraint.allowed() if self.constraint and draw else None,
         )
 
     def _penalties(self) -> Penalties:
@@ -279,6 +263,8 @@ class Request:
 
     def take(self, token: int, logprobs: TokenLogprobs | None) -> None:
         """A token its rank sampled (with its log-probabilities when asked)."""
+        if self.constraint is not None:  # before the token counts: a refused one is not kept
+            self.constraint.accept(token)
         self.output_ids.append(token)
         if logprobs is not None:
             self.logprobs.append(logprobs)

@@ -10,12 +10,13 @@ import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
-from moe_overlap.core.step import GroupReply, SampleSpec, StepReply, WaveSlice
+from moe_overlap.core.step import GroupReply, PageOps, SampleSpec, StepReply, WaveSlice
 from moe_overlap.engine.finish import FinishRule
 from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
@@ -25,6 +26,7 @@ from moe_overlap.engine.load_balance import (
     choose_group,
 )
 from moe_overlap.engine.pdmux import PrefillWaves
+from moe_overlap.engine.prefix_cache import PrefixCache, may_use, token_ids
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.speculation import Speculation
 
@@ -37,7 +39,7 @@ class Step:
     scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
     prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
     sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
-    released: list[list[int]] = field(default_factory=list)  # per rank: slots whose pages go
+    pages: list[PageOps] = field(default_factory=list)  # per rank: page changes before it
     # per rank, per sequence: the draft tokens it feeds after its last (a verify step), or none
     drafts: list[list[list[int]]] = field(default_factory=list)
 
@@ -69,10 +71,13 @@ class Scheduler:
         pdmux: PrefillWaves | None = None,
         num_pages: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        prefix_caching: bool = False,
         speculation: Speculation | None = None,
     ):
         """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
-        ``max_len``), which admission counts. ``speculation``: decode steps verify drafts."""
+        ``max_len``), which admission counts; ``prefix_caching``: full pages are shared by
+        later requests that start with the same tokens (``engine/prefix_cache.py``);
+        ``speculation``: decode steps verify drafts."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
@@ -81,6 +86,7 @@ class Scheduler:
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
+        self.prefix = [PrefixCache(budget, prefix_caching) for budget in self.pages]
         self.page_size, self.preemptions = page_size, 0
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
@@ -117,6 +123,9 @@ class Scheduler:
         return bool(self.waiting) or any(self.running)
 
     def schedule(self) -> Step:
+        for cache, running in zip(self.prefix, self.running, strict=True):
+            for req in running:  # pages computed by the last step become shareable
+                cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
         self._admit()
         batches, scheduled, drafts = [], [], []
         for rank in range(len(self.running)):
@@ -130,8 +139,8 @@ class Scheduler:
             prefill.samples = [
                 [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
             ]
-        released = [pages.take_released() for pages in self.pages]
-        return Step(batches, scheduled, prefill, released=released, drafts=drafts)
+        pages = [c.take_ops() for c in self.prefix]
+        return Step(batches, scheduled, prefill, pages=pages, drafts=drafts)
 
     def update(self, step: Step, reply: StepReply) -> list[Request]:
         """Take each group's sampled tokens (and a finished prefill wave's); return the
@@ -190,18 +199,24 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting:
-            rank = choose_group(self.method, self.loads(), self.turn)  # the DP controller
+            rank = choose_group(self.method, self.loads(self.waiting[0]), self.turn)
             if rank is None:
                 return
-            req = self.waiting[0]
+            req, cache = self.waiting[0], self.prefix[rank]
             pdmux = self.pdmux is not None
             need = self._longest(req) if pdmux else pages_for(req.total_len, self.page_size)
-            if not self.pages[rank].fits(need):
+            chain = cache.lookup(token_ids(req, 0, req.total_len), may_use(req))
+            cache.acquire(chain)  # before room is made: these are not evicted for it
+            if not cache.make_room(need - len(chain)):
+                cache.drop(chain)
                 return  # first come, first served: it waits for pages to come back
             self.turn = rank + 1
             self.waiting.popleft()
             req.rank, req.slot, req.pages = rank, self.slots[rank].alloc(), need
-            self.pages[rank].hold(need)
+            req.cached, req.num_computed = chain, len(chain) * self.page_size
+            req.cached_tokens = req.cached_tokens if req.preemptions else req.num_computed
+            self.pages[rank].hold(need - len(chain))
+            cache.admit(req.slot, chain, req.total_len)
             self.running[rank].append(req)
 
     def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
@@ -218,7 +233,7 @@ class Scheduler:
                 seqs.append((req, tokens))
                 budget -= len(tokens)
             grow = [self._growth(req, len(tokens)) for req, tokens in seqs]
-            if pool.fits(sum(grow)):
+            if self.prefix[rank].make_room(sum(grow)):
                 break
             self._preempt(rank, running[-1])
         for (req, _), pages in zip(seqs, grow, strict=True):
@@ -257,18 +272,26 @@ class Scheduler:
         return pages_for(self._tokens_of(req), self.page_size)
 
     def _free(self, rank: int, req: Request) -> None:
+        """Give back ``req``'s slot and own pages; its computed full pages stay cached."""
+        cache = self.prefix[rank]
+        cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
         self.slots[rank].release(req.slot)
-        self.pages[rank].give(req.slot, req.pages)
+        self.pages[rank].give(req.slot, req.pages - len(req.cached))
+        cache.drop(req.cached)
+        req.cached = []
 
-    def loads(self) -> list[GroupLoad]:
-        """Each data-parallel group's load, as the balancing policies read it."""
+    def loads(self, req: Request | None = None) -> list[GroupLoad]:
+        """Each data-parallel group's load, as the balancing policies (the DP controller) read
+        it; for ``cache_aware``, with ``req``'s prompt tokens each group has cached."""
+        affinity = req is not None and self.method == "cache_aware"
         return [
             GroupLoad(
                 len(running),
                 sum(r.prompt_len - r.num_computed + 1 for r in running),
                 len(slots),
+                cache.cached_tokens(req) if affinity and req is not None else 0,
             )
-            for running, slots in zip(self.running, self.slots, strict=True)
+            for running, slots, cache in zip(self.running, self.slots, self.prefix, strict=True)
         ]
 
 

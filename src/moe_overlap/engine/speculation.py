@@ -29,9 +29,12 @@ class SpeculationStats:
 
 
 def verifies(req: Request) -> bool:
-    """A request whose drafts are verified: greedy, no penalties (else its drafts are padding
-    and it is sampled from its first row, exactly as without speculation)."""
-    return req.params.temperature == 0.0 and not req.params.penalised
+    """A request whose drafts are verified: greedy, no penalties, no structured output (else
+    its drafts are padding and it is sampled from its first row, exactly as without
+    speculation)."""
+    return (
+        req.params.temperature == 0.0 and not req.params.penalised and req.constraint is None
+    )
 
 
 class Speculation:

@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         par = par or ModelParallel.single()
         self.mlp = (
-            SparseMoeBlock(cfg, par)
+            SparseMoeBlock(cfg, par, layer_id)
             if self.is_moe
             else GatedMLP(cfg.hidden_size, cfg.intermediate_size, par.attn_tp)
         )

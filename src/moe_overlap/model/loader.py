@@ -9,6 +9,8 @@ import zlib
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import track
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -59,7 +61,7 @@ def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Sl
         assert isinstance(bank, ExpertBank), f"{prefix} is not an expert bank"
         rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
         for i in range(bank.count):
-            expert = f"{prefix}.{bank.first + i}"
+            expert = f"{prefix}.{bank.logical[i]}"
             weights = tensor.detach()[i]
             if match[2] == "down_proj":
                 cols = Shard(1, bank.inter_start, bank.inter_full)
@@ -79,8 +81,9 @@ def _fill(dest: torch.Tensor, shard: Slice, whole: torch.Tensor) -> None:
     dest.copy_(whole if shard is None else shard.take(whole, dest.shape))
 
 
-def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
-    """Fill ``model`` from ``path/*.safetensors``; read only the tensors this rank owns."""
+def load_checkpoint(model: MoeForCausalLM, path: str | Path, progress: bool = False) -> None:
+    """Fill ``model`` from ``path/*.safetensors``; read only the tensors this rank owns.
+    ``progress``: a bar on stderr while it reads, where stderr is a terminal."""
     path = Path(path)
     if (path / "config.json").is_file():
         refuse_quantized(read_json(path), str(path))
@@ -88,8 +91,18 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     where = _index(files)
+    layout = checkpoint_layout(model)
+    console = Console(stderr=True)
+    tensors = track(
+        layout.items(),
+        description=f"loading {path.name}",
+        total=len(layout),
+        disable=not (progress and console.is_terminal),  # nothing at all into a pipe or file
+        transient=True,
+        console=console,
+    )
     with torch.no_grad():
-        for name, (dest, shard) in checkpoint_layout(model).items():
+        for name, (dest, shard) in tensors:
             stored = _stored_name(name, where)
             if stored is None:
                 raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
@@ -182,8 +195,10 @@ def build_model(
     par: ModelParallel | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    progress: bool = False,
 ) -> MoeForCausalLM:
-    """Build this rank's model and fill it from ``path``, or with seeded random weights, then
+    """Build this rank's model and fill it from ``path`` (``progress``: with a bar, see
+    ``load_checkpoint``), or with seeded random weights, then
     move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
     the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
     nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``)."""
@@ -195,7 +210,7 @@ def build_model(
     if path is None:
         init_random(model, seed)
     else:
-        load_checkpoint(model, path)
+        load_checkpoint(model, path, progress)
     return place_model(model, device, dtype).eval()
 
 

@@ -13,7 +13,8 @@ from moe_overlap.core.transfer import to_device
 
 
 class ExpertBank(nn.Module):
-    """The routed experts this rank owns: global ids ``first .. first + count - 1``, stacked,
+    """The routed experts this rank owns: physical slots ``first .. first + count - 1``, slot
+    ``i`` holding checkpoint expert ``logical[i]`` (the slot's own id without EPLB), stacked,
     each holding intermediate rows ``inter_rows`` of ``inter_full`` (moe-TP shards an expert's
     width; its outputs are then partial sums the dispatcher reduces).
 
@@ -33,10 +34,13 @@ class ExpertBank(nn.Module):
         count: int,
         inter_rows: range | None = None,
         swiglu: tuple[float, float] | None = None,
+        logical: tuple[int, ...] | None = None,
     ):
         super().__init__()
         inter_rows = inter_rows or range(inter_full)
         self.first, self.count = first, count
+        # the checkpoint expert each slot holds (EPLB: a replica's slot holds a copy)
+        self.logical = logical if logical is not None else tuple(range(first, first + count))
         self.inter_full, self.inter_start = inter_full, inter_rows.start
         self.intermediate = intermediate = len(inter_rows)
         self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * intermediate, hidden))

@@ -22,10 +22,17 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.is_gpt_oss else None
         if cfg.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        self.skew: torch.Tensor | None = None  # --expert-skew: added to the logits
+
+    def set_skew(self, skew: torch.Tensor | None) -> None:
+        """Bias the routing (``--expert-skew``, to show imbalance): ``skew`` per expert is
+        added to the router's logits."""
+        self.skew = skew
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias)
+        out = F.linear(x.float(), self.weight.float(), bias)
+        return out if self.skew is None else out + self.skew
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(topk_ids [T, k], topk_weights [T, k])``."""

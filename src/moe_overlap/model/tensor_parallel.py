@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.distributed.groups import Group
 
 
@@ -72,6 +73,7 @@ class ModelParallel:
     moe_tp_rank: int = 0
     moe_tp_size: int = 1
     layers: range | None = None  # this pipeline stage's layers (None: all)
+    placement: ExpertPlacement | None = None  # EPLB's slots per MoE layer (None: E/ep each)
 
     @classmethod
     def single(cls) -> ModelParallel:

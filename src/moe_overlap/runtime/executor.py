@@ -40,6 +40,11 @@ class Executor(ABC):
         """Per rank, the seconds of each all-to-all of ``num_bytes`` over the engine's link."""
         raise ConfigError("probing the link needs 2 or more ranks (--ep or --tp)")
 
+    def expert_load(self, action: str) -> list[dict[int, list[int]] | None]:
+        """The expert-distribution recorder on every rank (``runtime/expert_load.py``): per
+        rank, for ``read``, each MoE layer's rows sent to each physical slot."""
+        raise ConfigError("the expert-distribution recorder runs on spawned or local ranks")
+
     def serve(self) -> None:
         """Ranks that do not drive: serve the driver's steps until it ends the call."""
         return None  # every rank drives here

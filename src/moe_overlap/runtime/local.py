@@ -7,6 +7,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.runtime.executor import Executor
+from moe_overlap.runtime.expert_load import expert_load
 from moe_overlap.runtime.rank import build_rank_runner, serve_step
 
 
@@ -20,6 +21,9 @@ class LocalExecutor(Executor):
         reply, spans, wave = serve_step(self.runner, request, 0, answers=True)
         assert reply is not None  # the one rank answers
         return StepReply([reply], [spans], None if wave is None else [wave])
+
+    def expert_load(self, action: str) -> list[dict[int, list[int]] | None]:
+        return [expert_load(self.runner.model, action)]
 
     def close(self) -> None:
         pass

@@ -28,6 +28,7 @@ from moe_overlap.distributed.modelled_link import ModelledLink
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import build_model
+from moe_overlap.model.moe_block import skew_routing
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
 from moe_overlap.runtime.model_runner import ModelRunner
 from moe_overlap.runtime.sampler import answer
@@ -159,9 +160,15 @@ def rank_model(
         coords.moe_tp_rank,
         layout.moe_tp,
         pp_layers(spec.config.num_hidden_layers, coords.pp_rank, rank_parallel(spec).pp),
+        spec.placement,
     )
     path = Path(spec.model_path) if spec.model_path else None
-    return build_model(spec.config, path, spec.seed, model_par, device, torch_dtype(spec.dtype))
+    dtype = torch_dtype(spec.dtype)
+    # one bar for the whole engine: global rank 0's (every rank reads its own share)
+    model = build_model(spec.config, path, spec.seed, model_par, device, dtype, coords.rank == 0)
+    if spec.expert_skew:
+        skew_routing(model, spec.expert_skew, spec.seed)
+    return model
 
 
 def rank_dispatcher(
@@ -173,7 +180,9 @@ def rank_dispatcher(
 ) -> Dispatcher:
     """The MoE dispatcher over ``groups``: ``--moe-a2a-backend``'s for the layout, or the
     emulated all-to-all where the EP group's peers are emulated."""
-    experts, ep = spec.config.num_experts, groups["ep"]
+    ep = groups["ep"]
+    # the dispatchers route to physical slots: E, or E + redundant ones under EPLB
+    experts = spec.placement.num_slots if spec.placement else spec.config.num_experts
     if isinstance(ep, EmulatedGroup):
         return EmulatedAllToAllDispatcher(ep, experts, link, timeline)
     backend, par = spec.overlap.moe_a2a_backend, rank_parallel(spec)
@@ -206,8 +215,8 @@ def serve_step(
     range the wave's; every rank returns its timeline's spans when the step is recorded."""
     runner.timeline.enabled = request.record
     batch, wave = request.batches[group], request.prefill
-    if request.released is not None:  # before this step's sequences take pages
-        runner.kv_cache.release(request.released[group])
+    if request.pages is not None:  # before this step's sequences take pages
+        runner.kv_cache.apply(request.pages[group])
     running, lane = None, runner.prefill_lane
     if wave is not None:
         if lane is None:

@@ -4,6 +4,7 @@ ids instead of ``[batch, vocab]`` logits."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
@@ -38,6 +39,17 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
         probs = torch.zeros_like(sorted_probs).scatter_(0, order, sorted_probs)
     generator = torch.Generator(device=probs.device).manual_seed(draw_seed(spec.seed, spec.index))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def masked(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
+    """One row of logits with every token the bitmask ``allowed`` leaves out at -inf (those
+    past the bitmask too: a head wider than the tokenizer's vocabulary)."""
+    # little-endian words: bit t % 8 of byte t // 8 is token t's
+    bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    n = min(keep.numel(), bits.size)
+    keep[:n] = torch.from_numpy(bits[:n]).bool()
+    return logits.masked_fill(~keep.to(logits.device, non_blocking=True), float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
@@ -79,7 +91,9 @@ def answer(
         decide.append(row if spec.drafts else row + rows - 1)
         row += rows
     greedy = [
-        i for i, s in enumerate(samples) if s.draw and s.temperature == 0.0 and not s.penalties
+        i
+        for i, s in enumerate(samples)
+        if s.draw and s.temperature == 0.0 and not s.penalties and s.allowed is None
     ]
     picked = dict(zip(greedy, logits[[decide[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
@@ -109,6 +123,8 @@ def _draw(
         return verify_greedy(logits[row : row + len(spec.drafts) + 1], spec.drafts), None
     try:
         last = logits[row]
+        if spec.allowed is not None:
+            last = masked(last, spec.allowed)
         if spec.penalties is not None:
             last = penalised(last, spec.penalties, spec.index)
         return [picked if picked is not None else sample(last, spec)], None

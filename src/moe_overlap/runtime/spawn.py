@@ -107,6 +107,9 @@ class SpawnedExecutor(Executor):
     def probe(self, num_bytes: int, repeats: int = 5, p2p: bool | None = None) -> list[list[float]]:
         return self._request([("probe", num_bytes, repeats, p2p)] * self.num_ranks)
 
+    def expert_load(self, action: str) -> list[dict[int, list[int]] | None]:
+        return self._request([("experts", action)] * self.num_ranks)
+
     def _request(self, messages: list[tuple]) -> list:
         """Send each rank its message and collect every reply. A call interrupted while
         waiting (Ctrl-C) leaves replies unread: the next call reads and drops them first, so

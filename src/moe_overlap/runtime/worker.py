@@ -22,13 +22,15 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.distributed.comm import CollectiveAborted, CollectiveTimeout
 from moe_overlap.distributed.netns import enter_netns
 from moe_overlap.overlap.baton import DboStall
+from moe_overlap.runtime.expert_load import expert_load
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_all, serve_step
 
 STUCK = (DboStall, CollectiveAborted, CollectiveTimeout)  # errors a collective left behind
 
 
 def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
-    """Serve ``("step", ...)`` and ``("probe", ...)`` until ``("stop",)`` or the driver leaves."""
+    """Serve ``("step", ...)``, ``("probe", ...)`` and ``("experts", action)`` until
+    ``("stop",)`` or the driver leaves."""
     # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(rank.threads)
@@ -47,6 +49,8 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 _, num_bytes, repeats, p2p = msg
                 link = runner.dispatcher.link
                 conn.send(("ok", probe_all_to_all(runner.group, num_bytes, repeats, p2p, link)))
+            elif msg[0] == "experts":
+                conn.send(("ok", expert_load(runner.model, msg[1])))
             else:
                 group = spec.parallel.batch_of(rank.rank)
                 answers = spec.parallel.answers(rank.rank)

@@ -42,6 +42,9 @@ class NativeSampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = Field(default=None, ge=0)
+    json_schema: str | None = None  # structured outputs: a JSON schema as text
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -60,11 +63,12 @@ class GenerateRequest(BaseModel):
         return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
     def completion(self) -> CompletionRequest:
-        """The same request as ``/v1/completions`` takes it."""
+        """The same request as ``/v1/completions`` takes it (its errors name the fields inside
+        ``sampling_params``)."""
         if (self.text is None) == (self.input_ids is None):
             raise APIError(400, "send exactly one of text and input_ids", "invalid_value", "text")
         sp = self.sampling_params
-        return CompletionRequest(
+        return NativeCompletion(
             prompt=self.text if self.text is not None else self.input_ids,
             max_tokens=sp.max_new_tokens,
             min_tokens=sp.min_new_tokens,
@@ -80,9 +84,17 @@ class GenerateRequest(BaseModel):
             repetition_penalty=sp.repetition_penalty,
             logit_bias=sp.logit_bias,
             seed=sp.sampling_seed,
+            json_schema=sp.json_schema,
+            regex=sp.regex,
+            ebnf=sp.ebnf,
             logprobs=0 if self.return_logprob else None,
             stream=self.stream,
         )
+
+
+class NativeCompletion(CompletionRequest):
+    def fields_at(self) -> str:
+        return "sampling_params."
 
 
 class NativeFormatter(Formatter):
@@ -100,7 +112,7 @@ class NativeFormatter(Formatter):
             "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
             "prompt_tokens": self.prompt_tokens[index // self.per_prompt],
             "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0,  # no prefix cache
+            "cached_tokens": c.cached_tokens,  # prompt tokens found in the prefix cache
         }
         if self.logprobs:
             meta["output_token_logprobs"] = [

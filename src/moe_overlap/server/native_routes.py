@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 
@@ -30,6 +31,35 @@ def install_native(
     _install_generate(app, engine, settings, metrics)
     _install_info(app, engine, settings, metrics)
     _install_tokens(app, engine, settings)
+    _install_expert_record(app, engine, metrics)
+
+
+def _install_expert_record(app: FastAPI, engine: EngineLoop, metrics: ServerMetrics) -> None:
+    """SGLang's expert-distribution recorder: start, stop, and dump what the ranks counted
+    (which also sets /metrics' per-rank expert load and balancedness)."""
+    llm = engine.llm
+
+    async def on_engine(fn):
+        try:
+            return await asyncio.to_thread(engine.call, fn)
+        except EngineDead as error:
+            raise APIError(503, f"the engine is down: {error}", "unavailable") from None
+
+    @app.post("/start_expert_distribution_record")
+    async def start_record() -> JSONResponse:
+        await on_engine(llm.start_expert_distribution_record)
+        return JSONResponse({"message": "recording the expert distribution"})
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_record() -> JSONResponse:
+        await on_engine(llm.stop_expert_distribution_record)
+        return JSONResponse({"message": "stopped recording the expert distribution"})
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_record() -> JSONResponse:
+        distribution = await on_engine(llm.expert_distribution)
+        metrics.expert_load(distribution)
+        return JSONResponse(distribution.to_json())
 
 
 def _install_generate(
@@ -71,11 +101,21 @@ def _install_info(
         server = dataclasses.asdict(settings)
         server.pop("api_key", None)  # a secret, not a setting to show
         engine_args = dataclasses.asdict(llm.args)
-        return {**engine_args, **server, "version": package_version(), **engine.stats()}
+        stats = engine.stats()
+        rate = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        # SGLang's cache_hit_rate: the share of prompt tokens found in the prefix cache
+        return {
+            **engine_args,
+            **server,
+            "version": package_version(),
+            **stats,
+            "cache_hit_rate": rate,
+        }
 
     async def flush_cache() -> JSONResponse:
-        message = "nothing to flush: this server keeps no prefix cache (a request's KV pages "
-        return JSONResponse({"message": message + "are freed when it ends)"})
+        engine.flush_cache()  # done on the engine's thread before its next step
+        message = "Cache flushed: cached KV pages are freed before the next step"
+        return JSONResponse({"message": message})
 
     app.get("/flush_cache", operation_id="flush_cache_get")(flush_cache)  # SGLang takes both
     app.post("/flush_cache", operation_id="flush_cache_post")(flush_cache)

@@ -22,8 +22,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
+from moe_overlap.engine.expert_distribution import ExpertDistribution
 from moe_overlap.engine.loop import Delta, EngineLoop
-from moe_overlap.engine.speculation import SpeculationStats
+from moe_overlap.server.vllm_metrics import VllmAliases, engine_slots
 
 logger = logging.getLogger("moe_overlap.server")
 LOG_EVERY_S = 10.0
@@ -57,8 +58,29 @@ class ServerMetrics:
         self._request_metrics()
         self._engine_gauges(overlap_mode)
         engine.step_listeners.append(self._step_metrics())
+        self.expert_rank_load = Gauge(
+            "moe_overlap_expert_rank_load",
+            "Tokens routed to each EP rank's experts per MoE layer, as of the last "
+            "/dump_expert_distribution_record",
+            ["layer", "rank"],
+            registry=self.registry,
+        )
+        self.expert_balancedness = Gauge(
+            "moe_overlap_expert_balancedness",
+            "Mean EP rank load over the largest per MoE layer (1 is even), as of the last dump",
+            ["layer"],
+            registry=self.registry,
+        )
         self.totals = [0, 0]  # prompt and generated tokens so far, for the throughput line
         self._last_log = (time.monotonic(), 0, 0)
+
+    def expert_load(self, distribution: ExpertDistribution) -> None:
+        """Set the expert gauges from a read of the recorder."""
+        d = distribution
+        for layer, ranks, balance in zip(d.layers, d.rank_load, d.balancedness, strict=True):
+            self.expert_balancedness.labels(str(layer)).set(balance)
+            for rank, tokens in enumerate(ranks):
+                self.expert_rank_load.labels(str(layer), str(rank)).set(tokens)
 
     def _request_metrics(self) -> None:
         """What ``RequestMetrics`` observes: latencies, tokens and finished requests."""
@@ -98,6 +120,17 @@ class ServerMetrics:
         self._gauge(
             "moe_overlap_kv_cache_usage", "Share of the KV cache pages in use (0-1)", "usage"
         )
+        self._gauge(
+            "moe_overlap_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache since the start",
+            "prefix_cache_queries",
+        )
+        self._gauge(
+            "moe_overlap_prefix_cache_hits",
+            "Of those, tokens found cached (their prefill skipped)",
+            "prefix_cache_hits",
+        )
+        r.register(VllmAliases(engine))
         self._gauge(
             "moe_overlap_preemptions",
             "Requests preempted (their pages freed, recomputed later) since the start",
@@ -171,7 +204,7 @@ class ServerMetrics:
 
     def _gauge(self, name: str, doc: str, stat: str) -> None:
         gauge = Gauge(name, doc, registry=self.registry)
-        gauge.set_function(lambda: float(_slots(self.engine.stats())[stat]))
+        gauge.set_function(lambda: float(engine_slots(self.engine.stats())[stat]))
 
     def request(self, name: str) -> RequestMetrics:
         return RequestMetrics(self, name)
@@ -180,7 +213,7 @@ class ServerMetrics:
         """While requests run: every LOG_EVERY_S, a line of throughput and load (as vLLM)."""
         while True:
             await asyncio.sleep(LOG_EVERY_S)
-            stats = _slots(self.engine.stats())
+            stats = engine_slots(self.engine.stats())
             then, prompt0, gen0 = self._last_log
             now, (prompt, gen) = time.monotonic(), self.totals
             self._last_log = (now, prompt, gen)
@@ -246,20 +279,6 @@ class RequestMetrics:
                 self.metrics.finished.labels("aborted").inc()
                 logger.info("%s choice %d: aborted after %.3f s", self.name, index,
                             time.monotonic() - self.arrived)  # fmt: skip
-
-
-def _slots(stats: dict[str, int]) -> dict[str, float]:
-    """The engine's stats with what is used, and the pages' share in use."""
-    used_pages = stats["total_pages"] - stats["free_pages"]
-    return {
-        **stats,
-        "used_slots": stats["total_slots"] - stats["free_slots"],
-        "used_pages": used_pages,
-        "usage": used_pages / max(stats["total_pages"], 1),
-        "spec_acceptance_length": SpeculationStats(
-            stats["spec_verifications"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
-        ).mean_acceptance_length,
-    }
 
 
 def install_observability(app: FastAPI, engine: EngineLoop, overlap_mode: str) -> ServerMetrics:

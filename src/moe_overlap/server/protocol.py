@@ -14,6 +14,7 @@ from moe_overlap.engine.request import (
     InvalidRequestError,
     SamplingParams,
 )
+from moe_overlap.server.structured import FIELDS, structured_outputs
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer is no vocabulary's token id
@@ -50,6 +51,16 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids
     min_tokens: int | None = None  # vLLM's extension
     n: int = Field(default=1, ge=1)
+    # structured outputs, as OpenAI, vLLM and SGLang spell them (server/structured.py)
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def token_logprobs(self) -> int | None:
         """Alternatives per generated token to return, or None (no log-probabilities)."""
@@ -62,6 +73,10 @@ class SamplingFields(BaseModel):
     def candidates(self) -> int | None:
         """``best_of``: completions only."""
         return None
+
+    def fields_at(self) -> str:
+        """Where the sampling fields sit in the body, for errors that name one."""
+        return ""
 
     def params(self, max_new_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -82,6 +97,9 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens or 0,
             n=self.n,
             best_of=self.candidates(),
+            structured_outputs=structured_outputs(
+                {f: getattr(self, f) for f in FIELDS}, self.fields_at()
+            ),
         )
 
 

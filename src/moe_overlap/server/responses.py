@@ -27,6 +27,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, found in the prefix cache
     entries: list[Entry] = field(default_factory=list)  # tokens with their logprobs
     started: bool = False
     last: str = ""  # the text the last delta added
@@ -48,7 +49,7 @@ class Choice:
         if delta.logprobs is not None:
             self.entries += zip(delta.token_ids, delta.logprobs, strict=True)
             self.cumulative += sum(lp.logprob for lp in delta.logprobs)
-        self.prompt_tokens = delta.prompt_tokens
+        self.prompt_tokens, self.cached_tokens = delta.prompt_tokens, delta.cached_tokens
         if delta.finish_reason:
             self.finish_reason = FINISH_REASONS[delta.finish_reason]
         self.last = added

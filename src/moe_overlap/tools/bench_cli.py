@@ -21,6 +21,7 @@ from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
@@ -236,4 +237,5 @@ def _add_bench_command(sub) -> None:
         only=("log_overlap_decisions", "a2a_mode", "num_max_dispatch_tokens_per_rank"),
     )
     add_fields(bench, BenchArgs)
+    add_fields(bench, EplbArgs)  # redundant experts, their placement, and --expert-skew
     bench.set_defaults(func=cmd_bench)

@@ -122,7 +122,8 @@ def bench_case(
 ):
     """Time ``case`` ``repeats`` times for each engine, alternating; the best time counts
     (on a shared machine the slower runs measure the neighbours, not the engine). With
-    ``breakdown``, three more runs of each engine under the profiler say where the time went."""
+    ``breakdown``, ``repeats`` more runs of each engine under the profiler say where the time
+    went."""
     prompts = prompts_for(case, vocab, seed)
     ours: list[float] = []
     theirs: list[float] = []
@@ -138,10 +139,10 @@ def bench_case(
                 theirs.append(t)
         ours_split = None
         if breakdown:
-            ours_split = profiled(lambda: run_ours(llm, case, prompts), min(ours))
+            ours_split = profiled(lambda: run_ours(llm, case, prompts), min(ours), repeats)
     hf_split = None
     if breakdown and hf is not None:
-        hf_split = profiled(lambda: run_hf(hf, case, prompts), min(theirs))
+        hf_split = profiled(lambda: run_hf(hf, case, prompts), min(theirs), repeats)
     ours_s = min(ours)
     result = CaseResult(case.name, case.kind, case.tokens, ours_s, case.tokens / ours_s)
     result.ours_times, result.hf_times = ours, theirs
@@ -209,7 +210,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
             for engine, split in (("ours", r.ours_breakdown), ("HF", r.hf_breakdown))
             if split is not None
         ]
-        console.print(breakdown_table(rows, peak))
+        console.print(breakdown_table(rows, peak, args.repeats))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         report = {

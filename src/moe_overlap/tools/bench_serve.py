@@ -1,8 +1,8 @@
 """The online benchmark: a Poisson stream of streamed completions against any OpenAI-compatible
 server (ours, vLLM's or SGLang's), and its latencies and throughput with vLLM's metric names.
 
-Each request is one thread reading the server-sent events with ``http.client``; a request's
-prompt is random token ids of a length drawn from the bench's workload grammar. Output tokens
+Each request is one thread reading the server-sent events with ``http.client``; the requests
+(random token ids, their lengths from a dataset) come from ``bench_datasets.py``. Output tokens
 are counted from the stream's ``usage`` (``stream_options.include_usage``), so no field of our
 own is needed.
 """
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from moe_overlap.core.workloads import parse_workload
-from moe_overlap.tools.serving_metrics import RequestTiming, percentile, samples_ms, summarize
+from rich.progress import Progress
 
-FIRST_ID = 3  # prompts avoid the shipped tokenizer's special tokens (ids 0-2)
+from moe_overlap.tools.bench_datasets import BenchRequest
+from moe_overlap.tools.serving_metrics import RequestTiming, percentile, samples_ms, summarize
 
 
 @dataclass(frozen=True)
@@ -91,21 +91,6 @@ class LoadResult:
         }
 
 
-def prompt_lengths(workload: str, count: int, seed: int) -> list[int]:
-    """``count`` prompt lengths drawn from a workload spec (``uniform:30-3072``, ...)."""
-    lengths: list[int] = []
-    draw = seed
-    while len(lengths) < count:
-        lengths += [n for rank in parse_workload(workload, 1, draw).lengths for n in rank]
-        draw += 1
-    return lengths[:count]
-
-
-def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_ID, vocab) for _ in range(n)] for n in lengths]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,31 +111,48 @@ def served_model(target: Target) -> str:
         conn.close()
 
 
+def cache_hit_rate(target: Target) -> float | None:
+    """The share of prompt tokens the server found in its prefix cache since it started
+    (SGLang's ``cache_hit_rate`` in ``/get_server_info``), or None where it reports none."""
+    conn = target.connection(timeout=30)
+    try:
+        conn.request("GET", target.path("/get_server_info"), headers=target.headers())
+        resp = conn.getresponse()
+        body = resp.read()
+        return json.loads(body).get("cache_hit_rate") if resp.status == 200 else None
+    finally:
+        conn.close()
+
+
 def run_load(
     target: Target,
-    prompts: list[list[int]],
+    requests: list[BenchRequest],
     rate: float,
-    output_len: int,
     seed: int,
     mode: str = "",
     max_concurrency: int | None = None,
     metrics: tuple[list[str], list[float]] = (["ttft", "tpot", "itl"], [99.0]),
+    progress: bool = False,
 ) -> LoadResult:
-    """Send ``prompts`` as Poisson arrivals at ``rate`` per second (at most ``max_concurrency``
-    in flight); wait for every answer."""
+    """Send ``requests`` as Poisson arrivals at ``rate`` per second (at most ``max_concurrency``
+    in flight); wait for every answer. ``progress``: a bar of the answers, on a terminal."""
     rng = random.Random(seed)
     model = target.model or served_model(target)
     rss_before = rss_mib()
     gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(len(prompts), max_concurrency or 256)) as pool:
-        for prompt in prompts:
+    workers = min(len(requests), max_concurrency or 256)
+    bar = Progress(disable=not progress, transient=True)
+    answered = bar.add_task(f"{mode} at {rate:g}/s", total=len(requests))
+    with bar, ThreadPoolExecutor(max_workers=workers) as pool:
+        for request in requests:
             if gate is not None:
                 gate.acquire()
-            timing = RequestTiming(time.perf_counter(), len(prompt))
+            timing = RequestTiming(time.perf_counter(), len(request.prompt))
             timings.append(timing)
-            pool.submit(_stream, target, model, prompt, output_len, timing, gate)
+            done = pool.submit(_stream, target, model, request, timing, gate)
+            done.add_done_callback(lambda _: bar.advance(answered))
             time.sleep(rng.expovariate(rate) if rate != float("inf") else 0.0)
     ends = [t.chunks[-1] for t in timings if t.chunks]
     samples = samples_ms(timings)
@@ -191,15 +193,14 @@ def _descendants(pid: int) -> list[int]:
 def _stream(
     target: Target,
     model: str,
-    prompt: list[int],
-    output_len: int,
+    request: BenchRequest,
     timing: RequestTiming,
     gate: threading.BoundedSemaphore | None,
 ) -> None:
     body = {
         "model": model,
-        "prompt": prompt,
-        "max_tokens": output_len,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
         "temperature": 0,
         "ignore_eos": True,  # vLLM's and SGLang's extension, as their benches send it
         "stream": True,

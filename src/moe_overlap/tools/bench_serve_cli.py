@@ -21,14 +21,13 @@ from moe_overlap.core.workloads import check_fits
 from moe_overlap.engine.args import parse_modes
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
-from moe_overlap.tools.bench_serve import (
-    LoadResult,
-    Target,
-    free_port,
-    make_prompts,
-    prompt_lengths,
-    run_load,
+from moe_overlap.tools.bench_datasets import (
+    BenchRequest,
+    prefix_repetition_requests,
+    random_requests,
+    workload_requests,
 )
+from moe_overlap.tools.bench_serve import LoadResult, Target, cache_hit_rate, free_port, run_load
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
 from moe_overlap.tools.command_flags import LoadFlags
 from moe_overlap.tools.flags import add_fields
@@ -39,8 +38,9 @@ def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench-serve",
         help="online benchmark: Poisson arrivals against a server, per overlap mode",
-        description="Send a Poisson stream of streamed completions (prompt lengths from "
-        "--workload, random token ids) at each rate and report TTFT, TPOT, ITL and end-to-end "
+        description="Send a Poisson stream of streamed completions (random token ids, their "
+        "lengths from --dataset-name: our --workload or vLLM's random and prefix_repetition) at "
+        "each rate and report TTFT, TPOT, ITL and end-to-end "
         "latency and throughput, with vLLM's result block and JSON keys. Without --base-url, "
         "for each of --modes start our server with the engine flags and that overlap mode; "
         "with --base-url, measure the OpenAI-compatible server already running there (ours, "
@@ -52,12 +52,38 @@ def add_bench_serve_command(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=cmd_bench_serve)
 
 
+_AT_LEAST_ONE = (
+    "num_requests",
+    "output_len",
+    "max_concurrency",
+    "vocab_size",
+    "random_input_len",
+    "random_output_len",
+    "prefix_repetition_prefix_len",
+    "prefix_repetition_suffix_len",
+    "prefix_repetition_num_prefixes",
+    "prefix_repetition_output_len",
+)
+
+
 def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
     rates = _rates(args.rates)
-    for name in ("num_requests", "output_len", "max_concurrency", "vocab_size"):
+    if args.base_url and args.compare_prefix_caching:
+        raise ConfigError(
+            "--compare-prefix-caching starts our servers with the cache on and off; a server "
+            "at --base-url runs its own: drop one of them"
+        )
+    for name in _AT_LEAST_ONE:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.random_prefix_len < 0:
+        raise ConfigError(f"--random-prefix-len={args.random_prefix_len} must be >= 0")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ConfigError(
+            f"--random-range-ratio={args.random_range_ratio} must be in [0, 1): lengths are "
+            "drawn from mean x [1 - R, 1 + R]"
+        )
     if args.duration is not None and not args.duration > 0:
         raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
     if args.base_url and args.modes:
@@ -80,14 +106,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     modes, rates, metrics = _check(args)
     overlaps = {} if args.base_url else {m: mode_config(m) for m in modes}  # bad names fail now
     cfg = _model_config(args)
-    lengths = prompt_lengths(args.workload, args.num_requests, args.seed)
+    prompts = bench_requests(args, cfg.vocab_size if cfg else args.vocab_size)
     if cfg is not None:
-        what = f"--workload {args.workload} with --output-len {args.output_len}"
-        check_fits(what, max(lengths) + args.output_len, cfg, args.max_model_len)
-    prompts = make_prompts(lengths, cfg.vocab_size if cfg else args.vocab_size, args.seed)
+        longest = max(len(r.prompt) + r.output_len for r in prompts)
+        check_fits(f"--dataset-name {_dataset(args)}", longest, cfg, args.max_model_len)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
-    for mode in modes:
-        with _target(args, cfg, overlaps.get(mode)) as target:
+    caching = (True, False) if args.compare_prefix_caching else (None,)
+    for mode, cache in ((m, c) for m in modes for c in caching):
+        label = mode if cache is not False else f"{mode} no-prefix-cache"
+        with _target(args, cfg, overlaps.get(mode), cache) as target:
             for rate in rates:
                 count = (
                     round(rate * args.duration)
@@ -95,20 +122,25 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                     else len(prompts)
                 )
                 sent = [prompts[i % len(prompts)] for i in range(max(count, 1))]
-                console.print(f"{mode}: {len(sent)} requests at {rate:g}/s ...")
+                console.print(f"{label}: {len(sent)} requests at {rate:g}/s ...")
                 result = run_load(
                     target,
                     sent,
                     rate,
-                    args.output_len,
                     args.seed,
-                    mode,
+                    label,
                     args.max_concurrency,
                     metrics,
+                    progress=console.is_terminal,
                 )
                 console.print(result_block(result.summary, *metrics), highlight=False)
                 results.append(result)
+            hit_rate = cache_hit_rate(target) if not args.base_url else None
+            if hit_rate is not None:
+                console.print(f"{label}: prefix cache hit rate {hit_rate:.1%} of prompt tokens")
     console.print(load_table(results, _title(args)))
+    if args.compare_prefix_caching:
+        console.print(prefix_caching_note(results), highlight=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -116,10 +148,54 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             "base_url": args.base_url,
             "link": args.link,
         }
-        payload |= {"workload": args.workload, "results": [r.to_json() for r in results]}
+        payload |= {"workload": args.workload, "dataset": _dataset(args)}
+        payload["results"] = [r.to_json() for r in results]
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results: {args.json}")
     return 1 if any(r.errors for r in results) else 0
+
+
+def bench_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
+    """The requests of --dataset-name, --num-requests of them."""
+    count, seed = args.num_requests, args.seed
+    if args.dataset_name == "random":
+        return random_requests(
+            count,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            vocab,
+            seed,
+        )
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_requests(
+            count,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            vocab,
+            seed,
+        )
+    return workload_requests(args.workload, count, args.output_len, vocab, seed)
+
+
+def _dataset(args: argparse.Namespace) -> str:
+    """The dataset and its lengths, as the title and errors name them."""
+    if args.dataset_name == "random":
+        return (
+            f"random (--random-input-len {args.random_input_len}, --random-output-len "
+            f"{args.random_output_len}, ratio {args.random_range_ratio:g}, prefix "
+            f"{args.random_prefix_len})"
+        )
+    if args.dataset_name == "prefix_repetition":
+        return (
+            f"prefix_repetition ({args.prefix_repetition_num_prefixes} prefixes of "
+            f"{args.prefix_repetition_prefix_len} + {args.prefix_repetition_suffix_len} "
+            f"tokens, {args.prefix_repetition_output_len} out)"
+        )
+    return f"workload {args.workload} with --output-len {args.output_len}"
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig | None:
@@ -136,12 +212,17 @@ def _model_config(args: argparse.Namespace) -> ModelConfig | None:
 
 
 @contextmanager
-def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Iterator[Target]:
-    """The server at --base-url, or ours with ``overlap``, running until the block ends."""
+def _target(
+    args: argparse.Namespace, cfg: ModelConfig | None, overlap, prefix_caching: bool | None
+) -> Iterator[Target]:
+    """The server at --base-url, or ours with ``overlap`` (and ``prefix_caching`` when not
+    None), running until the block ends."""
     if args.base_url:
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
     kwargs = {**engine_kwargs(args), "overlap": overlap}
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = prefix_caching
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve
 
     llm = LLM(**kwargs)
@@ -162,12 +243,12 @@ def _target(args: argparse.Namespace, cfg: ModelConfig | None, overlap) -> Itera
 
 def _title(args: argparse.Namespace) -> str:
     load = f"{args.duration:g} s" if args.duration else f"{args.num_requests} requests"
-    load += f" of {args.output_len}-token answers per rate"
+    load += f" per rate, {_dataset(args)}"
     if args.base_url:
-        return f"{args.base_url}, workload {args.workload}, {load}"
+        return f"{args.base_url}, {load}"
     layout = engine_args(args).parallel_config().describe()
     name = Path(args.model or args.hf_config).stem
-    return f"{name}, {layout}, --link {args.link}, workload {args.workload}, {load}"
+    return f"{name}, {layout}, --link {args.link}, {load}"
 
 
 def _rates(text: str) -> list[float]:
@@ -197,3 +278,21 @@ def load_table(results: list[LoadResult], title: str) -> Table:
             f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
         )
     return table
+
+
+def prefix_caching_note(results: list[LoadResult]) -> str:
+    """The closing note of --compare-prefix-caching: per mode and rate, TTFT p50 and output
+    throughput with the cache against without it."""
+    lines = ["prefix caching on against off (the same prompts, the same rates):"]
+    by_label = {(r.mode, r.rate): r for r in results}
+    for (label, rate), on in by_label.items():
+        off = by_label.get((f"{label} no-prefix-cache", rate))
+        if off is None:
+            continue
+        lines.append(
+            f"  {label} at {rate:g}/s: TTFT p50 {off.ttft_ms[0]:.0f} -> {on.ttft_ms[0]:.0f} ms "
+            f"({off.ttft_ms[0] / max(on.ttft_ms[0], 1e-9):.2f}x), output "
+            f"{off.tokens_per_s:,.0f} -> {on.tokens_per_s:,.0f} tokens/s "
+            f"({on.tokens_per_s / max(off.tokens_per_s, 1e-9):.2f}x)"
+        )
+    return "\n".join(lines)

@@ -24,6 +24,7 @@ from moe_overlap.tools.bench_cli import add_bench_commands
 from moe_overlap.tools.bench_engine import add_bench_engine_command
 from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
+from moe_overlap.tools.eplb_cli import add_eplb_command
 from moe_overlap.tools.flags import add_fields, expand_config
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_commands(sub)
     add_bench_serve_command(sub)
     add_plan_command(sub)
+    add_eplb_command(sub)
     _add_utilities(sub)
     for command in sub.choices.values():  # errors print the command's usage, not the top's
         command.set_defaults(command_parser=command)

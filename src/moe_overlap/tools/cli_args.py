@@ -8,6 +8,7 @@ from typing import Any
 
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.spec_config import SpeculativeArgs
 from moe_overlap.tools.flags import add_fields, from_args
@@ -22,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_fields(p, LayoutArgs)
     add_fields(p, CapacityArgs)
     add_fields(p, OverlapArgs)
+    add_fields(p, EplbArgs)
     add_fields(p, SpeculativeArgs)
 
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from moe_overlap.core.eplb_placement import ALGORITHMS
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
+from moe_overlap.tools.bench_datasets import DATASETS
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
 
@@ -90,9 +92,9 @@ class BenchEngineFlags:
     json: str | None = setting(None, "write the results here", metavar="PATH")
     breakdown: bool = setting(
         False,
-        "profile 3 more runs of each case per engine (the fastest counts): the time in matrix "
-        "multiplies (and their GFLOPS against this CPU's peak), attention, other operators and "
-        "outside any operator",
+        "profile --repeats more runs of each case per engine (the fastest counts): the time in "
+        "matrix multiplies (and their GFLOPS against this CPU's peak), attention, other "
+        "operators and outside any operator",
     )
 
 
@@ -140,6 +142,12 @@ class LoadFlags:
         DEFAULT_WORKLOAD, "prompt lengths, in the bench's grammar", metavar="SPEC", group="load"
     )
     num_requests: int = setting(32, "requests per rate", aliases=("--num-prompts",), group="load")
+    compare_prefix_caching: bool = setting(
+        False,
+        "start each mode's server twice, with prefix caching on and off, and close with what "
+        "the cache changed: TTFT, throughput and the hit rate (not with --base-url)",
+        group="load",
+    )
     duration: float | None = setting(
         None,
         "soak: hold each rate for about S seconds (rate x S requests, prompts reused) instead "
@@ -148,7 +156,38 @@ class LoadFlags:
         metavar="S",
         group="load",
     )
-    output_len: int = setting(32, "tokens per answer", group="load")
+    output_len: int = setting(32, "tokens per answer (--dataset-name workload)", group="load")
+    dataset_name: str = setting(
+        "workload",
+        "where prompt and answer lengths come from: workload (--workload, --output-len), or "
+        "vLLM's bench serve datasets random and prefix_repetition (their flags below); "
+        "prompts are random token ids either way",
+        choices=DATASETS,
+        group="load",
+    )
+    random_input_len: int = setting(1024, "random: mean prompt tokens", group="load")
+    random_output_len: int = setting(128, "random: mean answer tokens", group="load")
+    random_range_ratio: float = setting(
+        0.0,
+        "random: lengths drawn uniformly from mean x [1 - R, 1 + R], 0 <= R < 1",
+        metavar="R",
+        group="load",
+    )
+    random_prefix_len: int = setting(
+        0, "random: tokens of one prefix every prompt starts with", group="load"
+    )
+    prefix_repetition_prefix_len: int = setting(
+        256, "prefix_repetition: tokens of each shared prefix", group="load"
+    )
+    prefix_repetition_suffix_len: int = setting(
+        256, "prefix_repetition: tokens after it, each prompt's own", group="load"
+    )
+    prefix_repetition_num_prefixes: int = setting(
+        10, "prefix_repetition: distinct prefixes, taken in turn", group="load"
+    )
+    prefix_repetition_output_len: int = setting(
+        128, "prefix_repetition: answer tokens", group="load"
+    )
     percentile_metrics: str = setting(
         "ttft,tpot,itl",
         "metrics to report percentiles of: ttft, tpot, itl, e2el",
@@ -205,3 +244,39 @@ class PlanFlags:
     json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
     trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
     plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")
+
+
+@dataclass
+class EplbPlacementFlags:
+    """``moe-overlap eplb-placement``: a recorded load in, a placement out."""
+
+    distribution: str | None = setting(
+        None,
+        'the load: a JSON file {"load": [[tokens per logical expert] per layer]} (required)',
+        metavar="JSON",
+    )
+    ep: int = setting(1, "expert-parallel ranks (GPUs) the slots spread over")
+    num_redundant_experts: int = setting(
+        0, "extra physical slots: E + R slots in all, R replicas of the hottest experts"
+    )
+    nodes: int = setting(
+        1, "nodes the ranks are on (the hierarchical policy packs groups onto them)"
+    )
+    num_groups: int | None = setting(
+        None,
+        "expert groups (a grouped router's n_group); with groups dividing over --nodes, auto "
+        "packs groups onto nodes first",
+        parse=int,
+    )
+    algorithm: str = setting(
+        "auto",
+        "deepseek (global), deepseek_hierarchical (groups to nodes to GPUs), or auto: "
+        "hierarchical when --num-groups divide over --nodes, else global",
+        choices=ALGORITHMS,
+    )
+    out: str | None = setting(
+        None,
+        'write {"physical_to_logical": [[logical expert per slot] per layer]} here, slots rank '
+        "by rank (--init-expert-location takes it) (required)",
+        metavar="JSON",
+    )

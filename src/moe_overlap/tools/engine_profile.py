@@ -33,7 +33,7 @@ class Breakdown:
         return max(0.0, self.profiled_wall_s - self.matmul_s - self.attention_s - self.other_ops_s)
 
 
-def profiled(run: Callable[[], object], wall_s: float, repeats: int = 3) -> Breakdown:
+def profiled(run: Callable[[], object], wall_s: float, repeats: int) -> Breakdown:
     """The fastest of ``repeats`` profiled runs of ``run`` (on a shared machine the slower runs
     measure the neighbours), split by operator kind, beside ``wall_s``, the best time of ``run``
     without the profiler."""
@@ -74,10 +74,12 @@ def peak_matmul_gflops(size: int = 1536, repeats: int = 20) -> float:
     return 2 * size**3 / best / 1e9
 
 
-def breakdown_table(rows: list[tuple[str, str, Breakdown]], peak: float) -> Table:
-    """One row per (case, engine): seconds and shares of the profiled run."""
+def breakdown_table(rows: list[tuple[str, str, Breakdown]], peak: float, repeats: int) -> Table:
+    """One row per (case, engine): seconds and shares of the fastest of ``repeats`` profiled
+    runs."""
     table = Table(
-        title=f"Where the time goes: the fastest of 3 profiled runs (this CPU's fp32 matmul peak "
+        title=f"Where the time goes: the fastest of {repeats} profiled runs (this CPU's fp32 "
+        "matmul peak "
         f"{peak:.0f} GFLOPS)",
         title_justify="left",
     )

@@ -39,6 +39,9 @@ def add_fields(
         if title is not None:
             target = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         names = (flag_name(f.name), *meta.get("aliases", ()))
+        if f.default is True:  # on by default: --name and --no-name, and any negations
+            _add_switch(target, names, f)
+            continue
         if isinstance(f.default, bool):
             target.add_argument(*names, dest=f.name, action="store_true", help=field_help(f))
             continue
@@ -50,6 +53,17 @@ def add_fields(
             if key in meta:
                 kwargs[key] = meta[key]
         target.add_argument(*names, **kwargs)
+
+
+def _add_switch(
+    target: argparse._ActionsContainer, names: tuple[str, ...], f: dataclasses.Field
+) -> None:
+    """An on-by-default setting: ``--name`` and ``--no-name``, and its ``negations`` (named in
+    its help, so listed once)."""
+    action = argparse.BooleanOptionalAction
+    target.add_argument(*names, dest=f.name, action=action, default=True, help=field_help(f))
+    for off in f.metadata.get("negations", ()):
+        target.add_argument(off, dest=f.name, action="store_false", help=argparse.SUPPRESS)
 
 
 def field_help(f: dataclasses.Field) -> str:

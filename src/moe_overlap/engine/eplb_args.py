@@ -1,0 +1,93 @@
+"""SGLang's EPLB settings (redundant experts, their placement, how a token picks a replica, and
+the bench's routing skew), one field each, as ``engine/args.py`` holds the others."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from moe_overlap.core.eplb_placement import ALGORITHMS, Algorithm, PlacementShape
+from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.expert_location import (
+    DISPATCH_ALGORITHMS,
+    TRIVIAL,
+    ExpertPlacement,
+    make_placement,
+)
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.args import setting
+
+
+@dataclass
+class EplbArgs:
+    """SGLang's EPLB flags: redundant experts and where each expert's replicas live."""
+
+    ep_num_redundant_experts: int = setting(
+        0,
+        "EPLB: extra physical expert slots, E + R over the --ep ranks, each a replica of a "
+        "logical expert (which ones: --init-expert-location)",
+        group="eplb",
+    )
+    init_expert_location: str = setting(
+        TRIVIAL,
+        "EPLB: trivial (slot i holds expert i % E), a placement JSON "
+        '({"physical_to_logical": [[expert per slot] per MoE layer]}, e.g. from '
+        "`moe-overlap eplb-placement`), or a distribution JSON "
+        '({"load": [[tokens per expert] per MoE layer]}) placed at start-up',
+        metavar="trivial|FILE",
+        group="eplb",
+    )
+    ep_dispatch_algorithm: str = setting(
+        "static",
+        "EPLB: which replica serves a token: static (the one nearest the sending rank) or "
+        "dynamic (spread over the replicas, by token)",
+        choices=DISPATCH_ALGORITHMS,
+        group="eplb",
+    )
+    eplb_algorithm: str = setting(
+        "auto",
+        "EPLB: the placement policy for a distribution given to --init-expert-location: "
+        "deepseek (global), deepseek_hierarchical (expert groups first), or auto",
+        choices=ALGORITHMS,
+        group="eplb",
+    )
+
+    expert_skew: str | None = setting(
+        None,
+        "bias the routers so a few experts are hot, to show imbalance (random-weight routers "
+        "route almost evenly): zipf:S gives the expert of rank r in each layer odds falling "
+        "as 1/(r+1)**S (e.g. zipf:1.2)",
+        metavar="zipf:S",
+        group="eplb",
+    )
+
+    def skew_exponent(self) -> float:
+        """``--expert-skew``'s S (0.0: none)."""
+        text = self.expert_skew
+        if text is None:
+            return 0.0
+        kind, _, value = str(text).partition(":")
+        try:
+            exponent = float(value)
+        except ValueError:
+            exponent = -1.0
+        if kind != "zipf" or not exponent >= 0 or exponent == float("inf"):
+            raise ConfigError(f"--expert-skew={text!r}: want zipf:S with S >= 0, e.g. zipf:1.2")
+        return exponent
+
+    def expert_placement(self, cfg: ModelConfig, ep: int) -> ExpertPlacement | None:
+        """The placement these flags ask for over ``ep`` ranks (None: E/ep experts each)."""
+        redundant = self.ep_num_redundant_experts
+        if not is_int(redundant) or redundant < 0:
+            raise ConfigError(f"--ep-num-redundant-experts={redundant!r} must be an integer >= 0")
+        if cfg.is_gpt_oss and (redundant or self.init_expert_location != TRIVIAL):
+            raise ConfigError(
+                "EPLB does not yet place GPT-OSS's fused expert tensors; drop "
+                "--ep-num-redundant-experts and --init-expert-location"
+            )
+        groups = cfg.n_group if cfg.n_group > 1 else None
+        shape = PlacementShape(cfg.num_experts, cfg.num_experts + redundant, ep, 1, groups)
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        algorithm = cast(Algorithm, self.eplb_algorithm)
+        location, dispatch = self.init_expert_location, self.ep_dispatch_algorithm
+        return make_placement(moe_layers, shape, location, dispatch, algorithm)

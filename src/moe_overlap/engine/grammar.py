@@ -1,0 +1,91 @@
+"""Structured outputs through xgrammar: each constraint compiled once against the model's
+tokenizer (kept in a bounded cache), and per request a matcher that gives the next token's
+bitmask and follows every token taken.
+
+Imported on first use (``LLM`` asks for it when a request carries a constraint): xgrammar's
+import takes seconds, which a run without structured outputs never pays."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
+
+from moe_overlap.engine.errors import InvalidRequestError
+
+CACHED_GRAMMARS = 128  # compiled constraints kept, least recently used dropped first
+
+
+class Grammars:
+    """The model's compiled constraints and the matchers made from them. JSON is compiled
+    without free whitespace (as vLLM's ``disable_any_whitespace``): a model may otherwise
+    spend its tokens on spaces and newlines between the values."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos: int | None):
+        stops = [eos] if eos is not None else None
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stops
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()  # the server prepares requests on worker threads
+
+    def matcher(self, kind: str, text: str, field: str) -> Matcher:
+        """A fresh matcher for one request, from a constraint's kind and text
+        (``StructuredOutputs.key``); InvalidRequestError names ``field`` when xgrammar refuses
+        it."""
+        return Matcher(self.compiled(kind, text, field), self.vocab_size)
+
+    def compiled(self, kind: str, text: str, field: str) -> xgr.CompiledGrammar:
+        key = kind, text
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            try:
+                grammar = self._compile(kind, text)
+            except Exception as exc:  # xgrammar's RuntimeError, ValueError, InvalidJSONError
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise InvalidRequestError(
+                    f"{field}: this {kind} cannot be compiled: {why}"[:500], field
+                ) from None
+            self._cache[key] = grammar
+            if len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            return grammar
+
+    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        c = self._compiler
+        if kind == "json":
+            return c.compile_json_schema(text, any_whitespace=False)
+        if kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return c.compile_regex(text)
+        if kind == "choice":  # each choice a string literal, JSON's escapes being EBNF's
+            return c.compile_grammar("root ::= " + " | ".join(map(json.dumps, json.loads(text))))
+        return c.compile_grammar(text)
+
+
+class Matcher:
+    """One request's place in its grammar (``engine/structured.py: TokenConstraint``)."""
+
+    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int):
+        self._matcher = xgr.GrammarMatcher(grammar)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def allowed(self) -> bytes:
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask.numpy().tobytes()
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise ValueError(f"token {token} does not follow the structured output's grammar")
+
+    @property
+    def done(self) -> bool:
+        return self._matcher.is_terminated()

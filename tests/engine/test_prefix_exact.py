@@ -1,0 +1,98 @@
+"""Prefix caching is exact on real gloo ranks: 16 requests sharing a 300-token prefix in two
+waves (the second finds the prefix cached, on each rank that holds it) give the greedy tokens
+and log-probabilities of a one-process engine without the cache, in every overlap mode at ep=2,
+under DP attention with MLA, for sliding-window layers, and after evictions from a small pool;
+a hybrid linear-attention model runs without the cache and says why.
+
+Starting ranks costs seconds on two busy cores, so one engine per layout runs every mode."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.model_config import ModelConfig as Config
+from moe_overlap.engine.prefix_cache import prefix_caching
+from tests.helpers import TINY, every_mode, force_overlap
+
+PREFIX = [(7 * i + 3) % 80 for i in range(300)]
+WAVES = [[PREFIX + [(16 * w + i) % 80, (5 * i + w) % 80] for i in range(8)] for w in range(2)]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=0)
+KW = dict(seed=0, max_model_len=320, max_num_batched_tokens=512)  # wave 1 prefills in chunks
+WAVE_HITS = 8 * 288  # every request of wave 2: 18 full pages of 16 (its last token computed)
+MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
+
+
+def config(family: str) -> Config:
+    return ModelConfig(**(TINY[family] | dict(max_position_embeddings=320)))
+
+
+def two_waves(llm: LLM, cached: bool = True, per_wave: int = 8) -> tuple[list, int]:
+    """Both waves from a cold cache (or with the cache off: the reference, on the same
+    engine); the outputs and the prompt tokens found cached."""
+    for cache in llm.scheduler.prefix:
+        cache.flush()
+        cache.enabled = cached
+    hits = sum(c.hits for c in llm.scheduler.prefix)
+    outs = [out for wave in WAVES for out in llm.generate(wave[:per_wave], GREEDY)]
+    return outs, sum(c.hits for c in llm.scheduler.prefix) - hits
+
+
+def assert_same(base: list, got: list) -> None:
+    for a, b in zip(base, got, strict=True):
+        assert a.token_ids == b.token_ids
+        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
+        assert max(diffs) <= 1e-4
+
+
+def test_ep2_every_mode_from_the_cache_matches_no_cache():
+    with LLM(config=config("qwen3_moe"), ep=2, **KW) as llm:
+        base, _ = two_waves(llm, cached=False)
+        for mode, overlap in every_mode().items():
+            if mode not in MODES:
+                continue
+            force_overlap(llm, overlap)
+            outs, hits = two_waves(llm)
+            assert_same(base, outs)
+            assert hits == WAVE_HITS, mode  # each rank found the prefix its wave-1 share left
+
+
+def test_dp_attention_with_mla_caches_per_rank_and_stays_exact_through_evictions():
+    """Two attention-DP ranks, each its own pool and cache: a wave-2 request hits only on the
+    rank that holds the prefix; a pool of 24 pages per rank (three requests sharing the
+    prefix's 18, less than the two waves leave cached) evicts and still gives the same
+    tokens."""
+    layout = dict(tp=2, dp=2, enable_dp_attention=True, max_total_tokens=24 * 16)
+    with LLM(config=config("deepseek_v3"), **layout, **KW) as llm:
+        base, _ = two_waves(llm, cached=False)
+        outs, hits = two_waves(llm)
+        assert_same(base, outs)
+        caches = llm.scheduler.prefix
+    assert hits >= WAVE_HITS and all(c.hits > 0 for c in caches)  # each rank its own share
+    assert sum(c.evictions for c in caches) > 0
+
+
+def test_sliding_window_layers_read_cached_pages_exactly():
+    """GPT-OSS's sliding layers attend over the last 128 keys: a cached 300-token prefix holds
+    them, so the window's reads are the same from the cache (here a 64-key window, one
+    request a wave)."""
+    raw = json.loads(Path("configs/gpt-oss-tiny.json").read_text())
+    raw |= dict(hidden_size=32, head_dim=8, intermediate_size=16, vocab_size=80)
+    raw |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    cfg = ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
+    with LLM(config=cfg, **KW) as llm:
+        base, _ = two_waves(llm, cached=False, per_wave=1)
+        outs, hits = two_waves(llm, per_wave=1)
+    assert_same(base, outs)
+    assert hits == 288
+
+
+def test_a_hybrid_linear_attention_model_runs_without_prefix_caching_and_says_why(caplog):
+    cfg = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
+    with caplog.at_level(logging.INFO, logger="moe_overlap.engine.prefix_cache"):
+        assert not prefix_caching(True, cfg, pdmux=False)
+    assert "prefix caching is off: its linear-attention layers" in caplog.text
+    assert not prefix_caching(True, config("qwen3_moe"), pdmux=True)  # PD-mux's waves too
+    assert prefix_caching(True, config("qwen3_moe"), pdmux=False)
