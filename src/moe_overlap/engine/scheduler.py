@@ -6,17 +6,12 @@ prompt chunks up to a per-rank token budget. A request stays on the rank whose K
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 from functools import partial
 
-import torch
-
-from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
-from moe_overlap.core.step import GroupReply, PageOps, SampleSpec, StepReply, WaveSlice
+from moe_overlap.core.step import GroupReply, StepReply
 from moe_overlap.engine.finish import FinishRule
 from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
@@ -28,35 +23,10 @@ from moe_overlap.engine.load_balance import (
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import PrefixCache, may_use, token_ids
 from moe_overlap.engine.request import Request
+from moe_overlap.engine.scheduled_step import Step, make_batch
 from moe_overlap.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Step:
-    batches: list[ForwardBatch]  # one per rank; an idle rank gets an empty batch
-    scheduled: list[list[tuple[Request, int]]]  # per rank: (request, tokens fed)
-    prefill: WaveSlice | None = None  # --enable-pdmux: the split prefill beside it
-    sampled: list[Request] = field(default_factory=list)  # filled by update: got a token
-    pages: list[PageOps] = field(default_factory=list)  # per rank: page changes before it
-    # per rank, per sequence: the draft tokens it feeds after its last (a verify step), or none
-    drafts: list[list[list[int]]] = field(default_factory=list)
-
-    def samples(self) -> list[list[SampleSpec]]:
-        """Per group, per scheduled sequence: what its rank does with its logits."""
-        return [
-            [
-                dataclasses.replace(req.sample_spec(n), drafts=tuple(d))
-                if d
-                else req.sample_spec(n)
-                for (req, n), d in zip(group, self.drafts_of(rank), strict=True)
-            ]
-            for rank, group in enumerate(self.scheduled)
-        ]
-
-    def drafts_of(self, rank: int) -> list[list[int]]:
-        return self.drafts[rank] if self.drafts else [[] for _ in self.scheduled[rank]]
 
 
 class Scheduler:
@@ -132,9 +102,9 @@ class Scheduler:
             seqs = self._plan(rank)
             drafts.append(self._draft(rank, seqs))
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
-            batches.append(_make_batch(seqs, drafts[-1]))
+            batches.append(make_batch(seqs, drafts[-1]))
         waves = self.pdmux
-        prefill = waves.next_slice(self.running, _make_batch) if waves is not None else None
+        prefill = waves.next_slice(self.running, make_batch) if waves is not None else None
         if waves is not None and prefill is not None and prefill.last:
             prefill.samples = [
                 [r.sample_spec(r.prompt_len) for r in g] for g in waves.members or []
@@ -293,20 +263,3 @@ class Scheduler:
             )
             for running, slots, cache in zip(self.running, self.slots, self.prefix, strict=True)
         ]
-
-
-def _make_batch(
-    seqs: list[tuple[Request, list[int]]], drafts: list[list[int]] | None = None
-) -> ForwardBatch:
-    """The batch of ``seqs``; a sequence with ``drafts`` is verified: every row's logits."""
-    verify = [bool(d) for d in drafts] if drafts else [False] * len(seqs)
-    if not seqs:
-        return ForwardBatch.idle()
-    return ForwardBatch(
-        input_ids=torch.tensor([t for _, tokens in seqs for t in tokens], dtype=torch.long),
-        slots=[req.slot for req, _ in seqs],
-        prefix_lens=[req.num_computed for req, _ in seqs],
-        extend_lens=[len(tokens) for _, tokens in seqs],
-        all_logits=[req.needs_all_logits or v for (req, _), v in zip(seqs, verify, strict=True)],
-        is_decode=[not req.in_prefill for req, _ in seqs],
-    )

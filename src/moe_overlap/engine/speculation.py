@@ -32,9 +32,7 @@ def verifies(req: Request) -> bool:
     """A request whose drafts are verified: greedy, no penalties, no structured output (else
     its drafts are padding and it is sampled from its first row, exactly as without
     speculation)."""
-    return (
-        req.params.temperature == 0.0 and not req.params.penalised and req.constraint is None
-    )
+    return req.params.temperature == 0.0 and not req.params.penalised and req.constraint is None
 
 
 class Speculation:
