@@ -132,3 +132,31 @@ def test_cache_aware_routing_sends_a_request_to_the_rank_holding_its_prefix():
     placed = {r.request_id: r.rank for r in sum(sched.running, [])}
     assert first == {0: 0, 1: 1} and placed == {2: 1, 3: 0}
     assert [c.hits for c in sched.prefix] == [8, 8]  # each found on the rank holding it
+
+
+def test_a_slot_admitted_and_preempted_in_one_step_is_never_attached_on_the_rank():
+    """The rank applies a step's page ops by kind (releases before attaches): a request
+    preempted in the step that admitted it onto cached pages must not leave that attach behind,
+    or the rank attaches pages to a slot the driver has freed (and refuses the next attach)."""
+    sched = scheduler(pages=4)
+    shared = list(range(8))  # two full pages, cached once request 0 ends
+    sched.add(request(0, shared, new=1))
+    run_out(sched, sched.schedule())
+    sched.add(request(1, [40, 41, 42, 43], new=6))  # one page; its first decode needs a second
+    step = sched.schedule()
+    sched.update(step, reply(step))
+    sched.add(request(2, [*shared, 9]))  # admitted onto the cached pages with the last free one
+    step = sched.schedule()  # request 1's decode needs that page back: request 2 is preempted
+    assert sched.preemptions == 1 and sched.waiting[0].request_id == 2
+    ops = step.pages[0]
+    assert not set(ops.released) & {slot for slot, _ in ops.attach}
+    held: set[int] = {req.slot for req, _ in step.scheduled[0]}  # the slots the rank fills
+    while sched.has_work():  # and on to the end, as the rank sees each step's ops
+        sched.update(step, reply(step))
+        step = sched.schedule()
+        ops = step.pages[0]
+        held -= set(ops.released)
+        for slot, _ in ops.attach:
+            assert slot not in held, f"slot {slot} attached while it holds pages"
+            held.add(slot)
+        held |= {req.slot for req, _ in step.scheduled[0]}

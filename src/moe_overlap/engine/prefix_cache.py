@@ -116,6 +116,12 @@ class PrefixCache:
         if chain:
             self.ops.attach.append((slot, [page.id for page in chain]))
 
+    def unattach(self, slot: int) -> None:
+        """Drop a pending attach of ``slot``: its request leaves in the step that admitted it
+        (preempted at once), and the step's ops are applied by kind, releases before attaches,
+        so the rank would attach pages to a slot the driver has already freed."""
+        self.ops.attach = [(s, ids) for s, ids in self.ops.attach if s != slot]
+
     def make_room(self, pages: int) -> bool:
         """Whether ``pages`` more pages can be taken: free ones, else idle cached ones evicted
         least recently used first (none is evicted unless that makes enough room)."""

@@ -245,6 +245,7 @@ class Scheduler:
         """Give back ``req``'s slot and own pages; its computed full pages stay cached."""
         cache = self.prefix[rank]
         cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
+        cache.unattach(req.slot)  # admitted and preempted in one step: the rank never sees it
         self.slots[rank].release(req.slot)
         self.pages[rank].give(req.slot, req.pages - len(req.cached))
         cache.drop(req.cached)
