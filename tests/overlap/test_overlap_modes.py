@@ -33,6 +33,7 @@ REGISTRY = SRC / "core" / "overlap_modes.py"
 OTHER_ENUMS = {
     "core/a2a_mode.py": "--moe-a2a-backend none/auto, --a2a-mode auto",
     "core/device.py": "--device auto",
+    "core/eplb_placement.py": "--eplb-algorithm auto",
     "distributed/link.py": "--link none",
     "engine/args.py": "--load-format auto, --link none",
     "server/unsupported.py": "OpenAI's tool_choice none/auto",

@@ -18,6 +18,7 @@ from moe_overlap.core.errors import ConfigError
 
 Algorithm = Literal["auto", "deepseek", "deepseek_hierarchical"]
 ALGORITHMS: tuple[Algorithm, ...] = ("auto", "deepseek", "deepseek_hierarchical")
+AUTO: Algorithm = ALGORITHMS[0]  # as SGLang chooses: hierarchical where the groups divide
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class PlacementShape:
 
 def choose_algorithm(algorithm: Algorithm, num_groups: int | None, num_nodes: int) -> Algorithm:
     """``auto`` as SGLang chooses: hierarchical when the expert groups divide over the nodes."""
-    if algorithm != "auto":
+    if algorithm != AUTO:
         return algorithm
     if num_groups is not None and num_groups % num_nodes == 0:
         return "deepseek_hierarchical"
@@ -65,7 +66,7 @@ def choose_algorithm(algorithm: Algorithm, num_groups: int | None, num_nodes: in
 def rebalance(
     load: list[list[float]],
     shape: PlacementShape,
-    algorithm: Algorithm = "auto",
+    algorithm: Algorithm = AUTO,
     refined: bool = True,
 ) -> list[list[int]]:
     """``physical_to_logical`` for every layer of ``load`` (tokens per logical expert):

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_overlap.core.eplb_placement import Algorithm, PlacementShape, rebalance, trivial
+from moe_overlap.core.eplb_placement import AUTO, Algorithm, PlacementShape, rebalance, trivial
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 
 TRIVIAL = "trivial"
@@ -63,7 +63,7 @@ def check_placement(placement: list[list[int]], shape: PlacementShape, where: st
 
 
 def initial_placement(
-    location: str, shape: PlacementShape, num_layers: int, algorithm: Algorithm = "auto"
+    location: str, shape: PlacementShape, num_layers: int, algorithm: Algorithm = AUTO
 ) -> list[list[int]]:
     """``--init-expert-location``'s placement: one row per MoE layer."""
     if location == TRIVIAL:
@@ -110,7 +110,7 @@ def make_placement(
     shape: PlacementShape,
     location: str,
     dispatch: str,
-    algorithm: Algorithm = "auto",
+    algorithm: Algorithm = AUTO,
 ) -> ExpertPlacement | None:
     """The engine's placement from its flags; None where every rank holds its E/ep experts in
     order and dispatch needs no map (no redundant slot, the trivial location)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from moe_overlap.core.eplb_placement import ALGORITHMS, Algorithm, PlacementShape
+from moe_overlap.core.eplb_placement import ALGORITHMS, AUTO, Algorithm, PlacementShape
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.expert_location import (
     DISPATCH_ALGORITHMS,
@@ -45,7 +45,7 @@ class EplbArgs:
         group="eplb",
     )
     eplb_algorithm: str = setting(
-        "auto",
+        AUTO,
         "EPLB: the placement policy for a distribution given to --init-expert-location: "
         "deepseek (global), deepseek_hierarchical (expert groups first), or auto",
         choices=ALGORITHMS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from moe_overlap.core.eplb_placement import ALGORITHMS
+from moe_overlap.core.eplb_placement import ALGORITHMS, AUTO
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
@@ -269,7 +269,7 @@ class EplbPlacementFlags:
         parse=int,
     )
     algorithm: str = setting(
-        "auto",
+        AUTO,
         "deepseek (global), deepseek_hierarchical (groups to nodes to GPUs), or auto: "
         "hierarchical when --num-groups divide over --nodes, else global",
         choices=ALGORITHMS,
