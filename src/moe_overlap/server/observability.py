@@ -24,7 +24,8 @@ from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.expert_distribution import ExpertDistribution
 from moe_overlap.engine.loop import Delta, EngineLoop
-from moe_overlap.server.vllm_metrics import VllmAliases, engine_slots
+from moe_overlap.server.engine_stats import engine_slots
+from moe_overlap.server.vllm_metrics import VllmAliases
 
 logger = logging.getLogger("moe_overlap.server")
 LOG_EVERY_S = 10.0

@@ -7,7 +7,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from moe_overlap.engine.loop import EngineLoop
-from moe_overlap.engine.speculation import SpeculationStats
+from moe_overlap.server.engine_stats import engine_slots
 
 
 class VllmAliases(Collector):
@@ -28,18 +28,3 @@ class VllmAliases(Collector):
             counter = CounterMetricFamily(f"vllm:{name}", f"Prefix cache {name[13:]}, in tokens")
             counter.add_metric([], stats[name])
             yield counter
-
-
-def engine_slots(stats: dict[str, int]) -> dict[str, float]:
-    """The engine's stats with what is used, the pages' share in use and speculative
-    decoding's mean acceptance length."""
-    used_pages = stats["total_pages"] - stats["free_pages"]
-    return {
-        **stats,
-        "used_slots": stats["total_slots"] - stats["free_slots"],
-        "used_pages": used_pages,
-        "usage": used_pages / max(stats["total_pages"], 1),
-        "spec_acceptance_length": SpeculationStats(
-            stats["spec_verifications"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
-        ).mean_acceptance_length,
-    }
