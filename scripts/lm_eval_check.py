@@ -10,21 +10,17 @@ Run with ``make eval`` (which installs lm_eval); exits 1 on any mismatch.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from lm_eval import simple_evaluate
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from lm_eval.tasks import TaskManager
+from served import ROOT, free_port, make_tiny_model, serve
 
 from moe_overlap import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "lm_eval_tiny.jsonl"
 UNTIL, MAX_GEN = ["\n"], 6
 
@@ -56,30 +52,6 @@ def write_tasks(where: Path) -> None:
             **body,
         }
         (where / f"{name}.yaml").write_text(json.dumps(task))  # JSON is YAML
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moe_overlap.tools.cli", "serve", "--model", str(model),
-           "--ep", "2", "--enable-two-batch-overlap", "--port", str(port),
-           "--served-model-name", "tiny", "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}") from None
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become healthy in 120 s")
 
 
 def check(lm: LocalCompletionsAPI, samples: dict, model: Path) -> list[str]:
@@ -114,11 +86,7 @@ def main() -> int:
         model, tasks = Path(tmp) / "model", Path(tmp) / "tasks"
         tasks.mkdir()
         write_tasks(tasks)
-        subprocess.run(
-            [sys.executable, "-m", "moe_overlap.tools.cli", "make-model", "--hf-config",
-             str(ROOT / "configs/qwen3-moe-tiny.json"), "--out", str(model), "--seed", "0"],
-            check=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        make_tiny_model(model)
         port = free_port()
         server = serve(model, port)
         try:

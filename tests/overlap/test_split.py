@@ -104,7 +104,7 @@ def check_children(batch, plan):
     return children
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
     lens=lens_st,
     prefixes=st.lists(st.integers(0, 50), min_size=12, max_size=12),
@@ -125,7 +125,7 @@ def test_two_batch_split_properties(lens, prefixes, threshold):
         assert all(c.num_tokens > 0 for c in children)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(lens=lens_st, threshold=st.sampled_from([0, 0.1, 0.3, 0.48, 0.5]))
 def test_split_choice_properties(lens, threshold):
     n, total = len(lens), sum(lens)
@@ -147,7 +147,7 @@ def test_decode_split_properties(n):
     assert [c.num_seqs for c in children] == [n // 2, n - n // 2]
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(lens=lens_st, parts=st.integers(2, 5))
 def test_even_token_split_properties(lens, parts):
     batch = extend_batch(lens)
@@ -156,7 +156,7 @@ def test_even_token_split_properties(lens, parts):
     assert max(counts) - min(counts) <= 1
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     lens=lens_st,
     flags=st.lists(st.booleans(), min_size=12, max_size=12),
@@ -184,7 +184,7 @@ def test_merge_logits_restores_the_parent_rows(lens, flags, threshold):
 COST = ModelFlops(per_token=1000.0, per_pair=1.0, expert_share=0.5, shared_share=0.0)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(lens=lens_st, prefixes=st.lists(st.integers(0, 300), min_size=12, max_size=12))
 def test_time_balanced_two_chunk_properties(lens, prefixes):
     batch = extend_batch(lens, prefixes[: len(lens)])
@@ -205,7 +205,7 @@ def test_time_balanced_cut_gives_the_first_chunk_more_tokens():
     assert first > second and first + second == 3072
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     lens=lens_st,
     prefixes=st.lists(st.integers(0, 300), min_size=12, max_size=12),

@@ -38,7 +38,9 @@ def post(run: Running, path: str, body: dict | None = None) -> tuple[int, object
 
 
 def test_generate_is_the_completion_in_sglang_shape(served) -> None:
-    code, native = post(served, "/generate", {"text": "the river", "sampling_params": GREEDY})
+    sglang_bench = {"lora_path": None, "return_routed_experts": False, "logprob_start_len": -1}
+    body = {"text": "the river", "sampling_params": GREEDY, **sglang_bench}  # as bench_serving
+    code, native = post(served, "/generate", body)
     assert code == 200, native
     body = {"prompt": "the river", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     code, openai = post(served, "/v1/completions", body)
@@ -77,6 +79,7 @@ def test_generate_streams_cumulative_text_and_logprobs(served) -> None:
         ({"text": "hi", "sampling_params": {"min_p": 0.1}}, "sampling_params"),
         ({"text": "hi", "regex": "[a-z]+"}, "regex"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
+        ({"text": "hi", "return_routed_experts": True}, "return_routed_experts"),
         ({"text": "hi", "input_ids": [1]}, "text"),
         ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
         ({"text": "hi", "sampling_params": {"temperature": True}}, "sampling_params"),

@@ -57,6 +57,7 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     logprob_start_len: Literal[-1] = -1  # the prompt's log-probabilities are not returned
     lora_path: None = None  # no adapters: only null is accepted
+    return_routed_experts: Literal[False] = False  # sent by SGLang's bench_serving; not kept
 
     def batched(self) -> bool:
         prompt = self.text if self.text is not None else self.input_ids
