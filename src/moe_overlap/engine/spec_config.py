@@ -38,8 +38,9 @@ class SpeculativeArgs:
         None,
         "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
         "next tokens from an earlier match of its last tokens in its prompt and output (no "
-        "weights); the target verifies them in one forward. Greedy requests without "
-        "penalties are sped up; sampled and penalised ones are served exactly as without it",
+        "weights); the target verifies them in one forward: greedy requests get plain "
+        "decoding's tokens, sampled ones its distribution (rejection sampling); a structured "
+        "output is served as without it",
         choices=ALGORITHMS,
         parse=str.upper,
         group=_GROUP,
