@@ -43,8 +43,8 @@ def _params(stop_id: int | None = None) -> list[SamplingParams]:
     if stop_id is not None:
         p[2] = dataclasses.replace(GREEDY, max_new_tokens=NEW - 3)
         p[3] = dataclasses.replace(GREEDY, stop_token_ids=[stop_id])
-    p[4] = SamplingParams(temperature=0.8, seed=5, max_new_tokens=NEW, ignore_eos=True)
-    p[5] = dataclasses.replace(GREEDY, repetition_penalty=1.3)
+    p[4] = SamplingParams(temperature=0.8, seed=5, max_new_tokens=NEW, ignore_eos=True, logprobs=1)
+    p[5] = dataclasses.replace(GREEDY, repetition_penalty=1.3, logprobs=1)
     return p
 
 
@@ -110,9 +110,10 @@ def test_ngram_gives_plain_greedy_tokens_in_every_mode_at_ep2():
             _recording(llm, modes[mode], seen)
             got = llm.generate(prompts, _params(stop_id))
             assert [(out.token_ids, out.finish_reason) for out in got] == want, mode
-            for a, b in zip(free[1].logprobs, got[1].logprobs, strict=True):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
-                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            for i in (1, 4, 5):  # greedy, sampled, penalised: the target's logprobs
+                for a, b in zip(free[i].logprobs, got[i].logprobs, strict=True):
+                    assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
             cuts[mode] = _sequence_splits(seen) if mode.startswith("tbo") else 0
             assert any(b.mode == ForwardMode.TARGET_VERIFY for bs, *_ in seen for b in bs), mode
             assert _accepted(seen, sampled=True) and _accepted(seen, sampled=False), mode
