@@ -160,8 +160,6 @@ def test_greedy_verification_and_the_ngram_drafter():
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
         ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 3,
           "speculative_ngram_max_match_window_size": 2}, "min window size 3"),
-        ({"speculative_algorithm": "NGRAM", "pp": 2}, "--pp 2"),
-        ({"speculative_algorithm": "NGRAM", "enable_pdmux": True}, "--enable-pdmux"),
     ],
 )  # fmt: skip
 def test_bad_speculative_settings_are_refused(settings, match):
