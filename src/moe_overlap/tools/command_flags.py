@@ -148,6 +148,13 @@ class LoadFlags:
         "the cache changed: TTFT, throughput and the hit rate (not with --base-url)",
         group="load",
     )
+    compare_speculative: bool = setting(
+        False,
+        "start each mode's server twice, with speculative decoding (--speculative-algorithm, "
+        "NGRAM where none is given) and without, and close with output tokens/s of each and "
+        "the acceptance length from the server's /metrics (not with --base-url)",
+        group="load",
+    )
     duration: float | None = setting(
         None,
         "soak: hold each rate for about S seconds (rate x S requests, prompts reused) instead "
