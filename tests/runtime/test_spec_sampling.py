@@ -11,9 +11,10 @@ import dataclasses
 import numpy as np
 import torch
 
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import Penalties, SampleSpec
 from moe_overlap.runtime.draws import probabilities
-from moe_overlap.runtime.sampler import sample
+from moe_overlap.runtime.sampler import answer, sample
 from moe_overlap.runtime.verification import verify, verify_greedy
 
 # row j predicts position j; top_k=5 cuts one of the six tokens from each row
@@ -101,3 +102,15 @@ def test_penalties_count_the_drafts_accepted_before_each_row():
         1,
         0,
     ]
+
+
+def test_the_sampling_rank_passes_draft_probabilities_to_verification():
+    """``answer`` verifies a sequence's rows with the drafter's q where one is given."""
+    batch = ForwardBatch(torch.arange(3), [0], [5], [3], [True], [True])
+    q = torch.full((2, 6), 1 / 6, dtype=torch.float64)
+    for seed in range(20):
+        spec = dataclasses.replace(SPEC, seed=seed, drafts=(0, 1))
+        got = answer(batch, ROWS, [spec], "none", [q])
+        assert [got.token_ids[0], *got.more_ids[0]] == verify(ROWS, spec, q)
+        plain = answer(batch, ROWS, [spec], "none")
+        assert [plain.token_ids[0], *plain.more_ids[0]] == verify(ROWS, spec)

@@ -4,6 +4,8 @@ ids instead of ``[batch, vocab]`` logits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -52,12 +54,17 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
 
 
 def answer(
-    batch: ForwardBatch, logits: torch.Tensor, samples: list[SampleSpec] | None, mode: str
+    batch: ForwardBatch,
+    logits: torch.Tensor,
+    samples: list[SampleSpec] | None,
+    mode: str,
+    draft_probs: Sequence[torch.Tensor | None] = (),
 ) -> GroupReply:
     """The group's reply from its logit rows (``batch.logit_rows()``'s order): each sequence's
     scored prompt tokens, drawn token (and, verifying drafts, the tokens accepted after it)
     with their log-probabilities, and the rows of those that keep them. ``samples`` None: a
-    forward-only step, every row comes back."""
+    forward-only step, every row comes back. ``draft_probs``: per sequence, the drafter's
+    ``[k, vocab]`` distributions of its drafts (none given: one-hot drafts, as n-gram's)."""
     if samples is None:
         return GroupReply(logits=logits.cpu(), mode=mode)
     reply = GroupReply(mode=mode)
@@ -82,7 +89,8 @@ def answer(
         reply.prompt_logprobs.append(
             token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
         )
-        tokens, error = _draw(logits, decide[i], spec, picked.get(i))
+        q = draft_probs[i] if i < len(draft_probs) else None
+        tokens, error = _draw(logits, decide[i], spec, picked.get(i), q)
         reply.token_ids.append(tokens[0] if tokens else None)
         reply.more_ids.append(tokens[1:])
         reply.errors.append(error)
@@ -93,15 +101,19 @@ def answer(
 
 
 def _draw(
-    logits: torch.Tensor, row: int, spec: SampleSpec, picked: int | None
+    logits: torch.Tensor,
+    row: int,
+    spec: SampleSpec,
+    picked: int | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[list[int], str | None]:
     """One sequence's new tokens (none where it draws none) from its deciding ``row`` on: the
     greedy pick, or a draw, or the tokens verification accepts; or why its draw failed."""
     if not spec.draw:
         return [], None
     try:
-        if spec.verifies:  # n-gram drafts are one-hot: no draft probabilities
-            return verify(logits[row : row + len(spec.drafts) + 1], spec), None
+        if spec.verifies:
+            return verify(logits[row : row + len(spec.drafts) + 1], spec, draft_probs), None
         last = logits[row]
         if spec.allowed is not None:
             last = masked(last, spec.allowed)
