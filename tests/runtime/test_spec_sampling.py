@@ -26,7 +26,7 @@ ROWS = torch.tensor(
     ]
 )
 SPEC = SampleSpec(temperature=0.7, top_k=5)
-DRAWS = 3000
+DRAWS = 2000
 CHI2_LIMIT = 20.0  # chi-square with at most 4 degrees of freedom: exceeded with p < 5e-4
 
 
