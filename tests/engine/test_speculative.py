@@ -1,7 +1,7 @@
 """Speculative decoding with the n-gram drafter: greedy identity with plain decoding on real
 ep=2 gloo ranks in every overlap mode (one engine serves them all), a verify batch split by
 whole sequences, rejected drafts, and the requests speculation must leave as they were
-(max_tokens, stop token ids, logprobs, sampled, penalised)."""
+(max_tokens, stop token ids, logprobs; sampled and penalised ones, verified too)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import split_rows
 from moe_overlap.engine.ngram import propose
 from moe_overlap.overlap.split import plan_even_tokens, plan_two_batch
-from moe_overlap.runtime.sampler import verify_greedy
+from moe_overlap.runtime.verification import verify_greedy
 from tests.helpers import TINY, every_mode, qwen3_5_hf_config
 from tests.server.test_server import KEY, Running, _metrics, served_model
 
@@ -36,15 +36,15 @@ def _prompts() -> list[list[int]]:
 
 def _params(stop_id: int | None = None) -> list[SamplingParams]:
     """Plain greedy, greedy with logprobs, a max_tokens off the verify width, a stop token,
-    a sampled and a penalised request (which speculation serves unchanged); no stop token:
-    requests 2 and 3 run to ``NEW`` instead."""
+    a sampled and a penalised request (verified: rejection sampling by plain sampling's seeded
+    draws, penalties per row); no stop token: requests 2 and 3 run to ``NEW`` instead."""
     p = [GREEDY] * 8
     p[1] = dataclasses.replace(GREEDY, logprobs=2)
     if stop_id is not None:
         p[2] = dataclasses.replace(GREEDY, max_new_tokens=NEW - 3)
         p[3] = dataclasses.replace(GREEDY, stop_token_ids=[stop_id])
-    p[4] = SamplingParams(temperature=0.8, seed=5, max_new_tokens=NEW, ignore_eos=True)
-    p[5] = dataclasses.replace(GREEDY, repetition_penalty=1.3)
+    p[4] = SamplingParams(temperature=0.8, seed=5, max_new_tokens=NEW, ignore_eos=True, logprobs=1)
+    p[5] = dataclasses.replace(GREEDY, repetition_penalty=1.3, logprobs=1)
     return p
 
 
@@ -54,7 +54,7 @@ def _recording(llm: LLM, overlap, seen: list) -> None:
 
     def forced(request):
         reply = step(dataclasses.replace(request, overlap=overlap, record=True))
-        seen.append((request.batches, reply.spans))
+        seen.append((request.batches, reply.spans, request.samples, reply.groups))
         return reply
 
     llm.executor.step = forced
@@ -64,7 +64,7 @@ def _sequence_splits(seen: list) -> int:
     """Verify batches that TBO cut, each checked to be cut at whole sequences by SGLang's
     rule (DBO's cut is vLLM's token split point, shared by the ranks)."""
     cut = 0
-    for batches, spans in seen:
+    for batches, spans, _, _ in seen:
         for rank, batch in enumerate(batches):  # at ep=2 rank r runs group r's batch
             rows = split_rows(spans[rank] or [])
             if batch.mode != ForwardMode.TARGET_VERIFY or not rows:
@@ -74,6 +74,16 @@ def _sequence_splits(seen: list) -> int:
             assert sum(rows) == batch.num_tokens and all(r % per_seq == 0 for r in rows)
             cut += 1
     return cut
+
+
+def _accepted(seen: list, sampled: bool) -> bool:
+    """A sampled (or a penalised greedy) sequence had a draft accepted in some verify step."""
+    return any(
+        bool(more) and spec.verifies and (spec.temperature > 0 if sampled else spec.penalties)
+        for _, _, samples, groups in seen
+        for group, reply in zip(samples or [], groups, strict=True)
+        for spec, more in zip(group, reply.more_ids, strict=True)
+    )
 
 
 def _expected(free, stop_id: int):
@@ -100,11 +110,13 @@ def test_ngram_gives_plain_greedy_tokens_in_every_mode_at_ep2():
             _recording(llm, modes[mode], seen)
             got = llm.generate(prompts, _params(stop_id))
             assert [(out.token_ids, out.finish_reason) for out in got] == want, mode
-            for a, b in zip(free[1].logprobs, got[1].logprobs, strict=True):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
-                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            for i in (1, 4, 5):  # greedy, sampled, penalised: the target's logprobs
+                for a, b in zip(free[i].logprobs, got[i].logprobs, strict=True):
+                    assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
             cuts[mode] = _sequence_splits(seen) if mode.startswith("tbo") else 0
-            assert any(b.mode == ForwardMode.TARGET_VERIFY for bs, _ in seen for b in bs), mode
+            assert any(b.mode == ForwardMode.TARGET_VERIFY for bs, *_ in seen for b in bs), mode
+            assert _accepted(seen, sampled=True) and _accepted(seen, sampled=False), mode
     assert cuts["tbo"] > 0 and cuts["tbo+two-chunk"] > 0, cuts
     stats = speculation.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens  # drafts accepted, and rejected
@@ -148,8 +160,6 @@ def test_greedy_verification_and_the_ngram_drafter():
         ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, ">= 2"),
         ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 3,
           "speculative_ngram_max_match_window_size": 2}, "min window size 3"),
-        ({"speculative_algorithm": "NGRAM", "pp": 2}, "--pp 2"),
-        ({"speculative_algorithm": "NGRAM", "enable_pdmux": True}, "--enable-pdmux"),
     ],
 )  # fmt: skip
 def test_bad_speculative_settings_are_refused(settings, match):

@@ -4,6 +4,7 @@
 ``low_latency`` sends fixed-capacity blocks the host never sizes (``dispatch/low_latency.py``:
 no read of the device, so a CUDA graph can hold the step), for micro-batches of at most
 ``--num-max-dispatch-tokens-per-rank`` tokens; ``auto`` takes low-latency for a decode step
+(a speculative target-verify step too, its k + 1 rows a sequence counted against the cap)
 and normal for anything that prefills, as SGLang's ``auto`` does, on CUDA only: over gloo the
 fixed blocks cross whole (padding included) and no graph holds the step, so on CPU ``auto``
 is normal throughout.
@@ -60,6 +61,9 @@ def over_capacity(tokens: int, capacity: int) -> ConfigError:
     )
 
 
+_DECODING = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+
 def step_a2a_mode(
     asked: str,
     batches: Sequence[ForwardBatch],
@@ -70,13 +74,14 @@ def step_a2a_mode(
     """``normal`` or ``low_latency`` for a step whose groups run ``batches``, the same on every
     rank. ``available``: this layout built a low-latency dispatcher (one all-to-all group, no
     pipeline or PD-mux lane); ``on_gpu``: it runs on CUDA (``auto`` takes low-latency only
-    there). An explicit ``low_latency`` with a batch above ``capacity`` tokens is refused
+    there, for decode and target-verify steps whose rows fit). An explicit ``low_latency`` with a batch above ``capacity`` tokens is refused
     here, before any rank sends a row."""
     if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
         return A2AMode.NORMAL
     tokens = max((b.num_tokens for b in batches), default=0)
     if asked == A2AMode.AUTO:
-        decoding = all(b.mode in (ForwardMode.DECODE, ForwardMode.IDLE) for b in batches)
+        # a verify batch is decode with k + 1 rows a sequence: the rows count toward the cap
+        decoding = all(b.mode in _DECODING for b in batches)
         return A2AMode.LOW_LATENCY if decoding and 0 < tokens <= capacity else A2AMode.NORMAL
     if not available:
         raise ConfigError(

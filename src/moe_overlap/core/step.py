@@ -57,19 +57,16 @@ class SampleSpec:
     # little-endian int32 word t // 32); the others are masked before penalties and the draw
     allowed: bytes | None = None
     # speculative decoding: the draft tokens fed after the last one (a target-verify row each);
-    # its first row then decides the next token, and a greedy unpenalised sequence verifies
-    # the drafts (the others are sampled from that row alone, as without speculation)
+    # its first row then decides the next token, and a sequence without a structured output
+    # verifies the drafts (a constrained one is sampled from that row alone, as without
+    # speculation)
     drafts: tuple[int, ...] = ()
 
     @property
     def verifies(self) -> bool:
-        """Its drafts are verified greedily (else they are padding in a verify batch)."""
-        return (
-            bool(self.drafts)
-            and self.temperature == 0.0
-            and self.penalties is None
-            and self.allowed is None
-        )
+        """Its drafts are verified (else they are padding in a verify batch): greedily, or by
+        rejection sampling, with its penalties applied per row."""
+        return bool(self.drafts) and self.allowed is None
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Speculative decoding's settings: SGLang's ``--speculative-*`` flags and vLLM's
 ``--speculative-config`` JSON, read into one ``SpeculativeConfig`` (a conflict between them is
-refused), and the layouts and models speculation refuses."""
+refused), and the models speculation refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import TypeVar
 
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import setting
 
 ALGORITHMS = ("NGRAM",)  # SGLang's names; vLLM's "method" values are their lower case
@@ -38,8 +37,9 @@ class SpeculativeArgs:
         None,
         "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
         "next tokens from an earlier match of its last tokens in its prompt and output (no "
-        "weights); the target verifies them in one forward. Greedy requests without "
-        "penalties are sped up; sampled and penalised ones are served exactly as without it",
+        "weights); the target verifies them in one forward: greedy requests get plain "
+        "decoding's tokens, sampled ones its distribution (rejection sampling); a structured "
+        "output is served as without it",
         choices=ALGORITHMS,
         parse=str.upper,
         group=_GROUP,
@@ -151,22 +151,11 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def check_speculation(
-    spec: SpeculativeConfig | None, par: ParallelConfig, cfg: ModelConfig, pdmux: bool
-) -> None:
-    """Refuse what speculation is not exact on yet, each with the reason."""
-    if spec is None:
-        return
-    refusals = [
-        (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
-         "rejected draft would have to roll back, which is not built; serve it without "
-         "--speculative-algorithm"),
-        (par.pp > 1, f"--pp {par.pp}: pipeline stages do not carry verify batches yet; use "
-         "--pp 1"),
-        (par.enable_dp_attention, "--enable-dp-attention: verify batches are not checked "
-         "against DP attention's gather yet; drop it (pure --ep is supported)"),
-        (pdmux, "--enable-pdmux: prefill waves beside verify steps are not built; drop one"),
-    ]  # fmt: skip
-    for refused, why in refusals:
-        if refused:
-            raise ConfigError(f"speculative decoding ({spec.algorithm}) is refused: {why}")
+def check_speculation(spec: SpeculativeConfig | None, cfg: ModelConfig) -> None:
+    """Refuse what speculation is not exact on yet, with the reason."""
+    if spec is not None and cfg.is_hybrid:
+        raise ConfigError(
+            f"speculative decoding ({spec.algorithm}) is refused: the model's linear-attention "
+            "layers keep a recurrent state that a rejected draft would have to roll back, "
+            "which is not built; serve it without --speculative-algorithm"
+        )

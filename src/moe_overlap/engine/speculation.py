@@ -14,7 +14,7 @@ from moe_overlap.engine.spec_config import SpeculativeConfig
 
 @dataclass
 class SpeculationStats:
-    """Counted over every sequence whose drafts were verified (greedy, unpenalised)."""
+    """Counted over every sequence whose drafts were verified (all but constrained ones)."""
 
     verifications: int = 0  # a sequence's drafts checked in one verify forward
     draft_tokens: int = 0
@@ -29,10 +29,10 @@ class SpeculationStats:
 
 
 def verifies(req: Request) -> bool:
-    """A request whose drafts are verified: greedy, no penalties, no structured output (else
-    its drafts are padding and it is sampled from its first row, exactly as without
-    speculation)."""
-    return req.params.temperature == 0.0 and not req.params.penalised and req.constraint is None
+    """A request whose drafts are verified: any but a structured output's (its grammar would
+    have to follow each draft; its drafts are padding and it is sampled from its first row,
+    exactly as without speculation)."""
+    return req.constraint is None
 
 
 class Speculation:

@@ -4,41 +4,23 @@ ids instead of ``[batch, vocab]`` logits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import GroupReply, SampleSpec, TokenLogprobs
+from moe_overlap.runtime.draws import draw, draw_seed, probabilities
 from moe_overlap.runtime.penalties import penalised
-
-_MIX = 0x9E3779B97F4A7C15  # spreads consecutive token indices over the seed space
-
-
-def draw_seed(seed: int, index: int) -> int:
-    """The seed of a request's ``index``-th draw: depends on nothing but the two, so a token
-    is the same whichever rank draws it and whatever else shares its batch."""
-    return (seed + index * _MIX) % (1 << 63)
+from moe_overlap.runtime.verification import verify
 
 
 def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
     """One token from one row of logits: greedy, temperature, top-k and top-p (vLLM's rules)."""
     if spec.temperature == 0.0:
         return int(torch.argmax(logits))
-    logits = logits.float() / spec.temperature
-    if spec.top_k:
-        kth = torch.topk(logits, min(spec.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if spec.top_p < 1.0:
-        # float64, so a top_p below float32's smallest value does not round to 0 and drop all
-        sorted_probs, order = torch.sort(probs.double(), descending=True)
-        # keep the smallest prefix whose mass reaches top_p, and always the likeliest token
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= spec.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(sorted_probs).scatter_(0, order, sorted_probs)
-    generator = torch.Generator(device=probs.device).manual_seed(draw_seed(spec.seed, spec.index))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(probabilities(logits, spec), draw_seed(spec.seed, spec.index))
 
 
 def masked(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
@@ -72,12 +54,17 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> 
 
 
 def answer(
-    batch: ForwardBatch, logits: torch.Tensor, samples: list[SampleSpec] | None, mode: str
+    batch: ForwardBatch,
+    logits: torch.Tensor,
+    samples: list[SampleSpec] | None,
+    mode: str,
+    draft_probs: Sequence[torch.Tensor | None] = (),
 ) -> GroupReply:
     """The group's reply from its logit rows (``batch.logit_rows()``'s order): each sequence's
     scored prompt tokens, drawn token (and, verifying drafts, the tokens accepted after it)
     with their log-probabilities, and the rows of those that keep them. ``samples`` None: a
-    forward-only step, every row comes back."""
+    forward-only step, every row comes back. ``draft_probs``: per sequence, the drafter's
+    ``[k, vocab]`` distributions of its drafts (none given: one-hot drafts, as n-gram's)."""
     if samples is None:
         return GroupReply(logits=logits.cpu(), mode=mode)
     reply = GroupReply(mode=mode)
@@ -102,7 +89,8 @@ def answer(
         reply.prompt_logprobs.append(
             token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
         )
-        tokens, error = _draw(logits, decide[i], spec, picked.get(i))
+        q = draft_probs[i] if i < len(draft_probs) else None
+        tokens, error = _draw(logits, decide[i], spec, picked.get(i), q)
         reply.token_ids.append(tokens[0] if tokens else None)
         reply.more_ids.append(tokens[1:])
         reply.errors.append(error)
@@ -113,15 +101,19 @@ def answer(
 
 
 def _draw(
-    logits: torch.Tensor, row: int, spec: SampleSpec, picked: int | None
+    logits: torch.Tensor,
+    row: int,
+    spec: SampleSpec,
+    picked: int | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[list[int], str | None]:
     """One sequence's new tokens (none where it draws none) from its deciding ``row`` on: the
-    greedy pick, or a draw, or the tokens greedy verification accepts; or why its draw failed."""
+    greedy pick, or a draw, or the tokens verification accepts; or why its draw failed."""
     if not spec.draw:
         return [], None
-    if spec.verifies:
-        return verify_greedy(logits[row : row + len(spec.drafts) + 1], spec.drafts), None
     try:
+        if spec.verifies:
+            return verify(logits[row : row + len(spec.drafts) + 1], spec, draft_probs), None
         last = logits[row]
         if spec.allowed is not None:
             last = masked(last, spec.allowed)
@@ -130,17 +122,6 @@ def _draw(
         return [picked if picked is not None else sample(last, spec)], None
     except Exception as exc:  # this sequence alone fails; the driver says why
         return [], f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def verify_greedy(rows: torch.Tensor, drafts: tuple[int, ...]) -> list[int]:
-    """Greedy verification: the target's argmax of each row while the draft before it was
-    accepted, i.e. the longest prefix of ``drafts`` equal to the target's picks, plus the
-    bonus token (the pick after the last accepted draft)."""
-    picks = rows.argmax(-1).tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == picks[accepted]:
-        accepted += 1
-    return picks[: accepted + 1]
 
 
 def _add_logprobs(

@@ -51,6 +51,25 @@ class Target:
         return headers
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding's counters in our server's ``/metrics``."""
+
+    verifications: float = 0.0
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+
+    def since(self, before: SpecCounts) -> SpecCounts:
+        return SpecCounts(
+            self.verifications - before.verifications,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted_tokens - before.accepted_tokens,
+        )
+
+
+_SPEC_METRICS = {f"moe_overlap_spec_{name}": name for name in SpecCounts.__dataclass_fields__}
+
+
 @dataclass
 class LoadResult:
     mode: str
@@ -60,6 +79,20 @@ class LoadResult:
     ttft_ms: tuple[float, float]  # p50, p99
     itl_ms: tuple[float, float]  # p50, p99
     rss_mib: tuple[float, float] = (float("nan"), float("nan"))  # before, after (with ranks)
+    spec: SpecCounts | None = None  # over this load; None: the server counts no speculation
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens per verification, the bonus token included; None where none verified."""
+        if self.spec is None or not self.spec.verifications:
+            return None
+        return (self.spec.accepted_tokens + self.spec.verifications) / self.spec.verifications
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The share of draft tokens accepted."""
+        spec = self.spec or SpecCounts()
+        return spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0
 
     @property
     def requests(self) -> int:
@@ -88,6 +121,10 @@ class LoadResult:
             "max_concurrency": self.max_concurrency,
             **self.summary,
             "rss_mib": list(self.rss_mib),
+            "spec_acceptance_length": self.acceptance_length,
+            "spec_draft_acceptance": (
+                self.draft_acceptance if self.acceptance_length is not None else None
+            ),
         }
 
 
@@ -124,6 +161,26 @@ def cache_hit_rate(target: Target) -> float | None:
         conn.close()
 
 
+def spec_counts(target: Target) -> SpecCounts | None:
+    """Speculative decoding's counters in the server's ``/metrics`` (ours), or None where it
+    has no such page or counters (another server)."""
+    conn = target.connection(timeout=30)
+    try:
+        conn.request("GET", target.path("/metrics"), headers=target.headers())
+        resp = conn.getresponse()
+        body = resp.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+    found = {}
+    for line in body.splitlines() if resp.status == 200 else []:
+        name, _, value = line.partition(" ")
+        if name in _SPEC_METRICS:
+            found[_SPEC_METRICS[name]] = float(value)
+    return SpecCounts(**found) if len(found) == len(_SPEC_METRICS) else None
+
+
 def run_load(
     target: Target,
     requests: list[BenchRequest],
@@ -138,7 +195,7 @@ def run_load(
     in flight); wait for every answer. ``progress``: a bar of the answers, on a terminal."""
     rng = random.Random(seed)
     model = target.model or served_model(target)
-    rss_before = rss_mib()
+    rss_before, spec_before = rss_mib(), spec_counts(target)
     gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
     start = time.perf_counter()
@@ -155,6 +212,8 @@ def run_load(
             done.add_done_callback(lambda _: bar.advance(answered))
             time.sleep(rng.expovariate(rate) if rate != float("inf") else 0.0)
     ends = [t.chunks[-1] for t in timings if t.chunks]
+    spec_after = spec_counts(target)
+    spec = spec_after.since(spec_before) if spec_after and spec_before else None
     samples = samples_ms(timings)
     return LoadResult(
         mode,
@@ -164,6 +223,7 @@ def run_load(
         (percentile(samples["ttft"], 50), percentile(samples["ttft"], 99)),
         (percentile(samples["itl"], 50), percentile(samples["itl"], 99)),
         (rss_before, rss_mib()),
+        spec,
     )
 
 

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import SERVE_LABELS, mode_config
@@ -27,7 +26,14 @@ from moe_overlap.tools.bench_datasets import (
     random_requests,
     workload_requests,
 )
-from moe_overlap.tools.bench_serve import LoadResult, Target, cache_hit_rate, free_port, run_load
+from moe_overlap.tools.bench_serve import Target, cache_hit_rate, free_port, run_load
+from moe_overlap.tools.bench_serve_report import (
+    NO_PREFIX_CACHE,
+    NO_SPECULATION,
+    load_table,
+    prefix_caching_note,
+    speculative_note,
+)
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
 from moe_overlap.tools.command_flags import LoadFlags
 from moe_overlap.tools.flags import add_fields
@@ -68,10 +74,16 @@ _AT_LEAST_ONE = (
 
 def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
     rates = _rates(args.rates)
-    if args.base_url and args.compare_prefix_caching:
+    for flag, what in (("prefix_caching", "the cache"), ("speculative", "speculation")):
+        if args.base_url and getattr(args, f"compare_{flag}"):
+            raise ConfigError(
+                f"--compare-{flag.replace('_', '-')} starts our servers with {what} on and "
+                "off; a server at --base-url runs its own: drop one of them"
+            )
+    if args.compare_prefix_caching and args.compare_speculative:
         raise ConfigError(
-            "--compare-prefix-caching starts our servers with the cache on and off; a server "
-            "at --base-url runs its own: drop one of them"
+            "--compare-prefix-caching and --compare-speculative each run every mode twice; "
+            "give one of them"
         )
     for name in _AT_LEAST_ONE:
         value = getattr(args, name)
@@ -111,10 +123,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         longest = max(len(r.prompt) + r.output_len for r in prompts)
         check_fits(f"--dataset-name {_dataset(args)}", longest, cfg, args.max_model_len)
     console, results = Console(width=max(Console().width, 132)), []  # the table is wide
-    caching = (True, False) if args.compare_prefix_caching else (None,)
-    for mode, cache in ((m, c) for m in modes for c in caching):
-        label = mode if cache is not False else f"{mode} no-prefix-cache"
-        with _target(args, cfg, overlaps.get(mode), cache) as target:
+    for mode, (suffix, variant) in ((m, v) for m in modes for v in _variants(args)):
+        label = mode + suffix
+        with _target(args, cfg, overlaps.get(mode), variant) as target:
             for rate in rates:
                 count = (
                     round(rate * args.duration)
@@ -141,6 +152,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     console.print(load_table(results, _title(args)))
     if args.compare_prefix_caching:
         console.print(prefix_caching_note(results), highlight=False)
+    if args.compare_speculative:
+        console.print(speculative_note(results), highlight=False)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -211,18 +224,34 @@ def _model_config(args: argparse.Namespace) -> ModelConfig | None:
     return None
 
 
+def _variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """Each server a mode runs with: its label's suffix and the engine settings it changes
+    (--compare-*: with the feature, then without it)."""
+    if args.compare_prefix_caching:
+        return [
+            ("", {"enable_prefix_caching": True}),
+            (NO_PREFIX_CACHE, {"enable_prefix_caching": False}),
+        ]
+    if args.compare_speculative:
+        given = args.speculative_algorithm or args.speculative_config
+        off = dict.fromkeys(("speculative_config", "speculative_num_draft_tokens"))
+        return [
+            ("", {} if given else {"speculative_algorithm": "NGRAM"}),
+            (NO_SPECULATION, {**off, "speculative_algorithm": None}),
+        ]
+    return [("", {})]
+
+
 @contextmanager
 def _target(
-    args: argparse.Namespace, cfg: ModelConfig | None, overlap, prefix_caching: bool | None
+    args: argparse.Namespace, cfg: ModelConfig | None, overlap, variant: dict
 ) -> Iterator[Target]:
-    """The server at --base-url, or ours with ``overlap`` (and ``prefix_caching`` when not
-    None), running until the block ends."""
+    """The server at --base-url, or ours with ``overlap`` and the ``variant``'s settings,
+    running until the block ends."""
     if args.base_url:
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
-    kwargs = {**engine_kwargs(args), "overlap": overlap}
-    if prefix_caching is not None:
-        kwargs["enable_prefix_caching"] = prefix_caching
+    kwargs = {**engine_kwargs(args), "overlap": overlap, **variant}
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve
 
     llm = LLM(**kwargs)
@@ -259,40 +288,3 @@ def _rates(text: str) -> list[float]:
     if not rates or not all(r > 0 for r in rates):
         raise ConfigError(f"--rates {text!r}: every rate must be a positive number")
     return rates
-
-
-def load_table(results: list[LoadResult], title: str) -> Table:
-    table = Table(title=title)
-    for column in ("mode", "rate/s", "done/s", "tokens/s", "TTFT p50", "TTFT p99"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
-    for column in ("ITL p50", "ITL p99", "errors", "RSS MiB"):
-        table.add_column(column, justify="right")
-    for r in results:
-        table.add_row(
-            r.mode,
-            f"{r.rate:g}",
-            f"{r.requests_per_s:.2f}",
-            f"{r.tokens_per_s:,.0f}",
-            *(f"{v:.0f} ms" for v in (*r.ttft_ms, *r.itl_ms)),
-            str(r.errors),
-            f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
-        )
-    return table
-
-
-def prefix_caching_note(results: list[LoadResult]) -> str:
-    """The closing note of --compare-prefix-caching: per mode and rate, TTFT p50 and output
-    throughput with the cache against without it."""
-    lines = ["prefix caching on against off (the same prompts, the same rates):"]
-    by_label = {(r.mode, r.rate): r for r in results}
-    for (label, rate), on in by_label.items():
-        off = by_label.get((f"{label} no-prefix-cache", rate))
-        if off is None:
-            continue
-        lines.append(
-            f"  {label} at {rate:g}/s: TTFT p50 {off.ttft_ms[0]:.0f} -> {on.ttft_ms[0]:.0f} ms "
-            f"({off.ttft_ms[0] / max(on.ttft_ms[0], 1e-9):.2f}x), output "
-            f"{off.tokens_per_s:,.0f} -> {on.tokens_per_s:,.0f} tokens/s "
-            f"({on.tokens_per_s / max(off.tokens_per_s, 1e-9):.2f}x)"
-        )
-    return "\n".join(lines)

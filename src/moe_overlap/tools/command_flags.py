@@ -13,6 +13,7 @@ from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
 from moe_overlap.tools.bench_datasets import DATASETS
+from moe_overlap.tools.spec_plan_flags import SpeculativePlanFlags
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
 
@@ -148,6 +149,13 @@ class LoadFlags:
         "the cache changed: TTFT, throughput and the hit rate (not with --base-url)",
         group="load",
     )
+    compare_speculative: bool = setting(
+        False,
+        "start each mode's server twice, with speculative decoding (--speculative-algorithm, "
+        "NGRAM where none is given) and without, and close with output tokens/s of each and "
+        "the acceptance length from the server's /metrics (not with --base-url)",
+        group="load",
+    )
     duration: float | None = setting(
         None,
         "soak: hold each rate for about S seconds (rate x S requests, prompts reused) instead "
@@ -200,8 +208,9 @@ class LoadFlags:
 
 
 @dataclass
-class PlanFlags:
-    """``moe-overlap plan``: the cluster, the workload and modes, and what to print."""
+class PlanFlags(SpeculativePlanFlags):
+    """``moe-overlap plan``: the cluster, the workload and modes, what to print, and the
+    speculative decoding to plan (its flags in ``spec_plan_flags.py``)."""
 
     cluster: str | None = setting(
         None,

@@ -29,6 +29,13 @@ from moe_overlap.planner.report import (
     sweep_table,
 )
 from moe_overlap.planner.reproduce import reproduce, reproduce_table
+from moe_overlap.planner.speculative import (
+    plan_speculation,
+    speculation_inputs,
+    speculation_table,
+    speculation_verdict,
+    speculative_workload,
+)
 from moe_overlap.planner.sweep import crossover, decode_sweep
 from moe_overlap.tools.command_flags import PlanFlags
 from moe_overlap.tools.flags import add_fields
@@ -50,7 +57,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    workload = parse_workload(args.workload, layout.dp_groups, args.seed)
+    speculation = speculation_inputs(
+        args.speculative_num_draft_tokens, args.accept_length, args.speculative_drafter
+    )
+    workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
+    workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
     if args.cluster == "this":
         cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
@@ -69,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = {m: planner.plan(m, cfg, batches, record) for m, cfg in configs.items()}
     elapsed = time.perf_counter() - started
     console = Console(width=max(Console().width, 120))
-    for note in spec.notes:
+    for note in (*spec.notes, *([workload_note] if workload_note else [])):
         console.print(f"note: {note}")
     title = (
         f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
@@ -87,7 +98,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(compare_table(plans, measured, workload.spec))
     if args.decode_sweep:
         print_decode_sweep(console, planner, configs, layout, spec, args)
+    if speculation is not None:
+        specs = plan_speculation(planner, configs, batches, layout, speculation)
+        print_speculation(console, specs, speculation, title)
     return 0
+
+
+def print_speculation(console, specs, speculation, title: str) -> None:
+    console.print(speculation_table(specs, speculation, f"speculative decoding: {title}"))
+    for line in speculation_verdict(specs):
+        console.print(line, highlight=False)
 
 
 def cmd_reproduce() -> int:
