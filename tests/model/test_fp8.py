@@ -1,0 +1,178 @@
+"""FP8 checkpoints (``make-model --quantize fp8``, 32x32 blocks on the tiny configs): one process
+against transformers on the same FP8 weights; ``--fp8-dequant-on-the-fly`` bit for bit the
+default; every overlap mode at ep=2 and TP 2 (its shards cutting blocks) against one process;
+named errors for bad checkpoints.
+
+transformers' reference: its ``from_pretrained`` FP8 loader needs ``accelerate`` (not in this
+environment), so the test dequantizes a copy and transformers loads that. For Qwen3-MoE and
+Qwen3.5-MoE (32x32 blocks) the copy is dequantized by transformers' own ``Fp8Dequantize``; for
+DeepSeek-V3 (16x16 blocks) that op refuses the non-dividing grid of ``kv_a_proj_with_mqa`` (40
+rows: 3 blocks, the last short, as DeepSeek-V3's 576 rows are 5 blocks of 128), which the test
+checks, and the copy is dequantized by the test's own per-block product.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_overlap import LLM, SamplingParams
+from moe_overlap.core.errors import CheckpointError, ConfigError
+from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model.fp8_weights import resident_bytes
+from moe_overlap.model.loader import build_model
+from moe_overlap.tools.cli import main
+from tests.helpers import every_mode, force_overlap, max_abs_diff
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {  # and the block: kv_a_proj_with_mqa's 40 rows are 3 blocks of 16, the last short
+    "qwen3_moe": ("configs/qwen3-moe-tiny.json", "32"),
+    "deepseek_v3": ("configs/deepseek-v3-tiny.json", "16"),
+    "qwen3_5_moe": ("configs/qwen3_5-moe-tiny.json", "32"),
+}
+PROMPTS = [[(11 * i + 5) % 512 for i in range(n)] for n in (9, 3)]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
+KW = dict(max_num_batched_tokens=8)  # chunked prefill: TBO and two-chunk get cut sequences
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    paths = {}
+    for family, (config, block) in CONFIGS.items():
+        out = root / family
+        argv = ["make-model", "--hf-config", config, "--out", str(out), "--quantize", "fp8"]
+        assert main([*argv, "--fp8-block", block]) == 0
+        paths[family] = out
+    return paths
+
+
+def _dequantized_copy(path: Path, out: Path, by_transformers: bool) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    tensors = load_file(str(path / "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(f"{name}_scale_inv")
+        if scale is None:
+            plain[name] = tensor
+        elif by_transformers:
+            plain[name] = Fp8Dequantize(None)._dequantize_one(tensor, scale, torch.float32)
+        else:  # each element times its 16x16 block's scale, short blocks at the ends
+            grid = scale.repeat_interleave(16, 0)[: tensor.shape[0]]
+            plain[name] = tensor.float() * grid.repeat_interleave(16, 1)[:, : tensor.shape[1]]
+    out.mkdir()
+    save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    del raw["quantization_config"]
+    (out / "config.json").write_text(json.dumps(raw))
+
+
+def test_transformers_refuses_the_non_dividing_grid(fp8):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    tensors = load_file(str(fp8["deepseek_v3"] / "model.safetensors"))
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert tensors[name].shape == (40, 128) and tensors[f"{name}_scale_inv"].shape == (3, 8)
+    with pytest.raises(ValueError, match="not divisible by scale grid"):
+        Fp8Dequantize(None)._dequantize_one(tensors[name], tensors[f"{name}_scale_inv"])
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_one_process_matches_transformers(fp8, family, tmp_path):
+    _dequantized_copy(fp8[family], tmp_path / "plain", by_transformers=family != "deepseek_v3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
+    with LLM(fp8[family]) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, return_logits=True)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
+        assert out.token_ids[0] == ref[-1].argmax().item()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+def test_every_mode_at_ep2_equals_one_process(fp8, family):
+    """One ep=2 engine runs every mode with the weights kept in FP8 (experts' scales cut per
+    rank), against one process dequantizing at load: the same bits."""
+    with LLM(fp8[family], **KW) as one:
+        base = one.generate(PROMPTS, GREEDY, return_logits=True)
+    with LLM(fp8[family], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
+        for mode in MODES:
+            force_overlap(llm, every_mode()[mode])
+            got = llm.generate(PROMPTS, GREEDY, return_logits=True)
+            for a, b in zip(base, got, strict=True):
+                assert a.token_ids == b.token_ids, mode
+                assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, mode
+
+
+def test_tp2_cuts_blocks_with_their_scales(fp8):
+    """TP 2 on deepseek-v3-tiny, weights kept in FP8: kv_b_proj's 128 rows and q_b_proj's 96
+    split at 64 and 48, each rank keeping its rows' scales; o_proj's and the experts' columns
+    split on a block boundary. Same tokens and logits as one process."""
+    path = fp8["deepseek_v3"]
+    with LLM(path, **KW) as one:
+        base = one.generate(PROMPTS, GREEDY, return_logits=True)
+    with LLM(path, tp=2, fp8_dequant_on_the_fly=True, overlap=mode_config("none"), **KW) as llm:
+        got = llm.generate(PROMPTS, GREEDY, return_logits=True)
+    for a, b in zip(base, got, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
+
+
+def test_on_the_fly_keeps_fp8_resident_and_equals_the_default(fp8):
+    """The weights kept in FP8 (one byte each, plus a float32 scale per row and 32 columns) are
+    rebuilt bit for bit as the default load's; the router and norms are not quantized."""
+    cfg = ModelConfig.from_hf(fp8["qwen3_moe"] / "config.json")
+    default = build_model(cfg, fp8["qwen3_moe"])
+    resident = build_model(cfg, fp8["qwen3_moe"], fp8_on_the_fly=True)
+    for name in ("self_attn.q_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        module, _, attr = f"model.layers.1.{name}".rpartition(".")
+        kept = resident.get_submodule(module)
+        assert kept.parametrizations[attr].original.dtype == torch.float8_e4m3fn, name
+        assert torch.equal(getattr(default.get_submodule(module), attr), getattr(kept, attr))
+    assert not hasattr(resident.model.layers["1"].mlp.gate, "parametrizations")
+    held, bf16 = resident_bytes(resident)
+    assert bf16 > 0 and held / bf16 == pytest.approx((1 + 4 / 32) / 2)
+
+
+def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
+    source = fp8["qwen3_moe"]
+    cfg = ModelConfig.from_hf(source / "config.json")
+    raw = json.loads((source / "config.json").read_text())
+    awq = tmp_path / "awq"
+    awq.mkdir()
+    (awq / "config.json").write_text(
+        json.dumps(raw | {"quantization_config": {"quant_method": "awq"}})
+    )
+    with pytest.raises(ConfigError, match="quant_method='awq'"):
+        LLM(awq)
+    with pytest.raises(ConfigError, match="--quantization fp8 needs an FP8 checkpoint"):
+        LLM(hf_config="configs/qwen3-moe-tiny.json", quantization="fp8")
+    tensors = load_file(str(source / "model.safetensors"))
+    scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    bad = {
+        "missing": {k: v for k, v in tensors.items() if k != scale},
+        "grid": tensors | {scale: torch.ones(4, 3)},
+    }
+    errors = {
+        "missing": r"'model.layers.1.self_attn.o_proj.weight' is float8_e4m3fn but its scale",
+        "grid": r"has shape \(4, 3\); weight .* of shape \(128, 128\) in blocks of \[32, 32\] "
+        r"needs \(4, 4\)",
+    }
+    for case, content in bad.items():
+        path = tmp_path / case
+        shutil.copytree(source, path)
+        save_file(content, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=errors[case]):
+            build_model(cfg, path)
