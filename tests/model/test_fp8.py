@@ -5,10 +5,10 @@ named errors for bad checkpoints.
 
 transformers' reference: its ``from_pretrained`` FP8 loader needs ``accelerate`` (not in this
 environment), so the test dequantizes a copy and transformers loads that. For Qwen3-MoE and
-Qwen3.5-MoE (32x32 blocks) the copy is dequantized by transformers' own ``Fp8Dequantize``; for
-DeepSeek-V3 (16x16 blocks) that op refuses the non-dividing grid of ``kv_a_proj_with_mqa`` (40
-rows: 3 blocks, the last short, as DeepSeek-V3's 576 rows are 5 blocks of 128), which the test
-checks, and the copy is dequantized by the test's own per-block product.
+Qwen3.5-MoE the copy is dequantized by transformers' own ``Fp8Dequantize``; for DeepSeek-V3 that
+op gets the non-dividing grid of ``kv_a_proj_with_mqa`` wrong (40 rows in 2 blocks of 32, the
+last short; it raises where the grid does not divide the rows, as DeepSeek-V3's 576 rows in 5
+blocks of 128), which the test checks, so the test dequantizes that copy itself.
 """
 
 from __future__ import annotations
@@ -23,19 +23,19 @@ from safetensors.torch import load_file, save_file
 
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import CheckpointError, ConfigError
-from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.model.fp8_weights import resident_bytes
-from moe_overlap.model.loader import build_model
+from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
+from moe_overlap.model.fp8_weights import dequantize, resident_bytes
+from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.tools.cli import main
 from tests.helpers import every_mode, force_overlap, max_abs_diff
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = {  # and the block: kv_a_proj_with_mqa's 40 rows are 3 blocks of 16, the last short
-    "qwen3_moe": ("configs/qwen3-moe-tiny.json", "32"),
-    "deepseek_v3": ("configs/deepseek-v3-tiny.json", "16"),
-    "qwen3_5_moe": ("configs/qwen3_5-moe-tiny.json", "32"),
+CONFIGS = {  # blocks of 32: kv_a_proj_with_mqa's 40 rows are 2 blocks, the last short
+    "qwen3_moe": "configs/qwen3-moe-tiny.json",
+    "deepseek_v3": "configs/deepseek-v3-tiny.json",
+    "qwen3_5_moe": "configs/qwen3_5-moe-tiny.json",
 }
 PROMPTS = [[(11 * i + 5) % 512 for i in range(n)] for n in (9, 3)]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
@@ -45,14 +45,29 @@ KW = dict(max_num_batched_tokens=8)  # chunked prefill: TBO and two-chunk get cu
 
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory) -> dict[str, Path]:
+    """The three tiny FP8 checkpoints (DeepSeek-V3's through the command line)."""
     root = tmp_path_factory.mktemp("fp8")
     paths = {}
-    for family, (config, block) in CONFIGS.items():
-        out = root / family
-        argv = ["make-model", "--hf-config", config, "--out", str(out), "--quantize", "fp8"]
-        assert main([*argv, "--fp8-block", block]) == 0
-        paths[family] = out
+    for family, config in CONFIGS.items():
+        out = paths[family] = root / family
+        if family == "deepseek_v3":
+            argv = ["make-model", "--hf-config", config, "--out", str(out), "--quantize", "fp8"]
+            assert main([*argv, "--fp8-block", "32"]) == 0
+            continue
+        save_checkpoint(build_model(ModelConfig.from_hf(config)), out)
+        quantize_checkpoint(out, (32, 32))
     return paths
+
+
+@pytest.fixture(scope="module")
+def one_process(fp8) -> dict[str, list]:
+    """Each checkpoint's one-process run (FP8 dequantized at load), the reference of every
+    layout."""
+    outs = {}
+    for family, path in fp8.items():
+        with LLM(path, **KW) as llm:
+            outs[family] = llm.generate(PROMPTS, GREEDY, return_logits=True)
+    return outs
 
 
 def _dequantized_copy(path: Path, out: Path, by_transformers: bool) -> None:
@@ -68,9 +83,9 @@ def _dequantized_copy(path: Path, out: Path, by_transformers: bool) -> None:
             plain[name] = tensor
         elif by_transformers:
             plain[name] = Fp8Dequantize(None)._dequantize_one(tensor, scale, torch.float32)
-        else:  # each element times its 16x16 block's scale, short blocks at the ends
-            grid = scale.repeat_interleave(16, 0)[: tensor.shape[0]]
-            plain[name] = tensor.float() * grid.repeat_interleave(16, 1)[:, : tensor.shape[1]]
+        else:  # each element times its 32x32 block's scale, short blocks at the ends
+            grid = scale.repeat_interleave(32, 0)[: tensor.shape[0]]
+            plain[name] = tensor.float() * grid.repeat_interleave(32, 1)[:, : tensor.shape[1]]
     out.mkdir()
     save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
@@ -78,54 +93,52 @@ def _dequantized_copy(path: Path, out: Path, by_transformers: bool) -> None:
     (out / "config.json").write_text(json.dumps(raw))
 
 
-def test_transformers_refuses_the_non_dividing_grid(fp8):
+def test_transformers_dequantizes_a_non_dividing_grid_wrongly_or_not_at_all(fp8):
+    """transformers' ``Fp8Dequantize`` takes the block from the grid (rows / grid rows): 40 rows
+    in 2 blocks of 32 become 2 blocks of 20, silently wrong; where the grid does not divide the
+    rows (40 in 3 blocks of 16, as DeepSeek-V3's 576 rows in 5 of 128) it raises."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     tensors = load_file(str(fp8["deepseek_v3"] / "model.safetensors"))
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert tensors[name].shape == (40, 128) and tensors[f"{name}_scale_inv"].shape == (3, 8)
+    q, scale = tensors[name], tensors[f"{name}_scale_inv"]
+    assert q.shape == (40, 128) and scale.shape == (2, 4)
+    theirs = Fp8Dequantize(None)._dequantize_one(q, scale, torch.float32)
+    assert not torch.equal(theirs, dequantize(q, scale, (32, 32)))
     with pytest.raises(ValueError, match="not divisible by scale grid"):
-        Fp8Dequantize(None)._dequantize_one(tensors[name], tensors[f"{name}_scale_inv"])
+        Fp8Dequantize(None)._dequantize_one(q, torch.ones(3, 8))
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_one_process_matches_transformers(fp8, family, tmp_path):
+def test_one_process_matches_transformers(fp8, one_process, family, tmp_path):
     _dequantized_copy(fp8[family], tmp_path / "plain", by_transformers=family != "deepseek_v3")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
-    with LLM(fp8[family]) as llm:
-        outs = llm.generate(PROMPTS, GREEDY, return_logits=True)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+    for prompt, out in zip(PROMPTS, one_process[family], strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
         assert max_abs_diff(out.prompt_logits, ref) <= 1e-4, len(prompt)
         assert out.token_ids[0] == ref[-1].argmax().item()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
-def test_every_mode_at_ep2_equals_one_process(fp8, family):
-    """One ep=2 engine runs every mode with the weights kept in FP8 (experts' scales cut per
-    rank), against one process dequantizing at load: the same bits."""
-    with LLM(fp8[family], **KW) as one:
-        base = one.generate(PROMPTS, GREEDY, return_logits=True)
-    with LLM(fp8[family], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
+def test_every_mode_at_ep2_equals_one_process(fp8, one_process):
+    """One ep=2 engine runs every mode with the weights kept in FP8 (each rank its experts and
+    their scales), against one process dequantizing at load."""
+    with LLM(fp8["deepseek_v3"], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
         for mode in MODES:
             force_overlap(llm, every_mode()[mode])
             got = llm.generate(PROMPTS, GREEDY, return_logits=True)
-            for a, b in zip(base, got, strict=True):
+            for a, b in zip(one_process["deepseek_v3"], got, strict=True):
                 assert a.token_ids == b.token_ids, mode
                 assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, mode
 
 
-def test_tp2_cuts_blocks_with_their_scales(fp8):
-    """TP 2 on deepseek-v3-tiny, weights kept in FP8: kv_b_proj's 128 rows and q_b_proj's 96
-    split at 64 and 48, each rank keeping its rows' scales; o_proj's and the experts' columns
-    split on a block boundary. Same tokens and logits as one process."""
-    path = fp8["deepseek_v3"]
-    with LLM(path, **KW) as one:
-        base = one.generate(PROMPTS, GREEDY, return_logits=True)
-    with LLM(path, tp=2, fp8_dequant_on_the_fly=True, overlap=mode_config("none"), **KW) as llm:
+def test_tp2_cuts_blocks_with_their_scales(fp8, one_process):
+    """TP 2 with the weights kept in FP8: q_b_proj's 96 rows split at 48, inside a 32-row block
+    (each rank keeps its rows' scales); o_proj's and the experts' down_proj columns split on a
+    block boundary. Same tokens and logits as one process."""
+    with LLM(fp8["deepseek_v3"], tp=2, fp8_dequant_on_the_fly=True, **KW) as llm:
         got = llm.generate(PROMPTS, GREEDY, return_logits=True)
-    for a, b in zip(base, got, strict=True):
+    for a, b in zip(one_process["deepseek_v3"], got, strict=True):
         assert a.token_ids == b.token_ids
         assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4
 
