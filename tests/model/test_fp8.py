@@ -189,3 +189,37 @@ def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
         save_file(content, str(path / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=errors[case]):
             build_model(cfg, path)
+
+
+def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
+    """``quant_method: fp8`` without a block size: ``weight_scale`` per tensor or per output
+    row. The load log says the weights were dequantized, and how many bytes they hold."""
+    source = fp8["qwen3_moe"]
+    tensors = load_file(str(source / "model.safetensors"))
+    cfg = ModelConfig.from_hf(source / "config.json")
+    loaded = {}
+    for name in [n for n in tensors if n.endswith("_scale_inv")]:
+        weight = name.removesuffix("_scale_inv")
+        w = dequantize(tensors[weight], tensors.pop(name), (32, 32))
+        per_row = "experts" in weight  # experts per channel, the rest per tensor
+        amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax().reshape(1)
+        scale = amax / 448
+        tensors[weight] = (w / scale).to(torch.float8_e4m3fn)
+        tensors[f"{weight}_scale"] = scale
+        loaded[weight] = tensors[weight].float() * scale
+    path = tmp_path / "per_tensor"
+    shutil.copytree(source, path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    del raw["quantization_config"]["weight_block_size"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level("INFO", logger="moe_overlap.model.fp8_resident"):
+        model = build_model(cfg, path, progress=True)
+    assert "112 quantized weights dequantized once at load to float32" in caplog.text
+    layer = "model.layers.0.mlp.experts"
+    assert torch.equal(
+        model.model.layers["0"].self_attn.o_proj.weight,
+        loaded["model.layers.0.self_attn.o_proj.weight"],
+    )
+    expert = model.get_parameter(f"{layer}.down_proj")[3]
+    assert torch.equal(expert, loaded[f"{layer}.3.down_proj.weight"])

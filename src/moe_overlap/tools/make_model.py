@@ -11,7 +11,7 @@ from moe_overlap.engine.args import ModelArgs, setting
 from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.loader import build_model, save_checkpoint
-from moe_overlap.model.quant_config import FP8
+from moe_overlap.model.quant_config import FP8, QUANTIZATIONS
 from moe_overlap.tools.flags import add_fields
 
 
@@ -37,7 +37,7 @@ class MakeModelFlags:
         "fp8: store the projection weights as float8_e4m3fn with a float32 weight_scale_inv "
         "per block, as the Hub's -FP8 checkpoints (embeddings, LM head, norms and routers "
         "stay unquantized); docs/fp8.md",
-        choices=("fp8",),
+        choices=QUANTIZATIONS,
     )
     fp8_block: str = setting(
         "128,128",
