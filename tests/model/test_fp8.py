@@ -24,9 +24,13 @@ from safetensors.torch import load_file, save_file
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import CheckpointError, ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
+from moe_overlap.model.fp8_resident import fp8_path, keep_resident
+from moe_overlap.model.fp8_w8a8 import W8A8Linear, quantize_activations
 from moe_overlap.model.fp8_weights import dequantize, resident_bytes
-from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.model.loader import build_model, load_checkpoint, save_checkpoint
+from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.tools.cli import main
 from tests.helpers import every_mode, force_overlap, max_abs_diff
 
@@ -223,3 +227,26 @@ def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
     )
     expert = model.get_parameter(f"{layer}.down_proj")[3]
     assert torch.equal(expert, loaded[f"{layer}.3.down_proj.weight"])
+
+
+def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(tmp_path):
+    """The engine on CPU dequantizes (``fp8_path``); W8A8 forced onto CPU linears (where torch
+    has no block-scaled FP8 GEMM) falls back to the dequantized weight, bit for bit."""
+    cfg = ModelConfig.from_hf(CONFIGS["qwen3_moe"])
+    save_checkpoint(build_model(cfg), tmp_path)
+    quantize_checkpoint(tmp_path, (128, 128))
+    quant = quant_config_of(json.loads((tmp_path / "config.json").read_text()), "tiny")
+    assert fp8_path(quant, "cpu", on_the_fly=False).startswith("FP8 weights dequantized once")
+    model = build_model(cfg, tmp_path)
+    assert not any(isinstance(m, W8A8Linear) for m in model.modules())
+    forced = MoeForCausalLM(cfg)
+    kept = load_checkpoint(forced, tmp_path, keep_fp8=True).kept
+    assert keep_resident(forced, kept, torch.float32, w8a8=True) > 0
+    x = torch.randn(3, cfg.hidden_size)
+    ours, theirs = (
+        forced.model.layers["0"].self_attn.q_proj,
+        model.model.layers["0"].self_attn.q_proj,
+    )
+    assert torch.equal(ours(x), theirs(x)) and ours.w8a8.failed
+    xq, scale = quantize_activations(x)
+    assert torch.allclose(xq.float() * scale.repeat_interleave(128, 1), x, rtol=0.07, atol=0)

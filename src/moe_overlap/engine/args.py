@@ -84,9 +84,9 @@ class ModelArgs:
     )
     fp8_dequant_on_the_fly: bool = setting(
         False,
-        "keep an FP8 checkpoint's weights resident in FP8 and dequantize them at each use, "
-        "for memory; the default dequantizes them once at load (CPU has no FP8 matmul); the "
-        "logits are the same bit for bit (docs/fp8.md)",
+        "keep an FP8 checkpoint's weights resident in FP8 and dequantize them at each use: on "
+        "CPU for memory (the default dequantizes them once at load, as CPU has no FP8 matmul; "
+        "the logits are the same bit for bit), on a GPU instead of the W8A8 GEMM (docs/fp8.md)",
         group="model",
     )
     chat_template: str | None = setting(

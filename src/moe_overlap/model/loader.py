@@ -19,7 +19,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import checkpoint_layout, fill, full_shape
 from moe_overlap.model.fp8_checkpoint import Fp8Loaded, read_fp8
-from moe_overlap.model.fp8_resident import log_fp8
+from moe_overlap.model.fp8_resident import keeps_fp8, settle_fp8
 from moe_overlap.model.fp8_weights import FP8_DTYPE
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.layers import RMSNorm
@@ -165,8 +165,9 @@ def build_model(
     fp8_on_the_fly: bool = False,
 ) -> MoeForCausalLM:
     """Build this rank's model and fill it from ``path`` (``progress``: with a bar, see
-    ``load_checkpoint``; ``fp8_on_the_fly``: an FP8 checkpoint's weights stay resident in FP8,
-    ``model/fp8_resident.py``), or with seeded random weights, then
+    ``load_checkpoint``; an FP8 checkpoint's weights are dequantized at load on CPU, kept in FP8
+    on a GPU (W8A8 where it runs); ``fp8_on_the_fly``: kept in FP8 on CPU too, and dequantized
+    at use rather than W8A8 on a GPU: ``model/fp8_resident.py``), or with seeded random weights, then
     move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
     the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
     nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``)."""
@@ -178,10 +179,10 @@ def build_model(
     if path is None:
         init_random(model, seed)
         return place_model(model, device, dtype).eval()
-    loaded = load_checkpoint(model, path, progress, keep_fp8=fp8_on_the_fly)
+    loaded = load_checkpoint(model, path, progress, keep_fp8=keeps_fp8(device, fp8_on_the_fly))
     place_model(model, device, dtype)
     if loaded.names:
-        log_fp8(model, loaded, dtype, on_the_fly=fp8_on_the_fly, report=progress)
+        settle_fp8(model, loaded, dtype, on_the_fly=fp8_on_the_fly, report=progress)
     return model.eval()
 
 
