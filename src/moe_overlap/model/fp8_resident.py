@@ -67,7 +67,9 @@ def settle_fp8(
         w8a8 = not on_the_fly and w8a8_available(device)
         scaled = keep_resident(model, loaded.kept, dtype, w8a8)
         held, bf16 = resident_bytes(model)
-        how = f"kept in FP8 ({scaled} linears W8A8, the rest dequantized at each use)"
+        how = "kept in FP8 and dequantized at each use"
+        if scaled:
+            how = f"kept in FP8 ({scaled} linears W8A8, the rest dequantized at each use)"
     if report:
         log.info(
             "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "

@@ -61,7 +61,11 @@ class Fp8Dequant(nn.Module):
         self.cols, self.dtype = cols, dtype
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        scale = self.row_scale.repeat_interleave(self.cols, dim=-1)[..., : q.shape[-1]]
+        k = q.shape[-1]
+        if k % self.cols == 0:  # each block's columns times its scale, broadcast
+            blocks = q.float().view(*q.shape[:-1], k // self.cols, self.cols)
+            return (blocks * self.row_scale[..., None]).view(q.shape).to(self.dtype)
+        scale = self.row_scale.repeat_interleave(self.cols, dim=-1)[..., :k]
         return (q.float() * scale).to(self.dtype)
 
     def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
