@@ -13,6 +13,7 @@ blocks of 128), which the test checks, so the test dequantizes that copy itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -25,12 +26,14 @@ from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import CheckpointError, ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
-from moe_overlap.model.fp8_resident import fp8_path, keep_resident
+from moe_overlap.model.checkpoint_layout import Entry
+from moe_overlap.model.fp8_checkpoint import Fp8Tensor, quantize_checkpoint
+from moe_overlap.model.fp8_resident import column_block, fp8_path, keep_resident
 from moe_overlap.model.fp8_w8a8 import W8A8Linear, quantize_activations
 from moe_overlap.model.fp8_weights import dequantize, resident_bytes
 from moe_overlap.model.loader import build_model, load_checkpoint, save_checkpoint
 from moe_overlap.model.quant_config import quant_config_of
+from moe_overlap.model.tensor_parallel import Shard
 from moe_overlap.tools.cli import main
 from tests.helpers import every_mode, force_overlap, max_abs_diff
 
@@ -250,3 +253,14 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
     assert torch.equal(ours(x), theirs(x)) and ours.w8a8.failed
     xq, scale = quantize_activations(x)
     assert torch.allclose(xq.float() * scale.repeat_interleave(128, 1), x, rtol=0.07, atol=0)
+
+
+def test_on_the_fly_refuses_a_column_shard_inside_a_block():
+    """A RowLinear's shard starting at column 32 of blocks of 48 cannot take whole column
+    blocks of scales: refused with the fix (the default load cuts any shard)."""
+    q = torch.zeros(16, 64, dtype=torch.float8_e4m3fn)
+    kept = {"o_proj.weight": Fp8Tensor(q, torch.ones(1, 2), (48, 48))}
+    entry = Entry("o_proj.weight", "o_proj.weight", torch.zeros(16, 32), Shard(1, 32, 64))
+    with pytest.raises(ConfigError, match="column 32, inside a scale block of 48.*drop --fp8"):
+        column_block([entry], kept)
+    assert column_block([dataclasses.replace(entry, shard=Shard(0, 8, 32))], kept) == 48

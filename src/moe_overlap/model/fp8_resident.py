@@ -94,7 +94,7 @@ def keep_resident(
     qs: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for param, entries in by_param.items():
-        cols = _block_cols(entries, kept)
+        cols = column_block(entries, kept)
         if cols is None:
             continue
         weight = model.get_parameter(param)
@@ -130,7 +130,7 @@ def _starts(shard: object) -> tuple[int, int]:
     return (shard.start, 0) if shard.dim == 0 else (0, shard.start)
 
 
-def _block_cols(entries: list[Entry], kept: dict[str, Fp8Tensor]) -> int | None:
+def column_block(entries: list[Entry], kept: dict[str, Fp8Tensor]) -> int | None:
     """The column block every checkpoint tensor of one parameter shares (None: the parameter
     is not all FP8, or its tensors differ); refuses a column shard that cuts a block."""
     if not all(e.name in kept and isinstance(e.shard, Shard | None) for e in entries):
@@ -153,7 +153,7 @@ def _block_cols(entries: list[Entry], kept: dict[str, Fp8Tensor]) -> int | None:
 def _fill_scale(entry: Entry, tensor: Fp8Tensor) -> None:
     rows = tensor.row_scale()  # [N, column blocks]: a row cut takes its rows' scales
     shard = entry.shard
-    if isinstance(shard, Shard) and shard.dim == 1:  # starts on a block (_block_cols)
+    if isinstance(shard, Shard) and shard.dim == 1:  # starts on a block (column_block)
         cols = tensor.block[1]
         shard = Shard(1, shard.start // cols, rows.shape[1])
     fill(entry.view, shard, rows)
