@@ -127,14 +127,16 @@ def test_one_process_matches_transformers(fp8, one_process, family, tmp_path):
         assert out.token_ids[0] == ref[-1].argmax().item()
 
 
-def test_every_mode_at_ep2_equals_one_process(fp8, one_process):
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+def test_every_mode_at_ep2_equals_one_process(fp8, one_process, family):
     """One ep=2 engine runs every mode with the weights kept in FP8 (each rank its experts and
-    their scales), against one process dequantizing at load."""
-    with LLM(fp8["deepseek_v3"], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
+    their scales), against one process dequantizing at load; Qwen3.5's linear attention under
+    cut sequences too."""
+    with LLM(fp8[family], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
         for mode in MODES:
             force_overlap(llm, every_mode()[mode])
             got = llm.generate(PROMPTS, GREEDY, return_logits=True)
-            for a, b in zip(one_process["deepseek_v3"], got, strict=True):
+            for a, b in zip(one_process[family], got, strict=True):
                 assert a.token_ids == b.token_ids, mode
                 assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, mode
 
