@@ -17,3 +17,7 @@ def is_int(value: object) -> TypeGuard[int]:
 def is_finite_number(value: object) -> TypeGuard[int | float]:
     """An int or float, not a bool, not NaN or infinite."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a tensor, holds one of the wrong shape, or is unreadable."""

@@ -267,21 +267,6 @@ def _rope_theta(raw: dict[str, Any], model_type: str) -> Any:
     return params.get("rope_theta", raw.get("rope_theta", default))
 
 
-def refuse_quantized(raw: dict[str, Any], where: str) -> None:
-    """Weights are loaded as bf16 or fp32 tensors under the checkpoint's names: a quantized
-    checkpoint (GPT-OSS's MXFP4 experts, FP8 blocks) is refused before any rank reads it."""
-    quant = raw.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-    raise ConfigError(
-        f"{where}: config.json has quantization_config quant_method={method!r}; quantized "
-        "weights are not supported. Load a bf16 checkpoint (for MXFP4 GPT-OSS: load it in "
-        "transformers with Mxfp4Config(dequantize=True) and save_pretrained), or plan with "
-        "--hf-config and random weights"
-    )
-
-
 def _first_eos(eos: Any) -> Any:
     if isinstance(eos, list):
         return eos[0] if eos else None

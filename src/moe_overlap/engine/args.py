@@ -21,6 +21,7 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.hub_cache import resolve_model
 from moe_overlap.engine.load_balance import DEFAULT_LOAD_BALANCE_METHOD, LOAD_BALANCE_METHODS
 from moe_overlap.engine.pdmux import DEFAULT_PREFILL_SPLITS
+from moe_overlap.model.quant_config import QUANTIZATIONS
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "DEFAULT_PREFILL_SPLITS"]
 _OVERLAP = OverlapConfig()  # the overlap knobs' defaults live on OverlapConfig
@@ -71,6 +72,21 @@ class ModelArgs:
         0,
         "seed for random weights and for sampling",
         aliases=("--random-seed",),
+        group="model",
+    )
+    quantization: str | None = setting(
+        None,
+        "fp8: the checkpoint's weights are FP8 (implied by its quantization_config, so only "
+        "a check; a checkpoint without one is refused: there is no online quantization)",
+        aliases=("-q",),
+        choices=QUANTIZATIONS,
+        group="model",
+    )
+    fp8_dequant_on_the_fly: bool = setting(
+        False,
+        "keep an FP8 checkpoint's weights resident in FP8 and dequantize them at each use: on "
+        "CPU for memory (the default dequantizes them once at load, as CPU has no FP8 matmul; "
+        "the logits are the same bit for bit), on a GPU instead of the W8A8 GEMM (docs/fp8.md)",
         group="model",
     )
     chat_template: str | None = setting(

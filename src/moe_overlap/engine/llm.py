@@ -11,7 +11,7 @@ from rich.progress import Progress
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.hf_config import read_json, refuse_quantized
+from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.step import StepReply, StepRequest
@@ -30,6 +30,7 @@ from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.speculation import Speculation
 from moe_overlap.engine.structured import Constraints
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
+from moe_overlap.model.quant_config import check_quantization, quant_config_of
 from moe_overlap.runtime.launch import start_executor
 
 
@@ -80,8 +81,8 @@ class LLM(ExpertRecorder):
             source = model or hf_config
             assert source is not None  # model_source gives one of the two
             cfg = ModelConfig.from_hf(source)
-            if model is not None:  # weights to load: refused before any rank starts
-                refuse_quantized(read_json(model), model)
+            quant = quant_config_of(read_json(model), model) if model is not None else None
+            check_quantization(args.quantization, quant, source)  # before any rank starts
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
         self._start(args, cfg, model, overlap, tokenizer, emulate_peers)
@@ -101,7 +102,6 @@ class LLM(ExpertRecorder):
             raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
-        max_num_batched_tokens = args.max_num_batched_tokens
         max_len = cfg.max_len(args.max_model_len)
         self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
@@ -126,6 +126,7 @@ class LLM(ExpertRecorder):
             max_total_tokens=args.max_total_tokens,
             placement=placement,
             expert_skew=args.skew_exponent(),
+            fp8_on_the_fly=args.fp8_dequant_on_the_fly,
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -133,10 +134,10 @@ class LLM(ExpertRecorder):
             self.executor.num_dp,
             spec.num_slots,
             max_len,
-            max_num_batched_tokens,
+            args.max_num_batched_tokens,
             cfg.eos_token_id,
             args.load_balance_method,
-            PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, max_num_batched_tokens)
+            PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, args.max_num_batched_tokens)
             if enable_pdmux
             else None,
             spec.pool_pages,

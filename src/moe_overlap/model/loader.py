@@ -4,7 +4,6 @@ seeded random weights, and save a checkpoint that ``transformers`` can read back
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from pathlib import Path
 
@@ -14,79 +13,35 @@ from rich.progress import track
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_overlap.core.hf_config import read_json, refuse_quantized
+from moe_overlap.core.errors import CheckpointError
+from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.checkpoint_layout import checkpoint_layout, fill, full_shape
+from moe_overlap.model.fp8_checkpoint import Fp8Loaded, read_fp8
+from moe_overlap.model.fp8_resident import keeps_fp8, settle_fp8
+from moe_overlap.model.fp8_weights import FP8_DTYPE
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.layers import RMSNorm
-from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.router import Router
-from moe_overlap.model.tensor_parallel import ModelParallel, Shard
+from moe_overlap.model.tensor_parallel import ModelParallel
 
-_EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
-_FUSED_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
-Slice = Shard | FusedExperts | None  # which part of the checkpoint tensor a tensor holds
+__all__ = ["CheckpointError", "checkpoint_layout"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing a tensor, holds one of the wrong shape, or is unreadable."""
-
-
-def checkpoint_layout(model: MoeForCausalLM) -> dict[str, tuple[torch.Tensor, Slice]]:
-    """Map each checkpoint tensor name this rank needs to the tensor (or view) it fills, and
-    which slice of the checkpoint tensor that is (None: all of it)."""
-    layout: dict[str, tuple[torch.Tensor, Slice]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            if model.is_first:
-                continue  # the embedding's own tensor
-            name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
-        if model.cfg.is_mimo:  # the Hub's name of its sinks
-            name = name.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")
-        if model.cfg.is_gpt_oss:  # its router is mlp.router, its experts fused tensors
-            name = name.replace(".mlp.gate.", ".mlp.router.")
-            fused = _FUSED_PARAM.fullmatch(name)
-            if fused is not None:
-                bank = model.get_submodule(fused[1])
-                assert isinstance(bank, ExpertBank), f"{fused[1]} is not an expert bank"
-                where = FusedExperts.of(name.rsplit(".", 1)[1], bank, model.cfg.num_experts)
-                layout[name] = (tensor.detach(), where)
-                continue
-        match = _EXPERT_PARAM.fullmatch(name)
-        if match is None:
-            layout[name] = (tensor.detach(), getattr(tensor, "shard", None))
-            continue
-        bank, prefix = model.get_submodule(match[1]), match[1]
-        assert isinstance(bank, ExpertBank), f"{prefix} is not an expert bank"
-        rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
-        for i in range(bank.count):
-            expert = f"{prefix}.{bank.logical[i]}"
-            weights = tensor.detach()[i]
-            if match[2] == "down_proj":
-                cols = Shard(1, bank.inter_start, bank.inter_full)
-                layout[f"{expert}.down_proj.weight"] = (weights, cols)
-            else:  # the fused matrix: gate rows first, then up rows
-                gate, up = weights.split(bank.intermediate)
-                layout[f"{expert}.gate_proj.weight"] = (gate, rows)
-                layout[f"{expert}.up_proj.weight"] = (up, rows)
-    return layout
-
-
-def _full_shape(dest: torch.Tensor, shard: Slice) -> tuple[int, ...]:
-    return tuple(dest.shape) if shard is None else shard.full_shape(dest.shape)
-
-
-def _fill(dest: torch.Tensor, shard: Slice, whole: torch.Tensor) -> None:
-    dest.copy_(whole if shard is None else shard.take(whole, dest.shape))
-
-
-def load_checkpoint(model: MoeForCausalLM, path: str | Path, progress: bool = False) -> None:
+def load_checkpoint(
+    model: MoeForCausalLM, path: str | Path, progress: bool = False, keep_fp8: bool = False
+) -> Fp8Loaded:
     """Fill ``model`` from ``path/*.safetensors``; read only the tensors this rank owns.
-    ``progress``: a bar on stderr while it reads, where stderr is a terminal."""
+    ``progress``: a bar on stderr while it reads, where stderr is a terminal. An FP8
+    checkpoint's weights are dequantized into the parameters (float32, ``q * scale`` per block);
+    returned are their names and (``keep_fp8``) the tensors as stored, for ``keep_resident``."""
     path = Path(path)
-    if (path / "config.json").is_file():
-        refuse_quantized(read_json(path), str(path))
+    quant = (
+        quant_config_of(read_json(path), str(path)) if (path / "config.json").is_file() else None
+    )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
@@ -101,24 +56,35 @@ def load_checkpoint(model: MoeForCausalLM, path: str | Path, progress: bool = Fa
         transient=True,
         console=console,
     )
+    loaded = Fp8Loaded()
     with torch.no_grad():
         for name, (dest, shard) in tensors:
             stored = _stored_name(name, where)
             if stored is None:
                 raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
-            file = where[stored]
-            try:
-                with safe_open(file, framework="pt") as f:
-                    value = f.get_tensor(stored)
-            except (SafetensorError, OSError, RuntimeError) as exc:
-                raise CheckpointError(f"cannot read tensor {name!r} from {file}: {exc}") from exc
-            expected = _full_shape(dest, shard)
+            value = _read(name, stored, where[stored])
+            expected = full_shape(dest, shard)
             if tuple(value.shape) != expected:
                 raise CheckpointError(
-                    f"tensor {name!r} in {file.name} has shape {tuple(value.shape)}, "
+                    f"tensor {name!r} in {where[stored].name} has shape {tuple(value.shape)}, "
                     f"expected {expected} from config.json"
                 )
-            _fill(dest, shard, value)
+            fp8 = None if quant is None else read_fp8(name, stored, value, where, quant)
+            if fp8 is not None:
+                value = fp8.dequantize()
+                loaded.names.append(name)
+                if keep_fp8:
+                    loaded.kept[name] = fp8
+            fill(dest, shard, value)
+    return loaded
+
+
+def _read(name: str, stored: str, file: Path) -> torch.Tensor:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return f.get_tensor(stored)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {exc}") from exc
 
 
 def _stored_name(name: str, where: dict[str, Path]) -> str | None:
@@ -156,7 +122,7 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
     }
     with torch.no_grad():
         for name, (dest, shard) in checkpoint_layout(model).items():
-            shape = _full_shape(dest, shard)
+            shape = full_shape(dest, shard)
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             noise = torch.randn(shape, generator=gen, dtype=torch.float32)
             if len(shape) >= 2:
@@ -165,7 +131,7 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
                 value = 0.1 * noise
             else:  # norm weights (and Qwen3.5's per-head decay parameters)
                 value = 1.0 + 0.1 * noise
-            _fill(dest, shard, value.to(dest.dtype))
+            fill(dest, shard, value.to(dest.dtype))
 
 
 def save_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
@@ -174,7 +140,7 @@ def save_checkpoint(model: MoeForCausalLM, path: str | Path) -> None:
     if any(
         not shard.is_whole
         if isinstance(shard, FusedExperts)
-        else shard is not None and dest.shape != _full_shape(dest, shard)
+        else shard is not None and dest.shape != full_shape(dest, shard)
         for dest, shard in layout.values()
     ):
         raise ValueError("save_checkpoint needs the whole model (one process), not a rank's shard")
@@ -196,9 +162,12 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
+    fp8_on_the_fly: bool = False,
 ) -> MoeForCausalLM:
     """Build this rank's model and fill it from ``path`` (``progress``: with a bar, see
-    ``load_checkpoint``), or with seeded random weights, then
+    ``load_checkpoint``; an FP8 checkpoint's weights are dequantized at load on CPU, kept in FP8
+    on a GPU (W8A8 where it runs); ``fp8_on_the_fly``: kept in FP8 on CPU too, and dequantized
+    at use rather than W8A8 on a GPU: ``model/fp8_resident.py``), or with seeded random weights, then
     move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
     the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
     nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``)."""
@@ -209,9 +178,12 @@ def build_model(
     model = MoeForCausalLM(cfg, par)
     if path is None:
         init_random(model, seed)
-    else:
-        load_checkpoint(model, path, progress)
-    return place_model(model, device, dtype).eval()
+        return place_model(model, device, dtype).eval()
+    loaded = load_checkpoint(model, path, progress, keep_fp8=keeps_fp8(device, fp8_on_the_fly))
+    place_model(model, device, dtype)
+    if loaded.names:
+        settle_fp8(model, loaded, dtype, on_the_fly=fp8_on_the_fly, report=progress)
+    return model.eval()
 
 
 def place_model(model: MoeForCausalLM, device: torch.device | str, dtype: torch.dtype):
@@ -223,6 +195,8 @@ def place_model(model: MoeForCausalLM, device: torch.device | str, dtype: torch.
         if isinstance(module, Router | RotaryEmbedding):
             continue
         for param in module.parameters(recurse=False):
+            if param.dtype == FP8_DTYPE:  # an FP8 weight kept resident: dequantized at use
+                continue
             param.data = param.data.to(dtype)  # in place: tied weights stay tied
     return model
 

@@ -152,13 +152,14 @@ class ExpertBank(nn.Module):
             out[rows] = self._padded(x[rows], counts, height, experts)
             return
         up_b, down_b = self.gate_up_proj_bias, self._down_bias()
+        gate_up_w, down_w = self.gate_up_proj, self.down_proj  # read once (FP8: dequantized)
         for e in experts:
             start, end = ends[e], ends[e + 1]
             if start == end:
                 continue
-            h = F.linear(x[start:end], self.gate_up_proj[e], None if up_b is None else up_b[e])
+            h = F.linear(x[start:end], gate_up_w[e], None if up_b is None else up_b[e])
             down = None if down_b is None else down_b[e]
-            out[start:end] = F.linear(self._act(h), self.down_proj[e], down)
+            out[start:end] = F.linear(self._act(h), down_w[e], down)
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor, experts: range) -> torch.Tensor:
         """The experts' rows as one grouped GEMM per projection, no padding: ``offs`` (int32, on

@@ -88,6 +88,7 @@ class ColumnLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(len(rows), in_features))
         set_shard(self.weight, 0, rows.start, out_features)
+        self.w8a8: nn.Module | None = None  # an FP8 weight's scaled GEMM (model/fp8_w8a8.py)
         self.bias = None
         if bias:  # GLM-4.5's q/k/v: cut like the rows
             self.bias = nn.Parameter(torch.zeros(len(rows)))
@@ -101,6 +102,8 @@ class ColumnLinear(nn.Module):
         return cls(in_features, out_features, rows, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w8a8 is not None:
+            return self.w8a8(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -112,12 +115,13 @@ class RowLinear(nn.Module):
         cols = even_part(in_features, group.rank, group.size)
         self.weight = nn.Parameter(torch.zeros(out_features, len(cols)))
         set_shard(self.weight, 1, cols.start, in_features)
+        self.w8a8: nn.Module | None = None  # as ColumnLinear's
         self.group = group
         # GPT-OSS's o_proj: the whole bias on every rank, added once, after the all-reduce
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.w8a8 is None else self.w8a8(x)
         if self.group.size > 1 and y.numel():  # every rank of the group has the same rows
             self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias

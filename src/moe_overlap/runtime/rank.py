@@ -165,7 +165,16 @@ def rank_model(
     path = Path(spec.model_path) if spec.model_path else None
     dtype = torch_dtype(spec.dtype)
     # one bar for the whole engine: global rank 0's (every rank reads its own share)
-    model = build_model(spec.config, path, spec.seed, model_par, device, dtype, coords.rank == 0)
+    model = build_model(
+        spec.config,
+        path,
+        spec.seed,
+        model_par,
+        device,
+        dtype,
+        coords.rank == 0,
+        spec.fp8_on_the_fly,
+    )
     if spec.expert_skew:
         skew_routing(model, spec.expert_skew, spec.seed)
     return model

@@ -10,7 +10,9 @@ from statistics import median
 from rich.console import Console
 
 from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
+from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
@@ -20,9 +22,11 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
-from moe_overlap.engine.engine_args import OverlapArgs
+from moe_overlap.engine.engine_args import EngineArgs, OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
+from moe_overlap.model.fp8_resident import fp8_path
+from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.tools.bench import BenchReport, run_bench
@@ -120,11 +124,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
             "(their steps ran eagerly)"
         )
+    fp8 = fp8_line(settings, llm.spec)
+    if fp8 is not None:  # which path the FP8 weights ran: W8A8 or dequantized
+        console.print(fp8)
     payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
     bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
     write_outputs(console, report.recording, args, payload | report.to_json(bounds))
     return 0
+
+
+def fp8_line(settings: EngineArgs, spec: EngineSpec) -> str | None:
+    """Which path an FP8 checkpoint's weights ran (None: not an FP8 checkpoint)."""
+    weights = settings.model_source()[0]
+    quant = quant_config_of(read_json(weights), weights) if weights else None
+    return fp8_path(quant, spec.device, spec.fp8_on_the_fly)
 
 
 def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:

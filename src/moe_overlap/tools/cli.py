@@ -9,23 +9,21 @@ import sys
 from collections.abc import Sequence
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.distributed.netns import (
     DEFAULT_PREFIX,
     LinkUnavailable,
     cleanup_stale,
     stale_namespaces,
 )
-from moe_overlap.engine.args import ModelArgs
 from moe_overlap.engine.request import DEFAULT_TEMPERATURE, InvalidRequestError, SamplingParams
-from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
-from moe_overlap.model.loader import CheckpointError, build_model, save_checkpoint
+from moe_overlap.model.loader import CheckpointError
 from moe_overlap.tools.bench_cli import add_bench_commands
 from moe_overlap.tools.bench_engine import add_bench_engine_command
 from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
 from moe_overlap.tools.eplb_cli import add_eplb_command
-from moe_overlap.tools.flags import add_fields, expand_config
+from moe_overlap.tools.flags import expand_config
+from moe_overlap.tools.make_model import add_make_model_command
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
 
@@ -51,19 +49,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with build_llm(args) as llm:
         for out in llm.generate(args.prompt_ids or args.prompt, params):
             print(out.text if args.prompt else ",".join(map(str, out.token_ids)))
-    return 0
-
-
-def cmd_make_model(args: argparse.Namespace) -> int:
-    cfg = ModelConfig.from_hf(args.hf_config)
-    model = build_model(cfg, seed=args.seed)
-    save_checkpoint(model, args.out)
-    print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
-    if cfg.vocab_size >= MIN_VOCAB_SIZE:
-        write_tokenizer(args.out, cfg.vocab_size)
-        print(f"wrote a {cfg.vocab_size}-token BPE tokenizer to {args.out}/tokenizer.json")
-    else:
-        print(f"no tokenizer: vocab_size={cfg.vocab_size} < {MIN_VOCAB_SIZE} (ids only)")
     return 0
 
 
@@ -140,17 +125,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_utilities(sub: argparse._SubParsersAction) -> None:
-    make = sub.add_parser(
-        "make-model",
-        help="write a seeded random checkpoint for a config",
-        description="Write config.json and model.safetensors (Hub layout), and a small BPE "
-        "tokenizer with a chat template trained on text kept in the repo.",
-    )
-    add_fields(make, ModelArgs, only=("hf_config",), required=True)
-    make.add_argument("--out", required=True, metavar="DIR", help="directory to write")
-    add_fields(make, ModelArgs, only=("seed",))
-    make.set_defaults(func=cmd_make_model)
-
+    add_make_model_command(sub)
     clean = sub.add_parser(
         "cleanup",
         help="remove network namespaces left by --link netns runs that were killed",

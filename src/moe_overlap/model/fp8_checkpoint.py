@@ -1,0 +1,134 @@
+"""FP8 checkpoints in the Hub's layout: which tensors ``make-model --quantize fp8`` quantizes,
+writing them, and reading one quantized tensor back with its scales checked.
+
+Quantized, as in DeepSeek-V3's and Qwen3's/Qwen3.5's ``-FP8`` checkpoints: the 2-D projection
+weights of attention, linear attention and every MLP and expert (``*_proj``). Left in the run
+dtype: embeddings, the LM head, norms, routers (``mlp.gate``), Qwen3.5's
+``shared_expert_gate``, its linear attention's ``in_proj_a``/``in_proj_b`` (listed in
+``modules_to_not_convert``, as the Hub's Qwen3.5 checkpoints list them), convolutions, biases."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moe_overlap.core.errors import CheckpointError
+from moe_overlap.model.fp8_weights import FP8_DTYPE, dequantize, grid_shape, quantize
+from moe_overlap.model.quant_config import FP8, Fp8Config
+
+NOT_CONVERTED = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # small, left in bf16
+
+
+@dataclass
+class Fp8Tensor:
+    """One checkpoint weight as stored: ``q`` and its scale ``grid``, one scale per ``block``
+    (a per-tensor scale is one block of the whole tensor; a per-channel one, blocks of a row)."""
+
+    q: torch.Tensor
+    grid: torch.Tensor
+    block: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.q, self.grid, self.block)
+
+    def row_scale(self) -> torch.Tensor:
+        """The grid repeated over each block's rows: ``[N, column blocks]``."""
+        return self.grid.float().repeat_interleave(self.block[0], dim=0)[: self.q.shape[0]]
+
+
+@dataclass
+class Fp8Loaded:
+    """What a load found FP8: the checkpoint names, and (where asked) the tensors as stored."""
+
+    names: list[str] = field(default_factory=list)
+    kept: dict[str, Fp8Tensor] = field(default_factory=dict)
+
+
+def _skipped(module: str) -> bool:
+    return any(module.endswith(f".{name}") for name in NOT_CONVERTED)
+
+
+def is_quantized_name(name: str, tensor: torch.Tensor) -> bool:
+    """Whether ``make-model --quantize fp8`` stores checkpoint tensor ``name`` in FP8."""
+    module, _, leaf = name.rpartition(".")
+    last = module.rpartition(".")[2]
+    return (
+        leaf == "weight"
+        and tensor.dim() == 2
+        and tensor.is_floating_point()
+        and "proj" in last
+        and not _skipped(module)
+    )
+
+
+def quantize_checkpoint(path: str | Path, block: tuple[int, int]) -> int:
+    """Rewrite the bf16/fp32 checkpoint in ``path`` (one ``model.safetensors``) as block FP8,
+    with ``quantization_config`` in its ``config.json``; returns how many tensors it quantized."""
+    path = Path(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    quantized = 0
+    for name, tensor in tensors.items():
+        if not is_quantized_name(name, tensor):
+            out[name] = tensor
+            continue
+        q, scale = quantize(tensor, block)
+        out[name], out[f"{name}_scale_inv"] = q, scale
+        quantized += 1
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": FP8,
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    if any(_skipped(n.rpartition(".")[0]) for n in tensors):
+        raw["quantization_config"]["modules_to_not_convert"] = list(NOT_CONVERTED)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return quantized
+
+
+def read_fp8(
+    name: str, stored: str, value: torch.Tensor, where: dict[str, Path], quant: Fp8Config
+) -> Fp8Tensor | None:
+    """Checkpoint tensor ``stored`` (our ``name``), read as ``value``, with its scales when it
+    is FP8 (None when it is stored unquantized). A missing scale or a scale grid that does not
+    fit the weight raises ``CheckpointError`` naming both."""
+    scale_name = stored.removesuffix("weight") + quant.scale_suffix
+    if scale_name not in where:
+        if value.dtype == FP8_DTYPE:
+            raise CheckpointError(
+                f"tensor {name!r} is float8_e4m3fn but its scale {scale_name!r} is missing "
+                f"from the checkpoint (quantization_config asks for {quant.scale_suffix})"
+            )
+        return None
+    with safe_open(where[scale_name], framework="pt") as f:
+        scale = f.get_tensor(scale_name)
+    if value.dtype != FP8_DTYPE or value.dim() != 2:
+        raise CheckpointError(
+            f"tensor {name!r} has a scale {scale_name!r} but is {value.dtype} of shape "
+            f"{tuple(value.shape)}: only 2-D float8_e4m3fn weights are read with scales"
+        )
+    n, k = value.shape
+    if quant.block is not None:
+        expected = grid_shape((n, k), quant.block)
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(
+                f"scale {scale_name!r} has shape {tuple(scale.shape)}; weight {name!r} of shape "
+                f"{(n, k)} in blocks of {list(quant.block)} needs {expected} (ceil-div)"
+            )
+        return Fp8Tensor(value, scale, quant.block)
+    if scale.numel() == 1:  # per tensor
+        return Fp8Tensor(value, scale.reshape(1, 1), (n, k))
+    if tuple(scale.shape) in ((n,), (n, 1)):  # per output channel
+        return Fp8Tensor(value, scale.reshape(n, 1), (1, k))
+    raise CheckpointError(
+        f"scale {scale_name!r} has shape {tuple(scale.shape)}; weight {name!r} of shape "
+        f"{(n, k)} needs one scale per tensor ([] or [1]) or per row ([{n}] or [{n}, 1])"
+    )

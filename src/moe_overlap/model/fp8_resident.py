@@ -1,0 +1,159 @@
+"""An FP8 checkpoint's weights after load: dequantized once into the run dtype (the default),
+or kept resident in FP8 and dequantized at each use (``--fp8-dequant-on-the-fly``), and the
+load log line that says which, with the bytes they hold.
+
+Kept resident, a parameter becomes its FP8 tensor under ``Fp8Dequant`` (a parametrization),
+with one scale per row and column block: rows cut by TP or EP keep their own scales; a column
+cut (a ``RowLinear``'s or an expert's down projection under TP) must start on a block."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from moe_overlap.core.errors import ConfigError
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.checkpoint_layout import Entry, fill, layout_entries
+from moe_overlap.model.fp8_checkpoint import Fp8Loaded, Fp8Tensor
+from moe_overlap.model.fp8_w8a8 import W8A8_BLOCK, W8A8Linear, w8a8_available, w8a8_fits
+from moe_overlap.model.fp8_weights import FP8_DTYPE, Fp8Dequant, resident_bytes
+from moe_overlap.model.quant_config import Fp8Config
+from moe_overlap.model.tensor_parallel import Shard
+
+log = logging.getLogger(__name__)
+_MIB = 2**20
+
+
+def keeps_fp8(device: torch.device | str, on_the_fly: bool) -> bool:
+    """Whether an FP8 checkpoint's weights stay resident in FP8: on a GPU always (W8A8, or
+    dequantized at use), on CPU with ``--fp8-dequant-on-the-fly``."""
+    return on_the_fly or torch.device(device).type == "cuda"
+
+
+def fp8_path(quant: Fp8Config | None, device: torch.device | str, on_the_fly: bool) -> str | None:
+    """Which path an FP8 checkpoint's linears take (None: not FP8), as the bench prints it."""
+    if quant is None:
+        return None
+    if not keeps_fp8(device, on_the_fly):
+        return "FP8 weights dequantized once at load (CPU has no FP8 matmul)"
+    if not on_the_fly and w8a8_available(device) and quant.block == W8A8_BLOCK:
+        return (
+            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears that fit, "
+            "the rest (the experts) dequantized at each use"
+        )
+    return "FP8 weights resident, dequantized at each use (no W8A8 here)"
+
+
+def settle_fp8(
+    model: MoeForCausalLM,
+    loaded: Fp8Loaded,
+    dtype: torch.dtype,
+    on_the_fly: bool,
+    report: bool,
+) -> None:
+    """Keep the FP8 weights resident where ``keeps_fp8`` says so, with W8A8 where it runs, and
+    log (``report``) which, with the bytes they hold against bf16."""
+    names = set(loaded.names)
+    elements = sum(e.view.numel() for e in layout_entries(model) if e.name in names)
+    device = next(model.parameters()).device
+    how = f"dequantized once at load to {str(dtype).removeprefix('torch.')} (no FP8 matmul on CPU)"
+    held, bf16 = elements * dtype.itemsize, 2 * elements
+    if keeps_fp8(device, on_the_fly):
+        w8a8 = not on_the_fly and w8a8_available(device)
+        scaled = keep_resident(model, loaded.kept, dtype, w8a8)
+        held, bf16 = resident_bytes(model)
+        how = "kept in FP8 and dequantized at each use"
+        if scaled:
+            how = f"kept in FP8 ({scaled} linears W8A8, the rest dequantized at each use)"
+    if report:
+        log.info(
+            "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "
+            "%.2f MiB in bf16 (%.2fx)",
+            len(names),
+            how,
+            held / _MIB,
+            bf16 / _MIB,
+            held / bf16 if bf16 else 0.0,
+        )
+
+
+def keep_resident(
+    model: MoeForCausalLM, kept: dict[str, Fp8Tensor], dtype: torch.dtype, w8a8: bool = False
+) -> int:
+    """Replace each parameter whose every checkpoint tensor is FP8 by its FP8 form, rebuilt in
+    ``dtype`` at each use, bit for bit the weight the default load holds. ``w8a8``: linears
+    that fit run the scaled FP8 GEMM instead (``model/fp8_w8a8.py``); returns how many."""
+    by_param: dict[str, list[Entry]] = defaultdict(list)
+    for entry in layout_entries(model):
+        by_param[entry.param].append(entry)
+    qs: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for param, entries in by_param.items():
+        cols = column_block(entries, kept)
+        if cols is None:
+            continue
+        weight = model.get_parameter(param)
+        qs[param] = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        shape = (*weight.shape[:-1], -(-weight.shape[-1] // cols))
+        scales[param] = torch.empty(shape, dtype=torch.float32, device=weight.device)
+    with torch.no_grad():
+        for entry in layout_entries(model, qs):
+            fill(entry.view, entry.shard, kept[entry.name].q)
+        for entry in layout_entries(model, scales):
+            _fill_scale(entry, kept[entry.name])
+    scaled = 0
+    for param, q in qs.items():
+        owner, _, attr = param.rpartition(".")
+        module = model.get_submodule(owner)
+        setattr(module, attr, nn.Parameter(q, requires_grad=False))
+        block = kept[by_param[param][0].name].block
+        parametrize.register_parametrization(
+            module, attr, Fp8Dequant(scales[param], block[1], dtype), unsafe=True
+        )
+        starts = _starts(by_param[param][0].shard)
+        if w8a8 and hasattr(module, "w8a8") and w8a8_fits(q, block, starts):
+            rebuild = partial(getattr, module, attr)  # the fallback: dequantized at use
+            module.w8a8 = W8A8Linear(q, scales[param][:: block[0]], rebuild)
+            scaled += 1
+    return scaled
+
+
+def _starts(shard: object) -> tuple[int, int]:
+    """Where a 2-D weight's shard starts in the checkpoint tensor (rows, columns)."""
+    if not isinstance(shard, Shard):
+        return 0, 0
+    return (shard.start, 0) if shard.dim == 0 else (0, shard.start)
+
+
+def column_block(entries: list[Entry], kept: dict[str, Fp8Tensor]) -> int | None:
+    """The column block every checkpoint tensor of one parameter shares (None: the parameter
+    is not all FP8, or its tensors differ); refuses a column shard that cuts a block."""
+    if not all(e.name in kept and isinstance(e.shard, Shard | None) for e in entries):
+        return None
+    cols = {kept[e.name].block[1] for e in entries}
+    if len(cols) != 1:
+        return None
+    block = cols.pop()
+    for e in entries:
+        if isinstance(e.shard, Shard) and e.shard.dim == 1 and e.shard.start % block:
+            raise ConfigError(
+                f"--fp8-dequant-on-the-fly: {e.name}'s shard starts at column {e.shard.start}, "
+                f"inside a scale block of {block} columns; drop --fp8-dequant-on-the-fly (the "
+                "default dequantizes at load and cuts any shard) or choose a --tp that cuts "
+                "on block boundaries"
+            )
+    return block
+
+
+def _fill_scale(entry: Entry, tensor: Fp8Tensor) -> None:
+    rows = tensor.row_scale()  # [N, column blocks]: a row cut takes its rows' scales
+    shard = entry.shard
+    if isinstance(shard, Shard) and shard.dim == 1:  # starts on a block (column_block)
+        cols = tensor.block[1]
+        shard = Shard(1, shard.start // cols, rows.shape[1])
+    fill(entry.view, shard, rows)

@@ -1,0 +1,85 @@
+"""A checkpoint's ``quantization_config``: which FP8 layout its weights are in, or a refusal
+that names the method and the way round it.
+
+Read here: ``quant_method: "fp8"`` (``fmt`` e4m3), either block-wise (``weight_block_size``
+``[rows, cols]``, each quantized ``X.weight`` beside ``X.weight_scale_inv`` of
+``[ceil(N / rows), ceil(K / cols)]``: DeepSeek-V3's, Qwen3's and Qwen3.5's ``-FP8``) or, with
+no block size, a ``X.weight_scale`` per tensor (``[]``/``[1]``) or per output channel
+(``[N]``/``[N, 1]``). Which tensors are quantized is read from the checkpoint: a weight with a
+scale beside it. Every other method is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_overlap.core.errors import ConfigError, is_int
+
+FP8 = "fp8"
+QUANTIZATIONS = (FP8,)  # --quantization's choices
+_FORMATS = ("e4m3", "float8_e4m3fn")
+_FIXES = {
+    "mxfp4": "for GPT-OSS: load it in transformers with Mxfp4Config(dequantize=True) and "
+    "save_pretrained",
+    "compressed-tensors": "convert it to the fp8 block layout or to bf16",
+    "fbgemm_fp8": "convert it to the fp8 block layout or to bf16",
+}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """An FP8 checkpoint's layout: ``block`` (rows, cols) of one scale, or None when each
+    weight carries one scale per tensor or per output row (``weight_scale``)."""
+
+    block: tuple[int, int] | None
+    scale_suffix: str  # "weight_scale_inv" (block-wise) or "weight_scale"
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert, as written
+
+
+def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
+    """The FP8 layout of the checkpoint whose ``config.json`` is ``raw`` (None: not
+    quantized); an unsupported method or a malformed FP8 config raises ``ConfigError``."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    if method != FP8 or not isinstance(quant, dict):
+        fix = _FIXES.get(str(method), "use a bf16 checkpoint")
+        raise ConfigError(
+            f"{where}: config.json has quantization_config quant_method={method!r}; only "
+            f"{FP8!r} (block or per-tensor float8_e4m3fn) is supported. Load a bf16 checkpoint "
+            f"({fix}), or plan with --hf-config and random weights"
+        )
+    fmt = quant.get("fmt", "e4m3")
+    if fmt not in _FORMATS:
+        raise ConfigError(f"{where}: FP8 fmt={fmt!r} is not supported; only e4m3 is")
+    if quant.get("scale_fmt") not in (None, "float32", "bfloat16"):
+        raise ConfigError(
+            f"{where}: FP8 scale_fmt={quant['scale_fmt']!r} is not supported; only float scales"
+        )
+    skip = tuple(quant.get("modules_to_not_convert") or ())
+    block = quant.get("weight_block_size")
+    if block is None:
+        return Fp8Config(None, "weight_scale", skip)
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(map(_positive, block))):
+        raise ConfigError(
+            f"{where}: weight_block_size={block!r} must be two positive ints, e.g. [128, 128]"
+        )
+    return Fp8Config((int(block[0]), int(block[1])), "weight_scale_inv", skip)
+
+
+def check_quantization(asked: str | None, quant: Fp8Config | None, where: str) -> None:
+    """``--quantization``: implied by the checkpoint, and refused where it disagrees."""
+    if asked is None or (asked == FP8 and quant is not None):
+        return
+    if asked not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization={asked!r} must be one of {', '.join(QUANTIZATIONS)}")
+    raise ConfigError(
+        f"--quantization {asked} needs an FP8 checkpoint, and {where} has none (online "
+        "quantization of bf16 weights is not implemented): drop --quantization, or write one "
+        "with make-model --quantize fp8"
+    )
+
+
+def _positive(value: Any) -> bool:
+    return is_int(value) and value > 0

@@ -1,0 +1,78 @@
+"""``moe-overlap make-model``: a seeded random checkpoint in the Hub's layout, in bf16/fp32 or
+in the Hub's block FP8 (``--quantize fp8``), with a small tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.args import ModelArgs, setting
+from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
+from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
+from moe_overlap.model.loader import build_model, save_checkpoint
+from moe_overlap.model.quant_config import FP8, QUANTIZATIONS
+from moe_overlap.tools.flags import add_fields
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """``"128"`` or ``"128,128"`` -> ``(128, 128)`` (rows, columns of one FP8 scale)."""
+    try:
+        sizes = [int(n) for n in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) == 1:
+        sizes *= 2
+    if len(sizes) != 2 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--fp8-block {text!r}: want e.g. 128 or 128,128")
+    return sizes[0], sizes[1]
+
+
+@dataclass
+class MakeModelFlags:
+    """``moe-overlap make-model``: how the weights are stored."""
+
+    quantize: str | None = setting(
+        None,
+        "fp8: store the projection weights as float8_e4m3fn with a float32 weight_scale_inv "
+        "per block, as the Hub's -FP8 checkpoints (embeddings, LM head, norms and routers "
+        "stay unquantized); docs/fp8.md",
+        choices=QUANTIZATIONS,
+    )
+    fp8_block: str = setting(
+        "128,128",
+        "with --quantize fp8: rows,cols of one scale block (the Hub's 128,128); a tiny "
+        "model's dims are far below 128, so its tests use e.g. 32",
+        parse=parse_block,
+        metavar="ROWS[,COLS]",
+    )
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    cfg = ModelConfig.from_hf(args.hf_config)
+    model = build_model(cfg, seed=args.seed)
+    save_checkpoint(model, args.out)
+    print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
+    if args.quantize == FP8:
+        count = quantize_checkpoint(args.out, args.fp8_block)
+        print(f"quantized {count} weights to FP8 in blocks of {list(args.fp8_block)}")
+    if cfg.vocab_size >= MIN_VOCAB_SIZE:
+        write_tokenizer(args.out, cfg.vocab_size)
+        print(f"wrote a {cfg.vocab_size}-token BPE tokenizer to {args.out}/tokenizer.json")
+    else:
+        print(f"no tokenizer: vocab_size={cfg.vocab_size} < {MIN_VOCAB_SIZE} (ids only)")
+    return 0
+
+
+def add_make_model_command(sub: argparse._SubParsersAction) -> None:
+    make = sub.add_parser(
+        "make-model",
+        help="write a seeded random checkpoint for a config",
+        description="Write config.json and model.safetensors (Hub layout), and a small BPE "
+        "tokenizer with a chat template trained on text kept in the repo.",
+    )
+    add_fields(make, ModelArgs, only=("hf_config",), required=True)
+    make.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    add_fields(make, ModelArgs, only=("seed",))
+    add_fields(make, MakeModelFlags)
+    make.set_defaults(func=cmd_make_model)
