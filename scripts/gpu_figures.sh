@@ -3,7 +3,7 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,prefill,profile,device-ops,gpu-check
+#   STEPS: a comma list of emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check
 #          (default all; decode-ll runs only with decode)
 #
 # The emulated runs come first (they are what the overlap criteria judge), then the one-process
@@ -19,7 +19,7 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-steps=",${2:-emulated,decode,decode-ll,prefill,profile,device-ops,gpu-check},"
+steps=",${2:-emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check},"
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160
 py=${PY:-python3}
@@ -120,6 +120,28 @@ if want prefill; then
     --link none \
     --repeat 10 --workload single-long:3072 --modes none
   table prefill
+fi
+
+# 2b. an FP8 checkpoint (Hub layout, 128x128 blocks) of the same shape, 2 layers (make-model
+#     stays cheap): decode-64 and prefill-3072 against bf16 random weights of that shape, ep=1;
+#     the bench's header says which FP8 path ran (W8A8 or dequantized) and the resident bytes
+if want fp8; then
+  cfg2="$logs/qwen3-30b-a3b-2l.json"
+  "$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2
+json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
+  run fp8-model 120 "${cli[@]}" make-model --hf-config "$cfg2" --out "$logs/fp8-model" \
+    --quantize fp8
+  for w in decode:64:512 single-long:3072; do
+    note "== one process, $w: bf16 weights, then the FP8 checkpoint"
+    run "bf16-${w//:/-}" 60 "${cli[@]}" bench --hf-config "$cfg2" --device "$device" --ep 1 \
+      --dtype bfloat16 --link none --repeat 10 --workload "$w" --modes none
+    table "bf16-${w//:/-}"
+    run "fp8-${w//:/-}" 60 "${cli[@]}" bench --model "$logs/fp8-model" --device "$device" \
+      --ep 1 --dtype bfloat16 --link none --repeat 10 --workload "$w" --modes none
+    table "fp8-${w//:/-}"
+    grep -iE "fp8|w8a8|resident" "$logs/fp8-${w//:/-}.txt" >> "$summary"
+  done
+  rm -rf "$logs/fp8-model"
 fi
 
 # 3. the GPU checks (tests/gpu), before the diagnostics
