@@ -3,6 +3,7 @@ dispatch and layout on real gloo ranks equal to the one-process run of the same 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
 from moe_overlap.dispatch.fp8_rows import FP8_MAX, Fp8Rows, dispatch_rows, quantize
 from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.distributed.modelled_link import ModelledLink
+from moe_overlap.tools.cli import main
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap, max_abs_diff
 
 FP8 = dict(moe_dispatch_dtype="fp8")
@@ -145,3 +147,21 @@ def test_the_modelled_link_charges_the_fp8_rows_bytes_and_the_combine_the_run_dt
     assert charged["fp8"] == [crossing * (hidden + 2 * 4), crossing * 4 * hidden]
     # what came back is twice the dequantized rows: the scales travelled with their rows
     assert torch.equal(out["fp8"], 2 * Fp8Rows(hidden, torch.float32).round_trip(x))
+
+
+def test_bench_compares_fp8_dispatch_with_the_run_dtypes_in_one_invocation(tmp_path, capsys):
+    """Rank 0 of an emulated ep=2 over a modelled link: both dtypes' tables, the side-by-side
+    one, and in the JSON a smaller T_comm for FP8 rows (36 bytes a row against fp32's 128)."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--emulate-peers", "2"]
+    argv += ["--link", "model:10mbit,0us", "--workload", "single-long:16", "--repeat", "1"]
+    argv += ["--modes", "none,tbo", "--moe-dispatch-dtype", "fp8", "--compare-dispatch-dtype"]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--moe-dispatch-dtype fp8" in printed and "--moe-dispatch-dtype auto" in printed
+    assert "dispatch fp8 against auto" in printed and "T_comm auto / fp8" in printed
+    data = json.loads(out.read_text())
+    compared = data["compared"]
+    assert data["moe_dispatch_dtype"] == "fp8" and set(compared) == {"fp8", "auto"}
+    assert set(compared["fp8"]["modes"]) == set(compared["auto"]["modes"]) == {"none", "tbo"}
+    assert 0 < compared["fp8"]["t_comm_s"] < compared["auto"]["t_comm_s"]

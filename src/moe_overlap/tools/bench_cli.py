@@ -9,7 +9,7 @@ from statistics import median
 
 from rich.console import Console
 
-from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
+from moe_overlap.core.a2a_mode import DispatchDtype, parse_a2a_mode, step_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.mode_labels import mode_config
@@ -34,7 +34,7 @@ from moe_overlap.tools.cli_args import (
 )
 from moe_overlap.tools.command_flags import BenchFlags, ProbeFlags
 from moe_overlap.tools.flags import add_fields
-from moe_overlap.tools.report import bench_table
+from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
@@ -96,35 +96,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
+    console, title = Console(), bench_title(args, par, workload)
+    reports = {  # one engine per dispatch dtype, the same workload and modes through each
+        dtype: bench_engine(args, dtype, workload, modes, configs, cfg.vocab_size, console, title)
+        for dtype in dispatch_dtypes(args)
+    }
+    if len(reports) > 1:
+        console.print(dtype_table(reports, title))
+    payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
+    payload |= {"emulate_peers": peers} if peers else {}
+    results = {}
+    for dtype, report in reports.items():
+        bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed, dtype)
+        results[dtype] = {"moe_dispatch_dtype": dtype} | report.to_json(bounds)
+    first = next(iter(reports))
+    payload |= results[first] | ({"compared": results} if len(results) > 1 else {})
+    write_outputs(console, reports[first].recording, args, payload)
+    return 0
+
+
+def dispatch_dtypes(args: argparse.Namespace) -> list[str]:
+    """``--moe-dispatch-dtype``'s, then with ``--compare-dispatch-dtype`` the other one."""
+    dtypes = [args.moe_dispatch_dtype]
+    if args.compare_dispatch_dtype:
+        dtypes += [d for d in DispatchDtype if d != args.moe_dispatch_dtype]
+    return dtypes
+
+
+def bench_engine(
+    args: argparse.Namespace,
+    dtype: str,
+    workload: Workload,
+    modes: list[str],
+    configs: dict[str, OverlapConfig],
+    vocab: int,
+    console: Console,
+    title: str,
+) -> BenchReport:
+    """Start the ranks with ``dtype``'s dispatch, run every mode, print the table."""
     sized = {  # the engine starts without overlap: each mode's config comes with its forwards
-        "overlap": OverlapConfig(),
+        "overlap": OverlapConfig(moe_dispatch_dtype=dtype),
         "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
         "max_model_len": workload.longest,
     }
-    console = Console()
-    with LLM(**engine_kwargs(args) | sized, emulate_peers=peers) as llm:
+    overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
+    with LLM(**engine_kwargs(args) | sized, emulate_peers=args.emulate_peers) as llm:
         report = run_bench(
             llm.executor,
             workload,
             modes,
             args.repeat,
-            cfg.vocab_size,
+            vocab,
             args.seed,
-            overrides=configs,
+            overrides=overrides,
             on_gpu=llm.spec.device == "cuda",
         )
         graphs = getattr(getattr(llm.executor, "runner", None), "graphs", None)
-    console.print(bench_table(report, bench_title(args, par, workload)))
+    console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
     if graphs is not None:  # one process on CUDA: say whether decode replayed
         console.print(
             f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
             "(their steps ran eagerly)"
         )
-    payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
-    payload |= {"emulate_peers": peers} if peers else {}
-    bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
-    write_outputs(console, report.recording, args, payload | report.to_json(bounds))
-    return 0
+    return report
 
 
 def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:
@@ -144,6 +178,7 @@ def zero_host_bounds(
     peers: int,
     overrides: dict[str, OverlapConfig],
     seed: int,
+    dispatch_dtype: str = DispatchDtype.AUTO,
 ) -> dict[str, float | None]:
     """Per mode, the planner's zero-host-cost bound from the measured ``T_comp`` and
     ``T_comm`` (plus the attention-TP collectives, which no mode hides); None for every mode
@@ -160,7 +195,8 @@ def zero_host_bounds(
         return {mode: None for mode in report.results}
     groups = make_batches(report.workload, cfg.vocab_size, seed)
     batches = [groups[0 if peers else layout.group_of(r)] for r in range(layout.world)]
-    spec = ModelSpec(cfg, "bench", fp8_weights=False)
+    fp8 = dispatch_dtype == DispatchDtype.FP8  # the dispatch's share of the bytes is smaller
+    spec = ModelSpec(cfg, "bench", fp8_weights=False, fp8_dispatch=fp8)
     return {
         mode: report.t_tp_comm
         + stage_order_bound(
@@ -234,7 +270,12 @@ def _add_bench_command(sub) -> None:
     add_fields(
         bench,
         OverlapArgs,
-        only=("log_overlap_decisions", "a2a_mode", "num_max_dispatch_tokens_per_rank"),
+        only=(
+            "log_overlap_decisions",
+            "a2a_mode",
+            "num_max_dispatch_tokens_per_rank",
+            "moe_dispatch_dtype",
+        ),
     )
     add_fields(bench, BenchArgs)
     add_fields(bench, EplbArgs)  # redundant experts, their placement, and --expert-skew

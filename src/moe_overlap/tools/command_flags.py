@@ -72,6 +72,13 @@ class BenchFlags:
     plot: str | None = setting(
         None, "draw the timelines of rank 0 as a PNG", metavar="PATH", group="bench"
     )
+    compare_dispatch_dtype: bool = setting(
+        False,
+        "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) on "
+        "a second engine over the same link, and print both dtypes' T_comm and speed-ups side "
+        "by side (the JSON holds both under 'compared')",
+        group="bench",
+    )
 
 
 @dataclass
@@ -221,6 +228,13 @@ class PlanFlags:
         metavar="SPEC",
     )
     modes: str = setting(",".join(DEFAULT_LABELS), "the bench's modes, comma-separated")
+    quantization: str | None = setting(
+        None,
+        "fp8: plan FP8 weights (1 byte each, GEMMs at the GPU's FP8 rate, BF16's without FP8 "
+        "tensor cores) whatever the checkpoint says; unset: FP8 where its quantization_config "
+        "says so. --moe-dispatch-dtype fp8 plans the dispatch's FP8 rows apart from it",
+        choices=("fp8",),
+    )
     repeat: int = setting(3, "--cluster this: forwards per calibration shape")
     calibration: str | None = setting(
         None,

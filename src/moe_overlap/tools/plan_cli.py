@@ -17,8 +17,9 @@ from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.planner.cluster import load_cluster
-from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.inputs import load_model_spec, make_layout, with_precision
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
     compare_table,
@@ -52,12 +53,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     workload = parse_workload(args.workload, layout.dp_groups, args.seed)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
-    if args.cluster == "this":
+    if args.cluster == "this":  # measured as the engine runs the checkpoint
         cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
         print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
         started = time.perf_counter()
     else:
         cluster = load_cluster(args.cluster)
+    spec = with_precision(spec, args.quantization, args.moe_dispatch_dtype)
     if layout.world > cluster.world:
         raise ConfigError(
             f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
@@ -73,7 +75,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     title = (
         f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
-        f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward)"
+        f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
+        f"{spec.precision}"
     )
     console.print(plan_table(plans, workload.tokens, title))
     best, sentence = recommend(plans, configs)
@@ -137,5 +140,6 @@ def add_plan_command(sub) -> None:
     )
     add_fields(plan, ModelArgs, only=("hf_config", "seed"))
     add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
+    add_fields(plan, OverlapArgs, only=("moe_dispatch_dtype",))
     add_fields(plan, PlanFlags)
     plan.set_defaults(func=cmd_plan)
