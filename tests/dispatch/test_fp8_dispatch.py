@@ -154,8 +154,8 @@ def test_bench_compares_fp8_dispatch_with_the_run_dtypes_in_one_invocation(tmp_p
     one, and in the JSON a smaller T_comm for FP8 rows (36 bytes a row against fp32's 128)."""
     out = tmp_path / "bench.json"
     argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--emulate-peers", "2"]
-    argv += ["--link", "model:10mbit,0us", "--workload", "single-long:16", "--repeat", "1"]
-    argv += ["--modes", "none,tbo", "--moe-dispatch-dtype", "fp8", "--compare-dispatch-dtype"]
+    argv += ["--link", "model:10mbit,0us", "--workload", "single-long:8", "--repeat", "1"]
+    argv += ["--modes", "none,sbo", "--moe-dispatch-dtype", "fp8", "--compare-dispatch-dtype"]
     assert main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "--moe-dispatch-dtype fp8" in printed and "--moe-dispatch-dtype auto" in printed
@@ -163,5 +163,5 @@ def test_bench_compares_fp8_dispatch_with_the_run_dtypes_in_one_invocation(tmp_p
     data = json.loads(out.read_text())
     compared = data["compared"]
     assert data["moe_dispatch_dtype"] == "fp8" and set(compared) == {"fp8", "auto"}
-    assert set(compared["fp8"]["modes"]) == set(compared["auto"]["modes"]) == {"none", "tbo"}
+    assert set(compared["fp8"]["modes"]) == set(compared["auto"]["modes"]) == {"none", "sbo"}
     assert 0 < compared["fp8"]["t_comm_s"] < compared["auto"]["t_comm_s"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from statistics import median
@@ -25,7 +26,7 @@ from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
-from moe_overlap.tools.bench import BenchReport, run_bench
+from moe_overlap.tools.bench import Arm, BenchReport, run_arms
 from moe_overlap.tools.cli_args import (
     add_model_args,
     engine_args,
@@ -97,10 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
     console, title = Console(), bench_title(args, par, workload)
-    reports = {  # one engine per dispatch dtype, the same workload and modes through each
-        dtype: bench_engine(args, dtype, workload, modes, configs, cfg.vocab_size, console, title)
-        for dtype in dispatch_dtypes(args)
-    }
+    reports = bench_engines(args, workload, modes, configs, cfg.vocab_size, console, title)
     if len(reports) > 1:
         console.print(dtype_table(reports, title))
     payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
@@ -123,42 +121,41 @@ def dispatch_dtypes(args: argparse.Namespace) -> list[str]:
     return dtypes
 
 
-def bench_engine(
+def bench_engines(
     args: argparse.Namespace,
-    dtype: str,
     workload: Workload,
     modes: list[str],
     configs: dict[str, OverlapConfig],
     vocab: int,
     console: Console,
     title: str,
-) -> BenchReport:
-    """Start the ranks with ``dtype``'s dispatch, run every mode, print the table."""
+) -> dict[str, BenchReport]:
+    """One engine per dispatch dtype, all started at once and taking turns repetition by
+    repetition (``run_arms``); each dtype's table printed."""
     sized = {  # the engine starts without overlap: each mode's config comes with its forwards
-        "overlap": OverlapConfig(moe_dispatch_dtype=dtype),
         "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
         "max_model_len": workload.longest,
     }
-    overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
-    with LLM(**engine_kwargs(args) | sized, emulate_peers=args.emulate_peers) as llm:
-        report = run_bench(
-            llm.executor,
-            workload,
-            modes,
-            args.repeat,
-            vocab,
-            args.seed,
-            overrides=overrides,
-            on_gpu=llm.spec.device == "cuda",
-        )
-        graphs = getattr(getattr(llm.executor, "runner", None), "graphs", None)
-    console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
-    if graphs is not None:  # one process on CUDA: say whether decode replayed
-        console.print(
-            f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
-            "(their steps ran eagerly)"
-        )
-    return report
+    with ExitStack() as stack:
+        arms, llms = {}, {}
+        for dtype in dispatch_dtypes(args):
+            engine = (
+                engine_kwargs(args) | sized | {"overlap": OverlapConfig(moe_dispatch_dtype=dtype)}
+            )
+            llms[dtype] = stack.enter_context(LLM(**engine, emulate_peers=args.emulate_peers))
+            overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
+            arms[dtype] = Arm(llms[dtype].executor, overrides)
+        on_gpu = next(iter(llms.values())).spec.device == "cuda"
+        reports = run_arms(arms, workload, args.repeat, vocab, args.seed, on_gpu=on_gpu)
+        for dtype, report in reports.items():
+            console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
+            graphs = getattr(getattr(llms[dtype].executor, "runner", None), "graphs", None)
+            if graphs is not None:  # one process on CUDA: say whether decode replayed
+                console.print(
+                    f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to "
+                    "capture (their steps ran eagerly)"
+                )
+    return reports
 
 
 def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:

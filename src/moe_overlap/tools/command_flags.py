@@ -74,9 +74,10 @@ class BenchFlags:
     )
     compare_dispatch_dtype: bool = setting(
         False,
-        "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) on "
-        "a second engine over the same link, and print both dtypes' T_comm and speed-ups side "
-        "by side (the JSON holds both under 'compared')",
+        "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) "
+        "on a second engine over the same link, held beside the first (on a GPU give each "
+        "half of --mem-fraction-static), the two taking turns repetition by repetition; print "
+        "both dtypes' T_comm and speed-ups side by side (the JSON holds both under 'compared')",
         group="bench",
     )
 
