@@ -54,6 +54,7 @@ class BenchReport:
     on_gpu: bool = False  # CUDA: stage spans are host launch times (the "comm" ones are not)
     # mode -> what its figure did not measure: an empty micro-batch, no overlap (bench_notes.py)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    comm_bytes: int = 0  # the MoE's bytes on the busiest rank's link per forward (CPU)
 
     @property
     def t_none(self) -> float:
@@ -120,6 +121,7 @@ class BenchReport:
             "t_comp_s": self.t_comp,
             "t_comm_s": self.t_comm,
             "t_tp_comm_s": self.t_tp_comm,
+            "comm_bytes": self.comm_bytes,
             "limit_s": self.limit,
             "modes": modes,
         }
@@ -172,6 +174,7 @@ class Arm:
     notes: dict[str, list[str]] = field(default_factory=dict)
     comm: list[float] = field(default_factory=list)
     tp_comm: list[float] = field(default_factory=list)
+    comm_bytes: int = 0
 
     def warm(self, batches: list[ForwardBatch]) -> None:
         """A warm-up, then one recorded forward per mode for the timeline."""
@@ -195,11 +198,21 @@ class Arm:
             spans = step(self.executor, batches, self.configs[NONE.name], record=True).spans
             self.comm.append(_slowest_track(spans, tracks.COMM))
             self.tp_comm.append(_slowest_track(spans, tracks.TP_COMM))
+            self.comm_bytes = _busiest_bytes(spans)
 
     def report(self, workload: Workload, on_gpu: bool) -> BenchReport:
         t_comm = statistics.median(self.comm) if self.comm else 0.0
         t_tp = statistics.median(self.tp_comm) if self.tp_comm else 0.0
-        return BenchReport(workload, self.results, t_comm, self.recording, t_tp, on_gpu, self.notes)
+        return BenchReport(
+            workload,
+            self.results,
+            t_comm,
+            self.recording,
+            t_tp,
+            on_gpu,
+            self.notes,
+            self.comm_bytes,
+        )
 
 
 def run_arms(
@@ -237,6 +250,13 @@ def step(executor, batches: list[ForwardBatch], overlap, record: bool = False) -
     (greedy) and send back ids, not logits."""
     samples = [[SampleSpec()] * b.num_seqs for b in batches]
     return executor.step(StepRequest(batches, samples, overlap, record))
+
+
+def _busiest_bytes(per_rank: list) -> int:
+    """The most bytes any rank's MoE transfers put on its link (``Span.nbytes``)."""
+    return max(
+        sum(s.nbytes or 0 for s in spans or [] if s.track == tracks.COMM) for spans in per_rank
+    )
 
 
 def _slowest_track(per_rank: list, track: str) -> float:

@@ -66,12 +66,13 @@ def dtype_table(reports: dict[str, BenchReport], title: str) -> Table:
             f"{second.speedup(mode):.2f}x",
             f"{first.t_none / second.results[mode].median:.2f}x",
         )
-    table.caption = (
-        "; ".join(
-            f"{name}: T_comm {r.t_comm * 1e3:.1f} ms, T_comp {r.t_comp * 1e3:.1f} ms"
-            for name, r in reports.items()
-        )
-        + f"; T_comm {b} / {a} = {_ratio(second.t_comm, first.t_comm)}"
+    table.caption = "; ".join(
+        f"{name}: T_comm {r.t_comm * 1e3:.1f} ms, T_comp {r.t_comp * 1e3:.1f} ms, "
+        f"{r.comm_bytes / 1e6:.2f} MB a forward on the busiest rank's link"
+        for name, r in reports.items()
+    ) + (
+        f"; T_comm {b} / {a} = {_ratio(second.t_comm, first.t_comm)}, bytes {b} / {a} = "
+        f"{_ratio(second.comm_bytes, first.comm_bytes)}"
     )
     table.caption_justify = "left"
     return table
