@@ -17,12 +17,13 @@ from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.planner import gpus
 from moe_overlap.planner.cluster import Cluster, load_cluster
 from moe_overlap.planner.costs import CostModel, node_hit_chance
-from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.inputs import load_model_spec, make_layout, with_precision
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.reproduce import CASES, run_case
 from moe_overlap.tools.cli import main
 
-V3 = load_model_spec("configs/deepseek-v3.json")
+# DeepSeek-V3 as DeepEP's and the references' figures ran it: FP8 weights, FP8 dispatch
+V3 = with_precision(load_model_spec("configs/deepseek-v3.json"), "fp8", "fp8")
 EFFECTS = (
     "gemm_row_tile", "gemm_half_rows", "gemm_efficiency", "comm_sm_share", "ll_comm_sm_share",
     "ll_dispatch_gbps", "ll_combine_gbps", "normal_rdma_gbps", "decode_attention_tflops",

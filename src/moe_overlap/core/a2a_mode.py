@@ -40,7 +40,15 @@ class Backend(enum.StrEnum):
     NONE = "none"  # SGLang's tensor-parallel MoE: dp_gather, partial experts, all-reduce
 
 
+class DispatchDtype(enum.StrEnum):
+    """``--moe-dispatch-dtype``: what the dispatch's rows travel as (``dispatch/fp8_rows.py``)."""
+
+    AUTO = "auto"  # the run dtype (--dtype), as the rows are
+    FP8 = "fp8"  # float8_e4m3fn with a float32 scale per token and 128 columns
+
+
 A2A_MODES = tuple(A2AMode)
+DISPATCH_DTYPES = tuple(DispatchDtype)
 A2A_BACKENDS = tuple(Backend)
 # vLLM's --all2all-backend values that name one of ours; the others name other data paths
 VLLM_BACKENDS = {"deepep_low_latency": "low_latency", "deepep_high_throughput": "normal"}

@@ -8,8 +8,10 @@ from moe_overlap.core.a2a_mode import (
     A2A_BACKENDS,
     A2A_MODES,
     DEFAULT_MAX_DISPATCH_TOKENS,
+    DISPATCH_DTYPES,
     A2AMode,
     Backend,
+    DispatchDtype,
 )
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
 from moe_overlap.core.overlap_modes import MODES, NONE
@@ -36,6 +38,9 @@ class OverlapConfig:
     moe_a2a_backend: str = Backend.AUTO
     a2a_mode: str = A2AMode.AUTO  # core/a2a_mode.py: normal, low_latency, or per step
     num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS  # low-latency capacity
+    # the dispatch's rows: the run dtype, or FP8 with per-128-column scales (read when the
+    # ranks build their dispatchers, as moe_a2a_backend is)
+    moe_dispatch_dtype: str = DispatchDtype.AUTO
     sbo_combine_blocks: int = 2  # SBO: combine all-to-alls per MoE layer (local expert blocks)
     sbo_comm_sms: int = 3  # SBO on CUDA: SMs reserved for communication (SGLang, Hopper)
     log_overlap_decisions: bool = False  # auto: print each forward's choice and predictions
@@ -48,6 +53,7 @@ class OverlapConfig:
             ("tbo_mode_mismatch", MODE_MISMATCH),
             ("moe_a2a_backend", A2A_BACKENDS),
             ("a2a_mode", A2A_MODES),
+            ("moe_dispatch_dtype", DISPATCH_DTYPES),
         ):
             if getattr(self, name) not in choices:
                 raise ConfigError(

@@ -23,6 +23,7 @@ class Span:
     start: float
     end: float
     rows: int | None = None  # a ``split`` mark: the micro-batch's rows (tokens) this forward
+    nbytes: int | None = None  # an all-to-all's: the bytes a modelled link charges it
 
 
 class Timeline:
@@ -31,9 +32,11 @@ class Timeline:
         self.spans: list[Span] = []  # list.append is thread-safe: DBO records from two threads
         self._later: list[tuple[str, str, Callable[[], tuple[float, float]]]] = []
 
-    def add(self, track: str, name: str, start: float, end: float) -> None:
+    def add(
+        self, track: str, name: str, start: float, end: float, nbytes: int | None = None
+    ) -> None:
         if self.enabled:
-            self.spans.append(Span(track, name, start, end))
+            self.spans.append(Span(track, name, start, end, nbytes=nbytes))
 
     def mark_split(self, rows: list[int]) -> None:
         """How a scheme cut this forward: micro-batch i (``mb{i}``) got ``rows[i]`` rows."""

@@ -38,6 +38,7 @@ from moe_overlap.core.dispatcher import (
 )
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import CountsRead, to_device
+from moe_overlap.dispatch.fp8_rows import PlainRows
 from moe_overlap.dispatch.in_flight import CombinePieces, InFlight
 from moe_overlap.dispatch.pieces import piece_layouts
 from moe_overlap.distributed.groups import Group
@@ -102,8 +103,10 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         num_experts: int,
         link: ModelledLink | None = None,
         timeline: Timeline | None = None,
+        wire: PlainRows | None = None,
     ):
         self.group, self.ep, self.link = group, group.size, link
+        self.wire = wire or PlainRows()  # --moe-dispatch-dtype: the dispatched rows' form
         self.num_experts, self.local = num_experts, num_experts // group.size
         self.timeline = timeline  # records each all-to-all from launch to completion
         self.comm = CommStream(group.device)  # CUDA: the communication stream; CPU: no-op
@@ -164,7 +167,8 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> AllToAllState:
-        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
+        # each token encoded once (FP8: its bytes and scales), then copied to its k experts
+        order, rows, counts = sort_by_expert(self.wire.encode(hidden), topk_ids, self.num_experts)
         state = AllToAllState(hidden.shape[0], topk_weights, order, owner)
         # on CUDA the counts' read waits for their copy alone, not for the compute stream
         reading = CountsRead(counts, order.numel())
@@ -215,7 +219,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         both = to_device(torch.stack((self.expert_major, recv_counts.reshape(-1))), received.device)
         by_expert = both[0].repeat_interleave(both[1], output_size=received.shape[0])
         state.perm = torch.argsort(by_expert, stable=True)
-        state.expert_inputs = received[state.perm]
+        state.expert_inputs = self.wire.decode(received[state.perm])
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
     def combine_a(self, state: AllToAllState) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.fp8_rows import PlainRows
 from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.distributed.modelled_link import ModelledLink
 
@@ -28,8 +29,9 @@ class EmulatedAllToAllDispatcher(AllToAllDispatcher):
         num_experts: int,
         link: ModelledLink | None = None,
         timeline: Timeline | None = None,
+        wire: PlainRows | None = None,
     ):
-        super().__init__(group, num_experts, link, timeline)
+        super().__init__(group, num_experts, link, timeline, wire)
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         return symmetric_counts(counts)

@@ -7,6 +7,7 @@ from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
+from moe_overlap.dispatch.fp8_rows import PlainRows
 from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.dispatch.scatter import ScatteredDispatcher
@@ -35,10 +36,12 @@ def make_dispatcher(
     coords: RankCoords,
     link: ModelledLink | None = None,
     timeline: Timeline | None = None,
+    wire: PlainRows | None = None,
 ) -> Dispatcher:
+    """``wire``: the dispatched rows' form (``--moe-dispatch-dtype``; None: as they are)."""
     kind = resolve_backend(backend, par)
     if kind == Backend.LOCAL:
-        return LocalDispatcher(num_experts)
+        return LocalDispatcher(num_experts, wire)
     if kind == Backend.NONE:
         return GatherDispatcher(
             groups["tp"],
@@ -49,6 +52,7 @@ def make_dispatcher(
             num_experts,
             link,
             timeline,
+            wire,
         )
-    a2a = AllToAllDispatcher(groups["ep"], num_experts, link, timeline)
+    a2a = AllToAllDispatcher(groups["ep"], num_experts, link, timeline, wire)
     return ScatteredDispatcher(a2a, groups["attn_tp"]) if par.attn_tp > 1 else a2a

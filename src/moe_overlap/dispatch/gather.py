@@ -32,6 +32,7 @@ from moe_overlap.core.dispatcher import (
 )
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import read_counts
+from moe_overlap.dispatch.fp8_rows import PlainRows
 from moe_overlap.dispatch.in_flight import InFlight
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.modelled_link import ModelledLink
@@ -78,8 +79,10 @@ class GatherDispatcher(Dispatcher[GatherState]):
         num_experts: int,
         link: ModelledLink | None = None,
         timeline: Timeline | None = None,
+        wire: PlainRows | None = None,
     ):
         self.tp, self.attn_dp, self.leader = tp, attn_dp, attn_tp_rank == 0
+        self.wire = wire or PlainRows()  # --moe-dispatch-dtype: the gathered rows' form
         self.num_experts, self.local = num_experts, num_experts // ep_size
         self.first = ep_rank * self.local
         self.link, self.timeline = link, timeline
@@ -97,8 +100,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
         extend: bool = True,
     ) -> GatherState:
         n = hidden.shape[0]
-        # ids ride as floats: exact below 2**24 experts
-        packed = torch.cat((hidden, topk_weights.to(hidden.dtype), topk_ids.to(hidden.dtype)), 1)
+        packed = pack_routing(self.wire.encode(hidden), topk_weights, topk_ids)
         no_order = torch.empty(0, dtype=torch.long)
         if self.attn_dp.size == 1:
             state = GatherState(n, topk_weights, no_order, owner, lens=[n])
@@ -135,7 +137,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
                 [rows[d * longest : d * longest + n] for d, n in enumerate(state.lens)]
             )
         k = state.topk_weights.shape[1]
-        hidden, weights, ids = rows.split([rows.shape[1] - 2 * k, k, k], dim=1)
+        hidden, weights, ids = unpack_routing(rows, k)
         local = ids.reshape(-1).long() - self.first  # pair -> my local expert, if it is mine
         # pairs of other ranks' experts sort last, under key ``self.local``: my pairs come
         # first, by expert (stable: by pair within one), and the one read of the device, the
@@ -145,7 +147,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
         state.tokens_per_expert = read_counts(counts[:-1], key.numel()).tolist()
         state.order = torch.argsort(key, stable=True)[: sum(state.tokens_per_expert)]
         state.all_weights = weights
-        state.expert_inputs = hidden[state.order // k]
+        state.expert_inputs = self.wire.decode(hidden[state.order // k])
 
     def _partial(self, state: GatherState, rows: slice) -> Pending:
         """Start summing the weighted outputs of ``rows`` of ``expert_outputs`` over the world."""
@@ -154,7 +156,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
         pairs = state.order[rows]
         expert_outputs = outputs(state)
         out = expert_outputs.new_zeros(state.all_weights.shape[0], expert_outputs.shape[1])
-        out.index_add_(0, pairs // k, expert_outputs[rows] * weights[pairs, None])
+        out.index_add_(0, pairs // k, expert_outputs[rows] * weights[pairs, None].to(out.dtype))
         if self.tp.size == 1 or not out.numel():
             return Ready(out)
         nbytes = _ring_bytes(out, self.tp.size, reduce=True)
@@ -178,6 +180,26 @@ class GatherDispatcher(Dispatcher[GatherState]):
         out = in_flight(state).wait()
         start = sum(state.lens[: self.attn_dp.rank]) if self.attn_dp.size > 1 else 0
         return out[start : start + state.num_tokens]
+
+
+def pack_routing(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's row with its router weights and expert ids, one tensor to gather: in the
+    rows' dtype (ids as floats: exact below 2**24 experts), or as bytes beside FP8 rows' bytes
+    (the gather's all-reduce adds zeros to one rank's bytes, so they arrive unchanged)."""
+    if rows.dtype != torch.uint8:
+        return torch.cat((rows, weights.to(rows.dtype), ids.to(rows.dtype)), 1)
+    as_bytes = [t.contiguous().view(torch.uint8) for t in (weights.float(), ids.int())]
+    return torch.cat((rows, *as_bytes), 1)
+
+
+def unpack_routing(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_routing``'s rows, weights ``[n, k]`` and ids ``[n, k]`` (ids as floats, or int32)."""
+    width = packed.shape[1]
+    if packed.dtype != torch.uint8:
+        rows, weights, ids = packed.split([width - 2 * k, k, k], dim=1)
+        return rows, weights, ids
+    rows, weights, ids = packed.split([width - 8 * k, 4 * k, 4 * k], dim=1)
+    return rows, weights.contiguous().view(torch.float32), ids.contiguous().view(torch.int32)
 
 
 def _ring_bytes(t: torch.Tensor, ranks: int, reduce: bool) -> int:

@@ -37,7 +37,7 @@ class InFlight(Pending):
         self.handle, self.link, self.owner = handle, link, owner
         self.label, self.done = label, done  # done: the communication stream's event (CUDA)
         self.began = began  # CUDA, while recording: a timing event before the transfer
-        self.start = time.perf_counter()
+        self.start, self.num_bytes = time.perf_counter(), num_bytes
         self.earliest_end = link.reserve(self.start, num_bytes) if link is not None else self.start
         self.completed_at: float | None = None
         # the timeline while this all-to-all's span is still to be added
@@ -63,7 +63,7 @@ class InFlight(Pending):
             self.recording = None  # one span per all-to-all, at its first wait
             now = time.perf_counter()
             end = now if self.completed_at is None else min(self.completed_at, now)
-            recording.add(tracks.COMM, self.label, self.start, end)
+            recording.add(tracks.COMM, self.label, self.start, end, self.num_bytes)
         return out
 
     def _gpu_span(self) -> tuple[float, float]:

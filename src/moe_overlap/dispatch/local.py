@@ -7,13 +7,15 @@ import torch
 from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import Backend
 from moe_overlap.core.dispatcher import Dispatcher, DispatchState, Ready, outputs, sort_by_expert
+from moe_overlap.dispatch.fp8_rows import PlainRows
 
 
 class LocalDispatcher(Dispatcher[DispatchState]):
     name = Backend.LOCAL
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, wire: PlainRows | None = None):
         self.num_experts = num_experts
+        self.wire = wire or PlainRows()  # --moe-dispatch-dtype: quantized where it would be sent
 
     def dispatch_a(
         self,
@@ -23,6 +25,7 @@ class LocalDispatcher(Dispatcher[DispatchState]):
         owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> DispatchState:
+        hidden = self.wire.round_trip(hidden)  # what the experts of a dispatched row get
         order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
         state = DispatchState(hidden.shape[0], topk_weights, order, owner, counts=counts)
         # the counts stay on the device: a grouped GEMM takes them there (no read, and a

@@ -55,7 +55,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
             raise ConfigError(f"--num-max-dispatch-tokens-per-rank={capacity} must be >= 1")
         self.a2a, self.capacity = a2a, capacity
         self.num_experts, self.ep, self.local = a2a.num_experts, a2a.ep, a2a.local
-        self.link = a2a.link
+        self.link, self.wire = a2a.link, a2a.wire
         self.block_rows = 1 + self.local * capacity  # a peer's block: header, then the rows
 
     def check_fits(self, tokens: int) -> None:
@@ -73,6 +73,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
     ) -> LowLatencyState:
         tokens = topk_ids.shape[0]
         self.check_fits(tokens)
+        hidden = self.wire.encode(hidden)  # FP8: each row's bytes and scales
         if self.local * 4 > hidden.shape[1] * hidden.element_size():
             raise ConfigError(
                 f"--a2a-mode low_latency: {self.local} local experts' counts do not fit in one "
@@ -110,9 +111,10 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
     def dispatch_b(self, state: LowLatencyState) -> None:
         received = in_flight(state).wait().view(self.ep, self.block_rows, -1)
         state.pending = None
-        hidden = received.shape[-1]
+        width = received.shape[-1]
         state.counts = received[:, 0].view(torch.int32)[:, : self.local].long()
-        state.expert_inputs = received[:, 1:].view(self.ep, self.local, self.capacity, hidden)
+        blocks = received[:, 1:].view(self.ep, self.local, self.capacity, width)
+        state.expert_inputs = self.wire.decode(blocks)
 
     def combine_a(self, state: LowLatencyState) -> None:
         rows = outputs(state).reshape(self.ep * self.local * self.capacity, -1)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from moe_overlap.core.a2a_mode import A2A_MODES, VLLM_BACKENDS, parse_a2a_mode
+from moe_overlap.core.a2a_mode import A2A_MODES, DISPATCH_DTYPES, VLLM_BACKENDS, parse_a2a_mode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.kv_budget import CPU_FREE_RAM_SHARE, DEFAULT_MEM_FRACTION, DEFAULT_PAGE_SIZE
 from moe_overlap.core.overlap_config import (
@@ -122,6 +122,16 @@ class OverlapArgs:
         "num_max_dispatch_tokens_per_rank",
         "the low-latency dispatch's capacity: tokens one rank may send per micro-batch (each "
         "block holds this many rows per expert; SGLang's default)",
+    )
+    moe_dispatch_dtype: str = overlap_setting(
+        "moe_dispatch_dtype",
+        "what the dispatch's rows travel as: auto, the run dtype (--dtype); fp8, "
+        "float8_e4m3fn with one float32 scale per token and group of min(128, hidden) columns "
+        "(scale = amax / 448, the per-token-group quantization SGLang, vLLM and DeepEP send), "
+        "about half of bf16's bytes. The experts get the rows dequantized (on CPU; no FP8 "
+        "GEMM), the combine stays in the run dtype, and one process quantizes at the same "
+        "point, so every layout and mode computes the same. Lossy: not the run dtype's logits",
+        choices=DISPATCH_DTYPES,
     )
     overlap: str | None = setting(
         None,

@@ -8,8 +8,9 @@ cluster's GEMM rate (FP8 weights at the FP8 rate), attention at its own rate wit
 with the query-key pairs computed (where the cluster says a chunk with a prefix computes its
 whole rectangle, the engine's blocks of ``QUERY_BLOCK`` queries each over the keys up to its
 end), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
-activations, rows from top-k routing spread evenly over the EP ranks, or by the cluster's
-measured ``expert_shares``.
+activations (the dispatch's FP8 with a float32 scale per 128 under ``--moe-dispatch-dtype fp8``,
+the combine's in the run dtype), rows from top-k routing spread evenly over the EP ranks, or by
+the cluster's measured ``expert_shares``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class MicroBatchCost:
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     a2a_bytes: list[list[float]] = field(default_factory=list)  # per rank (NVLink, RDMA)
+    combine_bytes: list[list[float]] = field(default_factory=list)  # the same, combine's
     allreduce_s: list[float] = field(default_factory=list)  # attention TP's, inside attn_core
     op_overhead_s: float = 0.0  # the fixed cost inside each op's seconds (one call's)
     decode: bool = False  # every token decodes (CUDA graphs, low-latency all-to-alls)
@@ -44,6 +46,11 @@ class MicroBatchCost:
     latency_s: float = 0.0  # an all-to-all's fixed time besides its bytes
     sm_share: float = 0.0  # share of compute lost while this micro-batch's transfer is out
     host_launch_s: float = 0.0  # the host's time to launch one of its device operations
+
+    def bytes_of(self, kind: str) -> list[list[float]]:
+        """Each rank's bytes of a ``kind`` all-to-all: the combine's rows are in the run dtype
+        (no smaller than the dispatch's, which may be FP8)."""
+        return self.combine_bytes if kind == "combine" and self.combine_bytes else self.a2a_bytes
 
 
 def node_hit_chance(groups: int, top_groups: int, nodes: int, k: int) -> float:
@@ -133,7 +140,8 @@ class CostModel:
         for w, share in zip(works, self.shares, strict=True):
             for name, s in self.op_seconds(w, received).items():
                 out.seconds.setdefault(name, []).append(s)
-            out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, routed, share))
+            out.a2a_bytes.append(self.a2a_bytes(w.moe_tokens, routed, share, self.dispatch_elem))
+            out.combine_bytes.append(self.a2a_bytes(w.moe_tokens, routed, share))
             out.allreduce_s.append(self.allreduce_seconds(w.tokens))
             if low_latency:
                 for kind, secs in self.low_latency_seconds(w.moe_tokens).items():
@@ -142,31 +150,33 @@ class CostModel:
 
     def low_latency_seconds(self, moe_tokens: float) -> dict[str, float]:
         """DeepEP's low-latency kernels: every top-k copy of a token is sent (FP8 with a
-        scale per 128 in dispatch where the model and GPU are FP8, BF16 in combine), at the
+        scale per 128 in dispatch under ``--moe-dispatch-dtype fp8``, BF16 in combine), at the
         bandwidth the kernels reached at this EP size (``cluster.ll_*_gbps``)."""
         c, cl, ep = self.spec.cfg, self.cluster, self.layout.ep
         copies = moe_tokens * c.num_experts_per_tok * c.hidden_size
-        fp8 = self.spec.fp8_weights and cl.gemm_tflops_fp8
-        out_bytes = copies * (1 + 4 / 128 if fp8 else cl.activation_bytes)
+        out_bytes = copies * self.dispatch_elem
         back_bytes = copies * cl.activation_bytes
         return {
             "dispatch": out_bytes / (ep_rate(cl.ll_dispatch_gbps, ep) * 1e9),
             "combine": back_bytes / (ep_rate(cl.ll_combine_gbps, ep) * 1e9),
         }
 
-    def a2a_bytes(self, moe_tokens: float, routed: float, share: float) -> list[float]:
+    @property
+    def dispatch_elem(self) -> float:
+        """Bytes per element the dispatch sends: FP8 and its scales, or the run dtype's."""
+        return self.spec.dispatch_bytes(self.cluster.activation_bytes)
+
+    def a2a_bytes(
+        self, moe_tokens: float, routed: float, share: float, per_elem: float | None = None
+    ) -> list[float]:
         """(intra-node, inter-node) bytes that leave (or reach) the rank: the engine's
         max(sent, received) rows off-rank (``routed``: every rank's rows, ``share`` of them
         go to this rank's experts), or with ``a2a_dedup`` one copy per GPU (NVLink)
-        and per node (RDMA) a token reaches. FP8 models on FP8 GPUs dispatch FP8 rows with a
-        scale per 128 (DeepEP, SGLang) and combine in BF16: on average ``(1 + 1/32 + 2) / 2``
-        bytes per element."""
+        and per node (RDMA) a token reaches; ``per_elem`` bytes per element (default: the
+        run dtype's, the combine's; an FP8 dispatch's are ``1 + 4 / 128``)."""
         c, ep, cl = self.spec.cfg, self.layout.ep, self.cluster
         k, per_node = c.num_experts_per_tok, min(ep, cl.gpus_per_node)
-        per_elem: float = cl.activation_bytes
-        if self.spec.fp8_weights and cl.gemm_tflops_fp8:
-            per_elem = (1 + 1 / 32 + cl.activation_bytes) / 2
-        row = c.hidden_size * per_elem
+        row = c.hidden_size * (cl.activation_bytes if per_elem is None else per_elem)
         if ep == 1:
             return [0.0, 0.0]
         row *= cl.a2a_bytes_factor

@@ -7,9 +7,11 @@ the engine's own check stays as strict as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moe_overlap.core.a2a_mode import DispatchDtype
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.layout_rules import check_layout
@@ -23,10 +25,35 @@ class ModelSpec:
     name: str
     fp8_weights: bool  # quantization_config says FP8: weights are 1 byte, GEMMs at FP8 rate
     notes: tuple[str, ...] = ()
+    fp8_dispatch: bool = False  # --moe-dispatch-dtype fp8: FP8 rows and per-128 scales
 
     @property
     def weight_bytes(self) -> int:
         return 1 if self.fp8_weights else 2
+
+    def dispatch_bytes(self, activation_bytes: float) -> float:
+        """Bytes per element of a dispatched row: FP8's 1 and a float32 scale per 128
+        columns, or the run dtype's ``activation_bytes`` (the combine's, always)."""
+        if not self.fp8_dispatch:
+            return activation_bytes
+        h = self.cfg.hidden_size
+        return 1 + 4 * math.ceil(h / 128) / h
+
+    @property
+    def precision(self) -> str:
+        """What a plan's title says of it: the weights' and the dispatch's dtypes."""
+        weights, dispatch = ("FP8" if f else "BF16" for f in (self.fp8_weights, self.fp8_dispatch))
+        return f"{weights} weights, {dispatch} dispatch, BF16 combine"
+
+
+def with_precision(spec: ModelSpec, quantization: str | None, dispatch_dtype: str) -> ModelSpec:
+    """``spec`` under ``--quantization fp8`` (FP8 weights, whatever the checkpoint says; None:
+    as the checkpoint says) and ``--moe-dispatch-dtype``."""
+    return replace(
+        spec,
+        fp8_weights=spec.fp8_weights or quantization == "fp8",
+        fp8_dispatch=dispatch_dtype == DispatchDtype.FP8,
+    )
 
 
 def load_model_spec(path: str | Path) -> ModelSpec:

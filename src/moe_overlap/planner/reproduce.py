@@ -14,11 +14,12 @@ from pathlib import Path
 
 from rich.table import Table
 
+from moe_overlap.core.a2a_mode import DispatchDtype
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE, TBO
 from moe_overlap.planner.cluster import load_cluster
-from moe_overlap.planner.inputs import PlanLayout, load_model_spec, make_layout
+from moe_overlap.planner.inputs import PlanLayout, load_model_spec, make_layout, with_precision
 from moe_overlap.planner.plan import Planner
 
 REF_004 = "ref 004"
@@ -44,6 +45,9 @@ class Case:
     band: tuple[float, float]  # the prediction must land inside (the issue's +-5 points)
     layout: tuple[int, int, int] = (16, 16, 16)  # tp, dp, ep (DP attention)
     config: str = "configs/deepseek-v3.json"
+    # the published run was FP8: block-FP8 weights (DeepGEMM) and FP8 dispatch (DeepEP, as
+    # SGLang sends DeepSeek-V3's activations), the combine in BF16
+    fp8: bool = True
 
 
 CASES = (
@@ -91,6 +95,8 @@ def run_case(case: Case, batches_for: BatchesFor, mode_config: ModeConfig) -> Ou
     if not config.exists():  # run outside the repository: the configs beside the package
         config = Path(__file__).resolve().parents[3] / case.config
     spec = load_model_spec(str(config))
+    if case.fp8:
+        spec = with_precision(spec, "fp8", DispatchDtype.FP8)
     tp, dp, ep = case.layout
     layout = make_layout(tp, dp, ep, True, spec.cfg)
     planner = Planner(spec, load_cluster(case.cluster), layout)
@@ -109,7 +115,7 @@ def reproduce(batches_for: BatchesFor, mode_config: ModeConfig) -> tuple[list[Ou
 
 def reproduce_table(outcomes: list[Outcome]) -> Table:
     table = Table(title="the planner against published GPU measurements", title_justify="left")
-    for name in ("case", "cluster, workload", "gain of", "published", "predicted", "error"):
+    for name in ("case", "cluster, workload", "FP8", "gain of", "published", "predicted", "error"):
         table.add_column(name, justify="left" if name in ("case", "gain of") else "right")
     table.add_column("same winner", justify="center")
     table.add_column("source")
@@ -118,6 +124,7 @@ def reproduce_table(outcomes: list[Outcome]) -> Table:
         table.add_row(
             c.name,
             f"{c.cluster} EP{c.layout[2]}, {c.workload}",
+            "weights, dispatch" if c.fp8 else "no",
             f"{c.mode} over {c.baseline}",
             f"{c.published:+.1%}",
             f"{o.predicted:+.1%}",
@@ -128,7 +135,10 @@ def reproduce_table(outcomes: list[Outcome]) -> Table:
     table.caption = "\n".join(
         [
             "gain: t(baseline) / t(mode) - 1; error in percentage points. Parameters come from "
-            "datasheets and kernel benchmarks (docs/planner.md), none fitted to these cases.",
+            "datasheets and kernel benchmarks (docs/planner.md), none fitted to these cases. "
+            "FP8: the published run's block-FP8 weights (GEMMs at the FP8 rate, 1-byte weights) "
+            "and FP8 dispatch (1 byte and a scale per 128 per element; combine in BF16), as "
+            "planned with --quantization fp8 --moe-dispatch-dtype fp8.",
             *(f"{key}: {text}" for key, text in SOURCES.items()),
         ]
     )

@@ -87,7 +87,7 @@ class RankClocks:
         last_launch = max(ready)
         latency = cost.latency_s
         done = []
-        for r, rank_bytes in enumerate(cost.a2a_bytes):
+        for r, rank_bytes in enumerate(cost.bytes_of(kind)):
             b = [x * part for x in rank_bytes]
             begin = max(ready[r], self.link_free[r])
             ll = cost.link_s.get(kind)

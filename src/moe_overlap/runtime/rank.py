@@ -20,6 +20,7 @@ from moe_overlap.core.step import GroupReply, StepReply, StepRequest
 from moe_overlap.core.timeline import Span, Timeline
 from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
 from moe_overlap.dispatch.factory import make_dispatcher
+from moe_overlap.dispatch.fp8_rows import dispatch_rows
 from moe_overlap.distributed.emulated import EmulatedGroup
 from moe_overlap.distributed.groups import Group, init_process_groups
 from moe_overlap.distributed.layout import GROUP_KINDS, ParallelLayout, RankCoords, layout_for
@@ -192,10 +193,13 @@ def rank_dispatcher(
     ep = groups["ep"]
     # the dispatchers route to physical slots: E, or E + redundant ones under EPLB
     experts = spec.placement.num_slots if spec.placement else spec.config.num_experts
+    wire = dispatch_rows(
+        spec.overlap.moe_dispatch_dtype, spec.config.hidden_size, torch_dtype(spec.dtype)
+    )
     if isinstance(ep, EmulatedGroup):
-        return EmulatedAllToAllDispatcher(ep, experts, link, timeline)
+        return EmulatedAllToAllDispatcher(ep, experts, link, timeline, wire)
     backend, par = spec.overlap.moe_a2a_backend, rank_parallel(spec)
-    return make_dispatcher(backend, experts, par, groups, coords, link, timeline)
+    return make_dispatcher(backend, experts, par, groups, coords, link, timeline, wire)
 
 
 def prefill_lane(

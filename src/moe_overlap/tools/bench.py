@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from rich.progress import Progress
@@ -53,6 +54,7 @@ class BenchReport:
     on_gpu: bool = False  # CUDA: stage spans are host launch times (the "comm" ones are not)
     # mode -> what its figure did not measure: an empty micro-batch, no overlap (bench_notes.py)
     notes: dict[str, list[str]] = field(default_factory=dict)
+    comm_bytes: int = 0  # the MoE's bytes on the busiest rank's link per forward (CPU)
 
     @property
     def t_none(self) -> float:
@@ -119,6 +121,7 @@ class BenchReport:
             "t_comp_s": self.t_comp,
             "t_comm_s": self.t_comm,
             "t_tp_comm_s": self.t_tp_comm,
+            "comm_bytes": self.comm_bytes,
             "limit_s": self.limit,
             "modes": modes,
         }
@@ -156,35 +159,85 @@ def run_bench(
     overrides: dict | None = None,
     on_gpu: bool = False,
 ) -> BenchReport:
-    configs = {m: (overrides or {}).get(m) or mode_config(m) for m in modes}
+    arm = Arm(executor, {m: (overrides or {}).get(m) or mode_config(m) for m in modes})
+    return run_arms({"": arm}, workload, repeat, vocab, seed, progress, on_gpu)[""]
+
+
+@dataclass
+class Arm:
+    """One engine's side of a bench: its executor, each mode's config, what it measured."""
+
+    executor: Any
+    configs: dict[str, Any]  # mode -> OverlapConfig
+    results: dict[str, ModeResult] = field(default_factory=dict)
+    recording: dict = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    comm: list[float] = field(default_factory=list)
+    tp_comm: list[float] = field(default_factory=list)
+    comm_bytes: int = 0
+
+    def warm(self, batches: list[ForwardBatch]) -> None:
+        """A warm-up, then one recorded forward per mode for the timeline."""
+        for m, cfg in self.configs.items():
+            step(self.executor, batches, cfg)
+            reply = step(self.executor, batches, cfg, record=True)
+            self.recording[m], self.notes[m] = reply.spans, mode_notes(cfg, reply)
+            self.results[m] = ModeResult(m)
+
+    def repetition(self, batches: list[ForwardBatch], rep: int, advance) -> None:
+        """Every mode once (in a rotating order), then the same-run measurement of T_comm."""
+        modes = list(self.configs)
+        for m in modes[rep % len(modes) :] + modes[: rep % len(modes)]:
+            _sync()
+            start = time.perf_counter()
+            step(self.executor, batches, self.configs[m])
+            _sync()  # on CUDA the forward's kernels, not their launches
+            self.results[m].times.append(time.perf_counter() - start)
+            advance()
+        if NONE.name in modes:
+            spans = step(self.executor, batches, self.configs[NONE.name], record=True).spans
+            self.comm.append(_slowest_track(spans, tracks.COMM))
+            self.tp_comm.append(_slowest_track(spans, tracks.TP_COMM))
+            self.comm_bytes = _busiest_bytes(spans)
+
+    def report(self, workload: Workload, on_gpu: bool) -> BenchReport:
+        t_comm = statistics.median(self.comm) if self.comm else 0.0
+        t_tp = statistics.median(self.tp_comm) if self.tp_comm else 0.0
+        return BenchReport(
+            workload,
+            self.results,
+            t_comm,
+            self.recording,
+            t_tp,
+            on_gpu,
+            self.notes,
+            self.comm_bytes,
+        )
+
+
+def run_arms(
+    arms: dict[str, Arm],
+    workload: Workload,
+    repeat: int,
+    vocab: int,
+    seed: int = 0,
+    progress: bool = True,
+    on_gpu: bool = False,
+) -> dict[str, BenchReport]:
+    """Each arm's report; the arms take turns, one repetition each, so drift in the machine's
+    load hits them alike (``bench --compare-dispatch-dtype``: one engine per dispatch dtype)."""
     batches = make_batches(workload, vocab, seed)
-    fill_context(executor, workload, vocab, seed)
-    results = {m: ModeResult(m) for m in modes}
-    recording, notes, comm, tp_comm = {}, {}, [], []
-    total = len(modes) * (repeat + 2)
+    total = sum(len(a.configs) for a in arms.values()) * (repeat + 2)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"bench {workload.spec}", total=total)
-        for m in modes:  # warm-up, then one recorded forward per mode for the timeline
-            step(executor, batches, configs[m])
-            reply = step(executor, batches, configs[m], record=True)
-            recording[m], notes[m] = reply.spans, mode_notes(configs[m], reply)
-            bar.advance(task, 2)
+        for arm in arms.values():
+            fill_context(arm.executor, workload, vocab, seed)
+            arm.warm(batches)
+            bar.advance(task, 2 * len(arm.configs))
         for rep in range(repeat):
-            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
-            for m in order:
-                _sync()
-                start = time.perf_counter()
-                step(executor, batches, configs[m])
-                _sync()  # on CUDA the forward's kernels, not their launches
-                results[m].times.append(time.perf_counter() - start)
-                bar.advance(task)
-            if NONE.name in modes:  # the same-run measurement of T_comm
-                spans = step(executor, batches, configs[NONE.name], record=True).spans
-                comm.append(_slowest_track(spans, tracks.COMM))
-                tp_comm.append(_slowest_track(spans, tracks.TP_COMM))
-    t_comm = statistics.median(comm) if comm else 0.0
-    t_tp = statistics.median(tp_comm) if tp_comm else 0.0
-    return BenchReport(workload, results, t_comm, recording, t_tp, on_gpu, notes)
+            for arm in arms.values():
+                arm.repetition(batches, rep, lambda: bar.advance(task))
+    return {name: arm.report(workload, on_gpu) for name, arm in arms.items()}
 
 
 def _sync() -> None:
@@ -197,6 +250,13 @@ def step(executor, batches: list[ForwardBatch], overlap, record: bool = False) -
     (greedy) and send back ids, not logits."""
     samples = [[SampleSpec()] * b.num_seqs for b in batches]
     return executor.step(StepRequest(batches, samples, overlap, record))
+
+
+def _busiest_bytes(per_rank: list) -> int:
+    """The most bytes any rank's MoE transfers put on its link (``Span.nbytes``)."""
+    return max(
+        sum(s.nbytes or 0 for s in spans or [] if s.track == tracks.COMM) for spans in per_rank
+    )
 
 
 def _slowest_track(per_rank: list, track: str) -> float:

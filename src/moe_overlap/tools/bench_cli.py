@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
 from rich.console import Console
 
-from moe_overlap.core.a2a_mode import parse_a2a_mode, step_a2a_mode
+from moe_overlap.core.a2a_mode import DispatchDtype, parse_a2a_mode, step_a2a_mode
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
@@ -29,7 +30,7 @@ from moe_overlap.model.fp8_resident import fp8_path
 from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
-from moe_overlap.tools.bench import BenchReport, run_bench
+from moe_overlap.tools.bench import Arm, BenchReport, run_arms
 from moe_overlap.tools.cli_args import (
     add_model_args,
     engine_args,
@@ -38,7 +39,7 @@ from moe_overlap.tools.cli_args import (
 )
 from moe_overlap.tools.command_flags import BenchFlags, ProbeFlags
 from moe_overlap.tools.flags import add_fields
-from moe_overlap.tools.report import bench_table
+from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
@@ -100,38 +101,68 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
+    console, title = Console(), bench_title(args, par, workload)
+    reports = bench_engines(args, workload, modes, configs, cfg.vocab_size, console, title)
+    if len(reports) > 1:
+        console.print(dtype_table(reports, title))
+    payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
+    payload |= {"emulate_peers": peers} if peers else {}
+    results = {}
+    for dtype, report in reports.items():
+        bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed, dtype)
+        results[dtype] = {"moe_dispatch_dtype": dtype} | report.to_json(bounds)
+    first = next(iter(reports))
+    payload |= results[first] | ({"compared": results} if len(results) > 1 else {})
+    write_outputs(console, reports[first].recording, args, payload)
+    return 0
+
+
+def dispatch_dtypes(args: argparse.Namespace) -> list[str]:
+    """``--moe-dispatch-dtype``'s, then with ``--compare-dispatch-dtype`` the other one."""
+    dtypes = [args.moe_dispatch_dtype]
+    if args.compare_dispatch_dtype:
+        dtypes += [d for d in DispatchDtype if d != args.moe_dispatch_dtype]
+    return dtypes
+
+
+def bench_engines(
+    args: argparse.Namespace,
+    workload: Workload,
+    modes: list[str],
+    configs: dict[str, OverlapConfig],
+    vocab: int,
+    console: Console,
+    title: str,
+) -> dict[str, BenchReport]:
+    """One engine per dispatch dtype, all started at once and taking turns repetition by
+    repetition (``run_arms``); each dtype's table printed."""
     sized = {  # the engine starts without overlap: each mode's config comes with its forwards
-        "overlap": OverlapConfig(),
         "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
         "max_model_len": workload.longest,
     }
-    console = Console()
-    with LLM(**engine_kwargs(args) | sized, emulate_peers=peers) as llm:
-        report = run_bench(
-            llm.executor,
-            workload,
-            modes,
-            args.repeat,
-            cfg.vocab_size,
-            args.seed,
-            overrides=configs,
-            on_gpu=llm.spec.device == "cuda",
-        )
-        graphs = getattr(getattr(llm.executor, "runner", None), "graphs", None)
-    console.print(bench_table(report, bench_title(args, par, workload)))
-    if graphs is not None:  # one process on CUDA: say whether decode replayed
-        console.print(
-            f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to capture "
-            "(their steps ran eagerly)"
-        )
-    fp8 = fp8_line(settings, llm.spec)
-    if fp8 is not None:  # which path the FP8 weights ran: W8A8 or dequantized
-        console.print(fp8)
-    payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
-    payload |= {"emulate_peers": peers} if peers else {}
-    bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed)
-    write_outputs(console, report.recording, args, payload | report.to_json(bounds))
-    return 0
+    with ExitStack() as stack:
+        arms, llms = {}, {}
+        for dtype in dispatch_dtypes(args):
+            engine = (
+                engine_kwargs(args) | sized | {"overlap": OverlapConfig(moe_dispatch_dtype=dtype)}
+            )
+            llms[dtype] = stack.enter_context(LLM(**engine, emulate_peers=args.emulate_peers))
+            overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
+            arms[dtype] = Arm(llms[dtype].executor, overrides)
+        on_gpu = next(iter(llms.values())).spec.device == "cuda"
+        reports = run_arms(arms, workload, args.repeat, vocab, args.seed, on_gpu=on_gpu)
+        for dtype, report in reports.items():
+            console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
+            graphs = getattr(getattr(llms[dtype].executor, "runner", None), "graphs", None)
+            if graphs is not None:  # one process on CUDA: say whether decode replayed
+                console.print(
+                    f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to "
+                    "capture (their steps ran eagerly)"
+                )
+        fp8 = fp8_line(engine_args(args), next(iter(llms.values())).spec)
+        if fp8 is not None:  # which path the FP8 weights ran: W8A8 or dequantized
+            console.print(fp8)
+    return reports
 
 
 def fp8_line(settings: EngineArgs, spec: EngineSpec) -> str | None:
@@ -158,6 +189,7 @@ def zero_host_bounds(
     peers: int,
     overrides: dict[str, OverlapConfig],
     seed: int,
+    dispatch_dtype: str = DispatchDtype.AUTO,
 ) -> dict[str, float | None]:
     """Per mode, the planner's zero-host-cost bound from the measured ``T_comp`` and
     ``T_comm`` (plus the attention-TP collectives, which no mode hides); None for every mode
@@ -174,7 +206,8 @@ def zero_host_bounds(
         return {mode: None for mode in report.results}
     groups = make_batches(report.workload, cfg.vocab_size, seed)
     batches = [groups[0 if peers else layout.group_of(r)] for r in range(layout.world)]
-    spec = ModelSpec(cfg, "bench", fp8_weights=False)
+    fp8 = dispatch_dtype == DispatchDtype.FP8  # the dispatch's share of the bytes is smaller
+    spec = ModelSpec(cfg, "bench", fp8_weights=False, fp8_dispatch=fp8)
     return {
         mode: report.t_tp_comm
         + stage_order_bound(
@@ -248,7 +281,12 @@ def _add_bench_command(sub) -> None:
     add_fields(
         bench,
         OverlapArgs,
-        only=("log_overlap_decisions", "a2a_mode", "num_max_dispatch_tokens_per_rank"),
+        only=(
+            "log_overlap_decisions",
+            "a2a_mode",
+            "num_max_dispatch_tokens_per_rank",
+            "moe_dispatch_dtype",
+        ),
     )
     add_fields(bench, BenchArgs)
     add_fields(bench, EplbArgs)  # redundant experts, their placement, and --expert-skew

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from moe_overlap.core.eplb_placement import ALGORITHMS, AUTO
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
@@ -72,6 +71,14 @@ class BenchFlags:
     )
     plot: str | None = setting(
         None, "draw the timelines of rank 0 as a PNG", metavar="PATH", group="bench"
+    )
+    compare_dispatch_dtype: bool = setting(
+        False,
+        "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) "
+        "on a second engine over the same link, held beside the first (on a GPU give each "
+        "half of --mem-fraction-static), the two taking turns repetition by repetition; print "
+        "both dtypes' T_comm and speed-ups side by side (the JSON holds both under 'compared')",
+        group="bench",
     )
 
 
@@ -230,6 +237,13 @@ class PlanFlags(SpeculativePlanFlags):
         metavar="SPEC",
     )
     modes: str = setting(",".join(DEFAULT_LABELS), "the bench's modes, comma-separated")
+    quantization: str | None = setting(
+        None,
+        "fp8: plan FP8 weights (1 byte each, GEMMs at the GPU's FP8 rate, BF16's without FP8 "
+        "tensor cores) whatever the checkpoint says; unset: FP8 where its quantization_config "
+        "says so. --moe-dispatch-dtype fp8 plans the dispatch's FP8 rows apart from it",
+        choices=("fp8",),
+    )
     repeat: int = setting(3, "--cluster this: forwards per calibration shape")
     calibration: str | None = setting(
         None,
@@ -253,39 +267,3 @@ class PlanFlags(SpeculativePlanFlags):
     json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
     trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
     plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")
-
-
-@dataclass
-class EplbPlacementFlags:
-    """``moe-overlap eplb-placement``: a recorded load in, a placement out."""
-
-    distribution: str | None = setting(
-        None,
-        'the load: a JSON file {"load": [[tokens per logical expert] per layer]} (required)',
-        metavar="JSON",
-    )
-    ep: int = setting(1, "expert-parallel ranks (GPUs) the slots spread over")
-    num_redundant_experts: int = setting(
-        0, "extra physical slots: E + R slots in all, R replicas of the hottest experts"
-    )
-    nodes: int = setting(
-        1, "nodes the ranks are on (the hierarchical policy packs groups onto them)"
-    )
-    num_groups: int | None = setting(
-        None,
-        "expert groups (a grouped router's n_group); with groups dividing over --nodes, auto "
-        "packs groups onto nodes first",
-        parse=int,
-    )
-    algorithm: str = setting(
-        AUTO,
-        "deepseek (global), deepseek_hierarchical (groups to nodes to GPUs), or auto: "
-        "hierarchical when --num-groups divide over --nodes, else global",
-        choices=ALGORITHMS,
-    )
-    out: str | None = setting(
-        None,
-        'write {"physical_to_logical": [[logical expert per slot] per layer]} here, slots rank '
-        "by rank (--init-expert-location takes it) (required)",
-        metavar="JSON",
-    )

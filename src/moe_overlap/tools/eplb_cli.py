@@ -5,12 +5,15 @@ balancedness before (the trivial placement) and after."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import cast
 
 from rich.console import Console
 from rich.table import Table
 
 from moe_overlap.core.eplb_placement import (
+    ALGORITHMS,
+    AUTO,
     Algorithm,
     PlacementShape,
     balancedness,
@@ -20,8 +23,44 @@ from moe_overlap.core.eplb_placement import (
 )
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.expert_location import read_load, write_placement
-from moe_overlap.tools.command_flags import EplbPlacementFlags
+from moe_overlap.engine.args import setting
 from moe_overlap.tools.flags import add_fields
+
+
+@dataclass
+class EplbPlacementFlags:
+    """``moe-overlap eplb-placement``: a recorded load in, a placement out."""
+
+    distribution: str | None = setting(
+        None,
+        'the load: a JSON file {"load": [[tokens per logical expert] per layer]} (required)',
+        metavar="JSON",
+    )
+    ep: int = setting(1, "expert-parallel ranks (GPUs) the slots spread over")
+    num_redundant_experts: int = setting(
+        0, "extra physical slots: E + R slots in all, R replicas of the hottest experts"
+    )
+    nodes: int = setting(
+        1, "nodes the ranks are on (the hierarchical policy packs groups onto them)"
+    )
+    num_groups: int | None = setting(
+        None,
+        "expert groups (a grouped router's n_group); with groups dividing over --nodes, auto "
+        "packs groups onto nodes first",
+        parse=int,
+    )
+    algorithm: str = setting(
+        AUTO,
+        "deepseek (global), deepseek_hierarchical (groups to nodes to GPUs), or auto: "
+        "hierarchical when --num-groups divide over --nodes, else global",
+        choices=ALGORITHMS,
+    )
+    out: str | None = setting(
+        None,
+        'write {"physical_to_logical": [[logical expert per slot] per layer]} here, slots rank '
+        "by rank (--init-expert-location takes it) (required)",
+        metavar="JSON",
+    )
 
 
 def cmd_eplb_placement(args: argparse.Namespace) -> int:

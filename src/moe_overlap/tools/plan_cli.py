@@ -14,11 +14,13 @@ from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.planner.cluster import load_cluster
-from moe_overlap.planner.inputs import load_model_spec, make_layout
+from moe_overlap.planner.inputs import PlanLayout, load_model_spec, make_layout, with_precision
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
     compare_table,
@@ -43,6 +45,13 @@ from moe_overlap.tools.measure_this import calibrate_this
 from moe_overlap.tools.trace import write_outputs
 
 
+def plan_layout(args: argparse.Namespace, cfg: ModelConfig) -> PlanLayout:
+    """The layout the flags name, with the engine's defaults: --tp 1 with --ep N is pure EP,
+    and --dp 1 leaves the groups to --tp."""
+    tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
+    return make_layout(tp, dp, args.ep, args.enable_dp_attention, cfg)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.reproduce:
         return cmd_reproduce()
@@ -50,9 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError("plan needs --hf-config JSON and --cluster NAME|JSON (or --reproduce)")
     started = time.perf_counter()
     spec = load_model_spec(args.hf_config)
-    # the engine's defaults: --tp 1 with --ep N is pure EP, and --dp 1 leaves the groups to --tp
-    tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
-    layout = make_layout(tp, dp, args.ep, args.enable_dp_attention, spec.cfg)
+    layout = plan_layout(args, spec.cfg)
     names = parse_modes(args.modes)
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
@@ -63,12 +70,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
     workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
-    if args.cluster == "this":
+    if args.cluster == "this":  # measured as the engine runs the checkpoint
         cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
         print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
         started = time.perf_counter()
     else:
         cluster = load_cluster(args.cluster)
+    spec = with_precision(spec, args.quantization, args.moe_dispatch_dtype)
     if layout.world > cluster.world:
         raise ConfigError(
             f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
@@ -84,7 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     title = (
         f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
-        f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward)"
+        f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
+        f"{spec.precision}"
     )
     console.print(plan_table(plans, workload.tokens, title))
     best, sentence = recommend(plans, configs)
@@ -157,5 +166,6 @@ def add_plan_command(sub) -> None:
     )
     add_fields(plan, ModelArgs, only=("hf_config", "seed"))
     add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
+    add_fields(plan, OverlapArgs, only=("moe_dispatch_dtype",))
     add_fields(plan, PlanFlags)
     plan.set_defaults(func=cmd_plan)

@@ -46,3 +46,37 @@ def bench_table(report: BenchReport, title: str) -> Table:
         table.caption += f"\n[{i}] {mode}: {'; '.join(report.notes[mode])}"
     table.caption_justify = "left"
     return table
+
+
+def dtype_table(reports: dict[str, BenchReport], title: str) -> Table:
+    """``bench --compare-dispatch-dtype``: each dispatch dtype's ``T_comm`` and ``T_comp``
+    (from its own no-overlap forwards) and each mode's speed-up over that dtype's none; the
+    last column, the first dtype's ``T_none`` over each mode's time under the second."""
+    (a, first), (b, second) = reports.items()
+    table = Table(title=f"{title}: dispatch {a} against {b}", title_justify="left")
+    table.add_column("mode", no_wrap=True)
+    for name in (f"{a} ms", f"{a} speed-up", f"{b} ms", f"{b} speed-up", f"{a} none / {b}"):
+        table.add_column(name, justify="right")
+    for mode in first.results:
+        table.add_row(
+            mode,
+            f"{first.results[mode].median * 1e3:.1f}",
+            f"{first.speedup(mode):.2f}x",
+            f"{second.results[mode].median * 1e3:.1f}",
+            f"{second.speedup(mode):.2f}x",
+            f"{first.t_none / second.results[mode].median:.2f}x",
+        )
+    table.caption = "; ".join(
+        f"{name}: T_comm {r.t_comm * 1e3:.1f} ms, T_comp {r.t_comp * 1e3:.1f} ms, "
+        f"{r.comm_bytes / 1e6:.2f} MB a forward on the busiest rank's link"
+        for name, r in reports.items()
+    ) + (
+        f"; T_comm {b} / {a} = {_ratio(second.t_comm, first.t_comm)}, bytes {b} / {a} = "
+        f"{_ratio(second.comm_bytes, first.comm_bytes)}"
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def _ratio(x: float, y: float) -> str:
+    return f"{x / y:.2f}" if y > 0 else "-"

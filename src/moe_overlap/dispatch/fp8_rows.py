@@ -1,0 +1,117 @@
+"""``--moe-dispatch-dtype``: the form the dispatch's rows take on the wire.
+
+``auto`` sends the run dtype's rows as they are (``PlainRows``). ``fp8`` (``Fp8Rows``) sends
+each row as ``float8_e4m3fn`` values with one float32 scale per group of ``group`` columns,
+the 1x128 per-token-group quantization of SGLang, vLLM and DeepEP (``scale = amax / 448``).
+The group is ``min(128, hidden)`` columns (a tiny model's row is one group); a width that 128
+does not divide ends in a shorter group. A row travels as one byte buffer: its ``hidden``
+FP8 bytes, then its scales' bytes, padded to whole 4-byte words (the low-latency dispatch bit-
+casts its header row to int32), so a row's scales cannot part from it in any split of the
+rows, and the all-to-all's byte count (what a modelled link charges) is that buffer's.
+
+The experts get the rows dequantized to the run dtype on arrival (``decode``): the CPU has no
+FP8 GEMM. The combine sends the experts' outputs in the run dtype. The one-process run
+quantizes and dequantizes at the same point (``round_trip``), so every layout and overlap mode
+sees the same expert inputs as it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from moe_overlap.core.a2a_mode import DispatchDtype
+from moe_overlap.core.errors import ConfigError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+GROUP = 128  # columns per scale (DeepSeek-V3's and the references' 1x128)
+SCALE_BYTES = 4  # a float32 scale
+
+
+class PlainRows:
+    """Rows in the run dtype: nothing changes on the way."""
+
+    fp8 = False
+
+    def encode(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows
+
+    def round_trip(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+class Fp8Rows(PlainRows):
+    """Rows of ``hidden`` values as FP8 bytes plus per-group scales, decoded to ``dtype``."""
+
+    fp8 = True
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        if hidden < 1:
+            raise ValueError(f"hidden={hidden} must be >= 1")
+        self.hidden, self.dtype = hidden, dtype
+        self.group = min(GROUP, hidden)
+        self.groups = math.ceil(hidden / self.group)
+        raw = hidden + SCALE_BYTES * self.groups
+        self.width = -(-raw // SCALE_BYTES) * SCALE_BYTES  # bytes per row on the wire
+
+    def encode(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` in any float dtype -> ``[n, width]`` uint8."""
+        q, scales = quantize(hidden, self.group)
+        n = hidden.shape[0]
+        out = hidden.new_zeros((n, self.width), dtype=torch.uint8)
+        out[:, : self.hidden] = q.view(torch.uint8)
+        end = self.hidden + SCALE_BYTES * self.groups
+        out[:, self.hidden : end] = scales.reshape(-1).view(torch.uint8).view(n, end - self.hidden)
+        return out
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[..., width]`` uint8 -> ``[..., hidden]`` in the run dtype."""
+        lead = rows.shape[:-1]
+        flat = rows.reshape(-1, self.width)
+        q = flat[:, : self.hidden].contiguous().view(FP8)
+        end = self.hidden + SCALE_BYTES * self.groups
+        scales = flat[:, self.hidden : end].reshape(-1).view(torch.float32).view(-1, self.groups)
+        return dequantize(q, scales, self.group).to(self.dtype).view(*lead, self.hidden)
+
+    def round_trip(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the experts of a dispatched row get: encoded, then decoded."""
+        q, scales = quantize(hidden, self.group)
+        return dequantize(q, scales, self.group).to(self.dtype)
+
+
+def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row and group of ``group`` columns: ``scale = amax / 448`` (0 for an all-zero group,
+    whose values stay 0) and ``q = x / scale`` in ``float8_e4m3fn``. Returns ``q`` ``[n,
+    hidden]`` and the float32 scales ``[n, ceil(hidden / group)]``."""
+    n, hidden = x.shape
+    groups = math.ceil(hidden / group)
+    padded = F.pad(x.float(), (0, groups * group - hidden)).view(n, groups, group)
+    scales = padded.abs().amax(dim=-1) / FP8_MAX
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (padded / safe.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(n, groups * group)[:, :hidden], scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """``q * scale`` per group, in float32: ``[n, hidden]``."""
+    n, hidden = q.shape
+    groups = scales.shape[1]
+    padded = F.pad(q.float(), (0, groups * group - hidden)).view(n, groups, group)
+    return (padded * scales.unsqueeze(-1)).view(n, groups * group)[:, :hidden]
+
+
+def dispatch_rows(dispatch_dtype: str, hidden: int, dtype: torch.dtype) -> PlainRows:
+    """The wire form ``--moe-dispatch-dtype`` names, for rows of ``hidden`` values in ``dtype``."""
+    if dispatch_dtype == DispatchDtype.FP8:
+        return Fp8Rows(hidden, dtype)
+    if dispatch_dtype == DispatchDtype.AUTO:
+        return PlainRows()
+    raise ConfigError(
+        f"--moe-dispatch-dtype={dispatch_dtype!r} must be one of {', '.join(DispatchDtype)}"
+    )
