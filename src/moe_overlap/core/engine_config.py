@@ -52,6 +52,7 @@ class EngineSpec:
     max_total_tokens: int | None = None  # caps the pool's tokens below the budget (SGLang's)
     placement: ExpertPlacement | None = None  # EPLB's physical slots (None: E/ep experts each)
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
+    mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name

@@ -11,6 +11,7 @@ from rich.progress import Progress
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.hf_config import read_json, refuse_quantized
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -27,10 +28,23 @@ from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.engine.spec_config import mtp_steps
 from moe_overlap.engine.speculation import Speculation
 from moe_overlap.engine.structured import Constraints
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.runtime.launch import start_executor
+
+
+def _placement(
+    args: EngineArgs, cfg: ModelConfig, ep: int, emulate_peers: int, mtp: int
+) -> ExpertPlacement | None:
+    """EPLB's placement of the experts, where the other settings allow one."""
+    placement = args.expert_placement(cfg, ep)
+    if placement is not None and emulate_peers:
+        raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+    if placement is not None and mtp:
+        raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
+    return placement
 
 
 class LLM(ExpertRecorder):
@@ -96,9 +110,8 @@ class LLM(ExpertRecorder):
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
-        placement = args.expert_placement(cfg, par.ep)
-        if placement is not None and emulate_peers:
-            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+        speculative = args.speculative()
+        placement = _placement(args, cfg, par.ep, emulate_peers, mtp_steps(speculative))
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -126,6 +139,7 @@ class LLM(ExpertRecorder):
             max_total_tokens=args.max_total_tokens,
             placement=placement,
             expert_skew=args.skew_exponent(),
+            mtp_steps=mtp_steps(speculative),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -142,7 +156,7 @@ class LLM(ExpertRecorder):
             spec.pool_pages,
             spec.page_size,
             prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
-            Speculation.of(args.speculative()),
+            Speculation.of(speculative),
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)

@@ -56,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.hf_config)
-    model = build_model(cfg, seed=args.seed)
+    model = build_model(cfg, seed=args.seed, mtp=True)  # with its MTP layers, if it has any
     save_checkpoint(model, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
     if cfg.vocab_size >= MIN_VOCAB_SIZE:
