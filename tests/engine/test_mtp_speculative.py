@@ -50,7 +50,7 @@ def _identity(cfg: ModelConfig, modes: tuple[str, ...]) -> dict[str, int]:
 def test_mtp_gives_plain_greedy_tokens_in_every_mode_at_ep2():
     ran = _identity(DEEPSEEK, ("none", "tbo", "tbo+two-chunk", "sbo", "dbo"))
     assert all(n > 0 for n in ran.values()), ran
-    ran = _identity(GLM, ("none", "tbo"))
+    ran = _identity(GLM, ("tbo",))
     assert all(n > 0 for n in ran.values()), ran
 
 

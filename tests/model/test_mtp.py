@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.engine.finish import FinishRule
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.helpers import deepseek_hf_config
@@ -32,14 +34,27 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _reference(path, tensors: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' final hidden states of PROMPT, and the MTP logits of rows 0..T-2 (row q:
     hidden state q and the embedding of token q + 1), from the published formula."""
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path).eval()
-    block_model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
         path, num_hidden_layers=LAYERS + 1
     ).eval()  # its last layer is the MTP layer's decoder block, read from the checkpoint
     ids = torch.tensor([PROMPT])
     p = f"model.layers.{LAYERS}."
+
+    def block(layer: int, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        rope = model.model.rotary_emb(x, positions)
+        y = model.model.layers[layer](
+            x, attention_mask=mask, position_ids=positions, position_embeddings=rope
+        )
+        return y[0] if isinstance(y, tuple) else y
+
     with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state  # after the final norm
+        x = model.model.embed_tokens(ids)
+        for layer in range(LAYERS):
+            x = block(layer, x)
+        hidden = model.model.norm(x)  # the target's final hidden states
         embeds = model.model.embed_tokens(ids[:, 1:])
         x = F.linear(
             torch.cat(
@@ -48,20 +63,12 @@ def _reference(path, tensors: dict, eps: float) -> tuple[torch.Tensor, torch.Ten
             ),
             tensors[p + "eh_proj.weight"],
         )  # fmt: skip
-        n = x.shape[1]
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        rope = block_model.model.rotary_emb(x, positions)
-        y = block_model.model.layers[LAYERS](
-            x, attention_mask=mask, position_ids=positions, position_embeddings=rope
-        )
-        y = y[0] if isinstance(y, tuple) else y
-        normed = _rms(y, tensors[p + "shared_head.norm.weight"], eps)
+        normed = _rms(block(LAYERS, x), tensors[p + "shared_head.norm.weight"], eps)
         logits = F.linear(normed, tensors[p + "shared_head.head.weight"])
     return hidden[0], logits[0]
 
 
-def test_mtp_head_matches_the_reference_and_loads_without_its_own_head(tmp_path):
+def test_mtp_head_matches_the_reference_and_loads_without_its_own_head(tmp_path, monkeypatch):
     eps = 1e-3  # far from the default: catches a norm taking another eps
     hf = deepseek_hf_config(num_nextn_predict_layers=1, rms_norm_eps=eps, num_hidden_layers=LAYERS)
     cfg = ModelConfig.from_hf(hf.to_dict())
@@ -83,9 +90,43 @@ def test_mtp_head_matches_the_reference_and_loads_without_its_own_head(tmp_path)
     out = drafter.forward(0, rows, hidden[:-1], runner.dispatcher, runner.timeline)
     assert (out["logits"] - want_logits).abs().max() < TOL
 
+    _engine_drafts_follow_the_head(tmp_path, runner, monkeypatch)
+
     # a checkpoint without shared_head.head: the MTP layer reads the LM head's
     del tensors[f"model.layers.{LAYERS}.shared_head.head.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = build_model(cfg, tmp_path, mtp=True)
     assert torch.equal(model.mtp_layers[0].shared_head.head.weight, model.lm_head.weight)
     assert not build_model(cfg, tmp_path).mtp_layers  # built without them, as plain serving is
+
+
+def _engine_drafts_follow_the_head(path, runner, monkeypatch) -> None:
+    """The engine's first draft after every step (prefill, decode and verify steps, rejected
+    drafts among them) is the MTP head's argmax over a whole recompute of the sequence so far:
+    its rows, hidden states and KV entries are the ones the head would see."""
+    seen: dict[int, list[tuple[int, list[int]]]] = {}
+    take = FinishRule.take
+
+    def record(self, req, reply, i, drafts, speculation=None):
+        take(self, req, reply, i, drafts, speculation)
+        seen.setdefault(req.request_id, []).append((req.total_len, list(req.mtp_drafts)))
+
+    monkeypatch.setattr(FinishRule, "take", record)
+    prompts = [PROMPT[:1], PROMPT, PROMPT[3:9] * 3]
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    with LLM(str(path), speculative_algorithm="EAGLE", speculative_num_steps=2) as llm:
+        outs = llm.generate(prompts, greedy)
+    checked = 0
+    for out in outs:
+        tokens = torch.tensor(out.prompt_ids + out.token_ids)
+        n = len(tokens)
+        runner.forward(ForwardBatch(tokens, [0], [0], [n], [False], [False]))
+        rows = ForwardBatch(tokens[1:], [0], [0], [n - 1], [True], [False])
+        hidden = runner.last_hidden[:-1]
+        logits = runner.mtp.forward(0, rows, hidden, runner.dispatcher, runner.timeline)["logits"]
+        head = logits.argmax(-1).tolist()  # row q drafts token q + 2
+        for length, drafts in seen[out.request_id]:
+            if drafts and length - 2 < len(head):
+                assert drafts[0] == head[length - 2], (out.request_id, length)
+                checked += 1
+    assert checked > 10
