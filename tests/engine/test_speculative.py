@@ -153,7 +153,7 @@ def test_greedy_verification_and_the_ngram_drafter():
         ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
           "speculative_num_draft_tokens": 5}, "contradicts"),
         ({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2}'},
-         "not one of NGRAM"),
+         "not one of ngram"),
         ({"speculative_config": "[1]"}, "JSON object"),
         ({"speculative_config": '{"method": "ngram", "draft_model": "x"}'}, "'draft_model'"),
         ({"speculative_num_draft_tokens": 3}, "needs --speculative-algorithm"),

@@ -53,6 +53,7 @@ class EngineSpec:
     placement: ExpertPlacement | None = None  # EPLB's physical slots (None: E/ep experts each)
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
     fp8_on_the_fly: bool = False  # an FP8 checkpoint's weights stay FP8, dequantized at use
+    mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name

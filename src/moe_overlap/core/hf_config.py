@@ -67,6 +67,7 @@ _GLM4 = (
     "routed_scaling_factor",
     "attention_bias",
     "use_qk_norm",
+    "num_nextn_predict_layers",
 )
 _GPT_OSS = (
     "layer_types",
@@ -102,6 +103,7 @@ _DEEPSEEK = (
     "qk_rope_head_dim",
     "v_head_dim",
     "rope_interleave",
+    "num_nextn_predict_layers",
 )
 
 
@@ -211,6 +213,7 @@ def _deepseek_fields(raw: dict[str, Any], reader: Reader, v3: bool) -> dict[str,
         qk_rope_head_dim=reader.get("qk_rope_head_dim"),
         v_head_dim=reader.get("v_head_dim"),
         rope_interleave=raw.get("rope_interleave", True),
+        num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
     )
 
 

@@ -95,6 +95,7 @@ def glm4_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
         topk_method="noaux_tc",
         attention_bias=raw.get("attention_bias", False),
         use_qk_norm=raw.get("use_qk_norm", False),
+        num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
         partial_rotary_factor=params.get(
             "partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)
         ),

@@ -85,6 +85,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # DeepSeek-V3 and GLM-4.5: multi-token-prediction layers after the last decoder layer
+    # (``model.layers.{num_hidden_layers + i}``), the MTP drafter's (model/mtp.py)
+    num_nextn_predict_layers: int = 0
     # Qwen3.5-MoE: which layers are Gated DeltaNet (linear attention) and their shapes; the
     # full-attention layers rotate only the first partial_rotary_factor of each head.
     layer_types: list[str] = field(default_factory=list)
@@ -226,6 +229,7 @@ class ModelConfig:
             self._validate_mla()
         else:
             self._validate_qwen3()
+        _require_int("num_nextn_predict_layers", self.num_nextn_predict_layers, minimum=0)
         if self.is_hybrid:
             validate_hybrid(self)
         if self.model_type == "glm4_moe":

@@ -35,12 +35,15 @@ class ForwardOutputs:
 
     logits: torch.Tensor | None = None
     next_stage: StageInputs | None = None
+    # every row's final (normed) hidden state, in batch order, where the model keeps them
+    # (``MoeForCausalLM.keep_hidden``: the MTP drafter's input)
+    hidden: torch.Tensor | None = None
 
     @classmethod
     def of(cls, out: dict) -> ForwardOutputs:
         """From an op list's last output."""
         if "logits" in out:
-            return cls(logits=out["logits"])
+            return cls(logits=out["logits"], hidden=out.get("hidden"))
         return cls(next_stage=StageInputs.from_dict(out))
 
     def final_logits(self) -> torch.Tensor:

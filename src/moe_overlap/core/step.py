@@ -61,6 +61,9 @@ class SampleSpec:
     # verifies the drafts (a constrained one is sampled from that row alone, as without
     # speculation)
     drafts: tuple[int, ...] = ()
+    # the token after the fed ones where this step draws none (a prompt chunk that does not
+    # end the prompt): the MTP drafter embeds it at the chunk's last row
+    following: int | None = None
 
     @property
     def verifies(self) -> bool:
@@ -137,6 +140,9 @@ class GroupReply:
     # (the target's argmax at each accepted draft, the last one the bonus), with logprobs
     more_ids: list[list[int]] = field(default_factory=list)
     more_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+    # the MTP drafter's drafts after this step's tokens, per sequence (empty: none), which the
+    # driver feeds in the sequence's next verify step (runtime/mtp_drafter.py)
+    drafts: list[list[int]] = field(default_factory=list)
 
     def __getstate__(self) -> dict:  # logits cross processes as NumPy, not torch's fd sharing
         state = dict(self.__dict__)

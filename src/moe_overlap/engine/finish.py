@@ -31,6 +31,7 @@ class FinishRule:
         if drafts and verifies(req) and speculation is not None:
             speculation.record(drafts, len(more))
         req.num_computed -= drafts - len(more)
+        req.mtp_drafts = reply.drafts[i] if reply.drafts else []
         asked = reply.more_logprobs[i] if reply.more_logprobs else []
         more_lps: list[TokenLogprobs | None] = [*asked] or [None] * len(more)
         tokens = [reply.token_ids[i], *more]

@@ -50,7 +50,7 @@ def check_settings(
         raise ConfigError(str(exc)) from None
     emulated = link.spec if link.shaped else None
     check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers)
-    check_speculation(args.speculative(), cfg)
+    check_speculation(args.speculative(), par, cfg, args.enable_pdmux)
     cap = overlap.num_max_dispatch_tokens_per_rank
     if overlap.a2a_mode == A2AMode.LOW_LATENCY and args.max_num_batched_tokens > cap:
         raise ConfigError(

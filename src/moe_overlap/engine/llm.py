@@ -11,6 +11,7 @@ from rich.progress import Progress
 
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -27,11 +28,24 @@ from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.engine.spec_config import mtp_steps
 from moe_overlap.engine.speculation import Speculation
 from moe_overlap.engine.structured import Constraints
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.model.quant_config import check_quantization, quant_config_of
 from moe_overlap.runtime.launch import start_executor
+
+
+def _placement(
+    args: EngineArgs, cfg: ModelConfig, ep: int, emulate_peers: int, mtp: int
+) -> ExpertPlacement | None:
+    """EPLB's placement of the experts, where the other settings allow one."""
+    placement = args.expert_placement(cfg, ep)
+    if placement is not None and emulate_peers:
+        raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+    if placement is not None and mtp:
+        raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
+    return placement
 
 
 class LLM(ExpertRecorder):
@@ -97,9 +111,8 @@ class LLM(ExpertRecorder):
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
-        placement = args.expert_placement(cfg, par.ep)
-        if placement is not None and emulate_peers:
-            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+        speculative = args.speculative()
+        placement = _placement(args, cfg, par.ep, emulate_peers, mtp_steps(speculative))
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_len = cfg.max_len(args.max_model_len)
@@ -127,6 +140,7 @@ class LLM(ExpertRecorder):
             placement=placement,
             expert_skew=args.skew_exponent(),
             fp8_on_the_fly=args.fp8_dequant_on_the_fly,
+            mtp_steps=mtp_steps(speculative),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -143,7 +157,7 @@ class LLM(ExpertRecorder):
             spec.pool_pages,
             spec.page_size,
             prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
-            Speculation.of(args.speculative()),
+            Speculation.of(speculative),
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)

@@ -180,6 +180,7 @@ class Request:
     told: bool = False  # a listener has heard from it (the first delta carries prompt_logprobs)
     eos_token_id: int | None = None  # masked until min_tokens are generated
     constraint: TokenConstraint | None = None  # structured outputs: follows every token taken
+    mtp_drafts: list[int] = field(default_factory=list)  # the ranks' MTP drafts after its last
 
     @property
     def prompt_len(self) -> int:
@@ -197,6 +198,10 @@ class Request:
     @property
     def total_len(self) -> int:
         return self.prompt_len + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of its prompt followed by its output."""
+        return self.prompt_ids[i] if i < self.prompt_len else self.output_ids[i - self.prompt_len]
 
     def next_input(self, budget: int) -> list[int]:
         """The tokens to feed next: a prompt chunk of at most ``budget``, or the last output."""
@@ -236,6 +241,7 @@ class Request:
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
             penalties=self._penalties() if p.penalised else None,
             allowed=self.constraint.allowed() if self.constraint and draw else None,
+            following=None if draw or start + fed >= self.total_len else self.token_at(start + fed),
         )
 
     def _penalties(self) -> Penalties:

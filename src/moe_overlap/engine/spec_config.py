@@ -10,10 +10,15 @@ from typing import TypeVar
 
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import setting
 
-ALGORITHMS = ("NGRAM",)  # SGLang's names; vLLM's "method" values are their lower case
+ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # SGLang's names; NEXTN is EAGLE for MTP models
+MTP_ALGORITHMS = ("EAGLE", "NEXTN")
+# vLLM's "method" values, as SGLang's algorithm
+_METHODS = {"ngram": "NGRAM", "mtp": "EAGLE", "deepseek_mtp": "EAGLE"}
 DEFAULT_NUM_DRAFT_TOKENS = 4  # rows per sequence in verify: the last token and 3 drafts
+DEFAULT_MTP_STEPS = 3  # SGLang's DeepSeek default: 3 MTP steps, top-1, 4 draft tokens
 DEFAULT_LOOKUP = (1, 12)  # SGLang's n-gram match window sizes
 _VLLM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
 _GROUP = "speculative decoding"
@@ -22,13 +27,20 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """What the scheduler drafts: ``num_drafts`` n-gram tokens per decoding sequence, found
-    by matching its last ``lookup_min .. lookup_max`` tokens earlier in its prompt and output."""
+    """What the scheduler drafts: ``num_drafts`` tokens per decoding sequence, n-gram ones
+    found by matching its last ``lookup_min .. lookup_max`` tokens earlier in its prompt and
+    output, or (EAGLE/NEXTN) the ones the ranks' MTP layers proposed after its last step."""
 
     algorithm: str
     num_drafts: int  # vLLM's num_speculative_tokens; SGLang's num_draft_tokens less one
     lookup_min: int
     lookup_max: int
+
+    @property
+    def is_mtp(self) -> bool:
+        """The model's own MTP layers draft (SGLang's EAGLE/NEXTN, vLLM's mtp): one MTP step
+        per draft on the ranks."""
+        return self.algorithm in MTP_ALGORITHMS
 
 
 @dataclass
@@ -37,9 +49,10 @@ class SpeculativeArgs:
         None,
         "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
         "next tokens from an earlier match of its last tokens in its prompt and output (no "
-        "weights); the target verifies them in one forward: greedy requests get plain "
-        "decoding's tokens, sampled ones its distribution (rejection sampling); a structured "
-        "output is served as without it",
+        "weights); EAGLE (or its alias NEXTN) drafts them with the model's own MTP layers "
+        "(DeepSeek-V3, GLM-4.5: num_nextn_predict_layers). The target verifies them in one "
+        "forward: greedy requests get plain decoding's tokens, sampled ones its distribution "
+        "(rejection sampling); a structured output is served as without it",
         choices=ALGORITHMS,
         parse=str.upper,
         group=_GROUP,
@@ -50,6 +63,20 @@ class SpeculativeArgs:
         f"drafts (None: {DEFAULT_NUM_DRAFT_TOKENS}, i.e. {DEFAULT_NUM_DRAFT_TOKENS - 1} drafts; "
         "vLLM's num_speculative_tokens is this less one)",
         parse=int,
+        group=_GROUP,
+    )
+    speculative_num_steps: int | None = setting(
+        None,
+        "EAGLE/NEXTN: MTP steps per decoding step, i.e. drafts per sequence (None: "
+        f"{DEFAULT_MTP_STEPS}, SGLang's DeepSeek default); a step past the model's MTP layers "
+        "reuses the last one",
+        parse=int,
+        group=_GROUP,
+    )
+    speculative_eagle_topk: int = setting(
+        1,
+        "EAGLE/NEXTN: drafts kept per MTP step; only 1 (a chain of drafts) is built, tree "
+        "drafts (> 1) are refused",
         group=_GROUP,
     )
     speculative_ngram_min_match_window_size: int = setting(
@@ -79,24 +106,35 @@ class SpeculativeArgs:
         high = self.speculative_ngram_max_match_window_size
         given = _vllm_config(self.speculative_config)
         if given:
-            method = str(given.get("method", "")).upper()
-            algorithm = _agree("--speculative-algorithm", algorithm, method or None)
+            algorithm = _agree("--speculative-algorithm", algorithm, _method(given))
             tokens = given.get("num_speculative_tokens", 0)
             _check_count("num_speculative_tokens", tokens, 1)
             drafts = _agree("--speculative-num-draft-tokens", drafts, int(tokens) + 1)
             low = _agree_default("prompt_lookup_min", low, DEFAULT_LOOKUP[0], given)
             high = _agree_default("prompt_lookup_max", high, DEFAULT_LOOKUP[1], given)
         if algorithm is None:
-            if drafts is not None:
+            steps = self.speculative_num_steps
+            given_flag = (
+                f"--speculative-num-draft-tokens={drafts}"
+                if drafts is not None
+                else (None if steps is None else f"--speculative-num-steps={steps}")
+            )
+            if given_flag is not None:
                 raise ConfigError(
-                    f"--speculative-num-draft-tokens={drafts} needs --speculative-algorithm "
-                    "NGRAM (or --speculative-config)"
+                    f"{given_flag} needs --speculative-algorithm NGRAM or EAGLE (or "
+                    "--speculative-config)"
                 )
             return None
         if algorithm not in ALGORITHMS:
             raise ConfigError(
-                f"speculative algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)} "
-                "(MTP drafters are not built yet)"
+                f"speculative algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}"
+            )
+        if algorithm in MTP_ALGORITHMS:
+            drafts = self._mtp_draft_tokens(drafts)
+        elif self.speculative_num_steps is not None:
+            raise ConfigError(
+                f"--speculative-num-steps={self.speculative_num_steps} counts MTP steps: it "
+                "needs --speculative-algorithm EAGLE; NGRAM takes --speculative-num-draft-tokens"
             )
         drafts = DEFAULT_NUM_DRAFT_TOKENS if drafts is None else drafts
         _check_count("--speculative-num-draft-tokens", drafts, 2)
@@ -107,6 +145,36 @@ class SpeculativeArgs:
                 f"the min window size {low}"
             )
         return SpeculativeConfig(algorithm, drafts - 1, low, high)
+
+    def _mtp_draft_tokens(self, drafts: int | None) -> int:
+        """EAGLE's rows per verified sequence: its steps plus one (SGLang's rule for top-1)."""
+        topk, steps = self.speculative_eagle_topk, self.speculative_num_steps
+        if topk != 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk={topk!r}: tree drafts (top-k > 1) are not built; "
+                "use --speculative-eagle-topk 1 (a chain of drafts)"
+            )
+        if steps is None:
+            steps = DEFAULT_MTP_STEPS if drafts is None else drafts - 1
+        _check_count("--speculative-num-steps", steps, 1)
+        if drafts is not None and drafts != steps + 1:
+            raise ConfigError(
+                f"--speculative-num-draft-tokens={drafts} must be --speculative-num-steps + 1 "
+                f"= {steps + 1} with --speculative-eagle-topk 1; give one of them"
+            )
+        return steps + 1
+
+
+def _method(given: dict) -> str | None:
+    """vLLM's method as SGLang's algorithm name (None: not given)."""
+    method = given.get("method")
+    if method is None:
+        return None
+    if method not in _METHODS:
+        raise ConfigError(
+            f"--speculative-config method {method!r} is not one of {', '.join(_METHODS)}"
+        )
+    return _METHODS[method]
 
 
 def _vllm_config(text: str | None) -> dict:
@@ -151,11 +219,34 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def check_speculation(spec: SpeculativeConfig | None, cfg: ModelConfig) -> None:
-    """Refuse what speculation is not exact on yet, with the reason."""
-    if spec is not None and cfg.is_hybrid:
-        raise ConfigError(
-            f"speculative decoding ({spec.algorithm}) is refused: the model's linear-attention "
-            "layers keep a recurrent state that a rejected draft would have to roll back, "
-            "which is not built; serve it without --speculative-algorithm"
-        )
+def check_speculation(
+    spec: SpeculativeConfig | None, par: ParallelConfig, cfg: ModelConfig, pdmux: bool
+) -> None:
+    """Refuse what speculation is not exact on yet, each with the reason."""
+    if spec is None:
+        return
+    mtp = spec.is_mtp
+    refusals = [
+        (mtp and not cfg.num_nextn_predict_layers, f"{cfg.model_type}'s config has no MTP "
+         "layers (num_nextn_predict_layers is 0; Qwen3.5's mtp.* layers are not built): use "
+         "--speculative-algorithm NGRAM"),
+        (mtp and par.attn_tp > 1, f"attention TP {par.attn_tp}: the MTP drafter runs on the "
+         "rank that samples, which under attention TP is one of several: use --tp 1 (--ep)"),
+        (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
+         "rejected draft would have to roll back, which is not built; serve it without "
+         "--speculative-algorithm"),
+        (mtp and par.pp > 1, f"--pp {par.pp}: the MTP drafter's forward is not staged over "
+         "pipeline ranks yet; use --pp 1 or --speculative-algorithm NGRAM"),
+        (mtp and par.enable_dp_attention, "--enable-dp-attention: the MTP drafter is not "
+         "checked against DP attention's gather yet; drop it or use NGRAM"),
+        (mtp and pdmux, "--enable-pdmux: MTP drafts beside prefill waves are not built; drop "
+         "one or use NGRAM"),
+    ]  # fmt: skip
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"speculative decoding ({spec.algorithm}) is refused: {why}")
+
+
+def mtp_steps(spec: SpeculativeConfig | None) -> int:
+    """The MTP steps each rank drafts after a step (0: the ranks build no MTP layers)."""
+    return spec.num_drafts if spec is not None and spec.is_mtp else 0

@@ -56,17 +56,20 @@ class Speculation:
         k = min(self.config.num_drafts, budget // len(reqs) - 1, room)
         if k < 1:
             return None
-        lo, hi = self.config.lookup_min, self.config.lookup_max
-        found = [
-            propose(req.prompt_ids + req.output_ids, k, lo, hi) if verifies(req) else []
-            for req in reqs
-        ]
+        found = [self._propose(req, k) if verifies(req) else [] for req in reqs]
         if not any(found):
             return None
         return [
             d + [(d or req.output_ids)[-1]] * (k - len(d))
             for d, req in zip(found, reqs, strict=True)
         ]
+
+    def _propose(self, req: Request, k: int) -> list[int]:
+        """Up to ``k`` drafts: the ranks' MTP drafts after its last step, or an n-gram match."""
+        if self.config.is_mtp:
+            return req.mtp_drafts[:k]
+        lo, hi = self.config.lookup_min, self.config.lookup_max
+        return propose(req.prompt_ids + req.output_ids, k, lo, hi)
 
     def draft_step(
         self, seqs: list[tuple[Request, list[int]]], budget: int, max_len: int, pool: PageBudget

@@ -13,6 +13,7 @@ from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.linear_attention import GatedDeltaNet
 from moe_overlap.model.mla import MLAttention
+from moe_overlap.model.mtp import MtpLayer
 from moe_overlap.model.tensor_parallel import ModelParallel, VocabEmbedding, VocabHead
 
 
@@ -26,7 +27,7 @@ class _Backbone(nn.Module):
     """A pipeline stage's part: the embedding on the first stage, its own layers (keyed by
     global index, so the parameter names stay the checkpoint's), the norm on the last."""
 
-    def __init__(self, cfg: ModelConfig, par: ModelParallel, layers: range):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel, layers: range, mtp: bool):
         super().__init__()
         if layers.start == 0:
             self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
@@ -37,6 +38,10 @@ class _Backbone(nn.Module):
             }
         )
         if layers.stop == cfg.num_hidden_layers:
+            for i in range(layers.stop, layers.stop + cfg.num_nextn_predict_layers * mtp):
+                self.layers[str(i)] = MtpLayer(
+                    cfg, i, attention_class(cfg, i)(cfg, i, par.attn_tp), par
+                )
             offset = 1.0 if cfg.is_hybrid else 0.0
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
 
@@ -46,15 +51,18 @@ class MoeForCausalLM(nn.Module):
 
     ``par`` places this rank: attention, dense MLPs and the vocabulary split over its
     attention-TP group, ``num_experts / ep_size`` experts each cut to its moe-TP slice.
+    ``mtp``: with the config's MTP layers (``num_nextn_predict_layers``: the MTP drafter's;
+    without it a checkpoint that leaves them out loads).
     """
 
-    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None):
+    def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None, mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.par = par = par or ModelParallel.single()
         stage = par.layers or range(cfg.num_hidden_layers)
         self.is_first, self.is_last = stage.start == 0, stage.stop == cfg.num_hidden_layers
-        self.model = _Backbone(cfg, par, stage)
+        self.model = _Backbone(cfg, par, stage, mtp)
+        self.keep_hidden = False  # op_logits also returns every row's final hidden state
         if self.is_last:
             self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
             if cfg.tie_word_embeddings and self.is_first:
@@ -63,7 +71,16 @@ class MoeForCausalLM(nn.Module):
     @property
     def layers(self) -> list[DecoderLayer]:
         """This stage's decoder layers, in order."""
-        return [layer for layer in self.model.layers.values() if isinstance(layer, DecoderLayer)]
+        return [
+            layer
+            for layer in self.model.layers.values()
+            if isinstance(layer, DecoderLayer) and not isinstance(layer, MtpLayer)
+        ]
+
+    @property
+    def mtp_layers(self) -> list[MtpLayer]:
+        """The MTP layers after the last decoder layer (built with ``mtp``, on the last stage)."""
+        return [layer for layer in self.model.layers.values() if isinstance(layer, MtpLayer)]
 
     def kv_entries(self) -> dict[str, tuple[int, ...]] | list[dict[str, tuple[int, ...]]]:
         """The KV cache's entries per token (of the full-attention layers; linear-attention
@@ -87,6 +104,11 @@ class MoeForCausalLM(nn.Module):
     ) -> dict:
         if residual is not None:
             hidden_states = residual + hidden_states
+        normed = self.model.norm(hidden_states)
+        rows = normed
         if not ctx.batch.every_row_is_a_logit_row:
-            hidden_states = hidden_states[to_device(ctx.batch.logit_rows(), hidden_states.device)]
-        return {"logits": self.lm_head(self.model.norm(hidden_states)).float()}
+            rows = normed[to_device(ctx.batch.logit_rows(), normed.device)]
+        out = {"logits": self.lm_head(rows).float()}
+        if self.keep_hidden:  # the MTP drafter's input, every row (runtime/mtp_drafter.py)
+            out["hidden"] = normed
+        return out

@@ -88,10 +88,13 @@ def _read(name: str, stored: str, file: Path) -> torch.Tensor:
 
 
 def _stored_name(name: str, where: dict[str, Path]) -> str | None:
-    """The name ``name`` has in the checkpoint: itself, or (the Hub's multimodal Qwen3.5
-    checkpoints) under ``model.language_model.``."""
+    """The name ``name`` has in the checkpoint: itself, the LM head for an MTP layer's head
+    the checkpoint leaves out, or (the Hub's multimodal Qwen3.5 checkpoints) under
+    ``model.language_model.``."""
     if name in where:
         return name
+    if name.endswith(".shared_head.head.weight") and "lm_head.weight" in where:
+        return "lm_head.weight"  # an MTP layer without a head of its own shares the LM head's
     if name.startswith("model."):
         nested = "model.language_model." + name.removeprefix("model.")
         if nested in where:
@@ -163,6 +166,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
     fp8_on_the_fly: bool = False,
+    mtp: bool = False,
 ) -> MoeForCausalLM:
     """Build this rank's model and fill it from ``path`` (``progress``: with a bar, see
     ``load_checkpoint``; an FP8 checkpoint's weights are dequantized at load on CPU, kept in FP8
@@ -170,12 +174,13 @@ def build_model(
     at use rather than W8A8 on a GPU: ``model/fp8_resident.py``), or with seeded random weights, then
     move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
     the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
-    nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``)."""
+    nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``).
+    ``mtp``: with the config's MTP layers (``model/mtp.py``)."""
     if torch.device(device).type == "meta":
         with torch.device("meta"):
-            model = MoeForCausalLM(cfg, par)
+            model = MoeForCausalLM(cfg, par, mtp)
         return place_model(model, device, dtype).eval()
-    model = MoeForCausalLM(cfg, par)
+    model = MoeForCausalLM(cfg, par, mtp)
     if path is None:
         init_random(model, seed)
         return place_model(model, device, dtype).eval()

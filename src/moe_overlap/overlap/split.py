@@ -236,11 +236,19 @@ def merge_outputs(batch: ForwardBatch, plan: Plan, outs: list[dict]) -> ForwardO
     """The children's outputs as the whole batch's: logits (the last stage), or the per-token
     ``hidden_states`` and ``residual`` an earlier stage hands on."""
     if "logits" in outs[0]:
-        return ForwardOutputs(logits=merge_logits(batch, plan, [o["logits"] for o in outs]))
-    merged = {}
-    for key, like in outs[0].items():
-        whole = like.new_empty((batch.num_tokens, *like.shape[1:]))
-        for rows, out in zip(child_rows(batch, plan), outs, strict=True):
-            whole[rows] = out[key]
-        merged[key] = whole
-    return ForwardOutputs.of(merged)
+        logits = merge_logits(batch, plan, [o["logits"] for o in outs])
+        hidden = (
+            _merge_rows(batch, plan, [o["hidden"] for o in outs]) if "hidden" in outs[0] else None
+        )
+        return ForwardOutputs(logits=logits, hidden=hidden)
+    return ForwardOutputs.of(
+        {key: _merge_rows(batch, plan, [o[key] for o in outs]) for key in outs[0]}
+    )
+
+
+def _merge_rows(batch: ForwardBatch, plan: Plan, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-token tensors of the children as the whole batch's, in its row order."""
+    whole = parts[0].new_empty((batch.num_tokens, *parts[0].shape[1:]))
+    for rows, part in zip(child_rows(batch, plan), parts, strict=True):
+        whole[rows] = part
+    return whole

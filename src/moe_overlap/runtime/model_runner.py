@@ -34,6 +34,7 @@ from moe_overlap.overlap.scheme import OverlapScheme
 from moe_overlap.overlap.schemes import scheme_class
 from moe_overlap.overlap.strategy import build_operations, strategy_for
 from moe_overlap.runtime.cuda_graphs import DecodeGraphs
+from moe_overlap.runtime.mtp_drafter import MtpDrafter
 from moe_overlap.runtime.pipeline import PipelineStage
 from moe_overlap.runtime.prefill_lane import PrefillLane
 
@@ -55,12 +56,14 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
+        mtp_steps: int = 0,
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
         process); ``cuda_graph_max_bs``: decode batches up to this size replay from CUDA graphs
         where the model and layout allow (0: never); ``num_pages`` of ``page_size`` tokens:
-        the KV pool (None: every slot at ``max_len``)."""
+        the KV pool (None: every slot at ``max_len``); ``mtp_steps``: the MTP drafter's
+        drafts per sequence after each step (0: none)."""
         self.model = model
         self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
         self.active = dispatcher  # the one this forward's micro-batches use
@@ -70,6 +73,12 @@ class ModelRunner:
         )
         self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
+        # --speculative-algorithm EAGLE: the MTP layers draft after each step (no CUDA graphs:
+        # their forwards need every row's hidden state)
+        self.mtp = MtpDrafter(model, num_slots, max_len, mtp_steps) if mtp_steps else None
+        self.last_hidden: torch.Tensor | None = (
+            None  # the last forward's, where the model keeps them
+        )
         graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # with graphs, one more slot and page: the padding rows'
         self.kv_cache = kv_cache_for(model, num_slots, max_len, page_size, num_pages, int(graphs))
@@ -97,7 +106,7 @@ class ModelRunner:
         )
         if max_bs > 0 and why_not and device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", why_not)
-        return max_bs > 0 and why_not is None
+        return max_bs > 0 and why_not is None and self.mtp is None
 
     def _decode_graphs(self, max_bs: int) -> DecodeGraphs:
         return DecodeGraphs(
@@ -173,13 +182,16 @@ class ModelRunner:
             scheme = self._scheme(cfg)
             out = scheme.forward(batch, self, inputs)
             if out is not None:
+                self.last_hidden = out.hidden
                 choice = scheme.last_choice if isinstance(scheme, AutoOverlap) else None
                 self.last_mode = choice.mode if choice is not None else cfg.mode
                 return out
         self.last_mode = NONE.name
-        return ForwardOutputs.of(
+        out = ForwardOutputs.of(
             execute_operations(self.context(batch), self.ops, op_inputs(inputs))
         )
+        self.last_hidden = out.hidden
+        return out
 
     def forward_plain(self, batch: ForwardBatch) -> torch.Tensor:
         """One batch through every op in order: no overlap, the normal dispatch."""

@@ -143,6 +143,7 @@ def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) ->
         cuda_graph_max_bs=spec.cuda_graph_max_bs,
         page_size=spec.page_size,
         num_pages=spec.pool_pages,
+        mtp_steps=spec.mtp_steps,
     )
 
 
@@ -166,16 +167,11 @@ def rank_model(
     path = Path(spec.model_path) if spec.model_path else None
     dtype = torch_dtype(spec.dtype)
     # one bar for the whole engine: global rank 0's (every rank reads its own share)
+    rank0, mtp = coords.rank == 0, spec.mtp_steps > 0
     model = build_model(
-        spec.config,
-        path,
-        spec.seed,
-        model_par,
-        device,
-        dtype,
-        coords.rank == 0,
-        spec.fp8_on_the_fly,
-    )
+        spec.config, path, spec.seed, model_par, device, dtype, rank0,
+        fp8_on_the_fly=spec.fp8_on_the_fly, mtp=mtp,
+    )  # fmt: skip
     if spec.expert_skew:
         skew_routing(model, spec.expert_skew, spec.seed)
     return model
@@ -242,10 +238,17 @@ def serve_step(
             lane.decode_done()  # the lane's collectives stop taking turns
     mode = runner.last_mode
     wave_logits = lane.finish(running) if lane is not None and running is not None else None
+    samples = request.group_samples(group)
+    reply = answer(batch, logits, samples, mode) if answers else None
+    if runner.mtp is not None and samples is not None:  # every rank drafts: MoE collectives
+        drafts = runner.mtp.draft(
+            batch, runner.last_hidden, samples, reply, runner.dispatcher, runner.timeline
+        )
+        if reply is not None:
+            reply.drafts = drafts
     spans = runner.timeline.take() if request.record else None
-    if not answers:
+    if reply is None:
         return None, spans, None
-    reply = answer(batch, logits, request.group_samples(group), mode)
     wave_reply = None
     if wave is not None and wave_logits is not None:
         samples = None if wave.samples is None else wave.samples[group]

@@ -185,7 +185,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     console = Console()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        save_checkpoint(build_model(cfg, seed=args.seed), tmp)  # both engines load these
+        save_checkpoint(build_model(cfg, seed=args.seed, mtp=True), tmp)  # both engines load these
         hf = load_hf(Path(tmp)) if args.compare_hf else None
         if speculative_args(args) is not None:
             console.print(bench_speculative(Path(tmp), args, cfg.vocab_size))

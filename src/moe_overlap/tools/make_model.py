@@ -50,7 +50,7 @@ class MakeModelFlags:
 
 def cmd_make_model(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(args.hf_config)
-    model = build_model(cfg, seed=args.seed)
+    model = build_model(cfg, seed=args.seed, mtp=True)  # with its MTP layers, if it has any
     save_checkpoint(model, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
     if args.quantize == FP8:

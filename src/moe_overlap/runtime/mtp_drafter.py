@@ -1,0 +1,145 @@
+"""The MTP drafter on the rank (``--speculative-algorithm EAGLE``): after the target's forward
+and its answer, the model's MTP layers draft each sequence's next tokens, which go back to
+the driver with the sampled ones (``GroupReply.drafts``) and come back in the next verify step.
+
+Per step every rank of the EP group runs the same forwards (the MTP layer's MoE dispatches
+like any layer's, so an empty batch still joins): one **extend** over the rows the target
+just computed and kept, each row ``q`` with the target's hidden state at ``q`` and the token at
+``q + 1`` (the next prompt token, the next accepted draft, or the token just sampled), whose
+last row drafts the first token; then ``steps - 1`` **decode** forwards, each row the previous
+MTP step's hidden state and draft. Step ``j`` runs MTP layer ``min(j, layers) - 1`` (SGLang's
+reuse of the last layer). No overlap scheme splits these forwards.
+
+The MTP layers' keys and values live in a KV cache of their own (every slot's pages at
+``max_len``, never released: a slot's next sequence writes over them from its first
+position). An entry written for a draft past the last accepted token lies past the next
+extend's start, which writes over it; attention reads only ``[0, seq_len)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.context import ForwardContext
+from moe_overlap.core.dispatcher import Dispatcher
+from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.step import GroupReply, SampleSpec
+from moe_overlap.core.timeline import Timeline
+from moe_overlap.model.causal_lm import MoeForCausalLM
+from moe_overlap.model.loader import model_placement
+from moe_overlap.overlap.operations import execute_operations
+
+
+@dataclass
+class _Rows:
+    """The extend's rows of one sequence: where they start in the target batch, how many,
+    the tokens they embed (each row's next token), and whether it is drafted for."""
+
+    seq: int
+    start: int
+    count: int
+    tokens: list[int]
+    drafts: bool
+
+
+class MtpDrafter:
+    def __init__(self, model: MoeForCausalLM, num_slots: int, max_len: int, steps: int):
+        self.model, self.steps, self.max_len = model, steps, max_len
+        self.layers = model.mtp_layers
+        if not self.layers:
+            raise ValueError("the MTP drafter needs a model built with its MTP layers")
+        device, self.dtype = model_placement(model)
+        first = model.cfg.num_hidden_layers
+        entries: list[dict[str, tuple[int, ...]]] = [{}] * first
+        entries += [layer.attn.kv_entries() for layer in self.layers]
+        self.kv_cache = KVCache(len(entries), num_slots, max_len, entries, self.dtype, device)
+        self.ops = [layer.mtp_ops(model.model.embed_tokens) for layer in self.layers]
+        model.keep_hidden = True  # the target's forward returns every row's hidden state
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        samples: list[SampleSpec],
+        reply: GroupReply | None,
+        dispatcher: Dispatcher,
+        timeline: Timeline,
+    ) -> list[list[int]]:
+        """Each sequence's drafts (empty where it gets none) after the target's forward of
+        ``batch`` (``hidden``: its rows' final hidden states) and its ``reply``. Every rank
+        runs ``steps`` forwards, with rows or without."""
+        plan = self._plan(batch, samples, reply) if reply is not None else []
+        ext = ForwardBatch(
+            torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
+            [batch.slots[r.seq] for r in plan],
+            [batch.prefix_lens[r.seq] for r in plan],
+            [r.count for r in plan],
+            [False] * len(plan),
+            [False] * len(plan),
+        )
+        device = self.kv_cache.device
+        rows = torch.tensor([r.start + i for r in plan for i in range(r.count)], dtype=torch.long)
+        inputs = hidden[rows.to(device)] if hidden is not None and plan else None
+        if inputs is None:
+            inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
+        out = self.forward(0, ext, inputs, dispatcher, timeline)
+        last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
+        picks, state = out["logits"].argmax(-1).tolist(), out["hidden"][last]
+        drafts = [[p] for p in picks]
+        ends = [p + r.count for p, r in zip(ext.prefix_lens, plan, strict=True)]
+        for step in range(1, self.steps):
+            chosen = [i for i, r in enumerate(plan) if r.drafts]
+            dec = ForwardBatch(
+                torch.tensor([drafts[i][-1] for i in chosen], dtype=torch.long),
+                [ext.slots[i] for i in chosen],
+                [ends[i] + step - 1 for i in chosen],
+                [1] * len(chosen),
+                [False] * len(chosen),
+                [True] * len(chosen),
+            )
+            keep = torch.tensor(chosen, dtype=torch.long, device=device)
+            out = self.forward(step, dec, state[keep], dispatcher, timeline)
+            state = state.clone()
+            state[keep] = out["hidden"]
+            for i, p in zip(chosen, out["logits"].argmax(-1).tolist(), strict=True):
+                drafts[i].append(p)
+        found = {r.seq: d for r, d in zip(plan, drafts, strict=True) if r.drafts}
+        return [found.get(i, []) for i in range(batch.num_seqs)]
+
+    def forward(
+        self,
+        step: int,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        dispatcher: Dispatcher,
+        timeline: Timeline,
+    ) -> dict:
+        """One MTP forward of step ``step`` (0-based), its layer the step's or the last."""
+        ops = self.ops[min(step, len(self.ops) - 1)]
+        ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
+        return execute_operations(ctx, ops, {"hidden": hidden})
+
+    def _plan(
+        self, batch: ForwardBatch, samples: list[SampleSpec], reply: GroupReply
+    ) -> list[_Rows]:
+        """Per sequence, the target rows the extend takes and their next tokens: a sequence's
+        rows up to its last accepted one, each embedding the token after it."""
+        plan, start = [], 0
+        ids = batch.input_ids.tolist()
+        for i, (n, spec) in enumerate(zip(batch.extend_lens, samples, strict=True)):
+            fed = ids[start : start + n]
+            token = reply.token_ids[i] if spec.draw else spec.following
+            drawn = [token, *reply.more_ids[i]] if spec.draw and token is not None else []
+            count = len(drawn) if spec.drafts else n
+            tokens = fed[1:count] + ([] if token is None else [drawn[-1] if drawn else token])
+            greedy = spec.temperature == 0.0 and spec.penalties is None and spec.allowed is None
+            end = batch.prefix_lens[i] + len(tokens)
+            room = end + self.steps - 1 <= self.max_len
+            if tokens:
+                plan.append(_Rows(i, start, len(tokens), tokens, bool(drawn) and greedy and room))
+            start += n
+        return plan
