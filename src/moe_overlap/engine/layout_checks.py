@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from moe_overlap.core.a2a_mode import A2AMode
-from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
+from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
@@ -41,8 +41,8 @@ def check_settings(
         raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
     par = args.parallel_config()
     check_method(args.load_balance_method)
-    torch_dtype(args.dtype)
     device = resolve_device(args.device, ranks_on_this_node(par.world_size))
+    resolve_dtype(args.dtype, device)  # a clear error for an unknown name
     _check_int("pdmux_prefill_splits", args.pdmux_prefill_splits, minimum=1)
     try:
         link = parse_link(args.link)
