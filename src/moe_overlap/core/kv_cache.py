@@ -142,6 +142,8 @@ class KVCache:
         sliding-window layers."""
         if not self.window:
             return
+        rows: list[int] = []
+        cols: list[int] = []
         with self._lock:
             for slot, start in zip(slots, starts, strict=True):
                 keep = max(0, start - self.window + 1) // self.page_size
@@ -151,8 +153,11 @@ class KVCache:
                     if held[i] != NULL_PAGE and full[i] not in self.cached_pages:
                         self.window_free.append(held[i])
                         held[i] = NULL_PAGE
-                        self.window_table[slot, i] = NULL_PAGE
+                        rows.append(slot)
+                        cols.append(i)
                 self.trimmed[slot] = max(self.trimmed[slot], stop)
+            if rows:  # one write to the device's table, however many pages went
+                self.window_table[torch.tensor(rows), torch.tensor(cols)] = NULL_PAGE
 
     def release(self, slots: Sequence[int]) -> None:
         """Give the pages of ``slots`` (sequences that ended) back to the pool, but for cached
