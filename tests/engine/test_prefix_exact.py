@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.model_config import ModelConfig as Config
@@ -23,6 +27,18 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logpro
 KW = dict(seed=0, max_model_len=320, max_num_batched_tokens=512)  # wave 1 prefills in chunks
 WAVE_HITS = 8 * 288  # every request of wave 2: 18 full pages of 16 (its last token computed)
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """A one-process engine on one intra-op thread: two threads on two busy cores run these
+    tiny matrices up to a hundred times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def config(family: str) -> Config:
@@ -82,7 +98,7 @@ def test_sliding_window_layers_read_cached_pages_exactly():
     raw |= dict(hidden_size=32, head_dim=8, intermediate_size=16, vocab_size=80)
     raw |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     cfg = ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
-    with LLM(config=cfg, **KW) as llm:
+    with one_thread(), LLM(config=cfg, **KW) as llm:
         base, _ = two_waves(llm, cached=False, per_wave=1)
         outs, hits = two_waves(llm, per_wave=1)
     assert_same(base, outs)

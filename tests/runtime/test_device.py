@@ -1,16 +1,28 @@
-"""--device and --dtype on a machine without a GPU: the choices, the errors, and that the
+"""--device and --dtype on a machine without a GPU: the choices, the errors, auto's dtype, and that the
 CUDA-only stream helpers do nothing on the CPU."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_overlap import LLM, ConfigError, ModelConfig
-from moe_overlap.core.device import dist_backend, rank_device, resolve_device, torch_dtype
+from moe_overlap.core.device import (
+    DTYPE_HELP,
+    checkpoint_dtype,
+    dist_backend,
+    rank_device,
+    resolve_device,
+    resolve_dtype,
+    torch_dtype,
+)
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.distributed.streams import CommStream, MicroBatchStreams, consume
+from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.model.loader import build_model, model_placement
 from moe_overlap.runtime.model_runner import ModelRunner
 from tests.helpers import TINY
@@ -55,6 +67,26 @@ def test_dtype_names_and_errors():
         torch_dtype("fp8")
     with pytest.raises(ConfigError, match="--dtype"):
         LLM(config=ModelConfig(**TINY["qwen3_moe"]), dtype="float16")
+
+
+def test_dtype_auto_is_the_checkpoints_on_a_gpu_and_float32_on_cpu(tmp_path):
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "cuda", "float32") == "float32"
+    assert resolve_dtype("auto", "cuda", "float16") == "bfloat16"  # not served: the GPU default
+    assert resolve_dtype("auto", "cuda", None) == "float32"  # seeded weights, named none
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    assert resolve_dtype("bfloat16", "cpu", "float32") == "bfloat16"  # asked for: kept
+    with pytest.raises(ConfigError, match="--dtype='fp8' must be one of auto, float32"):
+        resolve_dtype("fp8", "cpu")
+    assert checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"  # transformers 4's key
+    assert checkpoint_dtype({"dtype": "float32", "torch_dtype": "bfloat16"}) == "float32"
+    assert checkpoint_dtype({"text_config": {"dtype": "bfloat16"}}) == "bfloat16"
+    assert checkpoint_dtype({}) is None
+    assert EngineArgs().dtype == "auto" and "on CPU float32" in DTYPE_HELP
+    named = json.loads(Path("configs/qwen3-moe-tiny.json").read_text()) | {"dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(named))
+    with LLM(hf_config=str(tmp_path / "config.json"), seed=0) as llm:  # the default on CPU
+        assert llm.spec.dtype == llm.args.dtype == "float32"
 
 
 def test_backend_and_rank_device_follow_the_device():

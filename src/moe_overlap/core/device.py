@@ -4,6 +4,7 @@ the torch.distributed backend that follows from it; each bad request is one clea
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -16,7 +17,14 @@ DEVICE_HELP = (
     "plane, gloo for control), or auto (cuda when every rank on this machine gets its own GPU, "
     "else cpu)"
 )
-DTYPE_HELP = "weights and KV cache (routers stay float32); float32 is exact"
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
+DTYPE_HELP = (
+    "weights and KV cache (routers stay float32): float32 (exact), bfloat16, or auto: on a "
+    "GPU the checkpoint's (or --hf-config's) torch_dtype, bfloat16 for every Hub MoE "
+    "(bfloat16 for float16, which is not served; float32 where it names none, as for seeded "
+    "weights), and on CPU float32"
+)
 
 
 def ranks_on_this_node(world_size: int) -> int:
@@ -45,6 +53,34 @@ def resolve_device(requested: str, ranks_here: int) -> str:
             f"{gpus} GPU(s) visible; use fewer ranks (--ep/--tp) or --device cpu"
         )
     return requested
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype a Hugging Face ``config.json`` names (``dtype``, or the older ``torch_dtype``;
+    a multimodal checkpoint's text part's), or None."""
+    text = raw.get("text_config")
+    for where in (raw, text if isinstance(text, dict) else {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(where.get(key), str):
+                return where[key]
+    return None
+
+
+def resolve_dtype(requested: str, device: str, checkpoint: str | None = None) -> str:
+    """``--dtype``'s name: ``auto`` is float32 on CPU and, on a GPU, the ``checkpoint``'s dtype
+    where it is one of ``DTYPES``, bfloat16 for another (float16), float32 for none."""
+    if requested not in DTYPE_CHOICES:
+        raise ConfigError(
+            f"--dtype={requested!r} must be one of {', '.join(DTYPE_CHOICES)} (auto: the "
+            "checkpoint's on a GPU, float32 on CPU)"
+        )
+    if requested != AUTO_DTYPE:
+        return requested
+    if device != "cuda":
+        return "float32"
+    if checkpoint is None:
+        return "float32"
+    return checkpoint if checkpoint in DTYPES else "bfloat16"
 
 
 def torch_dtype(name: str) -> torch.dtype:

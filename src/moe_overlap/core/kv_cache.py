@@ -9,6 +9,13 @@ gather past a sequence's end reads zeros, to be masked.
 Prefix caching (``apply``): the driver names full, computed pages; a named page outlives the
 sequence that wrote it, and a later sequence's first table entries point at it, until the
 driver evicts it. A sequence never writes a page it was attached to: its writes start past them.
+
+Sliding-window layers (GPT-OSS, MiMo) have a block table and a pool of their own, as many pages
+as the full layers' (a slot's window pages are a subset of its full pages, so they never run
+out first): before each forward, ``trim_windows`` returns the pages wholly below every
+sequence's window, so those layers' buffers hold only the windows. A cached page keeps its
+window page until evicted, since a later request may cut its prefix there and read the window
+before the cut.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
+        windows: Sequence[int] = (),
     ):
         self.num_slots = num_slots
         self.max_len = max_len
@@ -78,10 +86,24 @@ class KVCache:
         self.free = list(range(self.num_pages, NULL_PAGE, -1))  # popped lowest first
         self.cached: dict[int, int] = {}  # prefix caching: a cached page's id -> its page
         self.cached_pages: set[int] = set()
+        # per layer: its sliding window (0: full attention); the window layers' own table,
+        # pool and pages per slot (NULL_PAGE where trimmed), and each cached page's window page
+        self.sliding = [w > 0 for w in windows] + [False] * (num_layers - len(windows))
+        self.window = max(windows, default=0)
+        self.window_table = torch.zeros_like(self.block_table)
+        self.window_held: list[list[int]] = [[] for _ in range(num_slots)]
+        self.window_free = list(range(self.num_pages, NULL_PAGE, -1))
+        self.trimmed = [0] * num_slots  # pages below this index were trimmed (or kept cached)
+        self.cached_window: dict[int, int] = {}
 
     @property
     def free_pages(self) -> int:
         return len(self.free)
+
+    @property
+    def window_pages_used(self) -> int:
+        """Pages the sliding-window layers hold now (0 without such layers)."""
+        return self.num_pages - len(self.window_free) if self.window else 0
 
     def reserve(self, slots: Sequence[int], ends: Sequence[int]) -> None:
         """Pages for tokens ``[0, ends[i])`` of ``slots[i]``, taken from the pool where the
@@ -100,7 +122,42 @@ class KVCache:
                 new = [self.free.pop() for _ in range(need - len(held))]
                 self.block_table[slot, len(held) : need] = torch.tensor(new)
                 held.extend(new)
-                self._grow(max(new) + 1)
+                self._grow(max(new) + 1, sliding=False)
+                if self.window:
+                    self._reserve_window(slot, need)
+
+    def _reserve_window(self, slot: int, need: int) -> None:
+        held = self.window_held[slot]
+        new = [self.window_free.pop() for _ in range(need - len(held))]
+        if not new:
+            return
+        self.window_table[slot, len(held) : need] = torch.tensor(new)
+        held.extend(new)
+        self._grow(max(new) + 1, sliding=True)
+
+    def trim_windows(self, slots: Sequence[int], starts: Sequence[int]) -> None:
+        """Before a forward whose sequence ``slots[i]`` computes from position ``starts[i]``:
+        its sliding-window layers' pages wholly below the window of that first query go back
+        to their pool (not a cached page's: a later request may need it). A no-op without
+        sliding-window layers."""
+        if not self.window:
+            return
+        rows: list[int] = []
+        cols: list[int] = []
+        with self._lock:
+            for slot, start in zip(slots, starts, strict=True):
+                keep = max(0, start - self.window + 1) // self.page_size
+                held, full = self.window_held[slot], self.held[slot]
+                stop = min(keep, len(held))
+                for i in range(self.trimmed[slot], stop):
+                    if held[i] != NULL_PAGE and full[i] not in self.cached_pages:
+                        self.window_free.append(held[i])
+                        held[i] = NULL_PAGE
+                        rows.append(slot)
+                        cols.append(i)
+                self.trimmed[slot] = max(self.trimmed[slot], stop)
+            if rows:  # one write to the device's table, however many pages went
+                self.window_table[torch.tensor(rows), torch.tensor(cols)] = NULL_PAGE
 
     def release(self, slots: Sequence[int]) -> None:
         """Give the pages of ``slots`` (sequences that ended) back to the pool, but for cached
@@ -109,8 +166,12 @@ class KVCache:
             for slot in slots:
                 own = [p for p in self.held[slot] if p not in self.cached_pages]
                 self.free.extend(reversed(own))
-                self.held[slot] = []
+                pairs = zip(self.held[slot], self.window_held[slot], strict=False)
+                own = [w for p, w in pairs if w != NULL_PAGE and p not in self.cached_pages]
+                self.window_free.extend(reversed(own))
+                self.held[slot], self.window_held[slot], self.trimmed[slot] = [], [], 0
                 self.block_table[slot].fill_(NULL_PAGE)
+                self.window_table[slot].fill_(NULL_PAGE)
 
     def apply(self, ops: PageOps) -> None:
         """The driver's page changes for this step, in ``PageOps``' order: cache full pages,
@@ -120,18 +181,32 @@ class KVCache:
                 page = self.held[slot][index]
                 self.cached[page_id] = page
                 self.cached_pages.add(page)
+                if self.window:
+                    self._cache_window(slot, index, page_id)
         self.release(ops.released)
         with self._lock:
             for page_id in ops.evict:
                 page = self.cached.pop(page_id)
                 self.cached_pages.discard(page)
                 self.free.append(page)
+                if self.window:
+                    self.window_free.append(self.cached_window.pop(page_id))
             for slot, ids in ops.attach:
                 if self.held[slot]:
                     raise RuntimeError(f"cached pages attached to slot {slot}, which holds pages")
                 pages = [self.cached[i] for i in ids]
                 self.held[slot] = pages
                 self.block_table[slot, : len(pages)] = torch.tensor(pages)
+                if self.window:
+                    window = [self.cached_window[i] for i in ids]
+                    self.window_held[slot] = window
+                    self.window_table[slot, : len(window)] = torch.tensor(window)
+
+    def _cache_window(self, slot: int, index: int, page_id: int) -> None:
+        page = self.window_held[slot][index]
+        if page == NULL_PAGE:  # the driver publishes a page before any forward passes it
+            raise RuntimeError(f"page {index} of slot {slot} cached after its window was trimmed")
+        self.cached_window[page_id] = page
 
     def store(
         self,
@@ -150,7 +225,8 @@ class KVCache:
         if bounds is None:
             bounds = int(positions.max()) + 1, int(slots.max()) + 1
         self._check(*bounds)
-        pages = self.block_table[slots, positions // self.page_size]
+        table = self.window_table if self.sliding[layer] else self.block_table
+        pages = table[slots, positions // self.page_size]
         offsets = positions % self.page_size
         buffers = self.layers[layer]
         with self._lock:
@@ -164,7 +240,8 @@ class KVCache:
         ...]`` (a copy through the block table); rows past a sequence's own length hold zeros
         or stale finite values, to be masked."""
         first = start // self.page_size  # a window's read starts at its first page
-        table = self.block_table[slots, first : pages_for(length, self.page_size)]
+        table = self.window_table if self.sliding[layer] else self.block_table
+        table = table[slots, first : pages_for(length, self.page_size)]
         rows = self.layers[layer][name][table].flatten(1, 2)  # [seqs, pages x page_size, ...]
         skip = first * self.page_size
         return rows[:, start - skip : length - skip]
@@ -173,7 +250,8 @@ class KVCache:
         """Every buffer at the whole pool now, so none moves later (a CUDA graph holds their
         addresses)."""
         with self._lock:
-            self._grow(self.num_pages + 1)
+            self._grow(self.num_pages + 1, sliding=False)
+            self._grow(self.num_pages + 1, sliding=True)
 
     def _check(self, end: int, top: int) -> None:
         if end > self.max_len:
@@ -183,9 +261,12 @@ class KVCache:
         if top > self.num_slots:
             raise IndexError(f"slot {top - 1} is outside the KV cache's {self.num_slots} slots")
 
-    def _grow(self, pages: int) -> None:
-        """Every buffer to at least ``pages`` pages, geometrically so growth is rare."""
-        for buffers in self.layers:
+    def _grow(self, pages: int, sliding: bool) -> None:
+        """Every buffer of the full (or the sliding-window) layers to at least ``pages`` pages,
+        geometrically so growth is rare."""
+        for buffers, window in zip(self.layers, self.sliding, strict=True):
+            if window != sliding:
+                continue
             for name, buf in buffers.items():
                 have = buf.shape[0]
                 if pages <= have:

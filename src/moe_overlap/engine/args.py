@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_overlap.core.device import DEVICE_HELP, DEVICES, DTYPE_HELP, DTYPES
+from moe_overlap.core.device import AUTO_DTYPE, DEVICE_HELP, DEVICES, DTYPE_CHOICES, DTYPE_HELP
 from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -175,7 +175,7 @@ class LayoutArgs:
         group="layout",
     )
     device: str = setting("cpu", DEVICE_HELP, choices=DEVICES, group="device")
-    dtype: str = setting("float32", DTYPE_HELP, choices=tuple(DTYPES), group="device")
+    dtype: str = setting(AUTO_DTYPE, DTYPE_HELP, choices=DTYPE_CHOICES, group="device")
     cuda_graph_max_bs: int = setting(
         64,
         "on CUDA, decode batches of up to this many sequences per rank replay from CUDA graphs "

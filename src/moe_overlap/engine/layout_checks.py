@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 
 from moe_overlap.core.a2a_mode import A2AMode
-from moe_overlap.core.device import ranks_on_this_node, resolve_device, torch_dtype
+from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
+from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -41,8 +42,8 @@ def check_settings(
         raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
     par = args.parallel_config()
     check_method(args.load_balance_method)
-    torch_dtype(args.dtype)
     device = resolve_device(args.device, ranks_on_this_node(par.world_size))
+    resolve_dtype(args.dtype, device)  # a clear error for an unknown name
     _check_int("pdmux_prefill_splits", args.pdmux_prefill_splits, minimum=1)
     try:
         link = parse_link(args.link)
@@ -65,3 +66,15 @@ def check_settings(
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not is_int(value) or value < minimum:
         raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
+
+
+def expert_placement(
+    args: EngineArgs, cfg: ModelConfig, ep: int, emulate_peers: int, mtp: int
+) -> ExpertPlacement | None:
+    """EPLB's placement of the experts, where the other settings allow one."""
+    placement = args.expert_placement(cfg, ep)
+    if placement is not None and emulate_peers:
+        raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+    if placement is not None and mtp:
+        raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
+    return placement

@@ -9,9 +9,9 @@ from typing import Any
 
 from rich.progress import Progress
 
+from moe_overlap.core.device import checkpoint_dtype, resolve_dtype
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -23,7 +23,7 @@ from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
-from moe_overlap.engine.layout_checks import check_settings
+from moe_overlap.engine.layout_checks import check_settings, expert_placement
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
@@ -36,16 +36,12 @@ from moe_overlap.model.quant_config import check_quantization, quant_config_of
 from moe_overlap.runtime.launch import start_executor
 
 
-def _placement(
-    args: EngineArgs, cfg: ModelConfig, ep: int, emulate_peers: int, mtp: int
-) -> ExpertPlacement | None:
-    """EPLB's placement of the experts, where the other settings allow one."""
-    placement = args.expert_placement(cfg, ep)
-    if placement is not None and emulate_peers:
-        raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
-    if placement is not None and mtp:
-        raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
-    return placement
+def _settled_dtype(args: EngineArgs, device: str, model: str | None) -> EngineArgs:
+    """``args`` with ``--dtype auto`` resolved for ``device`` and the checkpoint in ``model``
+    (or the ``--hf-config`` of seeded weights)."""
+    source = model if model is not None else args.hf_config
+    checkpoint = checkpoint_dtype(read_json(source)) if source is not None else None
+    return dataclasses.replace(args, dtype=resolve_dtype(args.dtype, device, checkpoint))
 
 
 class LLM(ExpertRecorder):
@@ -56,7 +52,8 @@ class LLM(ExpertRecorder):
     ``LLM("path/to/model_dir")`` loads a Hugging Face checkpoint, and its tokenizer when the
     directory has a tokenizer.json (``tokenizer`` names another directory); ``LLM(config=cfg,
     seed=0)`` builds seeded random weights. ``device``: cpu, cuda (each rank on
-    ``cuda:<local rank>``) or auto; ``dtype``: float32 (the exactness reference) or bfloat16.
+    ``cuda:<local rank>``) or auto; ``dtype``: float32 (the exactness reference), bfloat16, or
+    auto (the default: the checkpoint's dtype on a GPU, float32 on CPU or where it names none).
 
     The keyword arguments are ``EngineArgs``'s fields, the command line's flags with ``_`` for
     ``-`` (``max_num_seqs``, ``enable_two_batch_overlap``, ``load_format``, ...), SGLang's and
@@ -111,11 +108,11 @@ class LLM(ExpertRecorder):
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
+        args = _settled_dtype(args, device, model)
         speculative = args.speculative()
-        placement = _placement(args, cfg, par.ep, emulate_peers, mtp_steps(speculative))
-        seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
+        placement = expert_placement(args, cfg, par.ep, emulate_peers, mtp_steps(speculative))
+        seed, max_num_seqs, max_len = args.seed, args.max_num_seqs, cfg.max_len(args.max_model_len)
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
-        max_len = cfg.max_len(args.max_model_len)
         self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
         self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
         if args.chat_template is not None:
@@ -131,7 +128,7 @@ class LLM(ExpertRecorder):
             kv_cache_bytes(args, cfg, par, device),
             parallel=par,
             device=device,
-            dtype=dtype,
+            dtype=args.dtype,
             cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
             pdmux_splits=pdmux_prefill_splits if enable_pdmux else 0,
             emulate_peers=emulate_peers,

@@ -32,6 +32,7 @@ def kv_cache_for(
         device,
         page_size,
         None if num_pages is None else num_pages + padding,
+        [model.cfg.window(i) for i in range(model.cfg.num_hidden_layers)],
     )
 
 

@@ -149,6 +149,8 @@ class ModelRunner:
         """Logits ``[rows, vocab]`` for the rows ``batch.logit_rows()`` names (empty on a
         pipeline stage before the last). ``peers``: every data-parallel group's batch this
         step (this rank's among them), which decides what all ranks must agree on."""
+        # the whole batch's starts, before any split: a cut sequence's first piece reads its window
+        self.kv_cache.trim_windows(batch.slots, batch.prefix_lens)
         if self.pipeline is not None:
             return self.pipeline.forward(batch, overlap)
         peers = peers or [batch]
