@@ -23,6 +23,7 @@ from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings
+from moe_overlap.engine.online_eplb import OnlineEplb
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
@@ -96,9 +97,7 @@ class LLM(ExpertRecorder):
         emulate_peers: int = 0,
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
-        placement = args.expert_placement(cfg, par.ep)
-        if placement is not None and emulate_peers:
-            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+        placement = args.expert_placement(cfg, par, emulate_peers)
         seed, max_num_seqs, dtype = args.seed, args.max_num_seqs, args.dtype
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         max_num_batched_tokens = args.max_num_batched_tokens
@@ -129,6 +128,7 @@ class LLM(ExpertRecorder):
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
+        self.eplb = OnlineEplb.of(args, self.executor, placement)  # --enable-eplb
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
             spec.num_slots,
@@ -211,6 +211,8 @@ class LLM(ExpertRecorder):
         )
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)
+        if self.eplb is not None and self.eplb.after_step():  # experts moved at the boundary
+            self.spec = dataclasses.replace(self.spec, placement=self.eplb.placement)
         return step.sampled  # a prefill wave's requests get their first token with its last range
 
     def make_request(
