@@ -47,7 +47,8 @@ class EplbArgs:
     )
     eplb_algorithm: str = setting(
         AUTO,
-        "EPLB: the placement policy for a distribution given to --init-expert-location: "
+        "EPLB: the placement policy for a distribution given to --init-expert-location and for "
+        "--enable-eplb's rebalances: "
         "deepseek (global), deepseek_hierarchical (expert groups first), or auto",
         choices=ALGORITHMS,
         group="eplb",

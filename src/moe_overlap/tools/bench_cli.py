@@ -26,6 +26,7 @@ from moe_overlap.engine.llm import LLM
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.tools.bench import BenchReport, run_bench
+from moe_overlap.tools.bench_eplb import eplb_compare, eplb_json, eplb_table
 from moe_overlap.tools.cli_args import (
     add_model_args,
     engine_args,
@@ -102,6 +103,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "max_model_len": workload.longest,
     }
     console = Console()
+    if args.eplb_compare is not None:  # three placements, each on its own ranks
+        placed = eplb_compare(engine_kwargs(args) | sized, workload, modes, configs, args.repeat,
+                              args.eplb_compare)  # fmt: skip
+        console.print(eplb_table(placed, bench_title(args, par, workload)), width=120)
+        write_outputs(console, placed[0].report.recording, args, eplb_json(placed))
+        return 0
     with LLM(**engine_kwargs(args) | sized, emulate_peers=peers) as llm:
         report = run_bench(
             llm.executor,

@@ -8,16 +8,23 @@ see ``planner/calibration.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+from typing import cast
 
 from rich.console import Console
 
+from moe_overlap.core.eplb_placement import Algorithm
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.expert_location import read_load
 from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
+from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.planner.cluster import load_cluster
+from moe_overlap.planner.imbalance import Imbalance, placement_shape, plan_imbalance
 from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
@@ -58,6 +65,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         started = time.perf_counter()
     else:
         cluster = load_cluster(args.cluster)
+    imbalance = expert_imbalance(args, spec.cfg, layout.ep, cluster.gpus_per_node)
+    if imbalance is not None:  # every MoE layer timed at its busiest rank
+        cluster = dataclasses.replace(cluster, expert_imbalance=imbalance.factor)
     if layout.world > cluster.world:
         raise ConfigError(
             f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
@@ -75,6 +85,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
         f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward)"
     )
+    if imbalance is not None:
+        title += f", expert balancedness {imbalance_text(imbalance)}"
     console.print(plan_table(plans, workload.tokens, title))
     best, sentence = recommend(plans, configs)
     console.print(f"recommended: {sentence}")
@@ -88,6 +100,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.decode_sweep:
         print_decode_sweep(console, planner, configs, layout, spec, args)
     return 0
+
+
+def expert_imbalance(
+    args: argparse.Namespace, cfg: ModelConfig, ep: int, gpus_per_node: int
+) -> Imbalance | None:
+    """``--balancedness`` or ``--expert-distribution``, placed by EPLB where asked."""
+    redundant, eplb = args.ep_num_redundant_experts, args.enable_eplb
+    given = args.balancedness is not None, args.expert_distribution is not None
+    if all(given):
+        raise ConfigError("give --balancedness or --expert-distribution, not both")
+    if not any(given):
+        if eplb or redundant:
+            raise ConfigError(
+                "--enable-eplb and --ep-num-redundant-experts in a plan need the routing to "
+                "balance: --balancedness B or --expert-distribution FILE"
+            )
+        return None
+    load = read_load(args.expert_distribution) if given[1] else None
+    shape = placement_shape(cfg, ep, redundant, gpus_per_node)
+    algorithm = cast(Algorithm, args.eplb_algorithm)
+    return plan_imbalance(shape, args.balancedness, load, eplb or redundant > 0, algorithm)
+
+
+def imbalance_text(imbalance: Imbalance) -> str:
+    if not imbalance.eplb:
+        return f"{imbalance.planned:.3f}"
+    return f"{imbalance.before:.3f} -> {imbalance.planned:.3f} after EPLB"
 
 
 def cmd_reproduce() -> int:
@@ -138,4 +177,5 @@ def add_plan_command(sub) -> None:
     add_fields(plan, ModelArgs, only=("hf_config", "seed"))
     add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
     add_fields(plan, PlanFlags)
+    add_fields(plan, EplbArgs, only=("enable_eplb", "ep_num_redundant_experts", "eplb_algorithm"))
     plan.set_defaults(func=cmd_plan)
