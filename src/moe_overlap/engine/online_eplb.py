@@ -73,7 +73,7 @@ class OnlineEplb:
             "EPLB rebalance at step %d: layers %s moved (%d slots, %.3f MB between ranks, "
             "%.1f ms)%s",
             self.steps,
-            sorted(rows) or "none",
+            sorted(rows) or "no layer",
             reports[0].slots,
             sent / 1e6,
             seconds * 1e3,

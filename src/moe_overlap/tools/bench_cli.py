@@ -106,7 +106,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.eplb_compare is not None:  # three placements, each on its own ranks
         placed = eplb_compare(engine_kwargs(args) | sized, workload, modes, configs, args.repeat,
                               args.eplb_compare)  # fmt: skip
-        console.print(eplb_table(placed, bench_title(args, par, workload)), width=120)
+        Console(width=max(console.width, 120)).print(
+            eplb_table(placed, bench_title(args, par, workload))
+        )
         write_outputs(console, placed[0].report.recording, args, eplb_json(placed))
         return 0
     with LLM(**engine_kwargs(args) | sized, emulate_peers=peers) as llm:
