@@ -7,7 +7,7 @@ by rank. ``--init-expert-location`` takes either (a distribution is placed with
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moe_overlap.core.eplb_placement import AUTO, Algorithm, PlacementShape, rebalance, trivial
@@ -96,6 +96,9 @@ class ExpertPlacement:
     moe_layers: tuple[int, ...]
     rows: tuple[tuple[int, ...], ...]
     dispatch: str = "static"
+    # online EPLB (--enable-eplb): the shape and policy a rebalance places with (None: off)
+    online: PlacementShape | None = None
+    algorithm: Algorithm = AUTO
 
     @property
     def num_slots(self) -> int:
@@ -104,6 +107,13 @@ class ExpertPlacement:
     def row(self, layer_id: int) -> tuple[int, ...]:
         return self.rows[self.moe_layers.index(layer_id)]
 
+    def moved(self, rows: dict[int, tuple[int, ...]]) -> ExpertPlacement:
+        """This placement with the layers of ``rows`` (by layer id) replaced."""
+        new = tuple(
+            rows.get(layer, row) for layer, row in zip(self.moe_layers, self.rows, strict=True)
+        )
+        return replace(self, rows=new)
+
 
 def make_placement(
     moe_layers: list[int],
@@ -111,14 +121,16 @@ def make_placement(
     location: str,
     dispatch: str,
     algorithm: Algorithm = AUTO,
+    online: bool = False,
 ) -> ExpertPlacement | None:
     """The engine's placement from its flags; None where every rank holds its E/ep experts in
-    order and dispatch needs no map (no redundant slot, the trivial location)."""
+    order and dispatch needs no map (no redundant slot, the trivial location, no ``online``
+    rebalancing, which moves experts and so always dispatches through the map)."""
     if dispatch not in DISPATCH_ALGORITHMS:
         raise ConfigError(
             f"--ep-dispatch-algorithm={dispatch!r} must be one of {', '.join(DISPATCH_ALGORITHMS)}"
         )
-    if location == TRIVIAL and shape.num_slots == shape.num_experts:
+    if location == TRIVIAL and shape.num_slots == shape.num_experts and not online:
         return None
-    rows = initial_placement(location, shape, len(moe_layers), algorithm)
-    return ExpertPlacement(tuple(moe_layers), tuple(tuple(r) for r in rows), dispatch)
+    rows = tuple(tuple(r) for r in initial_placement(location, shape, len(moe_layers), algorithm))
+    return ExpertPlacement(tuple(moe_layers), rows, dispatch, shape if online else None, algorithm)

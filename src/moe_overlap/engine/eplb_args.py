@@ -15,6 +15,7 @@ from moe_overlap.core.expert_location import (
     make_placement,
 )
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import setting
 
 
@@ -46,9 +47,30 @@ class EplbArgs:
     )
     eplb_algorithm: str = setting(
         AUTO,
-        "EPLB: the placement policy for a distribution given to --init-expert-location: "
+        "EPLB: the placement policy for a distribution given to --init-expert-location and for "
+        "--enable-eplb's rebalances: "
         "deepseek (global), deepseek_hierarchical (expert groups first), or auto",
         choices=ALGORITHMS,
+        group="eplb",
+    )
+    enable_eplb: bool = setting(
+        False,
+        "EPLB online: every --eplb-rebalance-num-iterations steps the EP ranks sum the routing "
+        "they recorded, compute a new placement with --eplb-algorithm and move expert weights "
+        "between them at a step boundary (needs pure expert parallelism, --ep >= 2)",
+        group="eplb",
+    )
+    eplb_rebalance_num_iterations: int = setting(
+        1000,
+        "EPLB online: steps between rebalances; the routing of those steps is what the next "
+        "placement balances (vLLM's --eplb-step-interval)",
+        aliases=("--eplb-step-interval",),
+        group="eplb",
+    )
+    eplb_rebalance_layers_per_chunk: int | None = setting(
+        None,
+        "EPLB online: MoE layers moved per step boundary; a rebalance then spreads over several "
+        "steps, one chunk each (default: every layer at once)",
         group="eplb",
     )
 
@@ -75,8 +97,35 @@ class EplbArgs:
             raise ConfigError(f"--expert-skew={text!r}: want zipf:S with S >= 0, e.g. zipf:1.2")
         return exponent
 
-    def expert_placement(self, cfg: ModelConfig, ep: int) -> ExpertPlacement | None:
-        """The placement these flags ask for over ``ep`` ranks (None: E/ep experts each)."""
+    def check_online(self, cfg: ModelConfig, par: ParallelConfig) -> None:
+        """Refuse ``--enable-eplb`` where experts cannot move, or its counts are bad."""
+        every, chunk = self.eplb_rebalance_num_iterations, self.eplb_rebalance_layers_per_chunk
+        if not is_int(every) or every < 1:
+            raise ConfigError(f"--eplb-rebalance-num-iterations={every!r}: want an integer >= 1")
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
+            raise ConfigError(
+                f"--eplb-rebalance-layers-per-chunk={chunk!r}: want an integer >= 1, or leave it "
+                "out to move every layer at once"
+            )
+        if self.enable_eplb and (not par.pure_ep or par.pp > 1 or cfg.is_gpt_oss):
+            raise ConfigError(
+                f"--enable-eplb moves whole experts between the ranks of pure expert "
+                f"parallelism: {par.describe()} does not have it (want --ep N >= 2 with --tp 1 "
+                "and --pp 1), or the model is GPT-OSS (its fused experts are not placed yet)"
+            )
+
+    def expert_placement(
+        self, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int = 0
+    ) -> ExpertPlacement | None:
+        """The placement these flags ask for over ``par``'s EP ranks (None: E/ep experts
+        each)."""
+        self.check_online(cfg, par)
+        placement = self._placement(cfg, par.ep)
+        if placement is not None and emulate_peers:
+            raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+        return placement
+
+    def _placement(self, cfg: ModelConfig, ep: int) -> ExpertPlacement | None:
         redundant = self.ep_num_redundant_experts
         if not is_int(redundant) or redundant < 0:
             raise ConfigError(f"--ep-num-redundant-experts={redundant!r} must be an integer >= 0")
@@ -90,4 +139,4 @@ class EplbArgs:
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         algorithm = cast(Algorithm, self.eplb_algorithm)
         location, dispatch = self.init_expert_location, self.ep_dispatch_algorithm
-        return make_placement(moe_layers, shape, location, dispatch, algorithm)
+        return make_placement(moe_layers, shape, location, dispatch, algorithm, self.enable_eplb)

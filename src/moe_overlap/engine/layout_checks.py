@@ -69,12 +69,10 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 def expert_placement(
-    args: EngineArgs, cfg: ModelConfig, ep: int, emulate_peers: int, mtp: int
+    args: EngineArgs, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int, mtp: int
 ) -> ExpertPlacement | None:
     """EPLB's placement of the experts, where the other settings allow one."""
-    placement = args.expert_placement(cfg, ep)
-    if placement is not None and emulate_peers:
-        raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
+    placement = args.expert_placement(cfg, par, emulate_peers)
     if placement is not None and mtp:
         raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
     return placement

@@ -24,6 +24,7 @@ from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings, expert_placement
+from moe_overlap.engine.online_eplb import OnlineEplb
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
@@ -110,14 +111,11 @@ class LLM(ExpertRecorder):
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         args = _settled_dtype(args, device, model)
         speculative = args.speculative()
-        placement = expert_placement(args, cfg, par.ep, emulate_peers, mtp_steps(speculative))
+        placement = expert_placement(args, cfg, par, emulate_peers, mtp_steps(speculative))
         seed, max_num_seqs, max_len = args.seed, args.max_num_seqs, cfg.max_len(args.max_model_len)
         enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
         self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
-        self.tokenizer = load_tokenizer(tokenizer or model, cfg.vocab_size)
-        if args.chat_template is not None:
-            with_chat_template(self.tokenizer, args.chat_template)
-        self.constraints = Constraints(self.tokenizer, cfg.vocab_size, cfg.eos_token_id)
+        self._load_tokenizer(tokenizer or model, args.chat_template)
         spec = EngineSpec(
             cfg,
             str(model) if model is not None else None,
@@ -141,6 +139,7 @@ class LLM(ExpertRecorder):
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
+        self.eplb = OnlineEplb.of(args, self.executor, placement)  # --enable-eplb
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
             spec.num_slots,
@@ -158,6 +157,13 @@ class LLM(ExpertRecorder):
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
+
+    def _load_tokenizer(self, path: str | Path | None, chat_template: str | None) -> None:
+        cfg = self.config
+        self.tokenizer = load_tokenizer(path, cfg.vocab_size)
+        if chat_template is not None:
+            with_chat_template(self.tokenizer, chat_template)
+        self.constraints = Constraints(self.tokenizer, cfg.vocab_size, cfg.eos_token_id)
 
     def generate(
         self,
@@ -223,6 +229,8 @@ class LLM(ExpertRecorder):
         )
         self.last_reply = self.executor.step(request)
         self.scheduler.update(step, self.last_reply)
+        if self.eplb is not None and self.eplb.after_step():  # experts moved at the boundary
+            self.spec = dataclasses.replace(self.spec, placement=self.eplb.placement)
         return step.sampled  # a prefill wave's requests get their first token with its last range
 
     def make_request(

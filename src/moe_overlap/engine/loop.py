@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.online_eplb import eplb_counts
 from moe_overlap.engine.request import Request, SamplingParams, TokenLogprobs
 from moe_overlap.engine.speculation import Speculation, SpeculationStats
 
@@ -155,6 +156,7 @@ class EngineLoop:
             "prefix_cache_hits": sum(c.hits for c in sched.prefix),
             "cached_pages": sum(len(c.pages) for c in sched.prefix),
             **_speculation_counts(sched.speculation),
+            **eplb_counts(self.llm.eplb),
         }
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ class SparseMoeBlock(nn.Module):
     exposed as operations."""
 
     routed: torch.Tensor  # [physical slots]: rows sent to each while ``record``
+    window: torch.Tensor  # [experts]: tokens routed to each logical expert (online EPLB)
 
     def __init__(self, cfg: ModelConfig, par: ModelParallel | None = None, layer_id: int = 0):
         super().__init__()
@@ -28,6 +29,7 @@ class SparseMoeBlock(nn.Module):
         slots = par.placement.row(layer_id) if par.placement else tuple(range(cfg.num_experts))
         local = len(slots) // par.ep_size
         first = par.ep_rank * local
+        self.slots = slots  # the logical expert of every physical slot, on every rank
         self.gate = Router(cfg)
         self.replicas = None
         if par.placement is not None:
@@ -57,6 +59,11 @@ class SparseMoeBlock(nn.Module):
         # device (read only when asked, ``runtime/expert_load.py``)
         self.record, self.layer_id = False, layer_id
         self.register_buffer("routed", torch.zeros(len(slots), dtype=torch.long), persistent=False)
+        # online EPLB's window: routed tokens per logical expert since the last rebalance
+        self.online = par.placement is not None and par.placement.online is not None
+        self.register_buffer(
+            "window", torch.zeros(cfg.num_experts, dtype=torch.long), persistent=False
+        )
 
     def op_gate(self, ctx: ForwardContext) -> None:
         ctx.state.put(router_logits=self.gate.logits(ctx.state.get("mlp_in")))
@@ -69,6 +76,9 @@ class SparseMoeBlock(nn.Module):
         s = ctx.state
         x = s.get("mlp_in") if self.has_shared else s.pop("mlp_in")
         ids, weights = s.pop("topk_ids"), s.pop("topk_weights")
+        if self.online:
+            flat = ids.reshape(-1).long()
+            self.window.index_add_(0, flat, torch.ones_like(flat))
         if self.replicas is not None:
             ids = self.replicas(ids)  # logical experts to the physical slots that serve them
         if self.record:

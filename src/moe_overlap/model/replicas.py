@@ -23,6 +23,18 @@ class ReplicaMap(nn.Module):
         self, physical_to_logical: tuple[int, ...], ep_rank: int, ep_size: int, dynamic: bool
     ):
         super().__init__()
+        self.dynamic, self.ep_rank, self.ep_size = dynamic, ep_rank, ep_size
+        nearest, table, count = self._tables(physical_to_logical)
+        # not in the state dict: the checkpoint has no such tensors
+        self.register_buffer("nearest", nearest, persistent=False)
+        self.register_buffer("table", table, persistent=False)
+        self.register_buffer("count", count, persistent=False)
+
+    def _tables(self, physical_to_logical: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """``nearest``, ``table`` and ``count`` for a placement; the table is ``ep_size`` wide
+        whatever the placement (no rank holds two replicas of an expert), so a new placement
+        fits the same buffers."""
+        ep_rank, ep_size = self.ep_rank, self.ep_size
         per = len(physical_to_logical) // ep_size
         experts = max(physical_to_logical) + 1
         slots = [[s for s, e in enumerate(physical_to_logical) if e == x] for x in range(experts)]
@@ -32,13 +44,16 @@ class ReplicaMap(nn.Module):
             return min(ahead, ep_size - ahead), slot // per
 
         nearest = [min(replicas, key=distance) for replicas in slots]
-        width = max(len(r) for r in slots)
-        table = [r + [r[0]] * (width - len(r)) for r in slots]
-        self.dynamic = dynamic
-        # not in the state dict: the checkpoint has no such tensors
-        self.register_buffer("nearest", torch.tensor(nearest), persistent=False)
-        self.register_buffer("table", torch.tensor(table), persistent=False)
-        self.register_buffer("count", torch.tensor([len(r) for r in slots]), persistent=False)
+        table = [r + [r[0]] * (ep_size - len(r)) for r in slots]
+        counts = [len(r) for r in slots]
+        return torch.tensor(nearest), torch.tensor(table), torch.tensor(counts)
+
+    def update(self, physical_to_logical: tuple[int, ...]) -> None:
+        """Serve from a new placement (online EPLB), in place: the same buffers, new values."""
+        for buffer, values in zip(
+            (self.nearest, self.table, self.count), self._tables(physical_to_logical), strict=True
+        ):
+            buffer.copy_(values)
 
     def forward(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """``[tokens, k]`` logical expert ids to physical slot ids."""

@@ -10,7 +10,8 @@ whole rectangle, the engine's blocks of ``QUERY_BLOCK`` queries each over the ke
 end), weights and KV read once per micro-batch. An all-to-all moves ``rows x hidden``
 activations (the dispatch's FP8 with a float32 scale per 128 under ``--moe-dispatch-dtype fp8``,
 the combine's in the run dtype), rows from top-k routing spread evenly over the EP ranks, or by
-the cluster's measured ``expert_shares``.
+the cluster's measured ``expert_shares``. Under ``expert_imbalance`` (``plan --balancedness``)
+every MoE layer is timed at its busiest rank: its experts' rows and the bytes it receives.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class CostModel:
                 f"{layout.world} ranks (EP {layout.ep}): give one share per rank, or none"
             )
         self.shares = shares or (1 / layout.ep,) * layout.world
+        # the busiest rank's rows over the mean also scale its bytes, unless measured shares
+        # already say where the rows go
+        self.hot_bytes = 1.0 if shares or layout.ep == 1 else cluster.expert_imbalance
 
     def op_overhead(self, decode: bool) -> float:
         """One op call's fixed seconds (decode's: under CUDA graphs where the cluster says)."""
@@ -156,9 +160,10 @@ class CostModel:
         copies = moe_tokens * c.num_experts_per_tok * c.hidden_size
         out_bytes = copies * self.dispatch_elem
         back_bytes = copies * cl.activation_bytes
+        hot = self.hot_bytes  # the busiest rank receives (and sends back) the most
         return {
-            "dispatch": out_bytes / (ep_rate(cl.ll_dispatch_gbps, ep) * 1e9),
-            "combine": back_bytes / (ep_rate(cl.ll_combine_gbps, ep) * 1e9),
+            "dispatch": out_bytes * hot / (ep_rate(cl.ll_dispatch_gbps, ep) * 1e9),
+            "combine": back_bytes * hot / (ep_rate(cl.ll_combine_gbps, ep) * 1e9),
         }
 
     @property
@@ -184,9 +189,10 @@ class CostModel:
             nodes = ep // per_node
             gpus_hit = (ep - 1) * (1 - (1 - 1 / ep) ** k)
             nodes_hit = (nodes - 1) * node_hit_chance(c.n_group, c.topk_group, nodes, k)
+            row *= self.hot_bytes
             return [moe_tokens * gpus_hit * row, moe_tokens * nodes_hit * row]
         own = k * moe_tokens
-        rows = max(own * (1 - share), (routed - own) * share)
+        rows = max(own * (1 - share), (routed - own) * share * self.hot_bytes)
         inside = (per_node - 1) / (ep - 1)
         return [rows * inside * row, rows * (1 - inside) * row]
 

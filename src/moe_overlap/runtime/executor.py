@@ -20,6 +20,7 @@ class Executor(ABC):
     # batches per step, one per attention-DP group; rank r runs batch r // (num_ranks / num_dp)
     num_dp: int
     is_driver: bool = True  # False on torchrun ranks > 0, which only serve rank 0's steps
+    moves_experts: bool = False  # online EPLB: rebalance_experts runs here
 
     @abstractmethod
     def step(self, request: StepRequest) -> StepReply:
@@ -44,6 +45,12 @@ class Executor(ABC):
         """The expert-distribution recorder on every rank (``runtime/expert_load.py``): per
         rank, for ``read``, each MoE layer's rows sent to each physical slot."""
         raise ConfigError("the expert-distribution recorder runs on spawned or local ranks")
+
+    def rebalance_experts(self, layers_per_chunk: int) -> list:
+        """Online EPLB (``runtime/eplb_rebalance.py``): every rank moves the next chunk of
+        layers of its placement (planning a new one first if none is pending); per rank, its
+        ``MoveReport``."""
+        raise ConfigError("--enable-eplb moves experts between spawned ranks (--ep >= 2)")
 
     def serve(self) -> None:
         """Ranks that do not drive: serve the driver's steps until it ends the call."""

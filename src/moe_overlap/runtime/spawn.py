@@ -54,6 +54,8 @@ def _sigint_held() -> Iterator[None]:
 
 
 class SpawnedExecutor(Executor):
+    moves_experts = True
+
     def __init__(
         self,
         spec: EngineSpec,
@@ -109,6 +111,9 @@ class SpawnedExecutor(Executor):
 
     def expert_load(self, action: str) -> list[dict[int, list[int]] | None]:
         return self._request([("experts", action)] * self.num_ranks)
+
+    def rebalance_experts(self, layers_per_chunk: int) -> list:
+        return self._request([("eplb", layers_per_chunk)] * self.num_ranks)
 
     def _request(self, messages: list[tuple]) -> list:
         """Send each rank its message and collect every reply. A call interrupted while

@@ -22,6 +22,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.distributed.comm import CollectiveAborted, CollectiveTimeout
 from moe_overlap.distributed.netns import enter_netns
 from moe_overlap.overlap.baton import DboStall
+from moe_overlap.runtime.eplb_rebalance import Rebalancer
 from moe_overlap.runtime.expert_load import expert_load
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_all, serve_step
 
@@ -29,8 +30,8 @@ STUCK = (DboStall, CollectiveAborted, CollectiveTimeout)  # errors a collective 
 
 
 def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
-    """Serve ``("step", ...)``, ``("probe", ...)`` and ``("experts", action)`` until
-    ``("stop",)`` or the driver leaves."""
+    """Serve ``("step", ...)``, ``("probe", ...)``, ``("experts", action)`` and
+    ``("eplb", layers_per_chunk)`` until ``("stop",)`` or the driver leaves."""
     # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(rank.threads)
@@ -40,6 +41,7 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
         if rank.ifname:  # loopback for ranks on one machine: nothing listens beyond it
             os.environ["GLOO_SOCKET_IFNAME"] = rank.ifname
         runner = build_rank_runner(spec, rank)
+        eplb = Rebalancer.of(runner.model, runner.group, spec.placement)  # --enable-eplb
         conn.send(("ready", rank.rank))
         while True:
             msg = conn.recv()
@@ -51,6 +53,10 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 conn.send(("ok", probe_all_to_all(runner.group, num_bytes, repeats, p2p, link)))
             elif msg[0] == "experts":
                 conn.send(("ok", expert_load(runner.model, msg[1])))
+            elif msg[0] == "eplb":
+                if eplb is None:
+                    raise ValueError("online EPLB is off on this rank (no --enable-eplb)")
+                conn.send(("ok", eplb.step(msg[1])))
             else:
                 group = spec.parallel.batch_of(rank.rank)
                 answers = spec.parallel.answers(rank.rank)

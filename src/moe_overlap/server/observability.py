@@ -24,6 +24,7 @@ from moe_overlap.core.overlap_stats import combined, overlap_stats
 from moe_overlap.core.step import StepReply
 from moe_overlap.engine.expert_distribution import ExpertDistribution
 from moe_overlap.engine.loop import Delta, EngineLoop
+from moe_overlap.engine.online_eplb import EPLB_GAUGES
 from moe_overlap.server.engine_stats import engine_slots
 from moe_overlap.server.vllm_metrics import VllmAliases
 
@@ -132,6 +133,8 @@ class ServerMetrics:
             "prefix_cache_hits",
         )
         r.register(VllmAliases(engine))
+        for stat, doc in EPLB_GAUGES.items():  # online EPLB's counts
+            self._gauge(f"moe_overlap_{stat}", doc, stat)
         self._gauge(
             "moe_overlap_preemptions",
             "Requests preempted (their pages freed, recomputed later) since the start",

@@ -31,6 +31,7 @@ from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.tools.bench import Arm, BenchReport, run_arms
+from moe_overlap.tools.bench_eplb import bench_eplb
 from moe_overlap.tools.cli_args import (
     add_model_args,
     engine_args,
@@ -102,6 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
     console, title = Console(), bench_title(args, par, workload)
+    if args.eplb_compare is not None:  # three placements, each on its own ranks
+        return bench_eplb(args, workload, modes, configs, console, title)
     reports = bench_engines(args, workload, modes, configs, cfg.vocab_size, console, title)
     if len(reports) > 1:
         console.print(dtype_table(reports, title))

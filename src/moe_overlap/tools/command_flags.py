@@ -80,6 +80,10 @@ class BenchFlags:
         "both dtypes' T_comm and speed-ups side by side (the JSON holds both under 'compared')",
         group="bench",
     )
+    eplb_compare: int | None = setting(None, "EPLB before and after: the modes on the trivial "
+        "placement, then on EPLB's placement of the routing recorded there, without and with R "
+        "redundant experts: each one's measured balancedness and ms per forward (with "
+        "--expert-skew)", parse=int, metavar="R", group="bench")  # fmt: skip
 
 
 @dataclass
@@ -264,6 +268,12 @@ class PlanFlags(SpeculativePlanFlags):
         parse=int,
         metavar="CTX",
     )
+    balancedness: float | None = setting(None, "the routing's expert balancedness (mean EP rank "
+        "load / largest): each MoE layer is timed at its busiest rank; with --enable-eplb or "
+        "--ep-num-redundant-experts, EPLB's placement of a load this uneven", parse=float,
+        metavar="B")  # fmt: skip
+    expert_distribution: str | None = setting(None, 'the routing as recorded, instead: '
+        '{"load": [[tokens per expert] per layer]} or the recorder\'s dump', metavar="JSON")  # fmt: skip
     json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
     trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
     plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")

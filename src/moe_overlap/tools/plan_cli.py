@@ -8,19 +8,31 @@ see ``planner/calibration.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+from typing import cast
 
 from rich.console import Console
 
+from moe_overlap.core.eplb_placement import Algorithm
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.expert_location import read_load
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
-from moe_overlap.planner.cluster import load_cluster
-from moe_overlap.planner.inputs import PlanLayout, load_model_spec, make_layout, with_precision
+from moe_overlap.engine.eplb_args import EplbArgs
+from moe_overlap.planner.cluster import Cluster, load_cluster
+from moe_overlap.planner.imbalance import Imbalance, placement_shape, plan_imbalance
+from moe_overlap.planner.inputs import (
+    ModelSpec,
+    PlanLayout,
+    load_model_spec,
+    make_layout,
+    with_precision,
+)
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.report import (
     compare_table,
@@ -52,12 +64,32 @@ def plan_layout(args: argparse.Namespace, cfg: ModelConfig) -> PlanLayout:
     return make_layout(tp, dp, args.ep, args.enable_dp_attention, cfg)
 
 
+def plan_cluster(
+    args: argparse.Namespace, spec: ModelSpec, layout: PlanLayout
+) -> tuple[Cluster, Imbalance | None]:
+    """The cluster ``--cluster`` names (``this``: calibrated here), with the experts'
+    imbalance the flags give, checked to hold the layout."""
+    if args.cluster == "this":  # measured as the engine runs the checkpoint
+        started = time.perf_counter()
+        cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
+        print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
+    else:
+        cluster = load_cluster(args.cluster)
+    imbalance = expert_imbalance(args, spec.cfg, layout.ep, cluster.gpus_per_node)
+    if imbalance is not None:  # every MoE layer timed at its busiest rank
+        cluster = dataclasses.replace(cluster, expert_imbalance=imbalance.factor)
+    if layout.world > cluster.world:
+        raise ConfigError(
+            f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
+        )
+    return cluster, imbalance
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.reproduce:
         return cmd_reproduce()
     if not args.hf_config or not args.cluster:
         raise ConfigError("plan needs --hf-config JSON and --cluster NAME|JSON (or --reproduce)")
-    started = time.perf_counter()
     spec = load_model_spec(args.hf_config)
     layout = plan_layout(args, spec.cfg)
     names = parse_modes(args.modes)
@@ -70,17 +102,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
     workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
-    if args.cluster == "this":  # measured as the engine runs the checkpoint
-        cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
-        print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
-        started = time.perf_counter()
-    else:
-        cluster = load_cluster(args.cluster)
+    cluster, imbalance = plan_cluster(args, spec, layout)
+    started = time.perf_counter()  # the planning alone, after any calibration
     spec = with_precision(spec, args.quantization, args.moe_dispatch_dtype)
-    if layout.world > cluster.world:
-        raise ConfigError(
-            f"{layout.world} GPUs asked for, cluster {cluster.name} has {cluster.world}"
-        )
     group_batches = make_batches(workload, spec.cfg.vocab_size, args.seed)
     batches = [group_batches[layout.group_of(r)] for r in range(layout.world)]
     planner = Planner(spec, cluster, layout)
@@ -95,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
         f"{spec.precision}"
     )
+    if imbalance is not None:  # every MoE layer at its busiest rank
+        console.print(f"expert balancedness {imbalance_text(imbalance)}")
     console.print(plan_table(plans, workload.tokens, title))
     best, sentence = recommend(plans, configs)
     console.print(f"recommended: {sentence}")
@@ -117,6 +143,33 @@ def print_speculation(console, specs, speculation, title: str) -> None:
     console.print(speculation_table(specs, speculation, f"speculative decoding: {title}"))
     for line in speculation_verdict(specs):
         console.print(line, highlight=False)
+
+
+def expert_imbalance(
+    args: argparse.Namespace, cfg: ModelConfig, ep: int, gpus_per_node: int
+) -> Imbalance | None:
+    """``--balancedness`` or ``--expert-distribution``, placed by EPLB where asked."""
+    redundant, eplb = args.ep_num_redundant_experts, args.enable_eplb
+    given = args.balancedness is not None, args.expert_distribution is not None
+    if all(given):
+        raise ConfigError("give --balancedness or --expert-distribution, not both")
+    if not any(given):
+        if eplb or redundant:
+            raise ConfigError(
+                "--enable-eplb and --ep-num-redundant-experts in a plan need the routing to "
+                "balance: --balancedness B or --expert-distribution FILE"
+            )
+        return None
+    load = read_load(args.expert_distribution) if given[1] else None
+    shape = placement_shape(cfg, ep, redundant, gpus_per_node)
+    algorithm = cast(Algorithm, args.eplb_algorithm)
+    return plan_imbalance(shape, args.balancedness, load, eplb or redundant > 0, algorithm)
+
+
+def imbalance_text(imbalance: Imbalance) -> str:
+    if not imbalance.eplb:
+        return f"{imbalance.planned:.3f}"
+    return f"{imbalance.before:.3f} -> {imbalance.planned:.3f} after EPLB"
 
 
 def cmd_reproduce() -> int:
@@ -168,4 +221,5 @@ def add_plan_command(sub) -> None:
     add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
     add_fields(plan, OverlapArgs, only=("moe_dispatch_dtype",))
     add_fields(plan, PlanFlags)
+    add_fields(plan, EplbArgs, only=("enable_eplb", "ep_num_redundant_experts", "eplb_algorithm"))
     plan.set_defaults(func=cmd_plan)
