@@ -102,7 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
     step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
-    console, title = Console(), bench_title(args, par, workload)
+    console = Console(width=max(Console().width, 120))  # the tables are wide, piped too
+    title = bench_title(args, par, workload)
     if args.eplb_compare is not None:  # three placements, each on its own ranks
         return bench_eplb(args, workload, modes, configs, console, title)
     reports = bench_engines(args, workload, modes, configs, cfg.vocab_size, console, title)
