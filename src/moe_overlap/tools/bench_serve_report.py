@@ -4,6 +4,8 @@ without the feature."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from rich.table import Table
 
 from moe_overlap.tools.bench_serve import LoadResult
@@ -35,15 +37,22 @@ def load_table(results: list[LoadResult], title: str) -> Table:
     return table
 
 
+def _pairs(
+    results: list[LoadResult], suffix: str
+) -> Iterator[tuple[str, float, LoadResult, LoadResult]]:
+    """Each (mode, rate) run with the feature on, beside its run labelled ``mode + suffix``."""
+    by_label = {(r.mode, r.rate): r for r in results}
+    for (label, rate), on in by_label.items():
+        off = by_label.get((label + suffix, rate))
+        if off is not None:
+            yield label, rate, on, off
+
+
 def prefix_caching_note(results: list[LoadResult]) -> str:
     """The closing note of --compare-prefix-caching: per mode and rate, TTFT p50 and output
     throughput with the cache against without it."""
     lines = ["prefix caching on against off (the same prompts, the same rates):"]
-    by_label = {(r.mode, r.rate): r for r in results}
-    for (label, rate), on in by_label.items():
-        off = by_label.get((label + NO_PREFIX_CACHE, rate))
-        if off is None:
-            continue
+    for label, rate, on, off in _pairs(results, NO_PREFIX_CACHE):
         lines.append(
             f"  {label} at {rate:g}/s: TTFT p50 {off.ttft_ms[0]:.0f} -> {on.ttft_ms[0]:.0f} ms "
             f"({off.ttft_ms[0] / max(on.ttft_ms[0], 1e-9):.2f}x), output "
@@ -57,11 +66,7 @@ def speculative_note(results: list[LoadResult]) -> str:
     """The closing note of --compare-speculative: per mode and rate, output tokens/s and ITL
     p50 with speculative decoding against without it, and its acceptance length."""
     lines = ["speculative decoding on against off (the same prompts, the same rates):"]
-    by_label = {(r.mode, r.rate): r for r in results}
-    for (label, rate), on in by_label.items():
-        off = by_label.get((label + NO_SPECULATION, rate))
-        if off is None:
-            continue
+    for label, rate, on, off in _pairs(results, NO_SPECULATION):
         lines.append(
             f"  {label} at {rate:g}/s: output {off.tokens_per_s:,.0f} -> "
             f"{on.tokens_per_s:,.0f} tokens/s "
