@@ -141,6 +141,22 @@ def test_every_mode_at_ep2_equals_one_process(fp8, one_process, family):
                 assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, mode
 
 
+def test_fp8_weights_with_fp8_dispatch_at_ep2_equal_one_process(fp8):
+    """The whole FP8 path: an FP8 checkpoint (kept in FP8 on the ranks) with FP8 rows on the
+    dispatch, every mode at ep=2 against one process quantizing the experts' rows at the same
+    point (1e-4, the same tokens)."""
+    fp8_rows = dict(moe_dispatch_dtype="fp8")
+    with LLM(fp8["deepseek_v3"], **KW, **fp8_rows) as llm:
+        base = llm.generate(PROMPTS, GREEDY, return_logits=True)
+    with LLM(fp8["deepseek_v3"], ep=2, fp8_dequant_on_the_fly=True, **KW, **fp8_rows) as llm:
+        for mode in MODES:
+            force_overlap(llm, dataclasses.replace(every_mode()[mode], **fp8_rows))
+            got = llm.generate(PROMPTS, GREEDY, return_logits=True)
+            for a, b in zip(base, got, strict=True):
+                assert a.token_ids == b.token_ids, mode
+                assert max_abs_diff(a.prompt_logits, b.prompt_logits) <= 1e-4, mode
+
+
 def test_tp2_cuts_blocks_with_their_scales(fp8, one_process):
     """TP 2 with the weights kept in FP8: q_b_proj's 96 rows split at 48, inside a 32-row block
     (each rank keeps its rows' scales); o_proj's and the experts' down_proj columns split on a
