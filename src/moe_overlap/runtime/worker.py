@@ -8,6 +8,7 @@ It joins the group, builds its shard, and serves the driver's messages over the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -29,12 +30,25 @@ from moe_overlap.runtime.rank import RankSpec, build_rank_runner, probe_all_to_a
 STUCK = (DboStall, CollectiveAborted, CollectiveTimeout)  # errors a collective left behind
 
 
+def _log_to_stderr(rank: int) -> None:
+    """Our log lines on the stderr the driver shares: rank 0's start-up lines (the FP8 load,
+    decode without CUDA graphs) and every rank's warnings. A forked rank has no handler else."""
+    ours = logging.getLogger("moe_overlap")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"moe-overlap rank {rank}: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+        ours.propagate = False
+
+
 def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
     """Serve ``("step", ...)``, ``("probe", ...)``, ``("experts", action)`` and
     ``("eplb", layers_per_chunk)`` until ``("stop",)`` or the driver leaves."""
     # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(rank.threads)
+    _log_to_stderr(rank.rank)
     try:
         if rank.netns:
             enter_netns(rank.netns)
