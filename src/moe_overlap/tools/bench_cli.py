@@ -34,6 +34,7 @@ from moe_overlap.tools.bench import Arm, BenchReport, run_arms
 from moe_overlap.tools.bench_eplb import bench_eplb
 from moe_overlap.tools.cli_args import (
     add_model_args,
+    bench_engine_kwargs,
     engine_args,
     engine_kwargs,
     model_path,
@@ -140,16 +141,11 @@ def bench_engines(
 ) -> dict[str, BenchReport]:
     """One engine per dispatch dtype, all started at once and taking turns repetition by
     repetition (``run_arms``); each dtype's table printed."""
-    sized = {  # the engine starts without overlap: each mode's config comes with its forwards
-        "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
-        "max_model_len": workload.longest,
-    }
+    sized = bench_engine_kwargs(args, workload)
     with ExitStack() as stack:
         arms, llms = {}, {}
         for dtype in dispatch_dtypes(args):
-            engine = (
-                engine_kwargs(args) | sized | {"overlap": OverlapConfig(moe_dispatch_dtype=dtype)}
-            )
+            engine = sized | {"overlap": OverlapConfig(moe_dispatch_dtype=dtype)}
             llms[dtype] = stack.enter_context(LLM(**engine, emulate_peers=args.emulate_peers))
             overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
             arms[dtype] = Arm(llms[dtype].executor, overrides)

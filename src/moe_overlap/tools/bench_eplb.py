@@ -23,7 +23,7 @@ from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.workloads import Workload, make_batches
 from moe_overlap.engine.llm import LLM
 from moe_overlap.tools.bench import BenchReport, run_bench, step
-from moe_overlap.tools.cli_args import engine_kwargs
+from moe_overlap.tools.cli_args import bench_engine_kwargs
 from moe_overlap.tools.trace import write_outputs
 
 
@@ -138,12 +138,8 @@ def bench_eplb(
 ) -> int:
     """``--eplb-compare R``: the modes on the trivial placement, on EPLB's, and on EPLB's
     with R redundant experts, one table."""
-    sized = {
-        "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
-        "max_model_len": workload.longest,
-    }
-    placed = eplb_compare(engine_kwargs(args) | sized, workload, modes, configs, args.repeat,
-                          args.eplb_compare)  # fmt: skip
+    engine = bench_engine_kwargs(args, workload)
+    placed = eplb_compare(engine, workload, modes, configs, args.repeat, args.eplb_compare)
     Console(width=max(console.width, 120)).print(eplb_table(placed, title))
     write_outputs(console, placed[0].report.recording, args, eplb_json(placed))
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moe_overlap.core.workloads import Workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
@@ -42,6 +43,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM``'s keyword arguments: the settings' names, one for one."""
     settings = engine_args(args)
     return {name: getattr(settings, name) for name in settings.__dataclass_fields__}
+
+
+def bench_engine_kwargs(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """``engine_kwargs`` sized to hold one forward of ``workload``, as the benches start their
+    engines (without overlap: each mode's config comes with its forwards)."""
+    sized = {
+        "max_num_seqs": max(len(lengths) for lengths in workload.lengths),
+        "max_model_len": workload.longest,
+    }
+    return engine_kwargs(args) | sized
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
