@@ -239,7 +239,10 @@ def serve_step(
     mode = runner.last_mode
     wave_logits = lane.finish(running) if lane is not None and running is not None else None
     samples = request.group_samples(group)
-    reply = answer(batch, logits, samples, mode) if answers else None
+    reply = None
+    if answers:  # a sampled sequence's MTP drafts are verified against their q
+        probs = runner.mtp.probs.of(batch, samples) if runner.mtp and samples else ()
+        reply = answer(batch, logits, samples, mode, probs)
     if runner.mtp is not None and samples is not None:  # every rank drafts: MoE collectives
         drafts = runner.mtp.draft(
             batch, runner.last_hidden, samples, reply, runner.dispatcher, runner.timeline
