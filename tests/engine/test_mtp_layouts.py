@@ -7,6 +7,8 @@ are the MTP layer's, run on the same rows by every rank."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,13 +27,18 @@ LAYOUTS = {
     "pp2": dict(pp=2),
 }
 SAME_STEPS = ("tp2", "pp2")  # one data-parallel group: the one-process engine's steps
+SAMPLED = (3, 6)  # seeded sampled requests: MTP drafts them from its own q
+GREEDY = [i for i in range(8) if i not in SAMPLED]
 
 
 def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
     lengths = [1, 37, 200, 5, 12, 20, 3, 30]
     prompts = [[(11 * i * (j + 3) + 7 * j) % 80 for i in range(n)] for j, n in enumerate(lengths)]
     greedy = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
-    return prompts, [greedy] * len(prompts)
+    params = [greedy] * len(prompts)
+    for i in SAMPLED:
+        params[i] = dataclasses.replace(greedy, temperature=1.0, seed=i)
+    return prompts, params
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[list[list[int]]], int]:
@@ -65,20 +72,34 @@ def one_process():
             plain, _, _ = _run(llm)
         with LLM(config=CFG, seed=0, **MTP) as llm:
             tokens, drafts, _ = _run(llm)
+            again, _, _ = _run(llm)
+            stats = llm.scheduler.speculation.stats
+            before = dataclasses.replace(stats)
+            prompts, params = _requests()
+            llm.generate([prompts[i] for i in SAMPLED], [params[i] for i in SAMPLED])
     finally:
         torch.set_num_threads(threads)
-    assert tokens == plain
+    assert [tokens[i] for i in GREEDY] == [plain[i] for i in GREEDY]
+    # verified against q (one-hot drafts would give plain sampling's very tokens), seeded
+    assert any(tokens[i] != plain[i] for i in SAMPLED) and again == tokens
+    accepted, drafted = (
+        stats.accepted_tokens - before.accepted_tokens,
+        stats.draft_tokens - before.draft_tokens,
+    )
+    print(f"sampled requests alone: {accepted} of {drafted} MTP drafts accepted")
+    assert 0 < accepted < drafted
     return plain, tokens, drafts
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mtp_gives_plain_greedy_tokens_under_each_layout(layout, one_process):
-    plain, _, want_drafts = one_process
+    plain, want, want_drafts = one_process
     with LLM(config=CFG, seed=0, overlap="tbo", **MTP, **LAYOUTS[layout]) as llm:
         tokens, drafts, verified = _run(llm)
         stats = llm.scheduler.speculation.stats
-    assert tokens == plain
+    assert [tokens[i] for i in GREEDY] == [plain[i] for i in GREEDY]
+    assert all(len(t) == NEW for t in tokens)
     assert verified and 0 <= stats.accepted_tokens < stats.draft_tokens, stats
     assert any(d for groups in drafts for group in groups for d in group)  # MTP drafted
-    if layout in SAME_STEPS:
-        assert drafts == want_drafts
+    if layout in SAME_STEPS:  # the same drafts, so the sampled requests' very tokens too
+        assert drafts == want_drafts and tokens == want

@@ -184,8 +184,7 @@ class MtpDrafter:
             tokens = fed[1:count] + ([] if token is None else [token])
             end = batch.prefix_lens[i] + len(tokens)
             room = end + self.steps - 1 <= self.max_len
-            greedy = spec.temperature == 0.0 and spec.penalties is None and spec.allowed is None
-            drafts = bool(got) and greedy and room
+            drafts = bool(got) and spec.allowed is None and room  # a grammar is not drafted
             if tokens:
                 plan.append(
                     _Rows(i, start, len(tokens), tokens, drafts, spec, spec.index + len(got))
