@@ -2,13 +2,16 @@
 and its answer, the model's MTP layers draft each sequence's next tokens, which go back to
 the driver with the sampled ones (``GroupReply.drafts``) and come back in the next verify step.
 
-Per step every rank of the EP group runs the same forwards (the MTP layer's MoE dispatches
-like any layer's, so an empty batch still joins): one **extend** over the rows the target
-just computed and kept, each row ``q`` with the target's hidden state at ``q`` and the token at
-``q + 1`` (the next prompt token, the next accepted draft, or the token just sampled), whose
-last row drafts the first token; then ``steps - 1`` **decode** forwards, each row the previous
-MTP step's hidden state and draft. Step ``j`` runs MTP layer ``min(j, layers) - 1`` (SGLang's
-reuse of the last layer). No overlap scheme splits these forwards.
+Per step every rank of the last pipeline stage (which holds the MTP layers) runs the same
+forwards (the MTP layer's MoE dispatches like any layer's, so an empty batch still joins): one
+**extend** over the rows the target just computed and kept, each row ``q`` with the target's
+hidden state at ``q`` and the token at ``q + 1`` (the next prompt token, the next accepted
+draft, or the token just sampled), whose last row drafts the first token; then ``steps - 1``
+**decode** forwards, each row the previous MTP step's hidden state and draft. Step ``j`` runs
+MTP layer ``min(j, layers) - 1`` (SGLang's reuse of the last layer). No overlap scheme splits
+these forwards. A draft is the argmax, or for a sampled request a seeded draw from the MTP
+head's own q, which stays on the rank for the next verification; under attention TP, rank 0
+of the group decides every token and the others follow it (``runtime/mtp_picks.py``).
 
 The MTP layers' keys and values live in a KV cache of their own (every slot's pages at
 ``max_len``, never released: a slot's next sequence writes over them from its first
