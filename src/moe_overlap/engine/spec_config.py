@@ -233,9 +233,6 @@ def check_speculation(
         (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
          "rejected draft would have to roll back, which is not built; serve it without "
          "--speculative-algorithm"),
-        (mtp and pdmux, "--enable-pdmux: a prefill wave's prompt runs on the prefill lane, "
-         "which the MTP layer never sees (its KV cache would miss the prompt); drop one or use "
-         "NGRAM"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
