@@ -27,7 +27,7 @@ LAYOUTS = {
     "tp2": dict(tp=2, overlap="tbo"),
     "dp-attention-ep2": dict(tp=2, dp=2, enable_dp_attention=True, ep=2, overlap="tbo"),
     "pp2": dict(pp=2, overlap="tbo"),
-    "pdmux": dict(enable_pdmux=True, pdmux_prefill_splits=2, max_num_batched_tokens=24),
+    "pdmux-ep2": dict(enable_pdmux=True, pdmux_prefill_splits=2, ep=2),
 }
 SAME_STEPS = ("tp2", "pp2")  # one data-parallel group: the one-process engine's steps
 SAMPLED = (3, 6)  # seeded sampled requests: MTP drafts them from its own q
@@ -91,7 +91,6 @@ def one_process():
             plain = _run(llm).tokens
         with LLM(config=CFG, seed=0, **MTP) as llm:
             mtp = _run(llm)
-            again = _run(llm).tokens
             stats = llm.scheduler.speculation.stats
             before = dataclasses.replace(stats)
             prompts, params = _requests()
@@ -100,8 +99,9 @@ def one_process():
         torch.set_num_threads(threads)
     tokens = mtp.tokens
     assert [tokens[i] for i in GREEDY] == [plain[i] for i in GREEDY]
-    # verified against q (one-hot drafts would give plain sampling's very tokens), seeded
-    assert any(tokens[i] != plain[i] for i in SAMPLED) and again == tokens
+    # verified against q (one-hot drafts would give plain sampling's very tokens); seeded, so
+    # TP 2 and PP 2, which run the same steps, give the same tokens (below)
+    assert any(tokens[i] != plain[i] for i in SAMPLED)
     accepted, drafted = (
         stats.accepted_tokens - before.accepted_tokens,
         stats.draft_tokens - before.draft_tokens,
