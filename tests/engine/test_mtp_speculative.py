@@ -64,7 +64,6 @@ def test_mtp_gives_plain_greedy_tokens_in_every_mode_at_ep2():
           "speculative_num_draft_tokens": 4}, "num-steps \\+ 1 = 3"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 2}, "needs --speculative-alg"),
         ({"speculative_config": '{"method": "eagle", "num_speculative_tokens": 2}'}, "not one of"),
-        ({"speculative_algorithm": "EAGLE", "tp": 2}, "attention TP 2"),
     ],
 )  # fmt: skip
 def test_bad_mtp_settings_are_refused(settings, match):

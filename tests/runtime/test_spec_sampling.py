@@ -14,6 +14,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import Penalties, SampleSpec
 from moe_overlap.runtime.draws import probabilities
+from moe_overlap.runtime.mtp_picks import DraftProbs, pick
 from moe_overlap.runtime.sampler import answer, sample
 from moe_overlap.runtime.verification import verify, verify_greedy
 
@@ -114,3 +115,28 @@ def test_the_sampling_rank_passes_draft_probabilities_to_verification():
         assert [got.token_ids[0], *got.more_ids[0]] == verify(ROWS, spec, q)
         plain = answer(batch, ROWS, [spec], "none")
         assert [plain.token_ids[0], *plain.more_ids[0]] == verify(ROWS, spec)
+
+
+def test_mtp_drafts_drawn_from_their_q_keep_the_target_distribution():
+    """The MTP drafter's sampled drafts (``mtp_picks.pick``: each drawn from the drafter's q by
+    a seed stream of its own) verified against that q: every position follows the target's
+    distribution; and the rank finds a sequence's q again only for the drafts it carries."""
+    drafter = torch.tensor([[0.0, 1.5, 0.0, 1.0, -1.0, 0.5], [2.0, 0.0, 0.0, 0.0, 0.5, 0.0]])
+    counts = [np.zeros(ROWS.shape[1], dtype=np.int64) for _ in range(ROWS.shape[0])]
+    draws = DRAWS // 2  # the chi-square bound holds at any count; half keeps it quick
+    for seed in range(draws):
+        spec = dataclasses.replace(SPEC, seed=seed, index=4)
+        drafts, probs = pick(drafter, [spec, spec], [4, 5])
+        q = torch.stack([p for p in probs if p is not None])
+        for j, token in enumerate(verify(ROWS, dataclasses.replace(spec, drafts=tuple(drafts)), q)):
+            counts[j][token] += 1
+    for j, got in enumerate(counts):
+        assert got.sum() > draws // 20, (j, got)
+        assert _chi2(got, probabilities(ROWS[j], SPEC)) < CHI2_LIMIT, (j, got)
+    kept = DraftProbs()
+    q = torch.softmax(drafter, -1)
+    kept.keep(2, [4, 1], [q[0], q[1]])
+    batch = ForwardBatch(torch.arange(6), [2, 5, 2], [5, 5, 5], [2, 2, 2], [True] * 3, [True] * 3)
+    specs = [dataclasses.replace(SPEC, drafts=d) for d in ((4,), (4,), (1,))]
+    found = kept.of(batch, specs)
+    assert torch.equal(found[0], q[:1]) and found[1] is None and found[2] is None

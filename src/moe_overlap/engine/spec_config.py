@@ -230,17 +230,9 @@ def check_speculation(
         (mtp and not cfg.num_nextn_predict_layers, f"{cfg.model_type}'s config has no MTP "
          "layers (num_nextn_predict_layers is 0; Qwen3.5's mtp.* layers are not built): use "
          "--speculative-algorithm NGRAM"),
-        (mtp and par.attn_tp > 1, f"attention TP {par.attn_tp}: the MTP drafter runs on the "
-         "rank that samples, which under attention TP is one of several: use --tp 1 (--ep)"),
         (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
          "rejected draft would have to roll back, which is not built; serve it without "
          "--speculative-algorithm"),
-        (mtp and par.pp > 1, f"--pp {par.pp}: the MTP drafter's forward is not staged over "
-         "pipeline ranks yet; use --pp 1 or --speculative-algorithm NGRAM"),
-        (mtp and par.enable_dp_attention, "--enable-dp-attention: the MTP drafter is not "
-         "checked against DP attention's gather yet; drop it or use NGRAM"),
-        (mtp and pdmux, "--enable-pdmux: MTP drafts beside prefill waves are not built; drop "
-         "one or use NGRAM"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:

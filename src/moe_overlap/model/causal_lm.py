@@ -29,7 +29,10 @@ class _Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig, par: ModelParallel, layers: range, mtp: bool):
         super().__init__()
-        if layers.start == 0:
+        mtp = mtp and cfg.num_nextn_predict_layers > 0
+        # the MTP layers embed tokens too: a last stage after the first holds a copy (SGLang's
+        # and vLLM's MTP module under PP), filled from the same checkpoint tensor
+        if layers.start == 0 or (mtp and layers.stop == cfg.num_hidden_layers):
             self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, par.attn_tp)
         self.layers = nn.ModuleDict(
             {
@@ -65,8 +68,13 @@ class MoeForCausalLM(nn.Module):
         self.keep_hidden = False  # op_logits also returns every row's final hidden state
         if self.is_last:
             self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
-            if cfg.tie_word_embeddings and self.is_first:
+            if cfg.tie_word_embeddings and self.has_embedding:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def has_embedding(self) -> bool:
+        """This stage holds the embedding: the first, or a last one with MTP layers."""
+        return hasattr(self.model, "embed_tokens")
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -45,7 +45,7 @@ def layout_entries(
             tensor = source[param]
         name = param
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-            if model.is_first:
+            if model.has_embedding:
                 continue  # the embedding's own tensor
             name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
         if model.cfg.is_mimo:  # the Hub's name of its sinks

@@ -73,9 +73,10 @@ class ModelRunner:
         )
         self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
-        # --speculative-algorithm EAGLE: the MTP layers draft after each step (no CUDA graphs:
-        # their forwards need every row's hidden state)
-        self.mtp = MtpDrafter(model, num_slots, max_len, mtp_steps) if mtp_steps else None
+        # --speculative-algorithm EAGLE: the MTP layers draft after each step, on the last
+        # pipeline stage, which holds them (no CUDA graphs: they need every row's hidden state)
+        drafts = mtp_steps and model.mtp_layers
+        self.mtp = MtpDrafter(model, num_slots, max_len, mtp_steps) if drafts else None
         self.last_hidden: torch.Tensor | None = (
             None  # the last forward's, where the model keeps them
         )

@@ -2,13 +2,16 @@
 and its answer, the model's MTP layers draft each sequence's next tokens, which go back to
 the driver with the sampled ones (``GroupReply.drafts``) and come back in the next verify step.
 
-Per step every rank of the EP group runs the same forwards (the MTP layer's MoE dispatches
-like any layer's, so an empty batch still joins): one **extend** over the rows the target
-just computed and kept, each row ``q`` with the target's hidden state at ``q`` and the token at
-``q + 1`` (the next prompt token, the next accepted draft, or the token just sampled), whose
-last row drafts the first token; then ``steps - 1`` **decode** forwards, each row the previous
-MTP step's hidden state and draft. Step ``j`` runs MTP layer ``min(j, layers) - 1`` (SGLang's
-reuse of the last layer). No overlap scheme splits these forwards.
+Per step every rank of the last pipeline stage (which holds the MTP layers) runs the same
+forwards (the MTP layer's MoE dispatches like any layer's, so an empty batch still joins): one
+**extend** over the rows the target just computed and kept, each row ``q`` with the target's
+hidden state at ``q`` and the token at ``q + 1`` (the next prompt token, the next accepted
+draft, or the token just sampled), whose last row drafts the first token; then ``steps - 1``
+**decode** forwards, each row the previous MTP step's hidden state and draft. Step ``j`` runs
+MTP layer ``min(j, layers) - 1`` (SGLang's reuse of the last layer). No overlap scheme splits
+these forwards. A draft is the argmax, or for a sampled request a seeded draw from the MTP
+head's own q, which stays on the rank for the next verification; under attention TP, rank 0
+of the group decides every token and the others follow it (``runtime/mtp_picks.py``).
 
 The MTP layers' keys and values live in a KV cache of their own (every slot's pages at
 ``max_len``, never released: a slot's next sequence writes over them from its first
@@ -31,18 +34,22 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.runtime.mtp_picks import DraftProbs, pick, share
 
 
 @dataclass
 class _Rows:
     """The extend's rows of one sequence: where they start in the target batch, how many,
-    the tokens they embed (each row's next token), and whether it is drafted for."""
+    the tokens they embed (each row's next token), whether it is drafted for, its sampling
+    and the index of the first token it drafts (its drafts' seeds)."""
 
     seq: int
     start: int
     count: int
     tokens: list[int]
     drafts: bool
+    spec: SampleSpec
+    index: int
 
 
 class MtpDrafter:
@@ -56,7 +63,10 @@ class MtpDrafter:
         entries: list[dict[str, tuple[int, ...]]] = [{}] * first
         entries += [layer.attn.kv_entries() for layer in self.layers]
         self.kv_cache = KVCache(len(entries), num_slots, max_len, entries, self.dtype, device)
-        self.ops = [layer.mtp_ops(model.model.embed_tokens) for layer in self.layers]
+        embed = model.model.embed_tokens  # under --pp the last stage's copy (model/causal_lm.py)
+        self.ops = [layer.mtp_ops(embed) for layer in self.layers]
+        self.group = model.par.attn_tp  # its rank 0 picks, the others follow (mtp_picks.py)
+        self.probs = DraftProbs()  # sampled drafts' q, for the next verification
         model.keep_hidden = True  # the target's forward returns every row's hidden state
 
     @torch.inference_mode()
@@ -70,9 +80,12 @@ class MtpDrafter:
         timeline: Timeline,
     ) -> list[list[int]]:
         """Each sequence's drafts (empty where it gets none) after the target's forward of
-        ``batch`` (``hidden``: its rows' final hidden states) and its ``reply``. Every rank
-        runs ``steps`` forwards, with rows or without."""
-        plan = self._plan(batch, samples, reply) if reply is not None else []
+        ``batch`` (``hidden``: its rows' final hidden states) and its ``reply`` (None on an
+        attention-TP rank other than 0). Every rank runs ``steps`` forwards, with rows or
+        without; a sampled sequence's q is kept in ``probs``."""
+        self.probs.forget(batch.slots)
+        drawn = self._drawn(batch, samples, reply)
+        plan = [] if drawn is None else self._plan(batch, samples, drawn)
         ext = ForwardBatch(
             torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
             [batch.slots[r.seq] for r in plan],
@@ -88,8 +101,8 @@ class MtpDrafter:
             inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
         out = self.forward(0, ext, inputs, dispatcher, timeline)
         last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
-        picks, state = out["logits"].argmax(-1).tolist(), out["hidden"][last]
-        drafts = [[p] for p in picks]
+        picks, probs = self._pick(out["logits"], plan, 0)
+        drafts, qs, state = [[p] for p in picks], [[q] for q in probs], out["hidden"][last]
         ends = [p + r.count for p, r in zip(ext.prefix_lens, plan, strict=True)]
         for step in range(1, self.steps):
             chosen = [i for i, r in enumerate(plan) if r.drafts]
@@ -105,10 +118,14 @@ class MtpDrafter:
             out = self.forward(step, dec, state[keep], dispatcher, timeline)
             state = state.clone()
             state[keep] = out["hidden"]
-            for i, p in zip(chosen, out["logits"].argmax(-1).tolist(), strict=True):
+            picks, probs = self._pick(out["logits"], [plan[i] for i in chosen], step)
+            for i, p, q in zip(chosen, picks, probs, strict=True):
                 drafts[i].append(p)
-        found = {r.seq: d for r, d in zip(plan, drafts, strict=True) if r.drafts}
-        return [found.get(i, []) for i in range(batch.num_seqs)]
+                qs[i].append(q)
+        found = {r.seq: i for i, r in enumerate(plan) if r.drafts}
+        for seq, i in found.items():
+            self.probs.keep(batch.slots[seq], drafts[i], qs[i])
+        return [drafts[found[i]] if i in found else [] for i in range(batch.num_seqs)]
 
     def forward(
         self,
@@ -123,23 +140,57 @@ class MtpDrafter:
         ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
         return execute_operations(ctx, ops, {"hidden": hidden})
 
+    def _pick(
+        self, logits: torch.Tensor, plan: list[_Rows], step: int
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's pick of MTP step ``step`` and its q: attention-TP rank 0 picks, the
+        others take its picks (``mtp_picks.share``) and keep no q."""
+        if self.group.rank == 0:
+            specs = [r.spec if r.drafts else None for r in plan]
+            picks, probs = pick(logits, specs, [r.index + step for r in plan])
+        else:
+            picks, probs = [], [None] * len(plan)
+        if self.group.size > 1:
+            rows = [[p] for p in picks] if self.group.rank == 0 else None
+            picks = [row[0] for row in share(self.group, rows, len(plan), 1)]
+        return picks, probs
+
+    def _drawn(
+        self, batch: ForwardBatch, samples: list[SampleSpec], reply: GroupReply | None
+    ) -> list[list[int]] | None:
+        """Per sequence, the tokens the step drew (empty: none), from the answering rank's
+        ``reply`` on every rank of its attention-TP group; None: no rows (a rank that answers
+        for nothing)."""
+        if reply is None and self.group.size == 1:
+            return None
+        rows = None
+        if reply is not None:
+            rows = [
+                [] if t is None else [t, *more]
+                for t, more in zip(reply.token_ids, reply.more_ids, strict=True)
+            ]
+        width = 1 + max((len(s.drafts) for s in samples), default=0)
+        return share(self.group, rows, batch.num_seqs, width)
+
     def _plan(
-        self, batch: ForwardBatch, samples: list[SampleSpec], reply: GroupReply
+        self, batch: ForwardBatch, samples: list[SampleSpec], drawn: list[list[int]]
     ) -> list[_Rows]:
         """Per sequence, the target rows the extend takes and their next tokens: a sequence's
         rows up to its last accepted one, each embedding the token after it."""
         plan, start = [], 0
         ids = batch.input_ids.tolist()
-        for i, (n, spec) in enumerate(zip(batch.extend_lens, samples, strict=True)):
+        for i, (n, spec, got) in enumerate(zip(batch.extend_lens, samples, drawn, strict=True)):
             fed = ids[start : start + n]
-            token = reply.token_ids[i] if spec.draw else spec.following
-            drawn = [token, *reply.more_ids[i]] if spec.draw and token is not None else []
-            count = len(drawn) if spec.drafts else n
-            tokens = fed[1:count] + ([] if token is None else [drawn[-1] if drawn else token])
-            greedy = spec.temperature == 0.0 and spec.penalties is None and spec.allowed is None
+            following = None if spec.draw else spec.following
+            token = got[-1] if got else following
+            count = len(got) if spec.drafts else n
+            tokens = fed[1:count] + ([] if token is None else [token])
             end = batch.prefix_lens[i] + len(tokens)
             room = end + self.steps - 1 <= self.max_len
+            drafts = bool(got) and spec.allowed is None and room  # a grammar is not drafted
             if tokens:
-                plan.append(_Rows(i, start, len(tokens), tokens, bool(drawn) and greedy and room))
+                plan.append(
+                    _Rows(i, start, len(tokens), tokens, drafts, spec, spec.index + len(got))
+                )
             start += n
         return plan

@@ -19,7 +19,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.stage_io import StageInputs
 from moe_overlap.distributed.groups import Group
-from moe_overlap.overlap.split import merge_logits, plan_even_tokens, split_batch
+from moe_overlap.overlap.split import merge_logits, merge_outputs, plan_even_tokens, split_batch
 
 
 class PipelineStage:
@@ -29,7 +29,7 @@ class PipelineStage:
 
     def forward(self, batch: ForwardBatch, overlap: OverlapConfig | None) -> torch.Tensor:
         plan = plan_even_tokens(batch, self.pp.size)
-        sends, logits = [], []
+        sends, outs = [], []
         timeline = self.runner.timeline
         for i, child in enumerate(split_batch(batch, plan)):
             with timeline.span(tracks.pipeline(i), f"stage {self.pp.rank}, micro-batch {i}"):
@@ -37,7 +37,7 @@ class PipelineStage:
                 inputs = None if received is None else StageInputs.from_dict(received)
                 out = self.runner.forward_stage(child, overlap, inputs)
             if self.last:
-                logits.append(out.final_logits())
+                outs.append({"logits": out.final_logits(), "hidden": out.hidden})
             else:
                 handoff = out.handoff().as_dict()
                 sends.append(self.pp.send_dict(handoff, self.pp.rank + 1, wait=False))
@@ -45,4 +45,8 @@ class PipelineStage:
             send.wait()
         if not self.last:
             return torch.zeros(0)
-        return merge_logits(batch, plan, logits)
+        if outs and outs[0]["hidden"] is not None:  # the MTP drafter's input, the whole batch's
+            merged = merge_outputs(batch, plan, outs)
+            self.runner.last_hidden = merged.hidden
+            return merged.final_logits()
+        return merge_logits(batch, plan, [out["logits"] for out in outs])

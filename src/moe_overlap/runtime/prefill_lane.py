@@ -34,6 +34,7 @@ class PrefillLane:
         self.saved: dict[int, dict] = {}  # wave -> hidden states and residual after its range
         self._ops: dict[tuple[int, int], list[Op | Yield]] = {}
         self.order = order  # the lanes' turns across ranks; None in one process
+        self.hidden: torch.Tensor | None = None  # the last wave's, where the model keeps them
 
     def ops(self, layers: range) -> list[Op | Yield]:
         key = (layers.start, layers.stop)
@@ -74,6 +75,7 @@ class PrefillLane:
             if self.order is not None:
                 self.order.end("prefill")
         if "logits" in out:
+            self.hidden = out.get("hidden")  # the wave's final hidden states: its MTP drafts'
             return out["logits"]
         self.saved = {wave: out}  # one wave at a time: an abandoned one is dropped here
         return None

@@ -31,8 +31,8 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import build_model
 from moe_overlap.model.moe_block import skew_routing
 from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
+from moe_overlap.runtime.answer_step import answer_and_draft
 from moe_overlap.runtime.model_runner import ModelRunner
-from moe_overlap.runtime.sampler import answer
 
 
 @dataclass
@@ -239,20 +239,17 @@ def serve_step(
     mode = runner.last_mode
     wave_logits = lane.finish(running) if lane is not None and running is not None else None
     samples = request.group_samples(group)
-    reply = answer(batch, logits, samples, mode) if answers else None
-    if runner.mtp is not None and samples is not None:  # every rank drafts: MoE collectives
-        drafts = runner.mtp.draft(
-            batch, runner.last_hidden, samples, reply, runner.dispatcher, runner.timeline
+    reply = answer_and_draft(runner, batch, logits, runner.last_hidden, samples, mode, answers)
+    wave_reply = None
+    if wave is not None and lane is not None and wave_logits is not None:  # the wave's last range
+        samples = None if wave.samples is None else wave.samples[group]
+        wave_batch, hidden = wave.batches[group], lane.hidden
+        wave_reply = answer_and_draft(
+            runner, wave_batch, wave_logits, hidden, samples, NONE.name, answers
         )
-        if reply is not None:
-            reply.drafts = drafts
     spans = runner.timeline.take() if request.record else None
     if reply is None:
         return None, spans, None
-    wave_reply = None
-    if wave is not None and wave_logits is not None:
-        samples = None if wave.samples is None else wave.samples[group]
-        wave_reply = answer(wave.batches[group], wave_logits, samples, NONE.name)
     return reply, spans, wave_reply
 
 
