@@ -232,9 +232,8 @@ def check_speculation(
          "--speculative-algorithm NGRAM"),
         (mtp and par.attn_tp > 1, f"attention TP {par.attn_tp}: the MTP drafter runs on the "
          "rank that samples, which under attention TP is one of several: use --tp 1 (--ep)"),
-        (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
-         "rejected draft would have to roll back, which is not built; serve it without "
-         "--speculative-algorithm"),
+        (mtp and cfg.is_hybrid, f"{cfg.model_type}'s mtp.* layers are not built: use "
+         "--speculative-algorithm NGRAM"),
         (mtp and par.pp > 1, f"--pp {par.pp}: the MTP drafter's forward is not staged over "
          "pipeline ranks yet; use --pp 1 or --speculative-algorithm NGRAM"),
         (mtp and par.enable_dp_attention, "--enable-dp-attention: the MTP drafter is not "

@@ -240,6 +240,8 @@ def serve_step(
     wave_logits = lane.finish(running) if lane is not None and running is not None else None
     samples = request.group_samples(group)
     reply = answer(batch, logits, samples, mode) if answers else None
+    if reply is not None:
+        reply.rollbacks = runner.rollbacks
     if runner.mtp is not None and samples is not None:  # every rank drafts: MoE collectives
         drafts = runner.mtp.draft(
             batch, runner.last_hidden, samples, reply, runner.dispatcher, runner.timeline
