@@ -1,11 +1,15 @@
 """Speculative decoding on Qwen3.5 (hybrid: Gated DeltaNet linear attention): a verify forward
 keeps the recurrent state after each row and the next forward rolls it back to the accepted
 rows. One process: the rolled-back state continues exactly as plain decoding's, a verify
-sequence cut in two included. Real gloo ranks: n-gram drafts give plain greedy decoding's
-tokens at ep=2 in none, tbo, tbo+two-chunk, sbo and dbo (one engine), and under PP 2 and DP
-attention, with drafts rejected and rollbacks counted by the ranks."""
+sequence cut in two included. Real gloo ranks: n-gram drafts and Qwen3.5's own MTP layer
+(``mtp.*``, two steps from one layer, asked for in vLLM's spelling) give plain greedy
+decoding's tokens at ep=2 in none, tbo, tbo+two-chunk, sbo and dbo (one engine each), and
+n-gram drafts under PP 2 and DP attention, with drafts rejected and rollbacks counted by the
+ranks."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -26,6 +30,7 @@ CFG = ModelConfig.from_hf(
         max_position_embeddings=256,
     ).to_dict()
 )
+MTP = dataclasses.replace(CFG, num_nextn_predict_layers=1)  # one mtp.* layer
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 
 
@@ -75,9 +80,12 @@ def test_a_rejected_draft_rolls_the_recurrent_state_back():
     assert plain.rollbacks == 0
 
 
-def _identity(llm: LLM, prompts, params, modes: dict) -> dict[str, tuple[int, int]]:
-    """Plain decoding's tokens, then n-gram speculation's in each of ``modes`` (an overlap
-    config, or None: the engine's own): per mode the verifications and rollbacks it ran."""
+def _identity(
+    llm: LLM, prompts, params, modes: dict, accepts: bool = True
+) -> dict[str, tuple[int, int]]:
+    """Plain decoding's tokens, then speculation's in each of ``modes`` (an overlap config, or
+    None: the engine's own): per mode the verifications and rollbacks it ran. ``accepts``:
+    some draft was accepted (n-gram drafts on a model that repeats itself)."""
     speculation, llm.scheduler.speculation = llm.scheduler.speculation, None
     want = [out.token_ids for out in llm.generate(prompts, params)]
     llm.scheduler.speculation, ran = speculation, {}
@@ -89,7 +97,8 @@ def _identity(llm: LLM, prompts, params, modes: dict) -> dict[str, tuple[int, in
         got = [out.token_ids for out in llm.generate(prompts, params)]
         assert got == want, mode
         ran[mode] = (stats.verifications - before[0], stats.rollbacks - before[1])
-    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats  # accepted, and rejected
+    assert (stats.accepted_tokens > 0) >= accepts, stats
+    assert stats.accepted_tokens < stats.draft_tokens, stats  # drafts rejected
     return ran
 
 
@@ -98,6 +107,17 @@ def test_ngram_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
     configs = every_mode()
     with LLM(config=CFG, ep=2, seed=0, speculative_algorithm="NGRAM") as llm:
         ran = _identity(llm, prompts, params, {mode: configs[mode] for mode in MODES})
+    assert all(v > 0 and r > 0 for v, r in ran.values()), ran
+
+
+def test_mtp_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
+    prompts, params = _requests([1, 37, 200, 5, 12, 20, 3, 30], 16)
+    configs = every_mode()
+    vllm = '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}'  # EAGLE, two steps
+    with LLM(config=MTP, ep=2, seed=0, speculative_config=vllm) as llm:
+        assert llm.spec.mtp_steps == 2
+        modes = {mode: configs[mode] for mode in MODES}
+        ran = _identity(llm, prompts, params, modes, accepts=False)
     assert all(v > 0 and r > 0 for v, r in ran.values()), ran
 
 

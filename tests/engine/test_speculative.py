@@ -167,9 +167,8 @@ def test_bad_speculative_settings_are_refused(settings, match):
         LLM(config=CFG, **settings)
 
 
-def test_mtp_on_hybrid_models_is_refused():
-    # n-gram drafts run on Qwen3.5 (tests/engine/test_hybrid_speculative.py); its MTP does not
-    with pytest.raises(ConfigError, match="mtp"):
+def test_mtp_on_a_qwen3_5_without_mtp_layers_is_refused():
+    with pytest.raises(ConfigError, match="is 0, or Qwen3.5's mtp_num_hidden_layers"):
         LLM(
             config=ModelConfig.from_hf(qwen3_5_hf_config().to_dict()), speculative_algorithm="EAGLE"
         )

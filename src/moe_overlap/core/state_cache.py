@@ -133,16 +133,17 @@ class StateCache:
     def settle(self, slots: list[int], prefixes: list[int]) -> int:
         """Before a forward of sequences ``slots`` at ``prefixes``: each slot kept by the last
         (verify) forward takes the state after its ``prefix`` tokens where that lies inside its
-        kept rows (a rejected draft: rolled back), and every kept state is dropped. Returns the
-        number of slots rolled back."""
+        kept rows (a rejected draft: rolled back) unless something wrote the slot since, and
+        every kept state is dropped. Returns the number of slots rolled back."""
         resumes = dict(zip(slots, prefixes, strict=True))
         rolled: set[int] = set()
         for layer, kept in self.kept.items():
             width = self.shapes[layer][0][-1]
-            back = [
+            have = self.absorbed[layer]
+            back = [  # a slot written since (another sequence's state) is not rolled back
                 (slot, resumes[slot] - k.start, k)
                 for slot, k in kept.items()
-                if k.start < resumes.get(slot, -1) < k.end
+                if k.start < resumes.get(slot, -1) < k.end and have.get(slot) == k.end
             ]
             if back:
                 index = torch.tensor([s for s, _, _ in back], device=self.device)
