@@ -18,6 +18,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.loader import build_model
 from moe_overlap.runtime.model_runner import ModelRunner
+from tests.engine.test_prefix_exact import one_thread
 from tests.helpers import every_mode, force_overlap, max_abs_diff, qwen3_5_hf_config
 
 # a small vocabulary: the random-weight model repeats itself, so some n-gram drafts are accepted
@@ -57,6 +58,11 @@ def test_a_rejected_draft_rolls_the_recurrent_state_back():
     """Prefill, a verify of three drafts of which one is accepted (whole, and cut in two as
     DBO may cut it), then decode: the state continues as plain decoding's (same logits), the
     slot absorbed exactly the accepted rows, and the runner counted one rollback."""
+    with one_thread():
+        _roll_back()
+
+
+def _roll_back() -> None:
     prompt, fed = list(range(1, 11)), [7, 3, 9, 4]  # the last token and three drafts
     model = build_model(CFG, seed=0)  # stateless: each runner keeps its own caches
     runners = [ModelRunner(model, LocalDispatcher(CFG.num_experts), 2, 64) for _ in range(3)]
