@@ -106,13 +106,14 @@ class GatedDeltaNet(nn.Module):
                 [rows[i][2].start + t for i in seqs for t in range(max(n, 1))], device=mixed.device
             )
             at = torch.tensor(seqs, device=mixed.device)
-            o, conv_out[at], ssm_out[at], kept = self._steps(
-                mixed[idx], conv_in[at], ssm_in[at], weight, g[idx], beta[idx], len(seqs)
+            every: list[torch.Tensor] | None = [] if n else None  # verify: each row's state
+            o, conv_out[at], ssm_out[at], window = self._steps(
+                mixed[idx], conv_in[at], ssm_in[at], weight, g[idx], beta[idx], every
             )
             out[idx] = o.to(out.dtype)
-            if n:
-                starts = [batch.prefix_lens[i] for i in seqs]
-                cache.keep(self.layer_id, [batch.slots[i] for i in seqs], starts, *kept)
+            if every is not None:
+                slots, starts = [batch.slots[i] for i in seqs], [batch.prefix_lens[i] for i in seqs]
+                cache.keep(self.layer_id, slots, starts, window, torch.stack(every, dim=1))
         for i, (_, prefix, span) in enumerate(rows):
             if lengths[i] == 1 or verify[i]:
                 continue
@@ -132,22 +133,22 @@ class GatedDeltaNet(nn.Module):
         weight: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        seqs: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``seqs`` sequences of ``n`` rows each (``x [seqs * n, channels]``, sequence by
-        sequence), token by token from their states: the outputs ``[seqs * n, heads, dv]``,
-        the conv and SSM states after them, and the ones after each row (the conv window
-        ``[seqs, channels, kernel - 1 + n]`` and the SSM states ``[seqs, n, ...]``)."""
+        every: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences of ``conv [seqs, ...]`` and ``ssm``, ``n`` rows each (``x [seqs * n,
+        channels]``, sequence by sequence), token by token from those states: the outputs
+        ``[seqs * n, heads, dv]``, the conv and SSM states after them, and the conv window
+        ``[seqs, channels, kernel - 1 + n]`` (the inputs before and the rows'); ``every``
+        gets the SSM state after each row."""
+        seqs = conv.shape[0]
         n = x.shape[0] // seqs
         window = torch.cat((conv, x.view(seqs, n, -1).transpose(1, 2)), dim=2)
         # each row's conv as a decode step computes it: its window times the weight, summed
         mixed = (window.unfold(2, self.kernel, 1) * weight[:, None, :]).sum(dim=-1)
         q, k, v = self._qkv(F.silu(mixed).transpose(1, 2).contiguous())
-        every: list[torch.Tensor] = []
         g, beta = g.view(seqs, n, -1), beta.view(seqs, n, -1)
         o, ssm = delta_rule.recurrent(q, k, v, g, beta, ssm, every)
-        states = torch.stack(every, dim=1)
-        return o.reshape(seqs * n, *o.shape[2:]), window[:, :, n:], ssm, (window, states)
+        return o.reshape(seqs * n, *o.shape[2:]), window[:, :, n:], ssm, window
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv's output ``[.., n, channels]`` into normalised, scaled queries and
