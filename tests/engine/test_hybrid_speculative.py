@@ -103,7 +103,7 @@ def _identity(
         got = [out.token_ids for out in llm.generate(prompts, params)]
         assert got == want, mode
         ran[mode] = (stats.verifications - before[0], stats.rollbacks - before[1])
-    assert (stats.accepted_tokens > 0) >= accepts, stats
+    assert stats.accepted_tokens > 0 or not accepts, stats
     assert stats.accepted_tokens < stats.draft_tokens, stats  # drafts rejected
     return ran
 
@@ -117,7 +117,7 @@ def test_ngram_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
 
 
 def test_mtp_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
-    prompts, params = _requests([1, 37, 200, 5, 12, 20, 3, 30], 16)
+    prompts, params = _requests([1, 37, 200, 5, 12, 20, 3, 30], 12)
     configs = every_mode()
     vllm = '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}'  # EAGLE, two steps
     with LLM(config=MTP, ep=2, seed=0, speculative_config=vllm) as llm:
@@ -128,7 +128,7 @@ def test_mtp_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
 
 
 def test_ngram_on_qwen3_5_under_pp2_and_dp_attention():
-    prompts, params = _requests([1, 37, 9, 20], 12)
+    prompts, params = _requests([1, 37, 9, 20], 10)
     layouts = {"pp2": dict(pp=2), "dp-attention": dict(tp=2, dp=2, enable_dp_attention=True)}
     for name, layout in layouts.items():
         with LLM(config=CFG, seed=0, speculative_algorithm="NGRAM", **layout) as llm:
