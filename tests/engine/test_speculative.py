@@ -167,10 +167,10 @@ def test_bad_speculative_settings_are_refused(settings, match):
         LLM(config=CFG, **settings)
 
 
-def test_hybrid_models_are_refused():
-    with pytest.raises(ConfigError, match="recurrent state"):
+def test_mtp_on_a_qwen3_5_without_mtp_layers_is_refused():
+    with pytest.raises(ConfigError, match="is 0, or Qwen3.5's mtp_num_hidden_layers"):
         LLM(
-            config=ModelConfig.from_hf(qwen3_5_hf_config().to_dict()), speculative_algorithm="NGRAM"
+            config=ModelConfig.from_hf(qwen3_5_hf_config().to_dict()), speculative_algorithm="EAGLE"
         )
 
 

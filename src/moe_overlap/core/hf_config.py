@@ -238,6 +238,8 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
     if fields["model_type"] == "qwen3_5_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         out["model_type"] = "qwen3_5_moe_text"  # what transformers' causal LM class reads
+        if fields["num_nextn_predict_layers"]:  # its mtp.* layers
+            out["mtp_num_hidden_layers"] = fields["num_nextn_predict_layers"]
         return out | {"num_experts": fields["num_experts"]} | {k: fields[k] for k in _QWEN3_5}
     return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _DEEPSEEK}
 

@@ -75,6 +75,7 @@ def qwen3_5_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
         linear_num_key_heads=raw.get("linear_num_key_heads", 16),
         linear_num_value_heads=raw.get("linear_num_value_heads", 32),
         shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0),
+        num_nextn_predict_layers=raw.get("mtp_num_hidden_layers") or 0,  # its mtp.* layers
         partial_rotary_factor=params.get(
             "partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)
         ),

@@ -85,8 +85,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
-    # DeepSeek-V3 and GLM-4.5: multi-token-prediction layers after the last decoder layer
-    # (``model.layers.{num_hidden_layers + i}``), the MTP drafter's (model/mtp.py)
+    # the MTP drafter's layers (model/mtp.py): DeepSeek-V3's and GLM-4.5's after the last
+    # decoder layer (``model.layers.{num_hidden_layers + i}``), Qwen3.5's ``mtp.*``
     num_nextn_predict_layers: int = 0
     # Qwen3.5-MoE: which layers are Gated DeltaNet (linear attention) and their shapes; the
     # full-attention layers rotate only the first partial_rotary_factor of each head.
@@ -126,12 +126,18 @@ class ModelConfig:
         """Some layers are linear attention with a per-sequence recurrent state."""
         return self.model_type == "qwen3_5_moe"
 
+    def layer_type(self, layer_id: int) -> str:
+        """The layer's kind from ``layer_types``; a layer past them (an MTP layer, after the
+        decoder's) is full attention."""
+        kinds = self.layer_types or []
+        return kinds[layer_id] if layer_id < len(kinds) else "full_attention"
+
     def is_linear_layer(self, layer_id: int) -> bool:
-        return self.is_hybrid and self.layer_types[layer_id] == "linear_attention"
+        return self.is_hybrid and self.layer_type(layer_id) == "linear_attention"
 
     def window(self, layer_id: int) -> int:
         """The keys a query of this layer sees, itself included (0: all before it)."""
-        sliding = self.layer_types and self.layer_types[layer_id] == "sliding_attention"
+        sliding = self.layer_type(layer_id) == "sliding_attention"
         return self.sliding_window if sliding else 0
 
     def has_sinks(self, layer_id: int) -> bool:

@@ -11,15 +11,40 @@ layer and slot, how many tokens its state has absorbed, and ``read`` refuses any
 with a ``StateOrderError``, so an overlap schedule that ran a later piece first fails loudly
 instead of computing on a wrong state. A piece at position 0 starts from zeros, whatever the
 slot held before (a finished or aborted request's state is never read).
+
+Speculative decoding's verify forward feeds a sequence's last token and its drafts, and the
+state absorbs them all, rejected drafts included. So a verify piece also ``keep``s the state
+after each of its rows, and the next forward, whose batch carries each sequence's computed
+length (the verify's start plus its accepted rows), ``settle``s every kept slot before any
+layer reads: the state after exactly the accepted rows, ``absorbed`` set to that count. Kept
+states live for that one forward: a slot the next forward does not resume keeps the state after
+all its rows, which ``read`` refuses at any shorter prefix.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
 class StateOrderError(RuntimeError):
     """A piece of a sequence reached a linear-attention layer before the piece before it."""
+
+
+@dataclass
+class KeptStates:
+    """One slot's states after each row of its verify pieces: the state after ``start + j``
+    tokens (j = 1 .. n) has conv state ``window[:, j : j + kernel - 1]`` (``window``: the
+    inputs before and the rows') and SSM state ``ssm[j - 1]``."""
+
+    start: int
+    window: torch.Tensor  # [channels, kernel - 1 + n]
+    ssm: torch.Tensor  # [n, heads, dk, dv]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.ssm.shape[0]
 
 
 class StateCache:
@@ -42,6 +67,7 @@ class StateCache:
         }
         self.ssm = {i: torch.zeros(0, *s, device=device) for i, (_, s) in layers.items()}
         self.absorbed: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> slot -> n
+        self.kept: dict[int, dict[int, KeptStates]] = {i: {} for i in layers}  # verify rows
 
     def read(
         self, layer: int, slots: list[int], prefixes: list[int]
@@ -82,6 +108,52 @@ class StateCache:
         self.conv[layer][index] = conv.to(self.dtype)
         self.ssm[layer][index] = ssm.float()
         self.absorbed[layer].update(zip(slots, lengths, strict=True))
+
+    def keep(
+        self,
+        layer: int,
+        slots: list[int],
+        starts: list[int],
+        windows: torch.Tensor,
+        ssm: torch.Tensor,
+    ) -> None:
+        """Keep the states after each row of verify pieces of ``slots`` (``starts``: the tokens
+        before each piece; ``windows [B, channels, kernel - 1 + n]``, ``ssm [B, n, ...]``). A
+        piece that continues the slot's kept rows (a verify sequence cut in two) extends them."""
+        kept = self.kept[layer]
+        width = self.shapes[layer][0][-1]
+        for i, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            before = kept.get(slot)
+            if before is not None and before.end == start:
+                window = torch.cat((before.window, windows[i, :, width:]), dim=1)
+                kept[slot] = KeptStates(before.start, window, torch.cat((before.ssm, ssm[i])))
+            else:
+                kept[slot] = KeptStates(start, windows[i], ssm[i])
+
+    def settle(self, slots: list[int], prefixes: list[int]) -> int:
+        """Before a forward of sequences ``slots`` at ``prefixes``: each slot kept by the last
+        (verify) forward takes the state after its ``prefix`` tokens where that lies inside its
+        kept rows (a rejected draft: rolled back) unless something wrote the slot since, and
+        every kept state is dropped. Returns the number of slots rolled back."""
+        resumes = dict(zip(slots, prefixes, strict=True))
+        rolled: set[int] = set()
+        for layer, kept in self.kept.items():
+            width = self.shapes[layer][0][-1]
+            have = self.absorbed[layer]
+            back = [  # a slot written since (another sequence's state) is not rolled back
+                (slot, resumes[slot] - k.start, k)
+                for slot, k in kept.items()
+                if k.start < resumes.get(slot, -1) < k.end and have.get(slot) == k.end
+            ]
+            if back:
+                index = torch.tensor([s for s, _, _ in back], device=self.device)
+                conv = torch.stack([k.window[:, j : j + width] for _, j, k in back])
+                self.conv[layer][index] = conv.to(self.dtype)
+                self.ssm[layer][index] = torch.stack([k.ssm[j - 1] for _, j, k in back]).float()
+                self.absorbed[layer].update((s, resumes[s]) for s, _, _ in back)
+                rolled.update(s for s, _, _ in back)
+            kept.clear()
+        return len(rolled)
 
     def _reserve(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         conv, ssm = self.conv[layer], self.ssm[layer]

@@ -143,6 +143,9 @@ class GroupReply:
     # the MTP drafter's drafts after this step's tokens, per sequence (empty: none), which the
     # driver feeds in the sequence's next verify step (runtime/mtp_drafter.py)
     drafts: list[list[int]] = field(default_factory=list)
+    # linear-attention slots whose recurrent state this step rolled back to the rows the
+    # last verify step accepted (core/state_cache.py: StateCache.settle)
+    rollbacks: int = 0
 
     def __getstate__(self) -> dict:  # logits cross processes as NumPy, not torch's fd sharing
         state = dict(self.__dict__)

@@ -118,6 +118,8 @@ class Scheduler:
         finished: list[Request] = []
         for rank, (entries, group) in enumerate(zip(step.scheduled, reply.groups, strict=True)):
             self._consume(step, rank, entries, group, finished, step.drafts_of(rank))
+            if self.speculation is not None:
+                self.speculation.stats.rollbacks += group.rollbacks
         if step.prefill is not None and step.prefill.last:
             assert self.pdmux is not None and reply.wave is not None
             for rank, members in enumerate(self.pdmux.finish()):

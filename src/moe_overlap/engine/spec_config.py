@@ -16,7 +16,7 @@ from moe_overlap.engine.args import setting
 ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # SGLang's names; NEXTN is EAGLE for MTP models
 MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 # vLLM's "method" values, as SGLang's algorithm
-_METHODS = {"ngram": "NGRAM", "mtp": "EAGLE", "deepseek_mtp": "EAGLE"}
+_METHODS = {"ngram": "NGRAM", "mtp": "EAGLE", "deepseek_mtp": "EAGLE", "qwen3_next_mtp": "EAGLE"}
 DEFAULT_NUM_DRAFT_TOKENS = 4  # rows per sequence in verify: the last token and 3 drafts
 DEFAULT_MTP_STEPS = 3  # SGLang's DeepSeek default: 3 MTP steps, top-1, 4 draft tokens
 DEFAULT_LOOKUP = (1, 12)  # SGLang's n-gram match window sizes
@@ -50,7 +50,8 @@ class SpeculativeArgs:
         "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
         "next tokens from an earlier match of its last tokens in its prompt and output (no "
         "weights); EAGLE (or its alias NEXTN) drafts them with the model's own MTP layers "
-        "(DeepSeek-V3, GLM-4.5: num_nextn_predict_layers). The target verifies them in one "
+        "(DeepSeek-V3, GLM-4.5: num_nextn_predict_layers; Qwen3.5: mtp_num_hidden_layers). The "
+        "target verifies them in one "
         "forward: greedy requests get plain decoding's tokens, sampled ones its distribution "
         "(rejection sampling); a structured output is served as without it",
         choices=ALGORITHMS,
@@ -228,11 +229,11 @@ def check_speculation(
     mtp = spec.is_mtp
     refusals = [
         (mtp and not cfg.num_nextn_predict_layers, f"{cfg.model_type}'s config has no MTP "
-         "layers (num_nextn_predict_layers is 0; Qwen3.5's mtp.* layers are not built): use "
+         "layers (num_nextn_predict_layers is 0, or Qwen3.5's mtp_num_hidden_layers): use "
          "--speculative-algorithm NGRAM"),
-        (cfg.is_hybrid, "the model's linear-attention layers keep a recurrent state that a "
-         "rejected draft would have to roll back, which is not built; serve it without "
-         "--speculative-algorithm"),
+        (mtp and cfg.is_hybrid and (par.pp > 1 or par.enable_dp_attention or pdmux),
+         "Qwen3.5's MTP layers are checked at ep=2 alone, not under --pp, DP attention or "
+         "PD-mux; use --speculative-algorithm NGRAM there"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:

@@ -19,6 +19,9 @@ class SpeculationStats:
     verifications: int = 0  # a sequence's drafts checked in one verify forward
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # sequences whose linear-attention state a rank rolled back past rejected drafts (Qwen3.5;
+    # counted by each group's answering rank)
+    rollbacks: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

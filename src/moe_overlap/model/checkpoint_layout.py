@@ -12,6 +12,7 @@ import torch
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.moe import ExpertBank
+from moe_overlap.model.mtp import qwen3_5_name
 from moe_overlap.model.tensor_parallel import Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -37,7 +38,11 @@ def layout_entries(
     parameter name, of the parameters' leading shape) in place of the parameters, and only
     for the parameters it names."""
     entries: list[Entry] = []
+    listed: set[int] = set()  # a module shared under two names (Qwen3.5's MTP head) reads once
     for param, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in listed:
+            continue
+        listed.add(id(tensor))
         shard = getattr(tensor, "shard", None)  # the parameter's, whatever fills it
         if source is not None:
             if param not in source:
@@ -48,6 +53,8 @@ def layout_entries(
             if model.has_embedding:
                 continue  # the embedding's own tensor
             name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
+        if model.cfg.is_hybrid:  # Qwen3.5's MTP layers are mtp.*
+            name = qwen3_5_name(name, model.cfg.num_hidden_layers)
         if model.cfg.is_mimo:  # the Hub's name of its sinks
             name = name.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")
         if model.cfg.is_gpt_oss:  # its router is mlp.router, its experts fused tensors
@@ -70,8 +77,8 @@ def layout_entries(
 def _expert_entries(
     model: MoeForCausalLM, prefix: str, kind: str, param: str, tensor: torch.Tensor
 ) -> list[Entry]:
-    bank = model.get_submodule(prefix)
-    assert isinstance(bank, ExpertBank), f"{prefix} is not an expert bank"
+    bank = model.get_submodule(param.rsplit(".", 1)[0])  # ``prefix``: its checkpoint name
+    assert isinstance(bank, ExpertBank), f"{param} is not an expert bank's"
     rows = Shard(0, bank.inter_start, bank.inter_full)  # gate and up: intermediate rows
     entries = []
     for i in range(bank.count):

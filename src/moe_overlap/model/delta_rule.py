@@ -42,9 +42,11 @@ def recurrent(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    every: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token. Shapes as ``chunked``, or with a leading batch dimension on all of
-    them (decode: one token of many sequences as ``[B, 1, heads, ...]``)."""
+    them (decode: one token of many sequences as ``[B, 1, heads, ...]``). ``every``: the
+    state after each token is appended to it (a verify forward's per-position states)."""
     out = torch.empty_like(v)
     for t in range(q.shape[-3]):
         state = state * g[..., t, :].exp()[..., None, None]
@@ -53,6 +55,8 @@ def recurrent(
         delta = (v[..., t, :, :] - predicted) * beta[..., t, :, None]
         state = state + kt[..., None] * delta[..., None, :]
         out[..., t, :, :] = (state * qt[..., None]).sum(dim=-2)
+        if every is not None:
+            every.append(state)
     return out, state
 
 

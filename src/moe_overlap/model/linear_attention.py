@@ -92,19 +92,30 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv)
         conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
-        decode = [i for i, n in enumerate(batch.extend_lens) if n == 1]
         rows = list(batch.per_sequence())
-        if decode:  # one token each: one batched step
-            idx = torch.tensor([rows[i][2].start for i in decode], device=mixed.device)
-            seqs = torch.tensor(decode, device=mixed.device)
-            x, conv_out[seqs] = self._conv_step(mixed[idx], conv_in[seqs], weight)
-            q, k, v = self._qkv(x[:, None])
-            o, ssm_out[seqs] = delta_rule.recurrent(
-                q, k, v, g[idx][:, None], beta[idx][:, None], ssm_in[seqs]
+        # a verify sequence's rows (its last token and drafts, or a piece of them) run token by
+        # token, as decode does, keeping the state after each row for the rollback
+        verify = [d and every for d, every in zip(batch.is_decode, batch.all_logits, strict=True)]
+        lengths = [span.stop - span.start for _, _, span in rows]
+        runs = {n: [i for i, v in enumerate(verify) if v and lengths[i] == n] for n in lengths}
+        runs[0] = [i for i, n in enumerate(lengths) if n == 1 and not verify[i]]  # decode
+        for n, seqs in runs.items():
+            if not seqs:
+                continue
+            idx = torch.tensor(
+                [rows[i][2].start + t for i in seqs for t in range(max(n, 1))], device=mixed.device
             )
-            out[idx] = o[:, 0].to(out.dtype)
+            at = torch.tensor(seqs, device=mixed.device)
+            every: list[torch.Tensor] | None = [] if n else None  # verify: each row's state
+            o, conv_out[at], ssm_out[at], window = self._steps(
+                mixed[idx], conv_in[at], ssm_in[at], weight, g[idx], beta[idx], every
+            )
+            out[idx] = o.to(out.dtype)
+            if every is not None:
+                slots, starts = [batch.slots[i] for i in seqs], [batch.prefix_lens[i] for i in seqs]
+                cache.keep(self.layer_id, slots, starts, window, torch.stack(every, dim=1))
         for i, (_, prefix, span) in enumerate(rows):
-            if span.stop - span.start == 1:
+            if lengths[i] == 1 or verify[i]:
                 continue
             x, conv_out[i] = delta_rule.causal_conv(mixed[span], conv_in[i], weight)
             q, k, v = self._qkv(x)
@@ -114,12 +125,30 @@ class GatedDeltaNet(nn.Module):
         y = self.norm(out, z.view(-1, self.v_heads, self.dv))
         return self.out_proj(y.reshape(y.shape[0], self.value_dim))
 
-    def _conv_step(
-        self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One new input per sequence: ``x [B, channels]``, ``state [B, channels, kernel - 1]``."""
-        full = torch.cat((state, x[:, :, None]), dim=2)
-        return F.silu((full * weight).sum(dim=2)), full[:, :, 1:]
+    def _steps(
+        self,
+        x: torch.Tensor,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        every: list[torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences of ``conv [seqs, ...]`` and ``ssm``, ``n`` rows each (``x [seqs * n,
+        channels]``, sequence by sequence), token by token from those states: the outputs
+        ``[seqs * n, heads, dv]``, the conv and SSM states after them, and the conv window
+        ``[seqs, channels, kernel - 1 + n]`` (the inputs before and the rows'); ``every``
+        gets the SSM state after each row."""
+        seqs = conv.shape[0]
+        n = x.shape[0] // seqs
+        window = torch.cat((conv, x.view(seqs, n, -1).transpose(1, 2)), dim=2)
+        # each row's conv as a decode step computes it: its window times the weight, summed
+        mixed = (window.unfold(2, self.kernel, 1) * weight[:, None, :]).sum(dim=-1)
+        q, k, v = self._qkv(F.silu(mixed).transpose(1, 2).contiguous())
+        g, beta = g.view(seqs, n, -1), beta.view(seqs, n, -1)
+        o, ssm = delta_rule.recurrent(q, k, v, g, beta, ssm, every)
+        return o.reshape(seqs * n, *o.shape[2:]), window[:, :, n:], ssm, window
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv's output ``[.., n, channels]`` into normalised, scaled queries and

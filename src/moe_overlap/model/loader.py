@@ -17,7 +17,7 @@ from moe_overlap.core.errors import CheckpointError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.checkpoint_layout import checkpoint_layout, fill, full_shape
+from moe_overlap.model.checkpoint_layout import checkpoint_layout, fill, full_shape, layout_entries
 from moe_overlap.model.fp8_checkpoint import Fp8Loaded, read_fp8
 from moe_overlap.model.fp8_resident import keeps_fp8, settle_fp8
 from moe_overlap.model.fp8_weights import FP8_DTYPE
@@ -124,13 +124,14 @@ def init_random(model: MoeForCausalLM, seed: int) -> None:
         f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.offset
     }
     with torch.no_grad():
-        for name, (dest, shard) in checkpoint_layout(model).items():
+        for entry in layout_entries(model):
+            name, dest, shard = entry.name, entry.view, entry.shard
             shape = full_shape(dest, shard)
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             noise = torch.randn(shape, generator=gen, dtype=torch.float32)
             if len(shape) >= 2:
                 value = noise * shape[-1] ** -0.5
-            elif name.endswith(("e_score_correction_bias", ".bias")) or name in centred:
+            elif name.endswith(("e_score_correction_bias", ".bias")) or entry.param in centred:
                 value = 0.1 * noise
             else:  # norm weights (and Qwen3.5's per-head decay parameters)
                 value = 1.0 + 0.1 * noise

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's and GLM-4.5's multi-token-prediction (MTP) layer: the drafter of
+"""DeepSeek-V3's, GLM-4.5's and Qwen3.5's multi-token-prediction (MTP) layer: the drafter of
 ``--speculative-algorithm EAGLE`` (``runtime/mtp_drafter.py`` runs it on the ranks).
 
 The checkpoint keeps it at ``model.layers.{num_hidden_layers + i}``: ``enorm`` (the next
@@ -7,6 +7,13 @@ two concatenated, embedding first), then a whole decoder layer (attention and Mo
 usual names), then ``shared_head.norm`` and ``shared_head.head`` (the LM head; where the
 checkpoint has none, the loader reads ``lm_head.weight``). The embedding is the main model's.
 
+Qwen3.5 keeps the same computation under ``mtp.*`` (``mtp_num_hidden_layers``): ``mtp.fc``
+(``eh_proj``, embedding first), ``mtp.pre_fc_norm_embedding`` (``enorm``),
+``mtp.pre_fc_norm_hidden`` (``hnorm``), ``mtp.layers.{i}`` (a full-attention decoder layer with
+the MoE), ``mtp.norm`` (``shared_head.norm``) and the main ``lm_head``; its norms are
+zero-centred like the model's, and the projection, the norms and the head are one for all its
+layers (``share_qwen3_5_parts``; ``qwen3_5_name`` maps our names to the checkpoint's).
+
 Row ``q`` of an MTP forward takes the target's final (normed) hidden state at position ``q``
 and the embedding of the token at ``q + 1``, and its logits predict the token at ``q + 2``;
 its own keys and values sit at position ``q`` in the drafter's KV cache.
@@ -14,6 +21,7 @@ its own keys and values sit at position ``q`` in the drafter's KV cache.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -26,11 +34,22 @@ from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.tensor_parallel import ModelParallel, VocabEmbedding, VocabHead
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
+# Qwen3.5's checkpoint names of the parts around its MTP decoder layers, one for all of them
+_QWEN3_5_PARTS = {
+    "eh_proj.": "mtp.fc.",
+    "enorm.": "mtp.pre_fc_norm_embedding.",
+    "hnorm.": "mtp.pre_fc_norm_hidden.",
+    "shared_head.norm.": "mtp.norm.",
+    "shared_head.head.": "lm_head.",
+}
+
 
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ModelParallel):
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        offset = 1.0 if cfg.is_hybrid else 0.0  # Qwen3.5's norms are zero-centred
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.head = VocabHead(cfg.hidden_size, cfg.vocab_size, par.attn_tp)
 
 
@@ -39,8 +58,9 @@ class MtpLayer(DecoderLayer):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, attn: nn.Module, par: ModelParallel):
         super().__init__(cfg, layer_id, attn, par)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        offset = 1.0 if cfg.is_hybrid else 0.0
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg, par)
 
@@ -68,3 +88,27 @@ class MtpLayer(DecoderLayer):
             return {"logits": self.shared_head.head(rows).float(), "hidden": normed}
 
         return [op_project, *(self.op(name) for name in self.op_names), op_head]
+
+
+def share_qwen3_5_parts(layers: list[MtpLayer], lm_head: VocabHead) -> None:
+    """Qwen3.5's MTP layers share one ``mtp.fc``, one pair of pre-fc norms, one ``mtp.norm``
+    and the model's LM head: every layer takes the first one's modules and ``lm_head``."""
+    for layer in layers:
+        layer.shared_head.head = lm_head
+        for name in ("eh_proj", "enorm", "hnorm"):
+            setattr(layer, name, getattr(layers[0], name))
+        layer.shared_head.norm = layers[0].shared_head.norm
+
+
+def qwen3_5_name(name: str, first: int) -> str:
+    """The Qwen3.5 checkpoint's name of parameter ``name`` (``first``: the first MTP layer's
+    index, i.e. ``num_hidden_layers``): ``model.layers.{first + i}.X`` is ``mtp.layers.{i}.X``,
+    or ``mtp.fc``, ``mtp.norm``, ... for the parts around it; other names are unchanged."""
+    match = _LAYER.fullmatch(name)
+    if match is None or int(match[1]) < first:
+        return name
+    rest = match[2]
+    for ours, theirs in _QWEN3_5_PARTS.items():
+        if rest.startswith(ours):
+            return theirs + rest.removeprefix(ours)
+    return f"mtp.layers.{int(match[1]) - first}.{rest}"

@@ -84,6 +84,7 @@ class ModelRunner:
         # with graphs, one more slot and page: the padding rows'
         self.kv_cache = kv_cache_for(model, num_slots, max_len, page_size, num_pages, int(graphs))
         self.states = state_cache_for(model, num_slots)
+        self.rollbacks = 0  # slots whose recurrent state the last forward rolled back
         self.ops = build_operations(model, strategy_for(model, NONE.name))
         self.overlap = overlap or OverlapConfig()
         self.timeline = timeline or Timeline()
@@ -152,6 +153,9 @@ class ModelRunner:
         step (this rank's among them), which decides what all ranks must agree on."""
         # the whole batch's starts, before any split: a cut sequence's first piece reads its window
         self.kv_cache.trim_windows(batch.slots, batch.prefix_lens)
+        # a verify step's recurrent states rolled back to each sequence's accepted rows: the
+        # batch's prefix lengths are the driver's computed lengths, on every stage and rank
+        self.rollbacks = self.states.settle(batch.slots, batch.prefix_lens)
         if self.pipeline is not None:
             return self.pipeline.forward(batch, overlap)
         peers = peers or [batch]

@@ -240,6 +240,8 @@ def serve_step(
     wave_logits = lane.finish(running) if lane is not None and running is not None else None
     samples = request.group_samples(group)
     reply = answer_and_draft(runner, batch, logits, runner.last_hidden, samples, mode, answers)
+    if reply is not None:
+        reply.rollbacks = runner.rollbacks
     wave_reply = None
     if wave is not None and lane is not None and wave_logits is not None:  # the wave's last range
         samples = None if wave.samples is None else wave.samples[group]
