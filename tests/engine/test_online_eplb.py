@@ -2,7 +2,7 @@
 three steps, experts move mid-generation, and the greedy tokens are those of the run without
 EPLB in every overlap mode (Qwen3-MoE at ep=4 with 6 experts and R = 2, so EP divides only the
 slots; DeepSeek-V3's grouped routing at ep=2 with dynamic dispatch, one layer per step
-boundary). A peer stuck mid-move is a named timeout that leaves the layer as it was; a rank that
+boundary, set through vLLM's --eplb-config with a window of the last 2 steps). A peer stuck mid-move is a named timeout that leaves the layer as it was; a rank that
 dies mid-move (``MOE_OVERLAP_EPLB_FAULT``) is named by the driver and leaves its peers' layers
 as they were; the refusals."""
 
@@ -45,9 +45,9 @@ def test_experts_move_mid_generation_and_the_tokens_stay():
     prompts = CASES["mixed-batch"]
     runs = {  # family: (engine settings, modes); 6 + 2 slots over 4 ranks, 2 each
         "qwen3_moe": (dict(ep=4, ep_num_redundant_experts=2), MODES),
-        "deepseek_v3": (
-            dict(ep=2, ep_num_redundant_experts=2, ep_dispatch_algorithm="dynamic")
-            | dict(eplb_rebalance_layers_per_chunk=1),
+        "deepseek_v3": (  # vLLM's spelling: R and a window of the last 2 of the 3 steps
+            dict(ep=2, eplb_config={"num_redundant_experts": 2, "window_size": 2})
+            | dict(ep_dispatch_algorithm="dynamic", eplb_rebalance_layers_per_chunk=1),
             ("none", "tbo+two-chunk"),
         ),
     }
@@ -173,3 +173,5 @@ def test_refusals():
         LLM(config=cfg, ep=2, enable_eplb=True, eplb_rebalance_num_iterations=0)
     with pytest.raises(ConfigError, match="layers-per-chunk=0"):
         LLM(config=cfg, ep=2, enable_eplb=True, eplb_rebalance_layers_per_chunk=0)
+    with pytest.raises(ConfigError, match="--eplb-window-size=0: want an integer >= 1"):
+        LLM(config=cfg, ep=2, enable_eplb=True, eplb_window_size=0)

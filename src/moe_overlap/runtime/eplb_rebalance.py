@@ -119,6 +119,11 @@ class Rebalancer:
         sent = self._move(rows, moves)
         return MoveReport(rows, len(moves), sent, time.perf_counter() - start, len(self.pending))
 
+    def restart_window(self) -> None:
+        """Zero the window: the next placement balances the routing from here on."""
+        for block in self.blocks.values():
+            block.window.zero_()
+
     def _plan(self) -> dict[int, Row]:
         """Every layer whose placement changes, from the EP group's summed window (zeroed)."""
         layers = sorted(self.blocks)
