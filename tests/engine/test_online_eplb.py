@@ -57,6 +57,7 @@ def test_experts_move_mid_generation_and_the_tokens_stay():
             base = _tokens(llm, prompts)
         with LLM(config=cfg, **settings, **ONLINE) as llm:
             assert llm.eplb is not None and llm.spec.placement is not None
+            assert llm.eplb.window == (2 if family == "deepseek_v3" else None)
             before = llm.spec.placement.rows
             for mode in modes:
                 force_overlap(llm, every_mode()[mode])
