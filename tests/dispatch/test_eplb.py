@@ -23,10 +23,12 @@ from tests.dist_utils import init_gloo, run_workers
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, every_mode
 
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
-LOW_LATENCY = "none+low-latency"  # the fixed-capacity all-to-all (pure EP only)
+LOW_LATENCY = "none+low-latency"
+SIX = "qwen3_moe, 6 experts"  # the fixed-capacity all-to-all (pure EP only)
 # four ranks: pure ep=4 (all-to-all) for both families, and ep=2 under tp=4 with attention DP
 # (each expert's width split two ways: the tensor-parallel MoE's gather) for DeepSeek-V3, each
-# with the R that divide (pure ep=2 over the all-to-all: the engine test below)
+# with the R that divide (pure ep=2 over the all-to-all: the engine test below; R = 2 at ep=4:
+# six experts, in the worker)
 LAYOUTS = {
     4: (ParallelConfig(ep=4), (4, 8), ("qwen3_moe", "deepseek_v3")),
     2: (ParallelConfig(tp=4, dp=4, ep=2, enable_dp_attention=True), (2, 4), ("deepseek_v3",)),
@@ -72,19 +74,30 @@ def _worker(rank: int, world_size: int, port: int) -> dict:
     for ep, par, redundants, family in runs:
         cfg = ModelConfig(**TINY[family])
         for redundant, dispatch, mode_names in _runs(*redundants):
-            placement = _placement(cfg, ep, redundant, dispatch) if redundant else None
-            spec = EngineSpec(
-                cfg, seed=0, max_num_seqs=4, max_len=64, parallel=par, placement=placement
-            )
-            runner = build_rank_runner(spec, RankSpec(rank, 4, "", 30.0, parse_link("none")))
+            runner = _runner(rank, cfg, par, redundant, dispatch)
             for mode in mode_names if ep == 4 else set(mode_names) - {LOW_LATENCY}:
                 out[ep, family, redundant, dispatch, mode] = runner.forward(batch, modes[mode])
+    # R = 2 at ep=4: Qwen3-MoE with 6 experts (EP divides the 8 slots, not the experts),
+    # against one process
+    cfg = ModelConfig(**TINY["qwen3_moe"] | {"num_experts": 6})
+    one = build_rank_runner(EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64))
+    out[4, SIX, 0, "-", "none"] = one.forward(batch, modes["none"])
+    for dispatch, mode_names in (("static", MODES), ("dynamic", ("none", "dbo"))):
+        runner = _runner(rank, cfg, ParallelConfig(ep=4), 2, dispatch)
+        for mode in mode_names:
+            out[4, SIX, 2, dispatch, mode] = runner.forward(batch, modes[mode])
     return out
+
+
+def _runner(rank: int, cfg: ModelConfig, par: ParallelConfig, redundant: int, dispatch: str):
+    placement = _placement(cfg, par.ep, redundant, dispatch) if redundant else None
+    spec = EngineSpec(cfg, seed=0, max_num_seqs=4, max_len=64, parallel=par, placement=placement)
+    return build_rank_runner(spec, RankSpec(rank, 4, "", 30.0, parse_link("none")))
 
 
 def test_redundant_experts_give_the_same_logits():
     for rank, out in enumerate(run_workers(_worker, 4, timeout=180)):
-        assert len(out) == 3 * (5 + 2 * len(MODES)) + 2  # low-latency at ep=4
+        assert len(out) == 3 * (5 + 2 * len(MODES)) + 2 + 8  # low-latency at ep=4; SIX
         for (ep, family, redundant, dispatch, mode), logits in out.items():
             base = out[ep, family, 0, "-", "none"]
             diff = (logits - base).abs().max().item()
@@ -122,7 +135,7 @@ def test_engine_generates_the_same_tokens_and_refuses_bad_settings(tmp_path):
     assert recorded.balancedness == [1.0, 1.0] and all(b < 1 for b in spread.balancedness)
     with pytest.raises(ConfigError, match="two replicas of one expert on rank 0"):
         LLM(config=cfg, ep_num_redundant_experts=2)
-    with pytest.raises(ConfigError, match="slots must divide over the"):
+    with pytest.raises(ConfigError, match="= 5 physical expert slots; choose .* 2 plus"):
         LLM(config=cfg, ep=2, ep_num_redundant_experts=1)
     with pytest.raises(ConfigError, match="must be an integer >= 0"):
         LLM(config=cfg, ep=2, ep_num_redundant_experts=-2)

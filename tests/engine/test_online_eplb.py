@@ -1,13 +1,16 @@
 """Online EPLB (--enable-eplb) on real gloo ranks: with skewed routing and a rebalance every
 three steps, experts move mid-generation, and the greedy tokens are those of the run without
-EPLB in every overlap mode (Qwen3-MoE at ep=2; DeepSeek-V3's grouped routing at ep=2 with
-dynamic dispatch, one layer per step boundary). A peer stuck mid-move is a named timeout that leaves the layer as it was;
-a dead rank is named; the refusals."""
+EPLB in every overlap mode (Qwen3-MoE at ep=4 with 6 experts and R = 2, so EP divides only the
+slots; DeepSeek-V3's grouped routing at ep=2 with dynamic dispatch, one layer per step
+boundary, set through vLLM's --eplb-config with a window of the last 2 steps). A peer stuck mid-move is a named timeout that leaves the layer as it was; a rank that
+dies mid-move (``MOE_OVERLAP_EPLB_FAULT``) is named by the driver and leaves its peers' layers
+as they were; the refusals."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import time
 
@@ -20,13 +23,12 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.eplb_placement import PlacementShape, trivial
 from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.parallel_config import ParallelConfig
-from moe_overlap.distributed.comm import CollectiveTimeout
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.online_eplb import eplb_counts
-from moe_overlap.runtime.eplb_rebalance import Rebalancer, expert_tensors
+from moe_overlap.runtime.eplb_rebalance import FAULT_ENV, FAULT_EXIT, Rebalancer, expert_tensors
 from moe_overlap.runtime.spawn import RankFailure
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
-from tests.dist_utils import init_gloo, run_workers
+from tests.dist_utils import free_port, init_gloo, run_workers
 from tests.helpers import CASES, KW, TINY, every_mode, force_overlap
 
 PARAMS = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
@@ -41,20 +43,21 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
 
 def test_experts_move_mid_generation_and_the_tokens_stay():
     prompts = CASES["mixed-batch"]
-    runs = {  # family: (engine settings, modes)
-        "qwen3_moe": (dict(ep=2, ep_num_redundant_experts=2), MODES),
-        "deepseek_v3": (
-            dict(ep=2, ep_num_redundant_experts=2, ep_dispatch_algorithm="dynamic")
-            | dict(eplb_rebalance_layers_per_chunk=1),
+    runs = {  # family: (engine settings, modes); 6 + 2 slots over 4 ranks, 2 each
+        "qwen3_moe": (dict(ep=4, ep_num_redundant_experts=2), MODES),
+        "deepseek_v3": (  # vLLM's spelling: R and a window of the last 2 of the 3 steps
+            dict(ep=2, eplb_config={"num_redundant_experts": 2, "window_size": 2})
+            | dict(ep_dispatch_algorithm="dynamic", eplb_rebalance_layers_per_chunk=1),
             ("none", "tbo+two-chunk"),
         ),
     }
     for family, (settings, modes) in runs.items():
-        cfg = ModelConfig(**TINY[family])
+        cfg = ModelConfig(**TINY[family] | ({"num_experts": 6} if family == "qwen3_moe" else {}))
         with LLM(config=cfg, **SKEW, **KW) as llm:
             base = _tokens(llm, prompts)
         with LLM(config=cfg, **settings, **ONLINE) as llm:
             assert llm.eplb is not None and llm.spec.placement is not None
+            assert llm.eplb.window == (2 if family == "deepseek_v3" else None)
             before = llm.spec.placement.rows
             for mode in modes:
                 force_overlap(llm, every_mode()[mode])
@@ -71,8 +74,10 @@ def test_experts_move_mid_generation_and_the_tokens_stay():
                     llm.executor.rebalance_experts(0)
 
 
-def _stuck_peer(rank: int, world_size: int, port: int) -> dict:
-    init_gloo(rank, world_size, port, timeout_s=2.0)
+def _skewed_rank(rank: int, port: int) -> Rebalancer:
+    """Rank ``rank`` of tiny Qwen3-MoE at ep=2 with R = 2, after a forward that routes nearly
+    every token to expert 0 (so the next placement moves experts between the ranks)."""
+    init_gloo(rank, 2, port, timeout_s=2.0)
     cfg = ModelConfig(**TINY["qwen3_moe"])
     shape = PlacementShape(cfg.num_experts, cfg.num_experts + 2, 2)
     layers = (0, 1)
@@ -85,27 +90,78 @@ def _stuck_peer(rank: int, world_size: int, port: int) -> dict:
     for block in rebalancer.blocks.values():  # expert 0 hot: the placement changes
         block.gate.set_skew(torch.tensor([0.0, -9, -9, -9]))
     runner.forward(ForwardBatch(torch.arange(1, 13), [0], [0], [12]))
+    return rebalancer
+
+
+def _survivor(rebalancer: Rebalancer) -> dict:
+    """Rank 0's move while its peer fails: the error, and whether layer 0 is as before."""
+    block = rebalancer.blocks[0]
+    weights = {n: t.clone() for n, t in expert_tensors(block.experts)}
+    try:
+        rebalancer.step(0)
+        error, notes = "", []
+    except Exception as e:
+        error, notes = f"{type(e).__name__}: {e}", getattr(e, "__notes__", [])
+    same = all(torch.equal(weights[n], t) for n, t in expert_tensors(block.experts))
+    return {"error": error, "notes": notes, "slots": block.slots, "same": same}
+
+
+def _dead_peer(rank: int, port: int, pipe: int) -> None:
+    """A forked pair of ranks: rank 1 dies after the first expert tensor crossed, rank 0 writes
+    what it saw to ``pipe``."""
+    try:
+        if rank == 1:
+            os.environ[FAULT_ENV] = "1:exchange"
+            _skewed_rank(rank, port).step(0)  # exits here
+        else:
+            os.write(pipe, pickle.dumps(_survivor(_skewed_rank(rank, port))))
+    finally:
+        os._exit(0)
+
+
+def _failing_peers(rank: int, world_size: int, port: int, port2: int) -> dict:
+    """Two pairs of ranks at once: this one, where rank 1 sends its experts too late (stuck),
+    and a forked one over ``port2``, where rank 1 dies mid-move."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if not pid:
+        _dead_peer(rank, port2, writer)
+    os.close(writer)
+    rebalancer = _skewed_rank(rank, port)
     if rank == 1:  # joins the all-reduce of the window, then sends its experts too late
         rebalancer.pending = rebalancer._plan()
         time.sleep(3.0)
         with contextlib.suppress(RuntimeError):  # rank 0 gave up: its part never comes
             rebalancer.step(0)
-        return {}
-    block = rebalancer.blocks[0]
-    weights = {n: t.clone() for n, t in expert_tensors(block.experts)}
-    try:
-        rebalancer.step(0)
-        error = ""
-    except CollectiveTimeout as e:
-        error = str(e)
-    same = all(torch.equal(weights[n], t) for n, t in expert_tensors(block.experts))
-    return {"error": error, "slots": block.slots, "same": same}
+        return {"dead": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
+    stuck = _survivor(rebalancer)
+    with os.fdopen(reader, "rb") as pipe:
+        dead = pickle.loads(pipe.read())
+    os.waitpid(pid, 0)
+    return {"stuck": stuck, "dead": dead}
 
 
-def test_a_stuck_peer_mid_move_is_a_named_timeout_and_no_layer_half_moves():
-    out = run_workers(_stuck_peer, 2, timeout=60)[0]
-    assert "all_to_all" in out["error"] and "did not finish within 2 s" in out["error"]
-    assert out["slots"] == (0, 1, 2, 3, 0, 1) and out["same"]  # as before the move
+def test_a_peer_that_fails_mid_move_leaves_the_layer_as_it_was():
+    out, peer = run_workers(_failing_peers, 2, free_port(), timeout=60)
+    stuck, dead = out["stuck"], out["dead"]
+    assert stuck["error"].startswith("CollectiveTimeout: all_to_all")
+    assert "did not finish within 2 s" in stuck["error"]
+    assert peer["dead"] == FAULT_EXIT and dead["error"]  # rank 1 died mid-move, rank 0 failed
+    for failed in (stuck, dead):  # layer 0 as before the move: nothing half committed
+        assert failed["slots"] == (0, 1, 2, 3, 0, 1) and failed["same"]
+        assert "stopped before its commit" in failed["notes"][0]
+
+
+def test_a_rank_that_dies_mid_move_is_named(monkeypatch):
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    monkeypatch.setenv(FAULT_ENV, "1:exchange")  # the ranks read it: rank 1 dies in a move
+    with LLM(config=cfg, ep=2, ep_num_redundant_experts=2, **ONLINE) as llm:
+        with pytest.raises(RankFailure) as failed:
+            llm.generate(CASES["mixed-batch"], PARAMS)
+        assert str(failed.value).startswith(f"rank 1 died (exit code {FAULT_EXIT})")
+        assert llm.eplb is not None and llm.eplb.stats.rebalances == 0
+        with pytest.raises(RankFailure, match="the engine was stopped"):  # no further step
+            llm.generate(CASES["mixed-batch"], PARAMS)
 
 
 def test_refusals():
@@ -118,3 +174,5 @@ def test_refusals():
         LLM(config=cfg, ep=2, enable_eplb=True, eplb_rebalance_num_iterations=0)
     with pytest.raises(ConfigError, match="layers-per-chunk=0"):
         LLM(config=cfg, ep=2, enable_eplb=True, eplb_rebalance_layers_per_chunk=0)
+    with pytest.raises(ConfigError, match="--eplb-window-size=0: want an integer >= 1"):
+        LLM(config=cfg, ep=2, enable_eplb=True, eplb_window_size=0)

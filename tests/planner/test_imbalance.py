@@ -69,3 +69,25 @@ def test_plan_flags(tmp_path, capsys):
     assert "need the routing to balance" in capsys.readouterr().err
     assert main([*argv, "--balancedness", "0.5", "--expert-distribution", str(dist)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_redundant_slots_need_ep_to_divide_experts_and_slots_together(capsys):
+    # DeepSeek-V3's 256 experts over the blog's EP72: with R = 32, 288 slots, 4 per GPU
+    assert make_layout(72, 72, 72, True, V3.cfg, 32).slots_per_gpu(V3.cfg) == 4
+    with pytest.raises(ConfigError, match="--ep=72 must divide num_experts=256; .* redundant"):
+        make_layout(72, 72, 72, True, V3.cfg)
+    with pytest.raises(ConfigError, match=r"= 272 physical expert slots; choose .* 32 \(or"):
+        make_layout(72, 72, 72, True, V3.cfg, 16)
+    # each GPU reads every slot's weights: replicas cost decode's expert time
+    cluster, batch = load_cluster("1x8-h100"), decode(128, 2000)
+    experts = [
+        CostModel(V3, cluster, make_layout(8, 8, 8, True, V3.cfg, r)).micro_batch([batch] * 8)
+        for r in (0, 32)
+    ]
+    assert experts[1].seconds["experts"][0] > experts[0].seconds["experts"][0]
+    argv = ["plan", "--hf-config", "configs/qwen3-30b-a3b.json", "--cluster", "1x8-h100"]
+    argv += ["--ep", "6", "--workload", "decode:64:1000", "--modes", "none"]
+    assert main([*argv, "--ep-num-redundant-experts", "4", "--balancedness", "0.6"]) == 0
+    assert "expert balancedness 0.600 -> " in capsys.readouterr().out  # 128 + 4 over 6
+    assert main([*argv, "--ep-num-redundant-experts", "2", "--balancedness", "0.6"]) == 2
+    assert "128 + --ep-num-redundant-experts=2 = 130" in capsys.readouterr().err

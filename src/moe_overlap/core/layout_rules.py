@@ -25,8 +25,10 @@ def check_layout(
     link: str | None = None,
     pdmux: bool = False,
     emulate_peers: int = 0,
+    redundant: int = 0,
 ) -> None:
-    """Refuse ``par`` if it is not a layout; then, given them, if ``cfg`` does not fit it, if
+    """Refuse ``par`` if it is not a layout; then, given them, if ``cfg`` (with ``redundant``
+    extra expert slots, EPLB's, which need not be valid yet) does not fit it, if
     ``overlap``'s mode or backend needs something it lacks, if ``link`` (the ``--link`` spec
     of an emulated link, None for none) has no link to emulate, or if PD multiplexing
     (``pdmux``) cannot run on it. ``emulate_peers`` N > 0 (``bench --emulate-peers``): one
@@ -36,7 +38,7 @@ def check_layout(
         par = _check_emulation(par, emulate_peers, cfg, overlap.moe_a2a_backend, link, pdmux)
     _check_sizes(par)
     if cfg is not None:
-        _check_model(cfg, par)
+        _check_model(cfg, par, redundant if is_int(redundant) and redundant > 0 else 0)
     _check_backend(overlap.moe_a2a_backend, par)
     if overlap.a2a_mode == A2AMode.LOW_LATENCY:
         _check_low_latency(par, overlap.moe_a2a_backend, pdmux)
@@ -77,8 +79,8 @@ def _check_sizes(par: ParallelConfig) -> None:
         raise ConfigError(f"--dp={dp} does not divide --tp={tp}; choose dp in {divisors(tp)}")
 
 
-def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
-    """SGLang's refusals for a model on a layout."""
+def _check_model(cfg: ModelConfig, par: ParallelConfig, redundant: int) -> None:
+    """SGLang's refusals for a model on a layout (its experts and ``redundant`` extra slots)."""
     heads, a = cfg.num_attention_heads, par.attn_tp
     where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
     if cfg.is_hybrid and a > 1:
@@ -109,10 +111,8 @@ def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
             f"--pp={par.pp} is more stages than the model's {cfg.num_hidden_layers} layers; "
             f"set --pp to at most {cfg.num_hidden_layers}"
         )
-    if cfg.num_experts % par.ep:
-        raise ConfigError(
-            f"--ep={par.ep} must divide num_experts={cfg.num_experts}; choose a divisor"
-        )
+    if (cfg.num_experts + redundant) % par.ep:
+        raise ConfigError(_experts_over_ep(cfg.num_experts, redundant, par.ep))
     if cfg.moe_intermediate_size % par.moe_tp:
         raise ConfigError(
             f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by the moe-TP "
@@ -129,6 +129,21 @@ def _check_model(cfg: ModelConfig, par: ParallelConfig) -> None:
                 f"{name}={width} (dense MLPs run tensor parallel over attention TP) is not "
                 f"divisible by the {where}"
             )
+
+
+def _experts_over_ep(experts: int, redundant: int, ep: int) -> str:
+    """Why ``experts`` + ``redundant`` slots do not fit ``ep`` ranks, and the fixes."""
+    if not redundant:
+        return (
+            f"--ep={ep} must divide num_experts={experts}; choose a divisor, or add EPLB's "
+            f"redundant experts so that num_experts + --ep-num-redundant-experts divides by {ep}"
+        )
+    fit = -experts % ep or ep
+    return (
+        f"--ep={ep} must divide num_experts={experts} + --ep-num-redundant-experts={redundant} "
+        f"= {experts + redundant} physical expert slots; choose --ep-num-redundant-experts "
+        f"{fit} (or {fit} plus a multiple of {ep}), or an --ep that divides {experts + redundant}"
+    )
 
 
 def _check_backend(backend: str, par: ParallelConfig) -> None:

@@ -1,10 +1,11 @@
 """SGLang's EPLB settings (redundant experts, their placement, how a token picks a replica, and
-the bench's routing skew), one field each, as ``engine/args.py`` holds the others."""
+the bench's routing skew), one field each, as ``engine/args.py`` holds the others; vLLM's
+``--eplb-config`` JSON is read onto them (``engine/vllm_eplb.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from moe_overlap.core.eplb_placement import ALGORITHMS, AUTO, Algorithm, PlacementShape
 from moe_overlap.core.errors import ConfigError, is_int
@@ -17,6 +18,7 @@ from moe_overlap.core.expert_location import (
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import setting
+from moe_overlap.engine.vllm_eplb import EPLB_CONFIG_KEYS, apply_eplb_config
 
 
 @dataclass
@@ -71,6 +73,23 @@ class EplbArgs:
         None,
         "EPLB online: MoE layers moved per step boundary; a rebalance then spreads over several "
         "steps, one chunk each (default: every layer at once)",
+        parse=int,
+        group="eplb",
+    )
+    eplb_window_size: int | None = setting(
+        None,
+        "EPLB online: only the routing of the last W steps before a rebalance counts toward its "
+        "placement (vLLM's window_size; default: every step since the last rebalance)",
+        parse=int,
+        group="eplb",
+    )
+    eplb_config: str | None = setting(
+        None,
+        "vLLM's EPLB settings as JSON, read onto the flags above: "
+        + ", ".join(f"{k} (--{v.replace('_', '-')})" for k, (v, _) in EPLB_CONFIG_KEYS.items())
+        + "; log_balancedness, log_balancedness_interval, use_async and policy at vLLM's "
+        "defaults. A flag set away from its default that disagrees is refused",
+        metavar="JSON",
         group="eplb",
     )
 
@@ -82,6 +101,13 @@ class EplbArgs:
         metavar="zipf:S",
         group="eplb",
     )
+
+    def __post_init__(self) -> None:
+        parent: Any = getattr(super(), "__post_init__", None)  # the other settings' checks
+        if parent is not None:
+            parent()
+        if self.eplb_config is not None:
+            apply_eplb_config(self, self.eplb_config)
 
     def skew_exponent(self) -> float:
         """``--expert-skew``'s S (0.0: none)."""
@@ -102,11 +128,14 @@ class EplbArgs:
         every, chunk = self.eplb_rebalance_num_iterations, self.eplb_rebalance_layers_per_chunk
         if not is_int(every) or every < 1:
             raise ConfigError(f"--eplb-rebalance-num-iterations={every!r}: want an integer >= 1")
-        if chunk is not None and (not is_int(chunk) or chunk < 1):
-            raise ConfigError(
-                f"--eplb-rebalance-layers-per-chunk={chunk!r}: want an integer >= 1, or leave it "
-                "out to move every layer at once"
-            )
+        for flag, value, unset in (
+            ("--eplb-rebalance-layers-per-chunk", chunk, "to move every layer at once"),
+            ("--eplb-window-size", self.eplb_window_size, "to count every step since the last"),
+        ):
+            if value is not None and (not is_int(value) or value < 1):
+                raise ConfigError(
+                    f"{flag}={value!r}: want an integer >= 1, or leave it out {unset}"
+                )
         if self.enable_eplb and (not par.pure_ep or par.pp > 1 or cfg.is_gpt_oss):
             raise ConfigError(
                 f"--enable-eplb moves whole experts between the ranks of pure expert "

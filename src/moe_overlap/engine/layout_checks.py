@@ -50,7 +50,8 @@ def check_settings(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     emulated = link.spec if link.shaped else None
-    check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers)
+    redundant = args.ep_num_redundant_experts  # EPLB's slots: E + R must divide over --ep
+    check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers, redundant)
     check_speculation(args.speculative(), par, cfg, args.enable_pdmux)
     cap = overlap.num_max_dispatch_tokens_per_rank
     if overlap.a2a_mode == A2AMode.LOW_LATENCY and args.max_num_batched_tokens > cap:

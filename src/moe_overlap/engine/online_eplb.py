@@ -1,7 +1,8 @@
 """Online EPLB, driver side (``--enable-eplb``): count the steps, and every
 ``--eplb-rebalance-num-iterations`` of them, at the boundary after a step, ask the ranks to move
 their experts (``runtime/eplb_rebalance.py``), one chunk of layers per boundary until the new
-placement is in. Each move is logged and counted (``/metrics``: ``moe_overlap_eplb_*``)."""
+placement is in; with ``--eplb-window-size`` W, the ranks restart their windows W steps before
+each rebalance. Each move is logged and counted (``/metrics``: ``moe_overlap_eplb_*``)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,16 @@ class EplbStats:
 class OnlineEplb:
     """The driver's clock for online EPLB, and the placement the ranks serve now."""
 
-    def __init__(self, every: int, per_chunk: int, executor: Executor, placement: ExpertPlacement):
+    def __init__(
+        self,
+        every: int,
+        per_chunk: int,
+        executor: Executor,
+        placement: ExpertPlacement,
+        window: int | None = None,
+    ):
         self.every, self.per_chunk, self.executor = every, per_chunk, executor
+        self.window = window if window is not None and window < every else None
         self.placement = placement
         self.steps = 0
         self.moving = False  # a rebalance is part way: the next boundary moves the next chunk
@@ -51,11 +60,14 @@ class OnlineEplb:
                 "a torchrun launch or one process cannot: drop --enable-eplb"
             )
         per_chunk = args.eplb_rebalance_layers_per_chunk or 0
-        return cls(args.eplb_rebalance_num_iterations, per_chunk, executor, placement)
+        every, window = args.eplb_rebalance_num_iterations, args.eplb_window_size
+        return cls(every, per_chunk, executor, placement, window)
 
     def after_step(self) -> bool:
         """Count a step; at a rebalance's boundary move a chunk. True when layers moved."""
         self.steps += 1
+        if self.window is not None and self.steps % self.every == self.every - self.window:
+            self.executor.restart_expert_window()  # the next placement sees W steps only
         if not self.moving and self.steps % self.every:
             return False
         reports = self.executor.rebalance_experts(self.per_chunk)

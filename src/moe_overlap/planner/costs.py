@@ -84,7 +84,7 @@ class CostModel:
         self._fixed = self.over  # the current micro-batch's per-op cost (``micro_batch``)
         c = spec.cfg
         self.sizes = op_sizes(c, layout.attn_tp)
-        self.local_experts = c.num_experts / layout.ep
+        self.local_experts = layout.slots_per_gpu(c)  # each slot's weights are read apart
         shares = cluster.expert_shares
         if shares and len(shares) != layout.world:
             raise ConfigError(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moe_overlap.core.a2a_mode import DispatchDtype
-from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
@@ -81,11 +81,17 @@ class PlanLayout:
     """SGLang's arithmetic: ``world = tp`` GPUs; DP attention gives each of ``dp`` groups its
     own requests with ``attn_tp = tp // dp`` GPUs per attention group; experts over ``ep``.
     Without DP attention every GPU sees the whole batch and attention heads split ``tp`` ways.
+    ``redundant``: EPLB's extra expert slots, so each GPU holds ``(experts + redundant) / ep``.
     """
 
     world: int
     ep: int
     attn_tp: int
+    redundant: int = 0
+
+    def slots_per_gpu(self, cfg: ModelConfig) -> int:
+        """Expert slots each EP rank holds (the replicas of EPLB's redundant experts too)."""
+        return (cfg.num_experts + self.redundant) // self.ep
 
     @property
     def dp_groups(self) -> int:
@@ -96,17 +102,25 @@ class PlanLayout:
 
 
 def make_layout(
-    tp: int | None, dp: int | None, ep: int, dp_attention: bool, cfg: ModelConfig | None = None
+    tp: int | None,
+    dp: int | None,
+    ep: int,
+    dp_attention: bool,
+    cfg: ModelConfig | None = None,
+    redundant: int = 0,
 ) -> PlanLayout:
     """``--ep`` alone (the engine's own layout): ``ep`` ranks, each with its own batch. Legal
-    layouts are the engine's (``core/layout_rules.py``, and ``cfg`` must fit); the planner
-    models those with whole experts per GPU (``--ep`` 1 or ``--tp``) and one replica."""
+    layouts are the engine's (``core/layout_rules.py``, and ``cfg`` with ``redundant`` extra
+    slots must fit: ``ep`` divides the experts and slots together, not the experts alone); the
+    planner models those with whole experts per GPU (``--ep`` 1 or ``--tp``) and one replica."""
+    if not is_int(redundant) or redundant < 0:
+        raise ConfigError(f"--ep-num-redundant-experts={redundant!r} must be an integer >= 0")
     if tp is None:
         par = ParallelConfig(ep=ep, dp=1 if dp is None else dp)
     else:
         dp = dp if dp is not None else tp if dp_attention else 1
         par = ParallelConfig(tp=tp, dp=dp, ep=ep, enable_dp_attention=dp_attention)
-    check_layout(par, cfg)
+    check_layout(par, cfg, redundant=redundant)
     if par.replicas > 1:
         raise ConfigError(
             f"--dp={par.dp} without --enable-dp-attention runs {par.dp} independent replicas; "
@@ -117,4 +131,4 @@ def make_layout(
             f"--ep={ep} with --tp={par.tp}: the planner models whole experts per GPU; set --ep "
             f"to 1 or {par.tp}"
         )
-    return PlanLayout(par.stage_size, ep, par.attn_tp)
+    return PlanLayout(par.stage_size, ep, par.attn_tp, redundant)

@@ -106,7 +106,7 @@ class Planner:
         if runs is Runs.THREADS:
             return self._dbo(mode, cfg, batches, record)
         if runs is Runs.BLOCKS:  # the engine makes no more blocks than a rank has experts
-            local = self.spec.cfg.num_experts // self.layout.ep
+            local = self.layout.slots_per_gpu(self.spec.cfg)
             ops = self.ops(cfg.mode, min(cfg.sbo_combine_blocks, local))
             return self._run(mode, [batches], ops, 0, record)
         return self._run(mode, [batches], self.ops(cfg.mode), 0, record)

@@ -132,7 +132,7 @@ def run_case(case: Case, batches_for: BatchesFor, mode_config: ModeConfig) -> Ou
     if case.fp8:
         spec = with_precision(spec, "fp8", DispatchDtype.FP8)
     tp, dp, ep = case.layout
-    layout = make_layout(tp, dp, ep, True, spec.cfg)
+    layout = make_layout(tp, dp, ep, True, spec.cfg, case.redundant)
     cluster = load_cluster(case.cluster)
     batches = batches_for(case.workload, layout)
     if case.balancedness is not None:

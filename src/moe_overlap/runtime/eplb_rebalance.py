@@ -6,10 +6,12 @@ rank, the others arrive from the nearest rank that held the expert, in one all-t
 tensor. One chunk of layers moves per call. A layer's new weights are staged beside the old ones
 and committed together with its replica map only once the whole chunk has arrived, so no forward
 ever sees a half-moved layer. Every wait has the group's timeout: when a peer dies mid-move the
-others raise ``CollectiveTimeout`` and the driver names the rank."""
+others raise (the collective's error, or ``CollectiveTimeout``) before their commit, and the
+driver names the rank that died."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,6 +25,17 @@ from moe_overlap.model.moe import ExpertBank
 from moe_overlap.model.moe_block import SparseMoeBlock
 
 Row = tuple[int, ...]
+# fault injection for the tests: "RANK:POINT" ends rank RANK's process at POINT of a move,
+# "plan" (after the window's all-reduce) or "exchange" (after the first expert tensor crossed)
+FAULT_ENV = "MOE_OVERLAP_EPLB_FAULT"
+FAULT_EXIT = 75
+
+
+def fault_point(rank: int, point: str) -> None:
+    """Exit at once (no clean-up, as a killed process) where ``FAULT_ENV`` names this rank and
+    ``point``: what a rank that dies mid-move looks like to its peers and the driver."""
+    if os.environ.get(FAULT_ENV) == f"{rank}:{point}":
+        os._exit(FAULT_EXIT)
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class Rebalancer:
         start = time.perf_counter()
         if not self.pending:
             self.pending = self._plan()
+            fault_point(self.group.rank, "plan")
         chunk = sorted(self.pending)[: layers_per_chunk or None]
         rows = {layer: self.pending.pop(layer) for layer in chunk}
         moves = [
@@ -104,6 +118,11 @@ class Rebalancer:
         ]
         sent = self._move(rows, moves)
         return MoveReport(rows, len(moves), sent, time.perf_counter() - start, len(self.pending))
+
+    def restart_window(self) -> None:
+        """Zero the window: the next placement balances the routing from here on."""
+        for block in self.blocks.values():
+            block.window.zero_()
 
     def _plan(self) -> dict[int, Row]:
         """Every layer whose placement changes, from the EP group's summed window (zeroed)."""
@@ -134,7 +153,14 @@ class Rebalancer:
                 for name, t in expert_tensors(bank):
                     staged[m.layer][name][m.slot - bank.first] = t[m.src_slot - bank.first]
         crossing = [m for m in moves if m.src != m.slot // per]
-        sent = self._exchange(banks, staged, crossing) if crossing else 0
+        try:
+            sent = self._exchange(banks, staged, crossing) if crossing else 0
+        except BaseException as exc:  # a peer died or stalled: the staged rows are dropped
+            exc.add_note(
+                f"EPLB: rank {me}'s move of layers {sorted(rows)} stopped before its commit; "
+                "they keep their old experts and replica map"
+            )
+            raise
         for layer, row in rows.items():  # commit: weights and map together
             block, bank = self.blocks[layer], banks[layer]
             for name, t in expert_tensors(bank):
@@ -168,4 +194,5 @@ class Rebalancer:
             for row, (_, layer, slot, _) in zip(got, recvs, strict=True):
                 staged[layer][name][slot - banks[layer].first] = row.view_as(like[0])
             sent += buf.numel() * buf.element_size()
+            fault_point(me, "exchange")
         return sent

@@ -52,6 +52,11 @@ class Executor(ABC):
         ``MoveReport``."""
         raise ConfigError("--enable-eplb moves experts between spawned ranks (--ep >= 2)")
 
+    def restart_expert_window(self) -> None:
+        """Online EPLB's ``--eplb-window-size``: every rank zeroes its window of routed
+        tokens, so the next placement balances the steps from here on."""
+        raise ConfigError("--enable-eplb moves experts between spawned ranks (--ep >= 2)")
+
     def serve(self) -> None:
         """Ranks that do not drive: serve the driver's steps until it ends the call."""
         return None  # every rank drives here

@@ -115,6 +115,9 @@ class SpawnedExecutor(Executor):
     def rebalance_experts(self, layers_per_chunk: int) -> list:
         return self._request([("eplb", layers_per_chunk)] * self.num_ranks)
 
+    def restart_expert_window(self) -> None:
+        self._request([("eplb-window",)] * self.num_ranks)
+
     def _request(self, messages: list[tuple]) -> list:
         """Send each rank its message and collect every reply. A call interrupted while
         waiting (Ctrl-C) leaves replies unread: the next call reads and drops them first, so

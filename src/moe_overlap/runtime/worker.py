@@ -44,7 +44,8 @@ def _log_to_stderr(rank: int) -> None:
 
 def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
     """Serve ``("step", ...)``, ``("probe", ...)``, ``("experts", action)`` and
-    ``("eplb", layers_per_chunk)`` until ``("stop",)`` or the driver leaves."""
+    ``("eplb", layers_per_chunk)``, ``("eplb-window",)`` until ``("stop",)`` or the driver
+    leaves."""
     # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(rank.threads)
@@ -67,10 +68,10 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
                 conn.send(("ok", probe_all_to_all(runner.group, num_bytes, repeats, p2p, link)))
             elif msg[0] == "experts":
                 conn.send(("ok", expert_load(runner.model, msg[1])))
-            elif msg[0] == "eplb":
+            elif msg[0] in ("eplb", "eplb-window"):
                 if eplb is None:
                     raise ValueError("online EPLB is off on this rank (no --enable-eplb)")
-                conn.send(("ok", eplb.step(msg[1])))
+                conn.send(("ok", eplb.step(msg[1]) if msg[0] == "eplb" else eplb.restart_window()))
             else:
                 group = spec.parallel.batch_of(rank.rank)
                 answers = spec.parallel.answers(rank.rank)

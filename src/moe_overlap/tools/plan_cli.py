@@ -61,7 +61,8 @@ def plan_layout(args: argparse.Namespace, cfg: ModelConfig) -> PlanLayout:
     """The layout the flags name, with the engine's defaults: --tp 1 with --ep N is pure EP,
     and --dp 1 leaves the groups to --tp."""
     tp, dp = (None if args.tp == 1 else args.tp), (None if args.dp == 1 else args.dp)
-    return make_layout(tp, dp, args.ep, args.enable_dp_attention, cfg)
+    redundant = args.ep_num_redundant_experts  # EPLB's slots: --ep divides E + R
+    return make_layout(tp, dp, args.ep, args.enable_dp_attention, cfg, redundant)
 
 
 def plan_cluster(
