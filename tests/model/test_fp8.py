@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,10 @@ from safetensors.torch import load_file, save_file
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import CheckpointError, ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model import loader
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry
-from moe_overlap.model.fp8_checkpoint import Fp8Tensor, quantize_checkpoint
+from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_resident import column_block, fp8_path, keep_resident
 from moe_overlap.model.fp8_w8a8 import W8A8Linear, quantize_activations
 from moe_overlap.model.fp8_weights import dequantize, resident_bytes
@@ -199,6 +201,46 @@ def test_on_the_fly_keeps_fp8_resident_and_equals_the_default(fp8):
     assert bf16 > 0 and held / bf16 == pytest.approx((1 + 4 / 32) / 2)
 
 
+def test_a_load_allocates_the_model_once_and_holds_one_checkpoint_tensor(fp8, monkeypatch):
+    """The load streams: every parameter is allocated at its final size (the run dtype, or FP8
+    kept resident) before the first tensor is read, and each checkpoint tensor read is dropped
+    before the next (``scripts/fp8_load_peak.py`` measures the peak this gives)."""
+    cfg = ModelConfig.from_hf(fp8["qwen3_moe"] / "config.json")
+    read, fill, skeleton = loader._read, loader.fill, loader.skeleton
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+    seen: dict = {"alive": 0, "first fill": [], "models": []}
+
+    def reading(*args):
+        seen["alive"] = max(seen["alive"], len(alive))  # earlier reads still held
+        alive.add(value := read(*args))
+        return value
+
+    def filling(*args):
+        if not seen["first fill"]:
+            seen["first fill"].append(_param_bytes(seen["models"][-1]))
+        fill(*args)
+
+    monkeypatch.setattr(loader, "_read", reading)
+    monkeypatch.setattr(loader, "fill", filling)
+
+    def building(*args):
+        seen["models"].append(skeleton(*args))
+        return seen["models"][-1]
+
+    monkeypatch.setattr(loader, "skeleton", building)
+    for on_the_fly in (False, True):
+        seen["first fill"].clear()
+        model = build_model(cfg, fp8["qwen3_moe"], dtype=torch.bfloat16, fp8_on_the_fly=on_the_fly)
+        assert seen["first fill"] == [_param_bytes(model)], on_the_fly
+        assert seen["alive"] == 0
+    kinds = {p.dtype for p in model.parameters()}
+    assert kinds == {torch.bfloat16, torch.float32, torch.float8_e4m3fn}  # float32: the routers
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
     source = fp8["qwen3_moe"]
     cfg = ModelConfig.from_hf(source / "config.json")
@@ -295,8 +337,8 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
     model = build_model(cfg, tmp_path)
     assert not any(isinstance(m, W8A8Linear) for m in model.modules())
     forced = MoeForCausalLM(cfg)
-    kept = load_checkpoint(forced, tmp_path, keep_fp8=True).kept
-    assert keep_resident(forced, kept, torch.float32, w8a8=True) > 0
+    resident = load_checkpoint(forced, tmp_path, keep_fp8=True).resident
+    assert keep_resident(forced, resident, torch.float32, w8a8=True) > 0
     x = torch.randn(3, cfg.hidden_size)
     ours, theirs = (
         forced.model.layers["0"].self_attn.q_proj,
@@ -310,8 +352,7 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
 def test_on_the_fly_refuses_a_column_shard_inside_a_block():
     """A RowLinear's shard starting at column 32 of blocks of 48 cannot take whole column
     blocks of scales: refused with the fix (the default load cuts any shard)."""
-    q = torch.zeros(16, 64, dtype=torch.float8_e4m3fn)
-    kept = {"o_proj.weight": Fp8Tensor(q, torch.ones(1, 2), (48, 48))}
+    kept = {"o_proj.weight": 48}
     entry = Entry("o_proj.weight", "o_proj.weight", torch.zeros(16, 32), Shard(1, 32, 64))
     with pytest.raises(ConfigError, match="column 32, inside a scale block of 48.*drop --fp8"):
         column_block([entry], kept)

@@ -12,7 +12,7 @@ strategy), the others as ``quant_method: fp8`` (``X.weight_scale_inv``)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,14 +43,6 @@ class Fp8Tensor:
     def row_scale(self) -> torch.Tensor:
         """The grid repeated over each block's rows: ``[N, column blocks]``."""
         return self.grid.float().repeat_interleave(self.block[0], dim=0)[: self.q.shape[0]]
-
-
-@dataclass
-class Fp8Loaded:
-    """What a load found FP8: the checkpoint names, and (where asked) the tensors as stored."""
-
-    names: list[str] = field(default_factory=list)
-    kept: dict[str, Fp8Tensor] = field(default_factory=dict)
 
 
 def _skipped(module: str, skipped: tuple[str, ...]) -> bool:
