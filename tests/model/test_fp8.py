@@ -327,9 +327,11 @@ def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
 
 
 def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(tmp_path):
-    """The engine on CPU dequantizes (``fp8_path``); W8A8 forced onto CPU linears (where torch
-    has no block-scaled FP8 GEMM) falls back to the dequantized weight, bit for bit."""
+    """The engine on CPU dequantizes (``fp8_path``); W8A8 forced onto CPU linears and expert
+    banks (where torch has no block-scaled FP8 GEMM) falls back to the dequantized weights, bit
+    for bit."""
     cfg = ModelConfig.from_hf(CONFIGS["qwen3_moe"])
+    cfg = dataclasses.replace(cfg, moe_intermediate_size=128)  # the experts fit 128x128 too
     save_checkpoint(build_model(cfg), tmp_path)
     quantize_checkpoint(tmp_path, (128, 128))
     quant = quant_config_of(json.loads((tmp_path / "config.json").read_text()), "tiny")
@@ -345,6 +347,9 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
         model.model.layers["0"].self_attn.q_proj,
     )
     assert torch.equal(ours(x), theirs(x)) and ours.w8a8.failed
+    ours, theirs = forced.model.layers["1"].mlp.experts, model.model.layers["1"].mlp.experts
+    assert torch.equal(ours(x, [2, 0, 1, 0, 0, 0, 0, 0]), theirs(x, [2, 0, 1, 0, 0, 0, 0, 0]))
+    assert ours.w8a8.failed and theirs.w8a8 is None
     xq, scale = quantize_activations(x)
     assert torch.allclose(xq.float() * scale.repeat_interleave(128, 1), x, rtol=0.07, atol=0)
 

@@ -22,8 +22,16 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry, fill, layout_entries
 from moe_overlap.model.fp8_checkpoint import Fp8Tensor
-from moe_overlap.model.fp8_w8a8 import W8A8_BLOCK, W8A8Linear, w8a8_available, w8a8_fits
+from moe_overlap.model.fp8_w8a8 import (
+    W8A8_BLOCK,
+    W8A8Experts,
+    W8A8Linear,
+    experts_fit,
+    w8a8_available,
+    w8a8_fits,
+)
 from moe_overlap.model.fp8_weights import FP8_DTYPE, Fp8Dequant, resident_bytes
+from moe_overlap.model.moe import ExpertBank
 from moe_overlap.model.quant_config import Fp8Config
 from moe_overlap.model.tensor_parallel import Shard
 
@@ -45,8 +53,8 @@ def fp8_path(quant: Fp8Config | None, device: torch.device | str, on_the_fly: bo
         return "FP8 weights dequantized once at load (CPU has no FP8 matmul)"
     if not on_the_fly and w8a8_available(device) and quant.block == W8A8_BLOCK:
         return (
-            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears that fit, "
-            "the rest (the experts) dequantized at each use"
+            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears and expert "
+            "banks that fit (the experts one GEMM per expert), the rest dequantized at each use"
         )
     return "FP8 weights resident, dequantized at each use (no W8A8 here)"
 
@@ -71,7 +79,7 @@ def settle_fp8(
         held, bf16 = resident_bytes(model)
         how = "kept in FP8 and dequantized at each use"
         if scaled:
-            how = f"kept in FP8 ({scaled} linears W8A8, the rest dequantized at each use)"
+            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized)"
     if report:
         log.info(
             "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "
@@ -151,8 +159,8 @@ def keep_resident(
     for param, held in resident.items():
         owner, _, attr = param.rpartition(".")
         module = model.get_submodule(owner)
-        q = getattr(module, attr)  # moved with the model
-        scale = held.row_scale.to(q.device)
+        held.q = q = getattr(module, attr)  # moved with the model
+        held.row_scale = scale = held.row_scale.to(q.device)
         parametrize.register_parametrization(
             module, attr, Fp8Dequant(scale, held.cols, dtype), unsafe=True
         )
@@ -161,7 +169,30 @@ def keep_resident(
             rebuild = partial(getattr, module, attr)  # the fallback: dequantized at use
             module.w8a8 = W8A8Linear(q, scale[:: block[0]], rebuild)
             scaled += 1
-    return scaled
+    return scaled + (_w8a8_experts(model, resident) if w8a8 else 0)
+
+
+def _w8a8_experts(model: MoeForCausalLM, resident: dict[str, ResidentFp8]) -> int:
+    """Give each expert bank whose both projections are FP8 and fit 128x128 blocks its
+    per-expert scaled GEMMs; returns how many."""
+    banks = 0
+    for name, bank in model.named_modules():
+        if not isinstance(bank, ExpertBank) or bank.swiglu is not None:
+            continue
+        held = [resident.get(f"{name}.{attr}") for attr in ("gate_up_proj", "down_proj")]
+        gate_up, down = held
+        if gate_up is None or down is None or gate_up.block != down.block:
+            continue
+        hidden = down.q.shape[1]  # not bank.down_proj: that would dequantize the bank
+        if experts_fit(hidden, bank.intermediate, bank.inter_start, gate_up.block):
+            bank.w8a8 = W8A8Experts(_with_grid(gate_up), _with_grid(down))
+            banks += 1
+    return banks
+
+
+def _with_grid(held: ResidentFp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 expert projection and its 128x128 grid per expert (``[E, N / 128, K / 128]``)."""
+    return held.q, held.row_scale[:, ::128].contiguous()
 
 
 def _starts(shard: object) -> tuple[int, int]:
