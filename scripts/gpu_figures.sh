@@ -123,8 +123,10 @@ if want prefill; then
 fi
 
 # 2b. an FP8 checkpoint (Hub layout, 128x128 blocks) of the same shape, 2 layers (make-model
-#     stays cheap): decode-64 and prefill-3072 against bf16 random weights of that shape, ep=1;
-#     the bench's header says which FP8 path ran (W8A8 or dequantized) and the resident bytes
+#     stays cheap): decode-64 and prefill-3072 against bf16 random weights of that shape, ep=1,
+#     then the same checkpoint dequantized at each use (--fp8-dequant-on-the-fly: no W8A8, the
+#     reference the W8A8 linears and per-expert GEMMs are judged against); the bench's header
+#     says which FP8 path ran (W8A8 or dequantized) and the resident bytes
 if want fp8; then
   cfg2="$logs/qwen3-30b-a3b-2l.json"
   "$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2
@@ -140,6 +142,10 @@ json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
       --ep 1 --dtype bfloat16 --link none --repeat 10 --workload "$w" --modes none
     table "fp8-${w//:/-}"
     grep -iE "fp8|w8a8|resident" "$logs/fp8-${w//:/-}.txt" >> "$summary"
+    run "fp8-dequant-${w//:/-}" 60 "${cli[@]}" bench --model "$logs/fp8-model" \
+      --device "$device" --ep 1 --dtype bfloat16 --fp8-dequant-on-the-fly --link none \
+      --repeat 10 --workload "$w" --modes none
+    table "fp8-dequant-${w//:/-}"
   done
   rm -rf "$logs/fp8-model"
 fi

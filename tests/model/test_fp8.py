@@ -1,5 +1,6 @@
-"""FP8 checkpoints (``make-model --quantize fp8``, 32x32 blocks on the tiny configs): one process
-against transformers on the same FP8 weights; ``--fp8-dequant-on-the-fly`` bit for bit the
+"""FP8 checkpoints (``make-model --quantize fp8``, 32x32 blocks on the tiny configs, 16x16 on the
+helpers' GLM-4.5 and MiMo-V2-Flash configs, whose dimensions are smaller): one process against
+transformers on the same FP8 weights; ``--fp8-dequant-on-the-fly`` bit for bit the
 default; every overlap mode at ep=2 and TP 2 (its shards cutting blocks) against one process;
 named errors for bad checkpoints.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,10 @@ from safetensors.torch import load_file, save_file
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import CheckpointError, ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.model import loader
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry
-from moe_overlap.model.fp8_checkpoint import Fp8Tensor, quantize_checkpoint
+from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_resident import column_block, fp8_path, keep_resident
 from moe_overlap.model.fp8_w8a8 import W8A8Linear, quantize_activations
 from moe_overlap.model.fp8_weights import dequantize, resident_bytes
@@ -35,7 +38,7 @@ from moe_overlap.model.loader import build_model, load_checkpoint, save_checkpoi
 from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.model.tensor_parallel import Shard
 from moe_overlap.tools.cli import main
-from tests.helpers import every_mode, force_overlap, max_abs_diff
+from tests.helpers import every_mode, force_overlap, glm4_hf_config, max_abs_diff, mimo_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +47,12 @@ CONFIGS = {  # blocks of 32: kv_a_proj_with_mqa's 40 rows are 2 blocks, the last
     "deepseek_v3": "configs/deepseek-v3-tiny.json",
     "qwen3_5_moe": "configs/qwen3_5-moe-tiny.json",
 }
-PROMPTS = [[(11 * i + 5) % 512 for i in range(n)] for n in (9, 3)]
+HF_CONFIGS = {  # blocks of 16: MiMo's k_proj (one 24-wide head) ends in a short block
+    "glm4_moe": glm4_hf_config,  # compressed-tensors, as GLM-4.5's FP8 checkpoints
+    "mimo_v2_flash": mimo_hf_config,  # its every o_proj left in bf16 (ignored_layers)
+}
+BLOCKS = {family: 16 for family in HF_CONFIGS}
+PROMPTS = [[(11 * i + 5) % 96 for i in range(n)] for n in (9, 3)]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 KW = dict(max_num_batched_tokens=8)  # chunked prefill: TBO and two-chunk get cut sequences
@@ -52,9 +60,16 @@ KW = dict(max_num_batched_tokens=8)  # chunked prefill: TBO and two-chunk get cu
 
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory) -> dict[str, Path]:
-    """The three tiny FP8 checkpoints (DeepSeek-V3's through the command line)."""
+    """The five tiny FP8 checkpoints (DeepSeek-V3's, GLM-4.5's and MiMo-V2-Flash's through the
+    command line)."""
     root = tmp_path_factory.mktemp("fp8")
     paths = {}
+    for family, make in HF_CONFIGS.items():
+        config = root / f"{family}.json"
+        config.write_text(json.dumps(make().to_dict()))
+        argv = ["make-model", "--hf-config", str(config), "--out", str(root / family)]
+        assert main([*argv, "--quantize", "fp8", "--fp8-block", "16"]) == 0
+        paths[family] = root / family
     for family, config in CONFIGS.items():
         out = paths[family] = root / family
         if family == "deepseek_v3":
@@ -77,22 +92,22 @@ def one_process(fp8) -> dict[str, list]:
     return outs
 
 
-def _dequantized_copy(path: Path, out: Path, by_transformers: bool) -> None:
+def _dequantized_copy(path: Path, out: Path, by_transformers: bool, block: int = 32) -> None:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     tensors = load_file(str(path / "model.safetensors"))
     plain = {}
     for name, tensor in tensors.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", "_scale")):
             continue
-        scale = tensors.get(f"{name}_scale_inv")
+        scale = tensors.get(f"{name}_scale_inv", tensors.get(f"{name}_scale"))
         if scale is None:
             plain[name] = tensor
         elif by_transformers:
             plain[name] = Fp8Dequantize(None)._dequantize_one(tensor, scale, torch.float32)
-        else:  # each element times its 32x32 block's scale, short blocks at the ends
-            grid = scale.repeat_interleave(32, 0)[: tensor.shape[0]]
-            plain[name] = tensor.float() * grid.repeat_interleave(32, 1)[:, : tensor.shape[1]]
+        else:  # each element times its block's scale, short blocks at the ends
+            grid = scale.repeat_interleave(block, 0)[: tensor.shape[0]]
+            plain[name] = tensor.float() * grid.repeat_interleave(block, 1)[:, : tensor.shape[1]]
     out.mkdir()
     save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
@@ -116,9 +131,10 @@ def test_transformers_dequantizes_a_non_dividing_grid_wrongly_or_not_at_all(fp8)
         Fp8Dequantize(None)._dequantize_one(q, torch.ones(3, 8))
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", [*CONFIGS, *HF_CONFIGS])
 def test_one_process_matches_transformers(fp8, one_process, family, tmp_path):
-    _dequantized_copy(fp8[family], tmp_path / "plain", by_transformers=family != "deepseek_v3")
+    theirs = family in ("qwen3_moe", "qwen3_5_moe")  # transformers' op gets the others wrong
+    _dequantized_copy(fp8[family], tmp_path / "plain", theirs, BLOCKS.get(family, 32))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()
     for prompt, out in zip(PROMPTS, one_process[family], strict=True):
         with torch.no_grad():
@@ -127,11 +143,12 @@ def test_one_process_matches_transformers(fp8, one_process, family, tmp_path):
         assert out.token_ids[0] == ref[-1].argmax().item()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_5_moe", *HF_CONFIGS])
 def test_every_mode_at_ep2_equals_one_process(fp8, one_process, family):
     """One ep=2 engine runs every mode with the weights kept in FP8 (each rank its experts and
     their scales), against one process dequantizing at load; Qwen3.5's linear attention under
-    cut sequences too."""
+    cut sequences too, GLM-4.5's compressed-tensors scales and MiMo-V2-Flash's bf16 o_proj
+    beside FP8 q/k/v."""
     with LLM(fp8[family], ep=2, fp8_dequant_on_the_fly=True, **KW) as llm:
         for mode in MODES:
             force_overlap(llm, every_mode()[mode])
@@ -184,17 +201,63 @@ def test_on_the_fly_keeps_fp8_resident_and_equals_the_default(fp8):
     assert bf16 > 0 and held / bf16 == pytest.approx((1 + 4 / 32) / 2)
 
 
+def test_a_load_allocates_the_model_once_and_holds_one_checkpoint_tensor(fp8, monkeypatch):
+    """The load streams: every parameter is allocated at its final size (bf16, float32 routers,
+    FP8 kept resident) before the first tensor is read, and each checkpoint tensor read is
+    dropped before the next (``scripts/fp8_load_peak.py`` measures the peak this gives)."""
+    cfg = ModelConfig.from_hf(fp8["qwen3_moe"] / "config.json")
+    read, fill, skeleton = loader._read, loader.fill, loader.skeleton
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+    seen: dict = {"alive": 0, "first fill": [], "models": []}
+
+    def reading(*args):
+        seen["alive"] = max(seen["alive"], len(alive))  # earlier reads still held
+        alive.add(value := read(*args))
+        return value
+
+    def filling(*args):
+        if not seen["first fill"]:
+            seen["first fill"].append(_param_bytes(seen["models"][-1]))
+        fill(*args)
+
+    monkeypatch.setattr(loader, "_read", reading)
+    monkeypatch.setattr(loader, "fill", filling)
+
+    def building(*args):
+        seen["models"].append(skeleton(*args))
+        return seen["models"][-1]
+
+    monkeypatch.setattr(loader, "skeleton", building)
+    model = build_model(cfg, fp8["qwen3_moe"], dtype=torch.bfloat16, fp8_on_the_fly=True)
+    assert seen["first fill"] == [_param_bytes(model)] and seen["alive"] == 0
+    kinds = {p.dtype for p in model.parameters()}
+    assert kinds == {torch.bfloat16, torch.float32, torch.float8_e4m3fn}  # float32: the routers
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
     source = fp8["qwen3_moe"]
     cfg = ModelConfig.from_hf(source / "config.json")
     raw = json.loads((source / "config.json").read_text())
-    awq = tmp_path / "awq"
-    awq.mkdir()
-    (awq / "config.json").write_text(
-        json.dumps(raw | {"quantization_config": {"quant_method": "awq"}})
-    )
-    with pytest.raises(ConfigError, match="quant_method='awq'"):
-        LLM(awq)
+    int4 = {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}
+    refused = {
+        "awq": ({"quant_method": "awq"}, "quant_method='awq'"),
+        "mxfp4": ({"quant_method": "mxfp4"}, "quant_method='mxfp4'.*Mxfp4Config"),  # GPT-OSS
+        "w4a16": (
+            {"quant_method": "compressed-tensors", "config_groups": {"group_0": int4}},
+            "'int' 4-bit, strategy='group'",
+        ),
+    }
+    for case, (quant, error) in refused.items():
+        (tmp_path / case).mkdir()
+        (tmp_path / case / "config.json").write_text(
+            json.dumps(raw | {"quantization_config": quant})
+        )
+        with pytest.raises(ConfigError, match=error):
+            LLM(tmp_path / case)
     with pytest.raises(ConfigError, match="--quantization fp8 needs an FP8 checkpoint"):
         LLM(hf_config="configs/qwen3-moe-tiny.json", quantization="fp8")
     tensors = load_file(str(source / "model.safetensors"))
@@ -218,7 +281,8 @@ def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
 
 def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
     """``quant_method: fp8`` without a block size: ``weight_scale`` per tensor or per output
-    row. The load log says the weights were dequantized, and how many bytes they hold."""
+    row; the same tensors as a ``compressed-tensors`` checkpoint. The load log says the weights
+    were dequantized, and how many bytes they hold."""
     source = fp8["qwen3_moe"]
     tensors = load_file(str(source / "model.safetensors"))
     cfg = ModelConfig.from_hf(source / "config.json")
@@ -248,12 +312,23 @@ def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
     )
     expert = model.get_parameter(f"{layer}.down_proj")[3]
     assert torch.equal(expert, loaded[f"{layer}.3.down_proj.weight"])
+    weights = {"type": "float", "num_bits": 8, "strategy": "channel"}  # GLM-4.5-FP8's layout
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"weights": weights}},
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    again = build_model(cfg, path)
+    assert torch.equal(again.get_parameter(f"{layer}.down_proj")[3], expert)
 
 
 def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(tmp_path):
-    """The engine on CPU dequantizes (``fp8_path``); W8A8 forced onto CPU linears (where torch
-    has no block-scaled FP8 GEMM) falls back to the dequantized weight, bit for bit."""
+    """The engine on CPU dequantizes (``fp8_path``); W8A8 forced onto CPU linears and expert
+    banks (where torch has no block-scaled FP8 GEMM) falls back to the dequantized weights, bit
+    for bit."""
     cfg = ModelConfig.from_hf(CONFIGS["qwen3_moe"])
+    cfg = dataclasses.replace(cfg, moe_intermediate_size=128)  # the experts fit 128x128 too
     save_checkpoint(build_model(cfg), tmp_path)
     quantize_checkpoint(tmp_path, (128, 128))
     quant = quant_config_of(json.loads((tmp_path / "config.json").read_text()), "tiny")
@@ -261,14 +336,17 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
     model = build_model(cfg, tmp_path)
     assert not any(isinstance(m, W8A8Linear) for m in model.modules())
     forced = MoeForCausalLM(cfg)
-    kept = load_checkpoint(forced, tmp_path, keep_fp8=True).kept
-    assert keep_resident(forced, kept, torch.float32, w8a8=True) > 0
+    resident = load_checkpoint(forced, tmp_path, keep_fp8=True).resident
+    assert keep_resident(forced, resident, torch.float32, w8a8=True) > 0
     x = torch.randn(3, cfg.hidden_size)
     ours, theirs = (
         forced.model.layers["0"].self_attn.q_proj,
         model.model.layers["0"].self_attn.q_proj,
     )
     assert torch.equal(ours(x), theirs(x)) and ours.w8a8.failed
+    ours, theirs = forced.model.layers["1"].mlp.experts, model.model.layers["1"].mlp.experts
+    assert torch.equal(ours(x, [2, 0, 1, 0, 0, 0, 0, 0]), theirs(x, [2, 0, 1, 0, 0, 0, 0, 0]))
+    assert ours.w8a8.failed and theirs.w8a8 is None
     xq, scale = quantize_activations(x)
     assert torch.allclose(xq.float() * scale.repeat_interleave(128, 1), x, rtol=0.07, atol=0)
 
@@ -276,8 +354,7 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
 def test_on_the_fly_refuses_a_column_shard_inside_a_block():
     """A RowLinear's shard starting at column 32 of blocks of 48 cannot take whole column
     blocks of scales: refused with the fix (the default load cuts any shard)."""
-    q = torch.zeros(16, 64, dtype=torch.float8_e4m3fn)
-    kept = {"o_proj.weight": Fp8Tensor(q, torch.ones(1, 2), (48, 48))}
+    kept = {"o_proj.weight": 48}
     entry = Entry("o_proj.weight", "o_proj.weight", torch.zeros(16, 32), Shard(1, 32, 64))
     with pytest.raises(ConfigError, match="column 32, inside a scale block of 48.*drop --fp8"):
         column_block([entry], kept)

@@ -1,16 +1,18 @@
 """FP8 checkpoints in the Hub's layout: which tensors ``make-model --quantize fp8`` quantizes,
 writing them, and reading one quantized tensor back with its scales checked.
 
-Quantized, as in DeepSeek-V3's and Qwen3's/Qwen3.5's ``-FP8`` checkpoints: the 2-D projection
-weights of attention, linear attention and every MLP and expert (``*_proj``). Left in the run
-dtype: embeddings, the LM head, norms, routers (``mlp.gate``), Qwen3.5's
-``shared_expert_gate``, its linear attention's ``in_proj_a``/``in_proj_b`` (listed in
-``modules_to_not_convert``, as the Hub's Qwen3.5 checkpoints list them), convolutions, biases."""
+Quantized, as in the Hub's ``-FP8`` checkpoints: the 2-D projection weights of attention, linear
+attention and every MLP and expert (``*_proj``). Left in the run dtype: embeddings, the LM head,
+norms, routers (``mlp.gate``), Qwen3.5's ``shared_expert_gate``, convolutions, biases, and per
+family what its Hub checkpoint lists: Qwen3.5's linear attention ``in_proj_a``/``in_proj_b``
+(``modules_to_not_convert``), MiMo-V2-Flash's every ``self_attn.o_proj`` (``ignored_layers``).
+GLM-4.5 is written as llm-compressor's ``compressed-tensors`` export (``X.weight_scale``, block
+strategy), the others as ``quant_method: fp8`` (``X.weight_scale_inv``)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,9 +21,11 @@ from safetensors.torch import load_file, save_file
 
 from moe_overlap.core.errors import CheckpointError
 from moe_overlap.model.fp8_weights import FP8_DTYPE, dequantize, grid_shape, quantize
-from moe_overlap.model.quant_config import FP8, Fp8Config
+from moe_overlap.model.quant_config import COMPRESSED_TENSORS, FP8, Fp8Config
 
-NOT_CONVERTED = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # small, left in bf16
+LINEAR_ATTN_SKIPPED = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")  # Qwen3.5's, small
+_SKIPPED_BY_FAMILY = {"mimo_v2_flash": ("self_attn.o_proj",)}  # model_type -> its Hub's list
+_COMPRESSED_FAMILIES = ("glm4_moe",)  # written as llm-compressor's float-quantized export
 
 
 @dataclass
@@ -41,20 +45,15 @@ class Fp8Tensor:
         return self.grid.float().repeat_interleave(self.block[0], dim=0)[: self.q.shape[0]]
 
 
-@dataclass
-class Fp8Loaded:
-    """What a load found FP8: the checkpoint names, and (where asked) the tensors as stored."""
-
-    names: list[str] = field(default_factory=list)
-    kept: dict[str, Fp8Tensor] = field(default_factory=dict)
+def _skipped(module: str, skipped: tuple[str, ...]) -> bool:
+    return any(module.endswith(f".{name}") for name in skipped)
 
 
-def _skipped(module: str) -> bool:
-    return any(module.endswith(f".{name}") for name in NOT_CONVERTED)
-
-
-def is_quantized_name(name: str, tensor: torch.Tensor) -> bool:
-    """Whether ``make-model --quantize fp8`` stores checkpoint tensor ``name`` in FP8."""
+def is_quantized_name(
+    name: str, tensor: torch.Tensor, skipped: tuple[str, ...] = LINEAR_ATTN_SKIPPED
+) -> bool:
+    """Whether ``make-model --quantize fp8`` stores checkpoint tensor ``name`` in FP8
+    (``skipped``: module-name suffixes the family's Hub checkpoint leaves unquantized)."""
     module, _, leaf = name.rpartition(".")
     last = module.rpartition(".")[2]
     return (
@@ -62,36 +61,59 @@ def is_quantized_name(name: str, tensor: torch.Tensor) -> bool:
         and tensor.dim() == 2
         and tensor.is_floating_point()
         and "proj" in last
-        and not _skipped(module)
+        and not _skipped(module, skipped)
     )
 
 
 def quantize_checkpoint(path: str | Path, block: tuple[int, int]) -> int:
-    """Rewrite the bf16/fp32 checkpoint in ``path`` (one ``model.safetensors``) as block FP8,
-    with ``quantization_config`` in its ``config.json``; returns how many tensors it quantized."""
+    """Rewrite the bf16/fp32 checkpoint in ``path`` (one ``model.safetensors``) as block FP8 in
+    its family's Hub layout, with ``quantization_config`` in its ``config.json``; returns how
+    many tensors it quantized."""
     path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    family = raw.get("model_type")
+    skipped = LINEAR_ATTN_SKIPPED + _SKIPPED_BY_FAMILY.get(family, ())
+    suffix = "_scale" if family in _COMPRESSED_FAMILIES else "_scale_inv"
     tensors = load_file(str(path / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
-    quantized = 0
     for name, tensor in tensors.items():
-        if not is_quantized_name(name, tensor):
+        if not is_quantized_name(name, tensor, skipped):
             out[name] = tensor
             continue
-        q, scale = quantize(tensor, block)
-        out[name], out[f"{name}_scale_inv"] = q, scale
-        quantized += 1
+        out[name], out[f"{name}{suffix}"] = quantize(tensor, block)
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {
+    left = sorted({m for n in tensors if _skipped(m := n.rpartition(".")[0], skipped)})
+    raw["quantization_config"] = _hub_config(family, block, left)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return sum(t.dtype == FP8_DTYPE for t in out.values())
+
+
+def _hub_config(family: str | None, block: tuple[int, int], left: list[str]) -> dict:
+    """The ``quantization_config`` a family's Hub FP8 checkpoint carries; ``left``: the modules
+    left unquantized beyond the routers, norms and embeddings."""
+    if family in _COMPRESSED_FAMILIES:  # llm-compressor's FP8_BLOCK preset
+        fp8 = {"type": "float", "num_bits": 8, "symmetric": True}
+        weights = fp8 | {"strategy": "block", "block_structure": list(block), "dynamic": False}
+        inputs = fp8 | {"strategy": "group", "group_size": block[1], "dynamic": True}
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+        return {
+            "quant_method": COMPRESSED_TENSORS,
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": group},
+            "ignore": ["lm_head", "re:.*mlp.gate$"],
+        }
+    config = {
         "quant_method": FP8,
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": list(block),
     }
-    if any(_skipped(n.rpartition(".")[0]) for n in tensors):
-        raw["quantization_config"]["modules_to_not_convert"] = list(NOT_CONVERTED)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
-    return quantized
+    if family in _SKIPPED_BY_FAMILY:
+        return config | {"ignored_layers": left}  # MiMo-V2-Flash's: full module names
+    if left:
+        return config | {"modules_to_not_convert": list(LINEAR_ATTN_SKIPPED)}
+    return config
 
 
 def read_fp8(

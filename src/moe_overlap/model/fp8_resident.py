@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -19,9 +21,17 @@ from torch.nn.utils import parametrize
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry, fill, layout_entries
-from moe_overlap.model.fp8_checkpoint import Fp8Loaded, Fp8Tensor
-from moe_overlap.model.fp8_w8a8 import W8A8_BLOCK, W8A8Linear, w8a8_available, w8a8_fits
+from moe_overlap.model.fp8_checkpoint import Fp8Tensor
+from moe_overlap.model.fp8_w8a8 import (
+    W8A8_BLOCK,
+    W8A8Experts,
+    W8A8Linear,
+    experts_fit,
+    w8a8_available,
+    w8a8_fits,
+)
 from moe_overlap.model.fp8_weights import FP8_DTYPE, Fp8Dequant, resident_bytes
+from moe_overlap.model.moe import ExpertBank
 from moe_overlap.model.quant_config import Fp8Config
 from moe_overlap.model.tensor_parallel import Shard
 
@@ -43,8 +53,8 @@ def fp8_path(quant: Fp8Config | None, device: torch.device | str, on_the_fly: bo
         return "FP8 weights dequantized once at load (CPU has no FP8 matmul)"
     if not on_the_fly and w8a8_available(device) and quant.block == W8A8_BLOCK:
         return (
-            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears that fit, "
-            "the rest (the experts) dequantized at each use"
+            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears and expert "
+            "banks that fit (the experts one GEMM per expert), the rest dequantized at each use"
         )
     return "FP8 weights resident, dequantized at each use (no W8A8 here)"
 
@@ -63,13 +73,13 @@ def settle_fp8(
     device = next(model.parameters()).device
     how = f"dequantized once at load to {str(dtype).removeprefix('torch.')} (no FP8 matmul on CPU)"
     held, bf16 = elements * dtype.itemsize, 2 * elements
-    if keeps_fp8(device, on_the_fly):
+    if loaded.resident:
         w8a8 = not on_the_fly and w8a8_available(device)
-        scaled = keep_resident(model, loaded.kept, dtype, w8a8)
+        scaled = keep_resident(model, loaded.resident, dtype, w8a8)
         held, bf16 = resident_bytes(model)
         how = "kept in FP8 and dequantized at each use"
         if scaled:
-            how = f"kept in FP8 ({scaled} linears W8A8, the rest dequantized at each use)"
+            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized)"
     if report:
         log.info(
             "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "
@@ -82,45 +92,107 @@ def settle_fp8(
         )
 
 
-def keep_resident(
-    model: MoeForCausalLM, kept: dict[str, Fp8Tensor], dtype: torch.dtype, w8a8: bool = False
-) -> int:
-    """Replace each parameter whose every checkpoint tensor is FP8 by its FP8 form, rebuilt in
-    ``dtype`` at each use, bit for bit the weight the default load holds. ``w8a8``: linears
-    that fit run the scaled FP8 GEMM instead (``model/fp8_w8a8.py``); returns how many."""
+@dataclass
+class ResidentFp8:
+    """A parameter kept in FP8: the tensor the module holds from the load on, its scales per
+    row and ``cols`` columns, where its shard starts, and its checkpoint block (set as it is
+    filled)."""
+
+    q: torch.Tensor
+    row_scale: torch.Tensor
+    cols: int
+    starts: tuple[int, int]
+    block: tuple[int, int] | None = None
+
+
+@dataclass
+class Fp8Loaded:
+    """What a load found FP8: the checkpoint names, and the parameters it kept in FP8."""
+
+    names: list[str] = field(default_factory=list)
+    resident: dict[str, ResidentFp8] = field(default_factory=dict)
+
+
+def make_resident(model: MoeForCausalLM, cols: Mapping[str, int]) -> dict[str, ResidentFp8]:
+    """Before the load: each parameter whose every checkpoint tensor is FP8 (``cols``: each
+    FP8 tensor's column block) becomes an unfilled FP8 tensor with its scales, so no run-dtype
+    copy of it is ever made."""
     by_param: dict[str, list[Entry]] = defaultdict(list)
     for entry in layout_entries(model):
         by_param[entry.param].append(entry)
-    qs: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
+    resident = {}
     for param, entries in by_param.items():
-        cols = column_block(entries, kept)
-        if cols is None:
+        block = column_block(entries, cols)
+        if block is None:
             continue
         weight = model.get_parameter(param)
-        qs[param] = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
-        shape = (*weight.shape[:-1], -(-weight.shape[-1] // cols))
-        scales[param] = torch.empty(shape, dtype=torch.float32, device=weight.device)
-    with torch.no_grad():
-        for entry in layout_entries(model, qs):
-            fill(entry.view, entry.shard, kept[entry.name].q)
-        for entry in layout_entries(model, scales):
-            _fill_scale(entry, kept[entry.name])
+        shape = (*weight.shape[:-1], -(-weight.shape[-1] // block))
+        held = ResidentFp8(
+            torch.empty(weight.shape, dtype=FP8_DTYPE),
+            torch.empty(shape, dtype=torch.float32),
+            block,
+            _starts(entries[0].shard),
+        )
+        owner, _, attr = param.rpartition(".")
+        kept = nn.Parameter(held.q, requires_grad=False)
+        kept.__dict__.update(weight.__dict__)  # its Shard tag
+        model.get_submodule(owner)._parameters[attr] = kept
+        resident[param] = held
+    return resident
+
+
+def fill_resident(q: Entry, scale: Entry, tensor: Fp8Tensor, held: ResidentFp8) -> None:
+    """Copy checkpoint tensor ``tensor``'s part into the FP8 parameter (``q``: its view there)
+    and its scales (``scale``: their view), as stored."""
+    fill(q.view, q.shard, tensor.q)
+    _fill_scale(scale, tensor)
+    held.block = tensor.block
+
+
+def keep_resident(
+    model: MoeForCausalLM, resident: dict[str, ResidentFp8], dtype: torch.dtype, w8a8: bool = False
+) -> int:
+    """Rebuild each FP8 parameter in ``dtype`` at each use, bit for bit the weight the default
+    load holds. ``w8a8``: linears that fit run the scaled FP8 GEMM instead
+    (``model/fp8_w8a8.py``); returns how many."""
     scaled = 0
-    for param, q in qs.items():
+    for param, held in resident.items():
         owner, _, attr = param.rpartition(".")
         module = model.get_submodule(owner)
-        setattr(module, attr, nn.Parameter(q, requires_grad=False))
-        block = kept[by_param[param][0].name].block
+        held.q = q = getattr(module, attr)  # moved with the model
+        held.row_scale = scale = held.row_scale.to(q.device)
         parametrize.register_parametrization(
-            module, attr, Fp8Dequant(scales[param], block[1], dtype), unsafe=True
+            module, attr, Fp8Dequant(scale, held.cols, dtype), unsafe=True
         )
-        starts = _starts(by_param[param][0].shard)
-        if w8a8 and hasattr(module, "w8a8") and w8a8_fits(q, block, starts):
+        block = held.block
+        if w8a8 and hasattr(module, "w8a8") and block and w8a8_fits(q, block, held.starts):
             rebuild = partial(getattr, module, attr)  # the fallback: dequantized at use
-            module.w8a8 = W8A8Linear(q, scales[param][:: block[0]], rebuild)
+            module.w8a8 = W8A8Linear(q, scale[:: block[0]], rebuild)
             scaled += 1
-    return scaled
+    return scaled + (_w8a8_experts(model, resident) if w8a8 else 0)
+
+
+def _w8a8_experts(model: MoeForCausalLM, resident: dict[str, ResidentFp8]) -> int:
+    """Give each expert bank whose both projections are FP8 and fit 128x128 blocks its
+    per-expert scaled GEMMs; returns how many."""
+    banks = 0
+    for name, bank in model.named_modules():
+        if not isinstance(bank, ExpertBank) or bank.swiglu is not None:
+            continue
+        held = [resident.get(f"{name}.{attr}") for attr in ("gate_up_proj", "down_proj")]
+        gate_up, down = held
+        if gate_up is None or down is None or gate_up.block != down.block:
+            continue
+        hidden = down.q.shape[1]  # not bank.down_proj: that would dequantize the bank
+        if experts_fit(hidden, bank.intermediate, bank.inter_start, gate_up.block):
+            bank.w8a8 = W8A8Experts(_with_grid(gate_up), _with_grid(down))
+            banks += 1
+    return banks
+
+
+def _with_grid(held: ResidentFp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 expert projection and its 128x128 grid per expert (``[E, N / 128, K / 128]``)."""
+    return held.q, held.row_scale[:, ::128].contiguous()
 
 
 def _starts(shard: object) -> tuple[int, int]:
@@ -130,15 +202,16 @@ def _starts(shard: object) -> tuple[int, int]:
     return (shard.start, 0) if shard.dim == 0 else (0, shard.start)
 
 
-def column_block(entries: list[Entry], kept: dict[str, Fp8Tensor]) -> int | None:
-    """The column block every checkpoint tensor of one parameter shares (None: the parameter
-    is not all FP8, or its tensors differ); refuses a column shard that cuts a block."""
-    if not all(e.name in kept and isinstance(e.shard, Shard | None) for e in entries):
+def column_block(entries: list[Entry], cols: Mapping[str, int]) -> int | None:
+    """The column block every checkpoint tensor of one parameter shares (``cols``: each FP8
+    checkpoint tensor's; None: the parameter is not all FP8, or its tensors differ); refuses a
+    column shard that cuts a block."""
+    if not all(e.name in cols and isinstance(e.shard, Shard | None) for e in entries):
         return None
-    cols = {kept[e.name].block[1] for e in entries}
-    if len(cols) != 1:
+    blocks = {cols[e.name] for e in entries}
+    if len(blocks) != 1:
         return None
-    block = cols.pop()
+    block = blocks.pop()
     for e in entries:
         if isinstance(e.shard, Shard) and e.shard.dim == 1 and e.shard.start % block:
             raise ConfigError(

@@ -3,9 +3,11 @@ groups of 128 (``scale = amax / 448``, as SGLang and vLLM do), as one ``torch._s
 with block scales (the input 1x128, the weight 128x128; cuBLAS on sm90 and later).
 
 Taken only on CUDA with compute capability 9.0 or more, a torch that has ``_scaled_mm``, a
-checkpoint in 128x128 blocks, and a shard that starts on a block; everything else (CPU
-always, the experts, the MLA's plain ``nn.Linear`` down-projections) runs the dequantized
-weight. A GEMM that raises at its first call falls back to the dequantized weight for good."""
+checkpoint in 128x128 blocks, and a shard that starts on a block; a routed expert bank whose
+hidden and intermediate sizes are multiples of 128 runs the same GEMM per expert
+(``W8A8Experts``). Everything else (CPU always, the MLA's plain ``nn.Linear``
+down-projections) runs the dequantized weight. A GEMM that raises at its first call falls back
+to the dequantized weight for good."""
 
 from __future__ import annotations
 
@@ -64,12 +66,60 @@ class W8A8Linear(nn.Module):
         return nn.functional.linear(x, self.dequantized(), bias)
 
     def _scaled(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        xq, scale = quantize_activations(rows)
-        y = torch._scaled_mm(
-            xq, self.q.t(), scale_a=scale, scale_b=self.grid.t(), out_dtype=x.dtype, bias=bias
-        )
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return scaled_linear(x, self.q, self.grid, bias)
+
+
+def scaled_linear(
+    x: torch.Tensor, q: torch.Tensor, grid: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x (q * grid)^T (+ bias)``: ``x`` quantized per token in groups of 128, one
+    ``torch._scaled_mm`` with the weight's 128x128 block scales."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, scale = quantize_activations(rows)
+    y = torch._scaled_mm(xq, q.t(), scale_a=scale, scale_b=grid.t(), out_dtype=x.dtype, bias=bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class W8A8Experts:
+    """A routed expert bank's two projections as W8A8, one scaled GEMM per expert and
+    projection (``q [E, N, K]``, ``grid [E, N / 128, K / 128]`` each). ``run`` returns False
+    (and the bank runs its dequantized path, now and after) where a GEMM raises."""
+
+    def __init__(
+        self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]
+    ):
+        self.gate_up, self.down = gate_up, down  # the FP8 tensors are the bank's own
+        self.failed = False
+
+    def run(
+        self,
+        x: torch.Tensor,
+        ends: list[int],
+        out: torch.Tensor,
+        experts: range,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> bool:
+        """Write the rows of ``experts`` (expert e's rows are ``ends[e]:ends[e + 1]``) into
+        ``out``; False, with nothing promised in ``out``, where the GEMM is not available."""
+        if self.failed:
+            return False
+        try:
+            for e in experts:
+                rows = slice(ends[e], ends[e + 1])
+                if rows.start < rows.stop:
+                    h = scaled_linear(x[rows], self.gate_up[0][e], self.gate_up[1][e])
+                    out[rows] = scaled_linear(act(h), self.down[0][e], self.down[1][e])
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel not here
+            self.failed = True
+            log.warning("W8A8 expert GEMM unavailable (%s); dequantizing the experts instead", exc)
+            return False
+        return True
+
+
+def experts_fit(hidden: int, intermediate: int, inter_start: int, block: tuple | None) -> bool:
+    """An expert bank W8A8 runs: 128x128 blocks, both projections' K multiples of 128 and
+    its moe-TP rows starting on a block (the gate and up halves each whole blocks)."""
+    return block == W8A8_BLOCK and not (hidden % 128 or intermediate % 128 or inter_start % 128)
 
 
 def w8a8_fits(weight: torch.Tensor, block: tuple[int, int], starts: tuple[int, int]) -> bool:

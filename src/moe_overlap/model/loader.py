@@ -17,27 +17,46 @@ from moe_overlap.core.errors import CheckpointError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.checkpoint_layout import checkpoint_layout, fill, full_shape, layout_entries
-from moe_overlap.model.fp8_checkpoint import Fp8Loaded, read_fp8
-from moe_overlap.model.fp8_resident import keeps_fp8, settle_fp8
+from moe_overlap.model.checkpoint_layout import (
+    Entry,
+    checkpoint_layout,
+    fill,
+    full_shape,
+    layout_entries,
+)
+from moe_overlap.model.fp8_checkpoint import read_fp8
+from moe_overlap.model.fp8_resident import (
+    Fp8Loaded,
+    fill_resident,
+    keeps_fp8,
+    make_resident,
+    settle_fp8,
+)
 from moe_overlap.model.fp8_weights import FP8_DTYPE
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.layers import RMSNorm
-from moe_overlap.model.quant_config import quant_config_of
+from moe_overlap.model.quant_config import Fp8Config, quant_config_of
 from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.router import Router
+from moe_overlap.model.skeleton import materialize, skeleton
 from moe_overlap.model.tensor_parallel import ModelParallel
 
 __all__ = ["CheckpointError", "checkpoint_layout"]
 
 
 def load_checkpoint(
-    model: MoeForCausalLM, path: str | Path, progress: bool = False, keep_fp8: bool = False
+    model: MoeForCausalLM,
+    path: str | Path,
+    progress: bool = False,
+    keep_fp8: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> Fp8Loaded:
-    """Fill ``model`` from ``path/*.safetensors``; read only the tensors this rank owns.
-    ``progress``: a bar on stderr while it reads, where stderr is a terminal. An FP8
-    checkpoint's weights are dequantized into the parameters (float32, ``q * scale`` per block);
-    returned are their names and (``keep_fp8``) the tensors as stored, for ``keep_resident``."""
+    """Fill ``model`` from ``path/*.safetensors`` one tensor at a time; read only the tensors
+    this rank owns. Parameters still on ``meta`` (``skeleton``) are allocated first, in
+    ``dtype`` (``materialize``). ``progress``: a bar on stderr while it reads, where stderr is a
+    terminal. An FP8 checkpoint's weights are dequantized into the parameters (float32,
+    ``q * scale`` per block, cast once), or (``keep_fp8``) the parameters become FP8 tensors
+    filled as stored, their scales returned for ``keep_resident``."""
     path = Path(path)
     quant = (
         quant_config_of(read_json(path), str(path)) if (path / "config.json").is_file() else None
@@ -46,37 +65,63 @@ def load_checkpoint(
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     where = _index(files)
-    layout = checkpoint_layout(model)
+    loaded = Fp8Loaded()
+    if keep_fp8 and quant is not None:
+        loaded.resident = make_resident(model, _fp8_columns(model, where, quant))
+    materialize(model, dtype)
+    entries = layout_entries(model)
+    scales = iter(layout_entries(model, {p: r.row_scale for p, r in loaded.resident.items()}))
     console = Console(stderr=True)
-    tensors = track(
-        layout.items(),
+    pairs = track(
+        [(e, next(scales) if e.param in loaded.resident else None) for e in entries],
         description=f"loading {path.name}",
-        total=len(layout),
         disable=not (progress and console.is_terminal),  # nothing at all into a pipe or file
         transient=True,
         console=console,
     )
-    loaded = Fp8Loaded()
     with torch.no_grad():
-        for name, (dest, shard) in tensors:
-            stored = _stored_name(name, where)
-            if stored is None:
-                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {path}")
-            value = _read(name, stored, where[stored])
-            expected = full_shape(dest, shard)
-            if tuple(value.shape) != expected:
-                raise CheckpointError(
-                    f"tensor {name!r} in {where[stored].name} has shape {tuple(value.shape)}, "
-                    f"expected {expected} from config.json"
-                )
-            fp8 = None if quant is None else read_fp8(name, stored, value, where, quant)
-            if fp8 is not None:
-                value = fp8.dequantize()
-                loaded.names.append(name)
-                if keep_fp8:
-                    loaded.kept[name] = fp8
-            fill(dest, shard, value)
+        for entry, scale in pairs:
+            _load_tensor(entry, scale, where, quant, loaded)
     return loaded
+
+
+def _load_tensor(
+    entry: Entry, scale: Entry | None, where: dict[str, Path], quant, loaded: Fp8Loaded
+) -> None:
+    """Read checkpoint tensor ``entry.name`` and fill this rank's part of it; the tensor read
+    is dropped on return."""
+    name = entry.name
+    stored = _stored_name(name, where)
+    if stored is None:
+        raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+    value = _read(name, stored, where[stored])
+    expected = full_shape(entry.view, entry.shard)
+    if tuple(value.shape) != expected:
+        raise CheckpointError(
+            f"tensor {name!r} in {where[stored].name} has shape {tuple(value.shape)}, "
+            f"expected {expected} from config.json"
+        )
+    fp8 = None if quant is None else read_fp8(name, stored, value, where, quant)
+    if fp8 is None:
+        fill(entry.view, entry.shard, value)
+        return
+    loaded.names.append(name)
+    if scale is not None:  # kept in FP8: the bytes as stored
+        fill_resident(entry, scale, fp8, loaded.resident[entry.param])
+    else:
+        fill(entry.view, entry.shard, fp8.dequantize())
+
+
+def _fp8_columns(model: MoeForCausalLM, where: dict[str, Path], quant: Fp8Config) -> dict:
+    """Each FP8 checkpoint tensor's column block (a scale beside it): the config's block, or
+    a whole row for per-tensor and per-channel scales."""
+    cols = {}
+    for entry in layout_entries(model):
+        stored = _stored_name(entry.name, where)
+        if stored is not None and stored.removesuffix("weight") + quant.scale_suffix in where:
+            whole = full_shape(entry.view, entry.shard)[-1]
+            cols[entry.name] = quant.block[1] if quant.block else whole
+    return cols
 
 
 def _read(name: str, stored: str, file: Path) -> torch.Tensor:
@@ -173,19 +218,22 @@ def build_model(
     ``load_checkpoint``; an FP8 checkpoint's weights are dequantized at load on CPU, kept in FP8
     on a GPU (W8A8 where it runs); ``fp8_on_the_fly``: kept in FP8 on CPU too, and dequantized
     at use rather than W8A8 on a GPU: ``model/fp8_resident.py``), or with seeded random weights, then
-    move it to ``device`` in ``dtype`` (filled in float32 first, so a bf16 model holds exactly
-    the fp32 model's weights rounded once). On ``meta`` the weights have shapes and no values:
+    move it to ``device`` in ``dtype`` (a checkpoint's parameters allocated in ``dtype`` and
+    each filled from its tensor in float32, so a bf16 model holds exactly the fp32 model's
+    weights rounded once, and a load's peak is the model plus one tensor). On ``meta`` the weights have shapes and no values:
     nothing is filled, and a full-size model takes no memory (``tools/device_ops.py``).
     ``mtp``: with the config's MTP layers (``model/mtp.py``)."""
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             model = MoeForCausalLM(cfg, par, mtp)
         return place_model(model, device, dtype).eval()
-    model = MoeForCausalLM(cfg, par, mtp)
     if path is None:
+        model = MoeForCausalLM(cfg, par, mtp)
         init_random(model, seed)
         return place_model(model, device, dtype).eval()
-    loaded = load_checkpoint(model, path, progress, keep_fp8=keeps_fp8(device, fp8_on_the_fly))
+    model = skeleton(cfg, par, mtp)  # each parameter allocated once, in dtype, as it is read
+    keep = keeps_fp8(device, fp8_on_the_fly)
+    loaded = load_checkpoint(model, path, progress, keep_fp8=keep, dtype=dtype)
     place_model(model, device, dtype)
     if loaded.names:
         settle_fp8(model, loaded, dtype, on_the_fly=fp8_on_the_fly, report=progress)

@@ -10,6 +10,7 @@ from torch import nn
 
 from moe_overlap.core.dispatcher import DispatchState, host_counts
 from moe_overlap.core.transfer import to_device
+from moe_overlap.model.fp8_w8a8 import W8A8Experts
 
 
 class ExpertBank(nn.Module):
@@ -46,6 +47,7 @@ class ExpertBank(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(count, hidden, intermediate))
         self.swiglu = swiglu
+        self.w8a8: W8A8Experts | None = None  # on a GPU, FP8 experts as scaled GEMMs
         self.gate_up_proj_bias = self.down_proj_bias = None
         if swiglu is not None:
             self.gate_up_proj_bias = nn.Parameter(torch.zeros(count, 2 * intermediate))
@@ -79,7 +81,8 @@ class ExpertBank(nn.Module):
             out = torch.empty_like(x)
             self.run_block(d, out, range(self.count))
             return out
-        if d.tokens_per_expert is None and d.counts is not None and self.grouped(x):
+        w8a8 = self.w8a8 is not None and not self.w8a8.failed  # per expert, on host counts
+        if d.tokens_per_expert is None and d.counts is not None and self.grouped(x) and not w8a8:
             offs = d.counts.cumsum(0, dtype=torch.int32)
             return self._grouped(x, offs, range(self.count))
         return self.forward(x, host_counts(d))
@@ -140,6 +143,8 @@ class ExpertBank(nn.Module):
         ends = list(accumulate(tokens_per_expert, initial=0))
         rows = slice(ends[experts.start], ends[experts.stop])
         if rows.start == rows.stop:
+            return
+        if self.w8a8 is not None and self.w8a8.run(x, ends, out, experts, self._act):
             return
         if self.grouped(x):
             counts = tokens_per_expert[experts.start : experts.stop]

@@ -3,10 +3,13 @@ that names the method and the way round it.
 
 Read here: ``quant_method: "fp8"`` (``fmt`` e4m3), either block-wise (``weight_block_size``
 ``[rows, cols]``, each quantized ``X.weight`` beside ``X.weight_scale_inv`` of
-``[ceil(N / rows), ceil(K / cols)]``: DeepSeek-V3's, Qwen3's and Qwen3.5's ``-FP8``) or, with
-no block size, a ``X.weight_scale`` per tensor (``[]``/``[1]``) or per output channel
-(``[N]``/``[N, 1]``). Which tensors are quantized is read from the checkpoint: a weight with a
-scale beside it. Every other method is refused by name."""
+``[ceil(N / rows), ceil(K / cols)]``: DeepSeek-V3's, Qwen3's, Qwen3.5's and MiMo-V2-Flash's) or,
+with no block size, a ``X.weight_scale`` per tensor (``[]``/``[1]``) or per output channel
+(``[N]``/``[N, 1]``); and llm-compressor's ``quant_method: "compressed-tensors"`` in its
+``float-quantized`` format with 8-bit float weights (GLM-4.5's ``-FP8``), whose ``X.weight_scale``
+is per tensor, per channel or per block (``strategy: "block"``, ``block_structure``). Which
+tensors are quantized is read from the checkpoint: a weight with a scale beside it. Every other
+method is refused by name."""
 
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ from moe_overlap.core.errors import ConfigError, is_int
 FP8 = "fp8"
 QUANTIZATIONS = (FP8,)  # --quantization's choices
 _FORMATS = ("e4m3", "float8_e4m3fn")
+COMPRESSED_TENSORS = "compressed-tensors"
 _FIXES = {
     "mxfp4": "for GPT-OSS: load it in transformers with Mxfp4Config(dequantize=True) and "
     "save_pretrained",
-    "compressed-tensors": "convert it to the fp8 block layout or to bf16",
     "fbgemm_fp8": "convert it to the fp8 block layout or to bf16",
 }
+_SKIP_KEYS = ("modules_to_not_convert", "ignored_layers", "ignore")  # the Hub's three spellings
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Fp8Config:
 
     block: tuple[int, int] | None
     scale_suffix: str  # "weight_scale_inv" (block-wise) or "weight_scale"
-    not_converted: tuple[str, ...] = ()  # modules_to_not_convert, as written
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert / ignored_layers, as written
 
 
 def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
@@ -43,11 +47,14 @@ def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
     if not quant:
         return None
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    if method == COMPRESSED_TENSORS and isinstance(quant, dict):
+        return _compressed_tensors(quant, where)
     if method != FP8 or not isinstance(quant, dict):
         fix = _FIXES.get(str(method), "use a bf16 checkpoint")
         raise ConfigError(
             f"{where}: config.json has quantization_config quant_method={method!r}; only "
-            f"{FP8!r} (block or per-tensor float8_e4m3fn) is supported. Load a bf16 checkpoint "
+            f"{FP8!r} (block, per-channel or per-tensor float8_e4m3fn) and "
+            f"{COMPRESSED_TENSORS!r} (float-quantized) are supported. Load a bf16 checkpoint "
             f"({fix}), or plan with --hf-config and random weights"
         )
     fmt = quant.get("fmt", "e4m3")
@@ -57,15 +64,42 @@ def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
         raise ConfigError(
             f"{where}: FP8 scale_fmt={quant['scale_fmt']!r} is not supported; only float scales"
         )
-    skip = tuple(quant.get("modules_to_not_convert") or ())
     block = quant.get("weight_block_size")
     if block is None:
-        return Fp8Config(None, "weight_scale", skip)
-    if not (isinstance(block, list | tuple) and len(block) == 2 and all(map(_positive, block))):
+        return Fp8Config(None, "weight_scale", _skipped(quant))
+    return Fp8Config(_block(block, "weight_block_size", where), "weight_scale_inv", _skipped(quant))
+
+
+def _compressed_tensors(quant: dict[str, Any], where: str) -> Fp8Config:
+    """llm-compressor's layout: one config group of 8-bit float weights, each ``X.weight``
+    beside ``X.weight_scale`` (per tensor, per channel or per block)."""
+    groups = list((quant.get("config_groups") or {}).values())
+    weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+    fmt, strategy = quant.get("format"), weights.get("strategy")
+    fp8 = weights.get("type") == "float" and weights.get("num_bits") == 8
+    if fmt != "float-quantized" or not fp8 or strategy not in ("tensor", "channel", "block"):
         raise ConfigError(
-            f"{where}: weight_block_size={block!r} must be two positive ints, e.g. [128, 128]"
+            f"{where}: config.json has quantization_config quant_method={COMPRESSED_TENSORS!r} "
+            f"with format={fmt!r} and {len(groups)} config group(s) (weights "
+            f"{weights.get('type')!r} {weights.get('num_bits')!r}-bit, strategy={strategy!r}); "
+            "only one group of 8-bit float weights per tensor, channel or block "
+            "(format float-quantized) is read. Load a bf16 checkpoint, or plan with --hf-config "
+            "and random weights"
         )
-    return Fp8Config((int(block[0]), int(block[1])), "weight_scale_inv", skip)
+    if strategy != "block":
+        return Fp8Config(None, "weight_scale", _skipped(quant))
+    block = _block(weights.get("block_structure"), "block_structure", where)
+    return Fp8Config(block, "weight_scale", _skipped(quant))
+
+
+def _skipped(quant: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(name for key in _SKIP_KEYS for name in quant.get(key) or ())
+
+
+def _block(block: Any, key: str, where: str) -> tuple[int, int]:
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(map(_positive, block))):
+        raise ConfigError(f"{where}: {key}={block!r} must be two positive ints, e.g. [128, 128]")
+    return int(block[0]), int(block[1])
 
 
 def check_quantization(asked: str | None, quant: Fp8Config | None, where: str) -> None:

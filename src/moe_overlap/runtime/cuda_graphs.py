@@ -129,6 +129,8 @@ class DecodeGraphs:
             return "linear-attention layers index their state cache from the host"
         for m in model.modules():
             if isinstance(m, ExpertBank):
+                if m.w8a8 is not None and not m.w8a8.failed:
+                    return "the FP8 experts run W8A8, one GEMM per expert sized on the host"
                 weights = m.gate_up_proj
                 if not grouped_fits(device, weights.dtype, (weights.shape[-1], m.intermediate)):
                     return "the experts do not run as one grouped GEMM (bf16 on sm90+)"
