@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from moe_overlap.core.device import rank_device, torch_dtype
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.expert_location import ExpertPlacement
-from moe_overlap.core.kv_budget import CPU_FALLBACK_BYTES, DEFAULT_PAGE_SIZE, pages_for
+from moe_overlap.core.kv_budget import (
+    CPU_FALLBACK_BYTES,
+    DEFAULT_PAGE_SIZE,
+    STATE_SNAPSHOT_SHARE,
+    pages_for,
+)
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -27,6 +32,16 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1)
     width = cfg.head_size + cfg.value_head_size  # one K and one V head
     heads = sum(max(1, cfg.kv_heads(i) // attn_tp) for i in range(cfg.num_hidden_layers))
     return heads * width * dtype_bytes
+
+
+def state_bytes(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """Bytes of one sequence's recurrent state over the linear-attention layers (0 without
+    any): the conv state's last inputs in the run dtype, the SSM state in float32."""
+    layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
+    keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv = (2 * keys + cfg.linear_num_value_heads * values) * (cfg.linear_conv_kernel_dim - 1)
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * values
+    return layers * (conv * dtype_bytes + ssm * 4)
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class EngineSpec:
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
     fp8_on_the_fly: bool = False  # an FP8 checkpoint's weights stay FP8, dequantized at use
     mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
+    prefix_caching: bool = False  # a hybrid model then keeps recurrent-state snapshots
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name
@@ -90,10 +106,29 @@ class EngineSpec:
     @property
     def num_pages(self) -> int:
         """Pages of ``page_size`` tokens the budget holds (and ``max_total_tokens`` allows)."""
-        pages = self.kv_cache_bytes // (self.token_bytes * self.page_size)
+        snapshots = self.state_snapshots * state_bytes(self.config, self._width)
+        pages = (self.kv_cache_bytes - snapshots) // (self.token_bytes * self.page_size)
         if self.max_total_tokens is not None:
             pages = min(pages, self.max_total_tokens // self.page_size)
         return pages
+
+    @property
+    def _width(self) -> int:
+        return torch_dtype(self.dtype).itemsize
+
+    @property
+    def state_snapshots(self) -> int:
+        """Recurrent states a hybrid model keeps at cached page boundaries for prefix caching
+        (``engine/prefix_states.py``): ``STATE_SNAPSHOT_SHARE`` of the KV budget, at most one
+        a page; 0 without linear-attention layers or prefix caching."""
+        each = state_bytes(self.config, self._width)
+        if not (self.prefix_caching and each):
+            return 0
+        pages = min(  # the most pages the pool could hold: more snapshots would never be used
+            self.kv_cache_bytes // (self.token_bytes * self.page_size),
+            self.num_slots * pages_for(self.max_len, self.page_size),
+        )
+        return min(int(self.kv_cache_bytes * STATE_SNAPSHOT_SHARE) // each, pages)
 
     @property
     def pool_pages(self) -> int:
@@ -115,6 +150,17 @@ class EngineSpec:
             f"{_gib(pages * self.page_size * self.token_bytes)} of {_gib(self.kv_cache_bytes)}; "
             f"at once {self.max_concurrent(self.max_len)} sequences of max_len={self.max_len} "
             f"or {self.max_concurrent(short)} of {short} tokens (max_num_seqs={self.max_num_seqs})"
+            + self._snapshot_summary()
+        )
+
+    def _snapshot_summary(self) -> str:
+        n = self.state_snapshots
+        if not n:
+            return ""
+        each = state_bytes(self.config, self._width)
+        return (
+            f"; {n} recurrent-state snapshots of {each / 2**20:.2f} MiB for prefix caching, "
+            f"{_gib(n * each)}"
         )
 
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core.state_snapshots import StateSnapshots
+from moe_overlap.core.step import PageOps
+
 
 class StateOrderError(RuntimeError):
     """A piece of a sequence reached a linear-attention layer before the piece before it."""
@@ -33,7 +36,9 @@ class StateCache:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        snapshots: int = 0,
     ):
+        """``snapshots``: entries kept at cached page boundaries for prefix caching."""
         self.num_slots = num_slots
         self.shapes = layers  # layer -> (conv shape, ssm shape), without the slot dimension
         self.dtype, self.device = dtype, torch.device(device)
@@ -42,6 +47,7 @@ class StateCache:
         }
         self.ssm = {i: torch.zeros(0, *s, device=device) for i, (_, s) in layers.items()}
         self.absorbed: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> slot -> n
+        self.snapshots = StateSnapshots(layers, snapshots, dtype, device)
 
     def read(
         self, layer: int, slots: list[int], prefixes: list[int]
@@ -82,6 +88,20 @@ class StateCache:
         self.conv[layer][index] = conv.to(self.dtype)
         self.ssm[layer][index] = ssm.float()
         self.absorbed[layer].update(zip(slots, lengths, strict=True))
+
+    def apply_snapshots(self, ops: PageOps) -> None:
+        """The driver's snapshot changes before a step (after the KV cache's pages): released
+        slots' plans dropped, new plans taken, new sequences started from kept states."""
+        for slot, entry, tokens in self.snapshots.apply(ops):
+            self.restore(slot, entry, tokens)
+
+    def restore(self, slot: int, entry: int, tokens: int) -> None:
+        """Start ``slot`` from the states kept in snapshot ``entry``: it has absorbed exactly
+        the ``tokens`` tokens of the cached prefix."""
+        for layer in self.shapes:
+            conv, ssm = self._reserve(layer, slot + 1)
+            conv[slot], ssm[slot] = self.snapshots.entry(layer, entry)
+            self.absorbed[layer][slot] = tokens
 
     def _reserve(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         conv, ssm = self.conv[layer], self.ssm[layer]

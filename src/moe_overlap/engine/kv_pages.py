@@ -55,3 +55,4 @@ class CachedPage:
     key: tuple[int, tuple[int, ...]]  # the page before it (0: none) and its token ids
     refs: int = 0  # running requests whose table holds it
     listed: bool = True  # found by lookups (False once flushed while in use)
+    entry: int | None = None  # hybrid models: the snapshot entry of the state after this page

@@ -136,6 +136,7 @@ class LLM(ExpertRecorder):
             expert_skew=args.skew_exponent(),
             fp8_on_the_fly=args.fp8_dequant_on_the_fly,
             mtp_steps=mtp_steps(speculative),
+            prefix_caching=prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -152,8 +153,9 @@ class LLM(ExpertRecorder):
             else None,
             spec.pool_pages,
             spec.page_size,
-            prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
+            spec.prefix_caching,
             Speculation.of(speculative),
+            spec.state_snapshots if cfg.is_hybrid else None,
         )
         self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)

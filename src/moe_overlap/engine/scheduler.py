@@ -22,11 +22,16 @@ from moe_overlap.engine.load_balance import (
 )
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import PrefixCache, may_use, token_ids
+from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.scheduled_step import Step, make_batch
 from moe_overlap.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
+
+
+def _states(entries: int | None) -> PrefixStates | None:
+    return None if entries is None else PrefixStates(entries)
 
 
 class Scheduler:
@@ -43,11 +48,13 @@ class Scheduler:
         page_size: int = DEFAULT_PAGE_SIZE,
         prefix_caching: bool = False,
         speculation: Speculation | None = None,
+        state_snapshots: int | None = None,
     ):
         """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
         ``max_len``), which admission counts; ``prefix_caching``: full pages are shared by
         later requests that start with the same tokens (``engine/prefix_cache.py``);
-        ``speculation``: decode steps verify drafts."""
+        ``speculation``: decode steps verify drafts; ``state_snapshots``: a hybrid model's
+        recurrent-state entries per rank for prefix caching (None: the model has none)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
@@ -56,7 +63,9 @@ class Scheduler:
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
-        self.prefix = [PrefixCache(budget, prefix_caching) for budget in self.pages]
+        self.prefix = [
+            PrefixCache(budget, prefix_caching, _states(state_snapshots)) for budget in self.pages
+        ]
         self.page_size, self.preemptions = page_size, 0
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
@@ -186,7 +195,7 @@ class Scheduler:
             req.cached, req.num_computed = chain, len(chain) * self.page_size
             req.cached_tokens = req.cached_tokens if req.preemptions else req.num_computed
             self.pages[rank].hold(need - len(chain))
-            cache.admit(req.slot, chain, req.total_len)
+            cache.admit(req, chain)
             self.running[rank].append(req)
 
     def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:

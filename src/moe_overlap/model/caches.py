@@ -36,8 +36,8 @@ def kv_cache_for(
     )
 
 
-def state_cache_for(model: MoeForCausalLM, num_slots: int) -> StateCache:
+def state_cache_for(model: MoeForCausalLM, num_slots: int, snapshots: int = 0) -> StateCache:
     """The linear-attention layers' conv and SSM states of ``num_slots`` sequences (empty for
-    a model without such layers)."""
+    a model without such layers), and ``snapshots`` entries kept for prefix caching."""
     device, dtype = model_placement(model)
-    return StateCache(model.state_shapes(), num_slots, dtype, device)
+    return StateCache(model.state_shapes(), num_slots, dtype, device, snapshots)

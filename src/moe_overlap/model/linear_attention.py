@@ -17,6 +17,7 @@ from torch import nn
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.state_snapshots import StateSnapshots
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model import delta_rule
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
@@ -103,16 +104,61 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g[idx][:, None], beta[idx][:, None], ssm_in[seqs]
             )
             out[idx] = o[:, 0].to(out.dtype)
-        for i, (_, prefix, span) in enumerate(rows):
+        snapshots = cache.snapshots
+        for i, (slot, prefix, span) in enumerate(rows):
             if span.stop - span.start == 1:
                 continue
-            x, conv_out[i] = delta_rule.causal_conv(mixed[span], conv_in[i], weight)
-            q, k, v = self._qkv(x)
-            o, ssm_out[i] = delta_rule.chunked(q, k, v, g[span], beta[span], ssm_in[i], prefix)
+            cuts = snapshots.cuts(slot, prefix, prefix + span.stop - span.start - 1)
+            o, conv_out[i], ssm_out[i] = self._prefill(
+                mixed[span],
+                conv_in[i],
+                ssm_in[i],
+                weight,
+                g[span],
+                beta[span],
+                prefix,
+                cuts,
+                snapshots,
+            )
             out[span] = o.to(out.dtype)
         cache.write(self.layer_id, batch.slots, batch.seq_lens, conv_out, ssm_out)
+        for i, (slot, end) in enumerate(zip(batch.slots, batch.seq_lens, strict=True)):
+            for _, entry in snapshots.cuts(slot, end - 1, end):  # the state the piece leaves
+                snapshots.keep(self.layer_id, entry, conv_out[i], ssm_out[i])
         y = self.norm(out, z.view(-1, self.v_heads, self.dv))
         return self.out_proj(y.reshape(y.shape[0], self.value_dim))
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        conv_in: torch.Tensor,
+        ssm_in: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        prefix: int,
+        cuts: list[tuple[int, int]],
+        snapshots: StateSnapshots,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's piece of tokens after ``prefix``: its outputs, conv and SSM states.
+        At each of ``cuts`` (boundary, snapshot entry) inside the piece the delta rule stops and
+        resumes, so the state after exactly that boundary is kept (its cost: at most one more
+        chunk of the delta rule per cut)."""
+        x, conv_out = delta_rule.causal_conv(mixed, conv_in, weight)
+        q, k, v = self._qkv(x)
+        inputs = torch.cat((conv_in, mixed.t()), dim=1)  # the conv's inputs, its state first
+        outs, state, start = [], ssm_in, prefix
+        for stop, entry in [*cuts, (prefix + mixed.shape[0], -1)]:
+            rows = slice(start - prefix, stop - prefix)
+            o, state = delta_rule.chunked(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], state, start
+            )
+            outs.append(o)
+            if entry >= 0:  # the conv state then: the kernel - 1 inputs before the boundary
+                conv = inputs[:, stop - prefix : stop - prefix + self.kernel - 1]
+                snapshots.keep(self.layer_id, entry, conv, state)
+            start = stop
+        return torch.cat(outs), conv_out, state
 
     def _conv_step(
         self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
