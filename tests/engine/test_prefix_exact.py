@@ -3,14 +3,13 @@ waves (the second finds the prefix cached, on each rank that holds it) give the 
 and log-probabilities of a one-process engine without the cache, in every overlap mode at ep=2,
 under DP attention with MLA, for sliding-window layers, for a hybrid linear-attention model
 (its recurrent state kept at the cached prefix's end and restored), and after evictions from a
-small pool; PD multiplexing runs without the cache and says why.
+small pool, and under PD multiplexing (a wave starts after a prompt's cached pages).
 
 Starting ranks costs seconds on two busy cores, so one engine per layout runs every mode."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +18,6 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.model_config import ModelConfig as Config
-from moe_overlap.engine.prefix_cache import prefix_caching
 from tests.helpers import TINY, every_mode, force_overlap
 
 PREFIX = [(7 * i + 3) % 80 for i in range(300)]
@@ -125,9 +123,13 @@ def test_sliding_window_layers_read_cached_pages_exactly():
     assert hits == 288
 
 
-def test_pdmux_runs_without_prefix_caching_and_says_why(caplog):
-    cfg = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
-    assert prefix_caching(True, cfg, pdmux=False)  # hybrid: states kept at page boundaries
-    with caplog.at_level(logging.INFO, logger="moe_overlap.engine.prefix_cache"):
-        assert not prefix_caching(True, config("qwen3_moe"), pdmux=True)
-    assert "prefix caching is off: PD multiplexing" in caplog.text
+def test_pdmux_waves_start_after_the_cached_pages():
+    """PD multiplexing's waves prefill each prompt past its cached pages, in layer ranges on
+    the prefill lane beside the decodes (one process: the lane's thread and the attach before
+    it are what a hit changes): the tokens of the cache off."""
+    pdmux = dict(enable_pdmux=True, pdmux_prefill_splits=2)
+    with one_thread(), LLM(config=config("qwen3_moe"), **pdmux, **KW) as llm:
+        base, _ = two_waves(llm, cached=False, per_wave=4)
+        outs, hits = two_waves(llm, per_wave=4)
+    assert_same(base, outs)
+    assert hits == 4 * 288

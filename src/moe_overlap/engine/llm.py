@@ -26,7 +26,6 @@ from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings, expert_placement
 from moe_overlap.engine.online_eplb import OnlineEplb
 from moe_overlap.engine.pdmux import PrefillWaves
-from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.spec_config import mtp_steps
@@ -136,7 +135,7 @@ class LLM(ExpertRecorder):
             expert_skew=args.skew_exponent(),
             fp8_on_the_fly=args.fp8_dequant_on_the_fly,
             mtp_steps=mtp_steps(speculative),
-            prefix_caching=prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
+            prefix_caching=args.enable_prefix_caching,
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))

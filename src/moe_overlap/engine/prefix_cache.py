@@ -12,17 +12,13 @@ page by a hash collision. The ranks learn every change through ``core/step.py: P
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.step import PageOps
 from moe_overlap.engine.kv_pages import CachedPage, PageBudget
 from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
-
-log = logging.getLogger(__name__)
 
 
 def may_use(req: Request) -> bool:
@@ -35,22 +31,6 @@ def token_ids(req: Request, start: int, stop: int) -> list[int]:
     """``req``'s token ids ``[start, stop)``, prompt then outputs."""
     n = req.prompt_len
     return req.prompt_ids[start:stop] + req.output_ids[max(0, start - n) : max(0, stop - n)]
-
-
-def refusal(cfg: ModelConfig, pdmux: bool) -> str | None:
-    """Why prefix caching cannot serve this model or engine exactly, or None."""
-    if pdmux:
-        return "PD multiplexing prefills each prompt whole, in layer ranges, from position 0"
-    return None
-
-
-def prefix_caching(asked: bool, cfg: ModelConfig, pdmux: bool) -> bool:
-    """Whether the engine caches prefixes: ``asked`` (``--enable-prefix-caching``) unless
-    ``refusal`` says why not, which is logged."""
-    reason = refusal(cfg, pdmux) if asked else None
-    if reason is not None:
-        log.info("prefix caching is off: %s", reason)
-    return asked and reason is None
 
 
 class PrefixCache:

@@ -130,7 +130,7 @@ class Scheduler:
         if step.prefill is not None and step.prefill.last:
             assert self.pdmux is not None and reply.wave is not None
             for rank, members in enumerate(self.pdmux.finish()):
-                wave = [(r, r.prompt_len) for r in members]
+                wave = [(r, r.prompt_len - r.num_computed) for r in members]
                 self._consume(step, rank, wave, reply.wave[rank], finished)
             for rank, slot, pages in self.deferred:
                 self.slots[rank].release(slot)
