@@ -12,6 +12,7 @@ starts at its cached tokens, whose KV its attention reads from the attached page
 from __future__ import annotations
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.step import WaveSlice
 from moe_overlap.engine.request import Request
 
@@ -32,6 +33,11 @@ class PrefillWaves:
         self.members: list[list[Request]] | None = None  # per group, the wave in flight
         self.batches: list[ForwardBatch] = []
         self.index, self.count = 0, 0
+
+    @classmethod
+    def of(cls, enabled: bool, cfg: ModelConfig, splits: int, budget: int) -> PrefillWaves | None:
+        """``--enable-pdmux``'s waves over ``cfg``'s layers, or None where it is off."""
+        return cls(cfg.num_hidden_layers, splits, budget) if enabled else None
 
     def in_wave(self, req: Request) -> bool:
         return self.members is not None and any(req in group for group in self.members)

@@ -13,7 +13,7 @@ from functools import partial
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, StepReply
 from moe_overlap.engine.finish import FinishRule
-from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
+from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator, WindowPages
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
@@ -49,12 +49,15 @@ class Scheduler:
         prefix_caching: bool = False,
         speculation: Speculation | None = None,
         state_snapshots: int | None = None,
+        windows: tuple[int, int] | None = None,
     ):
         """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
         ``max_len``), which admission counts; ``prefix_caching``: full pages are shared by
         later requests that start with the same tokens (``engine/prefix_cache.py``);
         ``speculation``: decode steps verify drafts; ``state_snapshots``: a hybrid model's
-        recurrent-state entries per rank for prefix caching (None: the model has none)."""
+        recurrent-state entries per rank for prefix caching (None: the model has none);
+        ``windows``: (window tokens, pages): the sliding-window layers' own pool per rank,
+        counted beside the pages (None: it has as many pages, so they never run out first)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
@@ -67,6 +70,9 @@ class Scheduler:
             PrefixCache(budget, prefix_caching, _states(state_snapshots)) for budget in self.pages
         ]
         self.page_size, self.preemptions = page_size, 0
+        self.windows = (
+            None if windows is None else [WindowPages(*windows, page_size) for _ in self.pages]
+        )
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
@@ -212,13 +218,23 @@ class Scheduler:
                 seqs.append((req, tokens))
                 budget -= len(tokens)
             grow = [self._growth(req, len(tokens)) for req, tokens in seqs]
-            if self.prefix[rank].make_room(sum(grow)):
+            if self.prefix[rank].make_room(sum(grow)) and self._take_windows(rank, seqs):
                 break
             self._preempt(rank, running[-1])
         for (req, _), pages in zip(seqs, grow, strict=True):
             pool.hold(pages)
             req.pages += pages
         return seqs
+
+    def _take_windows(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> bool:
+        """Hold the sliding-window pages ``seqs`` take on ``rank``, where they are free."""
+        if self.windows is None:
+            return True
+        pool, step = self.windows[rank], [(r.slot, r.num_computed, len(t)) for r, t in seqs]
+        if pool.growth(step) > pool.free:
+            return False
+        pool.hold(step)
+        return True
 
     def _draft(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> list[list[int]]:
         if self.speculation is None:
@@ -259,6 +275,8 @@ class Scheduler:
         self.pages[rank].give(req.slot, req.pages - len(req.cached))
         cache.drop(req.cached)
         req.cached = []
+        if self.windows is not None:
+            self.windows[rank].leave(req.slot)
 
     def loads(self, req: Request | None = None) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies (the DP controller) read

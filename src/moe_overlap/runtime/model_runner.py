@@ -58,6 +58,7 @@ class ModelRunner:
         num_pages: int | None = None,
         mtp_steps: int = 0,
         state_snapshots: int = 0,
+        window_pages: int | None = None,
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
@@ -65,7 +66,8 @@ class ModelRunner:
         where the model and layout allow (0: never); ``num_pages`` of ``page_size`` tokens:
         the KV pool (None: every slot at ``max_len``); ``mtp_steps``: the MTP drafter's
         drafts per sequence after each step (0: none); ``state_snapshots``: recurrent states
-        kept at cached page boundaries (hybrid models' prefix caching)."""
+        kept at cached page boundaries (hybrid models' prefix caching); ``window_pages``: the
+        sliding-window layers' pool where the scheduler counts it (None: as the full one)."""
         self.model = model
         self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
         self.active = dispatcher  # the one this forward's micro-batches use
@@ -83,7 +85,9 @@ class ModelRunner:
         )
         graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # with graphs, one more slot and page: the padding rows'
-        self.kv_cache = kv_cache_for(model, num_slots, max_len, page_size, num_pages, int(graphs))
+        self.kv_cache = kv_cache_for(
+            model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages
+        )
         self.states = state_cache_for(model, num_slots, state_snapshots)
         self.ops = build_operations(model, strategy_for(model, NONE.name))
         self.overlap = overlap or OverlapConfig()

@@ -145,6 +145,7 @@ def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) ->
         num_pages=spec.pool_pages,
         mtp_steps=spec.mtp_steps,
         state_snapshots=spec.state_snapshots,
+        window_pages=None if spec.window_budget is None else spec.window_budget[1],
     )
 
 
