@@ -12,6 +12,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import PageOps
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.model import delta_rule
 from moe_overlap.model.loader import build_model
 from moe_overlap.runtime.model_runner import ModelRunner
 from tests.engine.test_prefix_cache import PAGE, request, run_out
@@ -93,3 +94,21 @@ def runner_continues_from_kept_states(cfg: ModelConfig) -> None:
     assert all(states.absorbed[i][1] == 16 for i in states.shapes)
     rest = runner.forward_plain(ForwardBatch(ids[16:], [1], [16], [14], [True]))
     torch.testing.assert_close(rest, whole[16:], rtol=0, atol=1e-4)
+
+
+def test_the_delta_rule_reads_a_kept_state_off_its_chunk():
+    """The state after any first tokens of a piece, wherever the piece starts on the chunk
+    grid, is the state of the piece cut there (a chunk's first token, its last, the grid)."""
+    gen = torch.Generator().manual_seed(0)
+    n, h, dk, dv = 150, 3, 8, 6
+    q, k = (delta_rule.l2_normalize(torch.randn(n, h, dk, generator=gen)) for _ in range(2))
+    v, state = torch.randn(n, h, dv, generator=gen), torch.randn(h, dk, dv, generator=gen)
+    g, beta = -0.3 * torch.rand(n, h, generator=gen), torch.rand(n, h, generator=gen)
+    for start in (0, 37):
+        keep = [1, 27, 64, 100, 149]
+        out, end, kept = delta_rule.chunked_keeping(q, k, v, g, beta, state, start, keep)
+        whole = delta_rule.chunked(q, k, v, g, beta, state, start)
+        torch.testing.assert_close((out, end), whole, rtol=0, atol=1e-5)
+        for r, got in zip(keep, kept, strict=True):
+            cut = delta_rule.chunked(q[:r], k[:r], v[:r], g[:r], beta[:r], state, start)[1]
+            torch.testing.assert_close(got, cut, rtol=0, atol=1e-5)

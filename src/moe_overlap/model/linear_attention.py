@@ -141,24 +141,18 @@ class GatedDeltaNet(nn.Module):
         snapshots: StateSnapshots,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One sequence's piece of tokens after ``prefix``: its outputs, conv and SSM states.
-        At each of ``cuts`` (boundary, snapshot entry) inside the piece the delta rule stops and
-        resumes, so the state after exactly that boundary is kept (its cost: at most one more
-        chunk of the delta rule per cut)."""
+        At each of ``cuts`` (boundary, snapshot entry) inside the piece the state after exactly
+        that boundary is kept (the delta rule reads it off the boundary's chunk: one small
+        matmul a cut)."""
         x, conv_out = delta_rule.causal_conv(mixed, conv_in, weight)
         q, k, v = self._qkv(x)
+        keep = [b - prefix for b, _ in cuts]
+        out, state, kept = delta_rule.chunked_keeping(q, k, v, g, beta, ssm_in, prefix, keep)
         inputs = torch.cat((conv_in, mixed.t()), dim=1)  # the conv's inputs, its state first
-        outs, state, start = [], ssm_in, prefix
-        for stop, entry in [*cuts, (prefix + mixed.shape[0], -1)]:
-            rows = slice(start - prefix, stop - prefix)
-            o, state = delta_rule.chunked(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], state, start
-            )
-            outs.append(o)
-            if entry >= 0:  # the conv state then: the kernel - 1 inputs before the boundary
-                conv = inputs[:, stop - prefix : stop - prefix + self.kernel - 1]
-                snapshots.keep(self.layer_id, entry, conv, state)
-            start = stop
-        return torch.cat(outs), conv_out, state
+        for r, (_, entry), ssm in zip(keep, cuts, kept, strict=True):
+            conv = inputs[:, r : r + self.kernel - 1]  # the kernel - 1 inputs before the cut
+            snapshots.keep(self.layer_id, entry, conv, ssm)
+        return out, conv_out, state
 
     def _conv_step(
         self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
