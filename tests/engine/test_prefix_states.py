@@ -99,6 +99,11 @@ def runner_continues_from_kept_states(cfg: ModelConfig) -> None:
 def test_the_delta_rule_reads_a_kept_state_off_its_chunk():
     """The state after any first tokens of a piece, wherever the piece starts on the chunk
     grid, is the state of the piece cut there (a chunk's first token, its last, the grid)."""
+    with one_thread():
+        states_read_off_chunks_match_cut_pieces()
+
+
+def states_read_off_chunks_match_cut_pieces() -> None:
     gen = torch.Generator().manual_seed(0)
     n, h, dk, dv = 150, 3, 8, 6
     q, k = (delta_rule.l2_normalize(torch.randn(n, h, dk, generator=gen)) for _ in range(2))
