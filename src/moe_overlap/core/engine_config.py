@@ -28,10 +28,12 @@ def kv_bytes_per_token(
 ) -> int:
     """KV cache bytes one token takes on one rank over all layers (the model's ``kv_entries``:
     MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
-    share, at least one); ``sliding`` True: over the sliding-window layers alone, False: over
-    the others."""
+    share, at least one; a linear-attention layer none: its state is per sequence);
+    ``sliding`` True: over the sliding-window layers alone, False: over the others."""
     layers = [
-        i for i in range(cfg.num_hidden_layers) if sliding is None or (cfg.window(i) > 0) == sliding
+        i
+        for i in range(cfg.num_hidden_layers)
+        if not cfg.is_linear_layer(i) and (sliding is None or (cfg.window(i) > 0) == sliding)
     ]
     if cfg.is_deepseek:
         return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * len(layers) * dtype_bytes
