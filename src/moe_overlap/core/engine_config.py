@@ -142,8 +142,9 @@ class EngineSpec:
         partway into one, a page more for the end of a prefill chunk, and the step's chunks,
         ``max_num_batched_tokens``), and the rest of the budget goes to the full layers'
         pages."""
-        snapshots = self.state_snapshots * state_bytes(self.config, self._width)
-        avail, size = self.kv_cache_bytes - snapshots, self.page_size
+        # a hybrid model's recurrent states: one a running sequence, and the kept snapshots
+        states = (self.num_slots + self.state_snapshots) * state_bytes(self.config, self._width)
+        avail, size = self.kv_cache_bytes - states, self.page_size
         page = self.token_bytes * size
         pages = window = avail // page
         sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True) * size
@@ -218,13 +219,12 @@ class EngineSpec:
         return f"; sliding-window layers: {budget[1]} pages, for windows of {budget[0]} tokens"
 
     def _snapshot_summary(self) -> str:
-        n = self.state_snapshots
-        if not n:
+        n, each = self.state_snapshots, state_bytes(self.config, self._width)
+        if not each:
             return ""
-        each = state_bytes(self.config, self._width)
         return (
-            f"; {n} recurrent-state snapshots of {each / 2**20:.2f} MiB for prefix caching, "
-            f"{_gib(n * each)}"
+            f"; recurrent states of {each / 2**20:.2f} MiB: {self.num_slots} for the running "
+            f"sequences and {n} snapshots for prefix caching, {_gib((self.num_slots + n) * each)}"
         )
 
 
