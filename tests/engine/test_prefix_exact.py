@@ -1,15 +1,15 @@
 """Prefix caching is exact on real gloo ranks: 16 requests sharing a 300-token prefix in two
 waves (the second finds the prefix cached, on each rank that holds it) give the greedy tokens
 and log-probabilities of a one-process engine without the cache, in every overlap mode at ep=2,
-under DP attention with MLA, for sliding-window layers, and after evictions from a small pool;
-a hybrid linear-attention model runs without the cache and says why.
+under DP attention with MLA, for sliding-window layers, for a hybrid linear-attention model
+(its recurrent state kept at the cached prefix's end and restored), and after evictions from a
+small pool, and under PD multiplexing (a wave starts after a prompt's cached pages).
 
 Starting ranks costs seconds on two busy cores, so one engine per layout runs every mode."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +18,6 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.model_config import ModelConfig as Config
-from moe_overlap.engine.prefix_cache import prefix_caching
 from tests.helpers import TINY, every_mode, force_overlap
 
 PREFIX = [(7 * i + 3) % 80 for i in range(300)]
@@ -45,6 +44,14 @@ def config(family: str) -> Config:
     return ModelConfig(**(TINY[family] | dict(max_position_embeddings=320)))
 
 
+def qwen3_5() -> Config:
+    """Qwen3.5 in two layers: a linear-attention layer and a full one."""
+    raw = json.loads(Path("configs/qwen3_5-moe-tiny.json").read_text())
+    raw |= dict(hidden_size=32, vocab_size=80, moe_intermediate_size=16)
+    raw |= dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return ModelConfig.from_hf(raw | dict(max_position_embeddings=320))
+
+
 def two_waves(llm: LLM, cached: bool = True, per_wave: int = 8) -> tuple[list, int]:
     """Both waves from a cold cache (or with the cache off: the reference, on the same
     engine); the outputs and the prompt tokens found cached."""
@@ -63,8 +70,8 @@ def assert_same(base: list, got: list) -> None:
         assert max(diffs) <= 1e-4
 
 
-def test_ep2_every_mode_from_the_cache_matches_no_cache():
-    with LLM(config=config("qwen3_moe"), ep=2, **KW) as llm:
+def every_mode_matches_no_cache(cfg: Config) -> None:
+    with LLM(config=cfg, ep=2, **KW) as llm:
         base, _ = two_waves(llm, cached=False)
         for mode, overlap in every_mode().items():
             if mode not in MODES:
@@ -73,6 +80,17 @@ def test_ep2_every_mode_from_the_cache_matches_no_cache():
             outs, hits = two_waves(llm)
             assert_same(base, outs)
             assert hits == WAVE_HITS, mode  # each rank found the prefix its wave-1 share left
+
+
+def test_ep2_every_mode_from_the_cache_matches_no_cache():
+    every_mode_matches_no_cache(config("qwen3_moe"))
+
+
+def test_ep2_every_mode_hybrid_from_kept_states_matches_no_cache():
+    """Qwen3.5's linear-attention layer keeps its state after the prefix's last full page
+    (inside wave 1's prefill chunk, and by a two-chunk cut's piece that crosses it); wave 2
+    restores it and prefills only its own tokens."""
+    every_mode_matches_no_cache(qwen3_5())
 
 
 def test_dp_attention_with_mla_caches_per_rank_and_stays_exact_through_evictions():
@@ -105,10 +123,13 @@ def test_sliding_window_layers_read_cached_pages_exactly():
     assert hits == 288
 
 
-def test_a_hybrid_linear_attention_model_runs_without_prefix_caching_and_says_why(caplog):
-    cfg = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
-    with caplog.at_level(logging.INFO, logger="moe_overlap.engine.prefix_cache"):
-        assert not prefix_caching(True, cfg, pdmux=False)
-    assert "prefix caching is off: its linear-attention layers" in caplog.text
-    assert not prefix_caching(True, config("qwen3_moe"), pdmux=True)  # PD-mux's waves too
-    assert prefix_caching(True, config("qwen3_moe"), pdmux=False)
+def test_pdmux_waves_start_after_the_cached_pages():
+    """PD multiplexing's waves prefill each prompt past its cached pages, in layer ranges on
+    the prefill lane beside the decodes (one process: the lane's thread and the attach before
+    it are what a hit changes): the tokens of the cache off."""
+    pdmux = dict(enable_pdmux=True, pdmux_prefill_splits=2)
+    with one_thread(), LLM(config=config("qwen3_moe"), **pdmux, **KW) as llm:
+        base, _ = two_waves(llm, cached=False, per_wave=4)
+        outs, hits = two_waves(llm, per_wave=4)
+    assert_same(base, outs)
+    assert hits == 4 * 288

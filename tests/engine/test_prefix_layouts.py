@@ -1,6 +1,6 @@
 """Prefix caching is exact under TP 2, DP attention and PP 2 for every attention family: for
 Qwen3-MoE (GQA), DeepSeek-V3 (MLA), GPT-OSS (a sliding-window layer beside a full one) and
-Qwen3.5 (hybrid linear attention, which refuses the cache and says why), two waves of requests
+Qwen3.5 (hybrid linear attention, whose state is kept at the cached prefix's end), two waves of requests
 sharing a 300-token prefix (the second finds it cached) give the greedy tokens and
 log-probabilities (1e-4) of a one-process engine without the cache.
 
@@ -12,18 +12,16 @@ is not run under TP 2: its linear-attention layers refuse attention TP
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 
 from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.model_config import ModelConfig as Config
-from tests.engine.test_prefix_exact import KW, assert_same, config, one_thread, two_waves
+from tests.engine.test_prefix_exact import KW, assert_same, config, one_thread, qwen3_5, two_waves
 
 PER_WAVE = 4
 WAVE_HITS = PER_WAVE * 288  # wave 2: 18 full pages of 16 each, its last token computed
-REFUSED = "prefix caching is off: its linear-attention layers"
 
 
 def gpt_oss() -> Config:
@@ -32,13 +30,6 @@ def gpt_oss() -> Config:
     raw |= dict(hidden_size=32, head_dim=8, intermediate_size=16, vocab_size=80)
     raw |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     return ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
-
-
-def qwen3_5() -> Config:
-    raw = json.loads(Path("configs/qwen3_5-moe-tiny.json").read_text())
-    raw |= dict(hidden_size=32, vocab_size=80, moe_intermediate_size=16)
-    raw |= dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    return ModelConfig.from_hf(raw | dict(max_position_embeddings=320))
 
 
 FAMILIES = {
@@ -66,24 +57,16 @@ def references() -> dict[str, list]:
     return refs
 
 
-def run_layout(layout: str, references: dict[str, list], caplog) -> None:
+def run_layout(layout: str, references: dict[str, list]) -> None:
     for family, make in FAMILIES.items():
         if family in REFUSED_LAYOUTS.get(layout, ()):
             continue
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="moe_overlap.engine.prefix_cache"):
-            llm = LLM(config=make(), **LAYOUTS[layout], **KW)
-        with llm:
-            hybrid = llm.config.is_hybrid
-            if hybrid:  # refused: asked for, but never enabled
-                assert REFUSED in caplog.text
-                assert not any(cache.enabled for cache in llm.scheduler.prefix)
-            outs, hits = two_waves(llm, cached=not hybrid, per_wave=PER_WAVE)
+        with LLM(config=make(), **LAYOUTS[layout], **KW) as llm:
+            outs, hits = two_waves(llm, per_wave=PER_WAVE)
         assert_same(references[family], outs)
-        expected = 0 if hybrid else WAVE_HITS
-        assert hits == expected, (layout, family)
+        assert hits == WAVE_HITS, (layout, family)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_family_from_the_cache_matches_one_process_without_it(layout, references, caplog):
-    run_layout(layout, references, caplog)
+def test_every_family_from_the_cache_matches_one_process_without_it(layout, references):
+    run_layout(layout, references)

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from moe_overlap.core.device import rank_device, torch_dtype
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.expert_location import ExpertPlacement
-from moe_overlap.core.kv_budget import CPU_FALLBACK_BYTES, DEFAULT_PAGE_SIZE, pages_for
+from moe_overlap.core.kv_budget import (
+    CPU_FALLBACK_BYTES,
+    DEFAULT_PAGE_SIZE,
+    STATE_SNAPSHOT_SHARE,
+    pages_for,
+)
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -18,15 +23,33 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's c
 DEFAULT_KV_CACHE_BYTES = CPU_FALLBACK_BYTES
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1) -> int:
+def kv_bytes_per_token(
+    cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1, sliding: bool | None = None
+) -> int:
     """KV cache bytes one token takes on one rank over all layers (the model's ``kv_entries``:
     MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
-    share, at least one)."""
+    share, at least one; a linear-attention layer none: its state is per sequence);
+    ``sliding`` True: over the sliding-window layers alone, False: over the others."""
+    layers = [
+        i
+        for i in range(cfg.num_hidden_layers)
+        if not cfg.is_linear_layer(i) and (sliding is None or (cfg.window(i) > 0) == sliding)
+    ]
     if cfg.is_deepseek:
-        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * dtype_bytes
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * len(layers) * dtype_bytes
     width = cfg.head_size + cfg.value_head_size  # one K and one V head
-    heads = sum(max(1, cfg.kv_heads(i) // attn_tp) for i in range(cfg.num_hidden_layers))
+    heads = sum(max(1, cfg.kv_heads(i) // attn_tp) for i in layers)
     return heads * width * dtype_bytes
+
+
+def state_bytes(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """Bytes of one sequence's recurrent state over the linear-attention layers (0 without
+    any): the conv state's last inputs in the run dtype, the SSM state in float32."""
+    layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
+    keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv = (2 * keys + cfg.linear_num_value_heads * values) * (cfg.linear_conv_kernel_dim - 1)
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * values
+    return layers * (conv * dtype_bytes + ssm * 4)
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,12 @@ class EngineSpec:
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
     fp8_on_the_fly: bool = False  # an FP8 checkpoint's weights stay FP8, dequantized at use
     mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
+    prefix_caching: bool = False  # a hybrid model then keeps recurrent-state snapshots
+    # sliding-window layers budgeted for their windows alone, their pages counted by the
+    # scheduler (the engine's choice without prefix caching, PD-mux or speculation)
+    sliding_budget: bool = False
+    # --max-num-batched-tokens: a step's prefill chunks bound the sliding pages they hold
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error for an unknown name
@@ -90,10 +119,61 @@ class EngineSpec:
     @property
     def num_pages(self) -> int:
         """Pages of ``page_size`` tokens the budget holds (and ``max_total_tokens`` allows)."""
-        pages = self.kv_cache_bytes // (self.token_bytes * self.page_size)
+        return self._pages()[0]
+
+    @property
+    def window_pages(self) -> int:
+        """Pages of the sliding-window layers' own pool: as many as ``num_pages``, or under
+        ``sliding_budget`` what the running sequences' windows need (``_pages``)."""
+        return self._pages()[1]
+
+    @property
+    def window_budget(self) -> tuple[int, int] | None:
+        """(window tokens, the sliding layers' pool pages) where the scheduler counts that
+        pool, else None."""
+        if self.window_pages >= self.num_pages:
+            return None
+        return self.config.sliding_window, min(self.window_pages, self.pool_pages)
+
+    def _pages(self) -> tuple[int, int]:
+        """(pages, sliding-window pages) of the budget. Every page holds every layer's entries,
+        unless ``sliding_budget``: then the sliding layers' pool holds what ``num_slots``
+        sequences hold at once (each its window, a page more where the window's first key is
+        partway into one, a page more for the end of a prefill chunk, and the step's chunks,
+        ``max_num_batched_tokens``), and the rest of the budget goes to the full layers'
+        pages."""
+        # a hybrid model's recurrent states: one a running sequence, and the kept snapshots
+        states = (self.num_slots + self.state_snapshots) * state_bytes(self.config, self._width)
+        avail, size = self.kv_cache_bytes - states, self.page_size
+        page = self.token_bytes * size
+        pages = window = avail // page
+        sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True) * size
+        if self.sliding_budget and 0 < sliding < page:
+            span = pages_for(self.config.sliding_window, size) + 2
+            chunks = pages_for(min(self.max_num_batched_tokens, self.max_len), size)
+            window = min(pages, self.num_slots * span + chunks)
+            pages = (avail - window * sliding) // (page - sliding)
         if self.max_total_tokens is not None:
-            pages = min(pages, self.max_total_tokens // self.page_size)
-        return pages
+            pages = min(pages, self.max_total_tokens // size)
+        return pages, min(window, pages)
+
+    @property
+    def _width(self) -> int:
+        return torch_dtype(self.dtype).itemsize
+
+    @property
+    def state_snapshots(self) -> int:
+        """Recurrent states a hybrid model keeps at cached page boundaries for prefix caching
+        (``engine/prefix_states.py``): ``STATE_SNAPSHOT_SHARE`` of the KV budget, at most one
+        a page; 0 without linear-attention layers or prefix caching."""
+        each = state_bytes(self.config, self._width)
+        if not (self.prefix_caching and each):
+            return 0
+        pages = min(  # the most pages the pool could hold: more snapshots would never be used
+            self.kv_cache_bytes // (self.token_bytes * self.page_size),
+            self.num_slots * pages_for(self.max_len, self.page_size),
+        )
+        return min(int(self.kv_cache_bytes * STATE_SNAPSHOT_SHARE) // each, pages)
 
     @property
     def pool_pages(self) -> int:
@@ -102,8 +182,13 @@ class EngineSpec:
         return min(self.num_pages, self.num_slots * pages_for(self.max_len, self.page_size))
 
     def max_concurrent(self, tokens: int) -> int:
-        """Sequences of ``tokens`` tokens the pages hold at once (at most ``max_num_seqs``)."""
-        return min(self.max_num_seqs, self.num_pages // pages_for(tokens, self.page_size))
+        """Sequences of ``tokens`` tokens the pages hold at once (at most ``max_num_seqs``),
+        each decoding: under ``sliding_budget`` its sliding layers hold its window alone."""
+        need = pages_for(tokens, self.page_size)
+        fits, budget = min(self.max_num_seqs, self.num_pages // need), self.window_budget
+        if budget is None:
+            return fits
+        return min(fits, budget[1] // min(need, pages_for(budget[0], self.page_size) + 1))
 
     def kv_cache_summary(self) -> str:
         """One line for start-up: the pool's pages and tokens, the memory they take, and how
@@ -112,9 +197,34 @@ class EngineSpec:
         tokens, short = pages * self.page_size, min(1024, self.max_len)
         return (
             f"KV cache per rank: {pages} pages of {self.page_size} tokens = {tokens} tokens, "
-            f"{_gib(pages * self.page_size * self.token_bytes)} of {_gib(self.kv_cache_bytes)}; "
+            f"{_gib(self._pool_bytes())} of {_gib(self.kv_cache_bytes)}; "
             f"at once {self.max_concurrent(self.max_len)} sequences of max_len={self.max_len} "
             f"or {self.max_concurrent(short)} of {short} tokens (max_num_seqs={self.max_num_seqs})"
+            + self._snapshot_summary()
+            + self._window_summary()
+        )
+
+    def _pool_bytes(self) -> int:
+        """Bytes of the pools: every layer's pages, the sliding layers' in their own pool."""
+        sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True)
+        budget = self.window_budget
+        window = self.pool_pages if budget is None else budget[1]
+        full = self.pool_pages * (self.token_bytes - sliding)
+        return (full + window * sliding) * self.page_size
+
+    def _window_summary(self) -> str:
+        budget = self.window_budget
+        if budget is None:
+            return ""
+        return f"; sliding-window layers: {budget[1]} pages, for windows of {budget[0]} tokens"
+
+    def _snapshot_summary(self) -> str:
+        n, each = self.state_snapshots, state_bytes(self.config, self._width)
+        if not each:
+            return ""
+        return (
+            f"; recurrent states of {each / 2**20:.2f} MiB: {self.num_slots} for the running "
+            f"sequences and {n} snapshots for prefix caching, {_gib((self.num_slots + n) * each)}"
         )
 
 

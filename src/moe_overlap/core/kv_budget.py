@@ -14,6 +14,9 @@ CPU_FREE_RAM_SHARE = 0.4  # of MemAvailable at start-up, shared by the ranks on 
 CPU_FALLBACK_BYTES = 4 * 2**30  # where /proc/meminfo cannot be read
 DEFAULT_PAGE_SIZE = 16  # tokens per page (vLLM's block size)
 DEFAULT_MEM_FRACTION = 0.9  # of a GPU's memory for weights and KV cache (vLLM's default)
+# of the KV budget for a hybrid model's recurrent states kept for prefix caching: one state of
+# the Hub's Qwen3.5 weighs as much as thousands of tokens' KV, so a share, not one per page
+STATE_SNAPSHOT_SHARE = 0.1
 
 
 def available_ram() -> int | None:

@@ -10,10 +10,11 @@ Prefix caching (``apply``): the driver names full, computed pages; a named page 
 sequence that wrote it, and a later sequence's first table entries point at it, until the
 driver evicts it. A sequence never writes a page it was attached to: its writes start past them.
 
-Sliding-window layers (GPT-OSS, MiMo) have a block table and a pool of their own, as many pages
-as the full layers' (a slot's window pages are a subset of its full pages, so they never run
-out first): before each forward, ``trim_windows`` returns the pages wholly below every
-sequence's window, so those layers' buffers hold only the windows. A cached page keeps its
+Sliding-window layers (GPT-OSS, MiMo) have a block table and a pool of their own, by default as
+many pages as the full layers' (a slot's window pages are a subset of its full pages, so they
+never run out first), or ``window_pages`` where the scheduler counts them (then the budget
+holds more full pages): before each forward, ``trim_windows`` returns the pages wholly below
+every sequence's window, so those layers' buffers hold only the windows. A cached page keeps its
 window page until evicted, since a later request may cut its prefix there and read the window
 before the cut.
 """
@@ -57,6 +58,7 @@ class KVCache:
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
         windows: Sequence[int] = (),
+        window_pages: int | None = None,
     ):
         self.num_slots = num_slots
         self.max_len = max_len
@@ -92,7 +94,8 @@ class KVCache:
         self.window = max(windows, default=0)
         self.window_table = torch.zeros_like(self.block_table)
         self.window_held: list[list[int]] = [[] for _ in range(num_slots)]
-        self.window_free = list(range(self.num_pages, NULL_PAGE, -1))
+        self.window_total = self.num_pages if window_pages is None else window_pages
+        self.window_free = list(range(self.window_total, NULL_PAGE, -1))
         self.trimmed = [0] * num_slots  # pages below this index were trimmed (or kept cached)
         self.cached_window: dict[int, int] = {}
 
@@ -103,7 +106,7 @@ class KVCache:
     @property
     def window_pages_used(self) -> int:
         """Pages the sliding-window layers hold now (0 without such layers)."""
-        return self.num_pages - len(self.window_free) if self.window else 0
+        return self.window_total - len(self.window_free) if self.window else 0
 
     def reserve(self, slots: Sequence[int], ends: Sequence[int]) -> None:
         """Pages for tokens ``[0, ends[i])`` of ``slots[i]``, taken from the pool where the
@@ -255,7 +258,7 @@ class KVCache:
         addresses)."""
         with self._lock:
             self._grow(self.num_pages + 1, sliding=False)
-            self._grow(self.num_pages + 1, sliding=True)
+            self._grow(self.window_total + 1, sliding=True)
 
     def _check(self, end: int, top: int) -> None:
         if end > self.max_len:
@@ -275,7 +278,9 @@ class KVCache:
                 have = buf.shape[0]
                 if pages <= have:
                     continue
-                n = min(self.num_pages + 1, max(pages, 2 * have))
+                n = min(
+                    (self.window_total if sliding else self.num_pages) + 1, max(pages, 2 * have)
+                )
                 with torch.inference_mode(False):  # a plain tensor: writable outside inference
                     grown = buf.new_zeros(n, *buf.shape[1:])
                     grown[:have] = buf

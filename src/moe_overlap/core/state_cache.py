@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_overlap.core.state_snapshots import StateSnapshots
+from moe_overlap.core.step import PageOps
+
 
 class StateOrderError(RuntimeError):
     """A piece of a sequence reached a linear-attention layer before the piece before it."""
@@ -58,7 +61,9 @@ class StateCache:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        snapshots: int = 0,
     ):
+        """``snapshots``: entries kept at cached page boundaries for prefix caching."""
         self.num_slots = num_slots
         self.shapes = layers  # layer -> (conv shape, ssm shape), without the slot dimension
         self.dtype, self.device = dtype, torch.device(device)
@@ -68,6 +73,8 @@ class StateCache:
         self.ssm = {i: torch.zeros(0, *s, device=device) for i, (_, s) in layers.items()}
         self.absorbed: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> slot -> n
         self.kept: dict[int, dict[int, KeptStates]] = {i: {} for i in layers}  # verify rows
+
+        self.snapshots = StateSnapshots(layers, snapshots, dtype, device)
 
     def read(
         self, layer: int, slots: list[int], prefixes: list[int]
@@ -154,6 +161,20 @@ class StateCache:
                 rolled.update(s for s, _, _ in back)
             kept.clear()
         return len(rolled)
+
+    def apply_snapshots(self, ops: PageOps) -> None:
+        """The driver's snapshot changes before a step (after the KV cache's pages): released
+        slots' plans dropped, new plans taken, new sequences started from kept states."""
+        for slot, entry, tokens in self.snapshots.apply(ops):
+            self.restore(slot, entry, tokens)
+
+    def restore(self, slot: int, entry: int, tokens: int) -> None:
+        """Start ``slot`` from the states kept in snapshot ``entry``: it has absorbed exactly
+        the ``tokens`` tokens of the cached prefix."""
+        for layer in self.shapes:
+            conv, ssm = self._reserve(layer, slot + 1)
+            conv[slot], ssm[slot] = self.snapshots.entry(layer, entry)
+            self.absorbed[layer][slot] = tokens
 
     def _reserve(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         conv, ssm = self.conv[layer], self.ssm[layer]

@@ -101,12 +101,18 @@ class PageOps:
     ``publish``: (slot, page index, id): a full, computed page of a running sequence becomes a
     cached page named ``id``. ``released``: slots whose sequences ended (their pages go back,
     cached ones stay cached). ``evict``: cached pages no sequence holds, freed. ``attach``:
-    (slot, ids): a new sequence's first pages are those cached pages."""
+    (slot, ids): a new sequence's first pages are those cached pages. Hybrid models' recurrent
+    states (``core/state_snapshots.py``), after the pages: ``restore``: (slot, entry, tokens):
+    a new sequence starts from the state kept in snapshot ``entry``, after ``tokens`` tokens;
+    ``snapshot``: (slot, boundary, entry): keep the state of the sequence in ``slot`` after
+    ``boundary`` tokens in ``entry`` when a forward passes that boundary."""
 
     publish: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     evict: list[int] = field(default_factory=list)
     attach: list[tuple[int, list[int]]] = field(default_factory=list)
+    restore: list[tuple[int, int, int]] = field(default_factory=list)
+    snapshot: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass

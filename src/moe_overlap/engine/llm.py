@@ -26,7 +26,6 @@ from moe_overlap.engine.kv_memory import kv_cache_bytes
 from moe_overlap.engine.layout_checks import check_settings, expert_placement
 from moe_overlap.engine.online_eplb import OnlineEplb
 from moe_overlap.engine.pdmux import PrefillWaves
-from moe_overlap.engine.prefix_cache import prefix_caching
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.engine.spec_config import mtp_steps
@@ -97,6 +96,7 @@ class LLM(ExpertRecorder):
             check_quantization(args.quantization, quant, source)  # before any rank starts
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
+        self._next_id = 0
         self._start(args, cfg, model, overlap, tokenizer, emulate_peers)
 
     def _start(
@@ -136,6 +136,9 @@ class LLM(ExpertRecorder):
             expert_skew=args.skew_exponent(),
             fp8_on_the_fly=args.fp8_dequant_on_the_fly,
             mtp_steps=mtp_steps(speculative),
+            prefix_caching=args.enable_prefix_caching,
+            sliding_budget=not (args.enable_prefix_caching or enable_pdmux or speculative),
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -147,15 +150,14 @@ class LLM(ExpertRecorder):
             args.max_num_batched_tokens,
             cfg.eos_token_id,
             args.load_balance_method,
-            PrefillWaves(cfg.num_hidden_layers, pdmux_prefill_splits, args.max_num_batched_tokens)
-            if enable_pdmux
-            else None,
+            PrefillWaves.of(enable_pdmux, cfg, pdmux_prefill_splits, args.max_num_batched_tokens),
             spec.pool_pages,
             spec.page_size,
-            prefix_caching(args.enable_prefix_caching, cfg, enable_pdmux),
+            spec.prefix_caching,
             Speculation.of(speculative),
+            spec.state_snapshots if cfg.is_hybrid else None,
+            spec.window_budget,
         )
-        self._next_id = 0
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
 
     def _load_tokenizer(self, path: str | Path | None, chat_template: str | None) -> None:

@@ -5,11 +5,14 @@ waiting prompts, up to the token budget, and advances one layer range per step, 
 step's decode batch, which the ranks run at the same time on a lane of their own. A 3072-token
 prompt thus costs each decode step a range of its layers instead of all of them at once. The
 wave's logits come back with its last range; its requests then decode like any other.
+A prompt that found pages in the prefix cache joins its wave after them: the wave's batch
+starts at its cached tokens, whose KV its attention reads from the attached pages.
 """
 
 from __future__ import annotations
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.step import WaveSlice
 from moe_overlap.engine.request import Request
 
@@ -31,6 +34,11 @@ class PrefillWaves:
         self.batches: list[ForwardBatch] = []
         self.index, self.count = 0, 0
 
+    @classmethod
+    def of(cls, enabled: bool, cfg: ModelConfig, splits: int, budget: int) -> PrefillWaves | None:
+        """``--enable-pdmux``'s waves over ``cfg``'s layers, or None where it is off."""
+        return cls(cfg.num_hidden_layers, splits, budget) if enabled else None
+
     def in_wave(self, req: Request) -> bool:
         return self.members is not None and any(req in group for group in self.members)
 
@@ -41,7 +49,7 @@ class PrefillWaves:
             if not any(members):
                 return None
             self.members, self.index, self.count = members, 0, self.count + 1
-            self.batches = [make_batch([(r, r.prompt_ids) for r in group]) for group in members]
+            self.batches = [make_batch([(r, uncached(r)) for r in group]) for group in members]
         else:
             self.index += 1
         last = self.index == len(self.ranges) - 1
@@ -57,7 +65,13 @@ class PrefillWaves:
         taken: list[Request] = []
         tokens = 0
         for req in group:
-            if req.in_prefill and (not taken or tokens + req.prompt_len <= self.budget):
+            n = len(uncached(req))
+            if req.in_prefill and (not taken or tokens + n <= self.budget):
                 taken.append(req)
-                tokens += req.prompt_len
+                tokens += n
         return taken
+
+
+def uncached(req: Request) -> list[int]:
+    """The prompt tokens a wave prefills: those past the pages found in the prefix cache."""
+    return req.prompt_ids[req.num_computed :]

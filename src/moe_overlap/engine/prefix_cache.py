@@ -12,16 +12,13 @@ page by a hash collision. The ranks learn every change through ``core/step.py: P
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.step import PageOps
 from moe_overlap.engine.kv_pages import CachedPage, PageBudget
+from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
-
-log = logging.getLogger(__name__)
 
 
 def may_use(req: Request) -> bool:
@@ -36,34 +33,18 @@ def token_ids(req: Request, start: int, stop: int) -> list[int]:
     return req.prompt_ids[start:stop] + req.output_ids[max(0, start - n) : max(0, stop - n)]
 
 
-def refusal(cfg: ModelConfig, pdmux: bool) -> str | None:
-    """Why prefix caching cannot serve this model or engine exactly, or None."""
-    if cfg.is_hybrid:
-        return (
-            "its linear-attention layers keep a per-sequence recurrent state, not per-token "
-            "pages, and the state at a page boundary is not kept"
-        )
-    if pdmux:
-        return "PD multiplexing prefills each prompt whole, in layer ranges, from position 0"
-    return None
-
-
-def prefix_caching(asked: bool, cfg: ModelConfig, pdmux: bool) -> bool:
-    """Whether the engine caches prefixes: ``asked`` (``--enable-prefix-caching``) unless
-    ``refusal`` says why not, which is logged."""
-    reason = refusal(cfg, pdmux) if asked else None
-    if reason is not None:
-        log.info("prefix caching is off: %s", reason)
-    return asked and reason is None
-
-
 class PrefixCache:
     """One rank's cached pages, beside its ``PageBudget``: ``budget.free`` counts the pages
     no request holds and none is cached, ``idle`` the cached pages no request holds (freed by
-    eviction). ``ops`` gathers the page changes its rank applies before the next step."""
+    eviction). ``ops`` gathers the page changes its rank applies before the next step.
+    ``states``: a hybrid model's snapshot entries (``engine/prefix_states.py``): a hit ends
+    at a page after which the recurrent state was kept, and restores it."""
 
-    def __init__(self, budget: PageBudget, enabled: bool = True):
+    def __init__(
+        self, budget: PageBudget, enabled: bool = True, states: PrefixStates | None = None
+    ):
         self.budget, self.enabled, self.page_size = budget, enabled, budget.page_size
+        self.states = states
         self.pages: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
         self.idle: OrderedDict[int, CachedPage] = OrderedDict()  # least recently used first
         self.next_id = 1
@@ -78,17 +59,21 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], usable: bool) -> list[CachedPage]:
         """The cached pages ``tokens`` start with, leaving the last token uncached (none where
         the request may not use the cache: ``usable`` False)."""
-        chain: list[CachedPage] = []
         if not (self.enabled and usable):
-            return chain
-        size, parent = self.page_size, 0
-        for i in range((len(tokens) - 1) // size):
-            page = self.pages.get((parent, tuple(tokens[i * size : (i + 1) * size])))
+            return []
+        chain = self._walk(tokens, [], (len(tokens) - 1) // self.page_size)
+        return chain if self.states is None else self.states.usable(chain)
+
+    def _walk(self, tokens: Sequence[int], chain: list[CachedPage], pages: int) -> list[CachedPage]:
+        """``chain`` and the cached pages after it that ``tokens`` go on with, up to ``pages``."""
+        size, found = self.page_size, list(chain)
+        for i in range(len(chain), pages):
+            key = (found[-1].id if found else 0, tuple(tokens[i * size : (i + 1) * size]))
+            page = self.pages.get(key)
             if page is None:
                 break
-            chain.append(page)
-            parent = page.id
-        return chain
+            found.append(page)
+        return found
 
     def cached_tokens(self, req: Request) -> int:
         """The tokens of ``req`` a lookup would find here now."""
@@ -109,18 +94,49 @@ class PrefixCache:
                 else:  # flushed while in use: nothing can find it
                     self._evict(page)
 
-    def admit(self, slot: int, chain: list[CachedPage], tokens: int) -> None:
-        """A request of ``tokens`` tokens joins ``slot`` on ``chain`` (acquired already)."""
-        self.queries += tokens
-        self.hits += len(chain) * self.page_size
+    def admit(self, req: Request, chain: list[CachedPage]) -> None:
+        """``req`` joins its slot on ``chain`` (acquired already)."""
+        slot, start = req.slot, len(chain) * self.page_size
+        self.queries += req.total_len
+        self.hits += start
         if chain:
             self.ops.attach.append((slot, [page.id for page in chain]))
+        if self.states is None or not self.enabled:
+            return
+        if chain:
+            assert chain[-1].entry is not None  # lookup ends a hybrid's hit at a kept state
+            self.ops.restore.append((slot, chain[-1].entry, start))
+        tokens = token_ids(req, 0, req.total_len)
+        branch = len(self._walk(tokens, chain, (len(tokens) - 1) // self.page_size))
+        size = self.page_size
+        for b in self.states.boundaries(req.prompt_len, branch * size, start, len(tokens), size):
+            entry = self._free_entry()
+            if entry is None:
+                return
+            self.states.plan(slot, b, entry)
+            self.ops.snapshot.append((slot, b, entry))
+
+    def _free_entry(self) -> int | None:
+        """A free snapshot entry, else the least recently used idle page's (its KV stays)."""
+        assert self.states is not None
+        entry = self.states.take()
+        if entry is not None:
+            return entry
+        for page in self.idle.values():
+            if page.entry is not None:
+                entry, page.entry = page.entry, None
+                return entry
+        return None
 
     def unattach(self, slot: int) -> None:
         """Drop a pending attach of ``slot``: its request leaves in the step that admitted it
         (preempted at once), and the step's ops are applied by kind, releases before attaches,
         so the rank would attach pages to a slot the driver has already freed."""
         self.ops.attach = [(s, ids) for s, ids in self.ops.attach if s != slot]
+        if self.states is not None:  # and its snapshot plans: their entries are free again
+            self.ops.restore = [op for op in self.ops.restore if op[0] != slot]
+            self.ops.snapshot = [op for op in self.ops.snapshot if op[0] != slot]
+            self.states.leave(slot)
 
     def make_room(self, pages: int) -> bool:
         """Whether ``pages`` more pages can be taken: free ones, else idle cached ones evicted
@@ -148,12 +164,36 @@ class PrefixCache:
         for index in range(len(chain), computed // size):
             key = (chain[-1].id if chain else 0, tuple(tokens(index * size, (index + 1) * size)))
             if key in self.pages:
-                return  # the same tokens in another page: this one stays the request's own
+                break  # the same tokens in another page: this one stays the request's own
             page = CachedPage(self.next_id, key, refs=1)
             self.next_id += 1
             self.pages[key] = page
             chain.append(page)
             self.ops.publish.append((slot, index, page.id))
+        if self.states is not None:
+            self._keep_states(slot, tokens, computed, chain)
+
+    def _keep_states(
+        self,
+        slot: int,
+        tokens: Callable[[int, int], list[int]],
+        computed: int,
+        chain: list[CachedPage],
+    ) -> None:
+        """The states ``slot`` kept at boundaries its ``computed`` tokens passed go with the
+        cached page ending there (this request's, or the same tokens' in another's chain);
+        an entry whose page has a state already, or is not cached, is free again."""
+        assert self.states is not None
+        reached = self.states.reached(slot, computed)
+        ids = tokens(0, max((b for b, _ in reached), default=0))
+        for boundary, entry in reached:
+            index = boundary // self.page_size  # the page ending at the boundary, and those before
+            pages = self._walk(ids, chain[:index], index)
+            page = pages[-1] if len(pages) == index else None
+            if page is not None and page.entry is None:
+                page.entry = entry
+            else:
+                self.states.free.append(entry)
 
     def flush(self) -> int:
         """Forget every cached page: idle ones are evicted now, ones in use when their last
@@ -175,6 +215,9 @@ class PrefixCache:
     def _evict(self, page: CachedPage) -> None:
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
+        if page.entry is not None and self.states is not None:
+            self.states.free.append(page.entry)
+            page.entry = None
         self.ops.evict.append(page.id)
         self.evictions += 1
         self.budget.free += 1

@@ -13,7 +13,7 @@ from functools import partial
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, StepReply
 from moe_overlap.engine.finish import FinishRule
-from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
+from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator, WindowPages
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
@@ -22,11 +22,16 @@ from moe_overlap.engine.load_balance import (
 )
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.prefix_cache import PrefixCache, may_use, token_ids
+from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.scheduled_step import Step, make_batch
 from moe_overlap.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
+
+
+def _states(entries: int | None) -> PrefixStates | None:
+    return None if entries is None else PrefixStates(entries)
 
 
 class Scheduler:
@@ -43,11 +48,16 @@ class Scheduler:
         page_size: int = DEFAULT_PAGE_SIZE,
         prefix_caching: bool = False,
         speculation: Speculation | None = None,
+        state_snapshots: int | None = None,
+        windows: tuple[int, int] | None = None,
     ):
         """``num_pages`` of ``page_size`` tokens: each rank's KV pool (None: every slot at
         ``max_len``), which admission counts; ``prefix_caching``: full pages are shared by
         later requests that start with the same tokens (``engine/prefix_cache.py``);
-        ``speculation``: decode steps verify drafts."""
+        ``speculation``: decode steps verify drafts; ``state_snapshots``: a hybrid model's
+        recurrent-state entries per rank for prefix caching (None: the model has none);
+        ``windows``: (window tokens, pages): the sliding-window layers' own pool per rank,
+        counted beside the pages (None: it has as many pages, so they never run out first)."""
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= 1")
         self.max_len = max_len
@@ -56,8 +66,13 @@ class Scheduler:
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
-        self.prefix = [PrefixCache(budget, prefix_caching) for budget in self.pages]
+        self.prefix = [
+            PrefixCache(budget, prefix_caching, _states(state_snapshots)) for budget in self.pages
+        ]
         self.page_size, self.preemptions = page_size, 0
+        self.windows = (
+            None if windows is None else [WindowPages(*windows, page_size) for _ in self.pages]
+        )
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
@@ -123,7 +138,7 @@ class Scheduler:
         if step.prefill is not None and step.prefill.last:
             assert self.pdmux is not None and reply.wave is not None
             for rank, members in enumerate(self.pdmux.finish()):
-                wave = [(r, r.prompt_len) for r in members]
+                wave = [(r, r.prompt_len - r.num_computed) for r in members]
                 self._consume(step, rank, wave, reply.wave[rank], finished)
             for rank, slot, pages in self.deferred:
                 self.slots[rank].release(slot)
@@ -188,7 +203,7 @@ class Scheduler:
             req.cached, req.num_computed = chain, len(chain) * self.page_size
             req.cached_tokens = req.cached_tokens if req.preemptions else req.num_computed
             self.pages[rank].hold(need - len(chain))
-            cache.admit(req.slot, chain, req.total_len)
+            cache.admit(req, chain)
             self.running[rank].append(req)
 
     def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
@@ -205,13 +220,23 @@ class Scheduler:
                 seqs.append((req, tokens))
                 budget -= len(tokens)
             grow = [self._growth(req, len(tokens)) for req, tokens in seqs]
-            if self.prefix[rank].make_room(sum(grow)):
+            if self.prefix[rank].make_room(sum(grow)) and self._take_windows(rank, seqs):
                 break
             self._preempt(rank, running[-1])
         for (req, _), pages in zip(seqs, grow, strict=True):
             pool.hold(pages)
             req.pages += pages
         return seqs
+
+    def _take_windows(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> bool:
+        """Hold the sliding-window pages ``seqs`` take on ``rank``, where they are free."""
+        if self.windows is None:
+            return True
+        pool, step = self.windows[rank], [(r.slot, r.num_computed, len(t)) for r, t in seqs]
+        if pool.growth(step) > pool.free:
+            return False
+        pool.hold(step)
+        return True
 
     def _draft(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> list[list[int]]:
         if self.speculation is None:
@@ -252,6 +277,8 @@ class Scheduler:
         self.pages[rank].give(req.slot, req.pages - len(req.cached))
         cache.drop(req.cached)
         req.cached = []
+        if self.windows is not None:
+            self.windows[rank].leave(req.slot)
 
     def loads(self, req: Request | None = None) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies (the DP controller) read

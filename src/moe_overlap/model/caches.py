@@ -18,10 +18,12 @@ def kv_cache_for(
     page_size: int = DEFAULT_PAGE_SIZE,
     num_pages: int | None = None,
     padding: int = 0,
+    window_pages: int | None = None,
 ) -> KVCache:
     """The KV pool of ``num_slots`` sequences of up to ``max_len`` tokens for ``model``'s layers
     (``num_pages`` of ``page_size`` tokens; None: every slot at ``max_len``), and ``padding``
-    more slots and pages for a CUDA graph's padding rows."""
+    more slots and pages for a CUDA graph's padding rows; ``window_pages``: the sliding-window
+    layers' pool (None: as many pages as the full layers')."""
     device, dtype = model_placement(model)
     return KVCache(
         model.cfg.num_hidden_layers,
@@ -33,11 +35,12 @@ def kv_cache_for(
         page_size,
         None if num_pages is None else num_pages + padding,
         [model.cfg.window(i) for i in range(model.cfg.num_hidden_layers)],
+        None if window_pages is None else window_pages + padding,
     )
 
 
-def state_cache_for(model: MoeForCausalLM, num_slots: int) -> StateCache:
+def state_cache_for(model: MoeForCausalLM, num_slots: int, snapshots: int = 0) -> StateCache:
     """The linear-attention layers' conv and SSM states of ``num_slots`` sequences (empty for
-    a model without such layers)."""
+    a model without such layers), and ``snapshots`` entries kept for prefix caching."""
     device, dtype = model_placement(model)
-    return StateCache(model.state_shapes(), num_slots, dtype, device)
+    return StateCache(model.state_shapes(), num_slots, dtype, device, snapshots)

@@ -15,6 +15,8 @@ after them, so a sequence cut anywhere continues exactly from the cut.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -72,7 +74,24 @@ def chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, ``chunk`` tokens at a time: ``q, k [n, h, dk]``, ``v [n, h, dv]``, ``g,
     beta [n, h]``, ``state [h, dk, dv]`` (after the ``start`` tokens before these) ->
-    ``(out [n, h, dv], state)``.
+    ``(out [n, h, dv], state)``."""
+    out, state, _ = chunked_keeping(q, k, v, g, beta, state, start, (), chunk)
+    return out, state
+
+
+def chunked_keeping(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    start: int = 0,
+    keep: Sequence[int] = (),
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunked``, and the states after the first ``keep[i]`` of these tokens (ascending,
+    inside the piece), each read off its chunk's corrections: one small matmul, no more chunks.
 
     Within a chunk with cumulative log decay ``c``, token i's correction depends on the earlier
     tokens' corrections through ``A[i, j] = beta_i (k_i . k_j) exp(c_i - c_j)`` (j < i); solving
@@ -105,8 +124,23 @@ def chunked(
     end = c[..., -1].exp()
     state = state.float()
     out = torch.empty_like(v)
+    kept: list[torch.Tensor] = []
+    at = [divmod(front + r, chunk) for r in keep]  # (chunk, tokens of it) each kept state is after
     for i in range(q.shape[1]):
         corrections = u[:, i] - w[:, i] @ state
+        kept += [_within(state, k[:, i], c[:, i], corrections, j) for ci, j in at if ci == i]
         out[:, i] = q_in[:, i] @ state + scores[:, i] @ corrections
         state = state * end[:, i, None, None] + k_out[:, i].transpose(-1, -2) @ corrections
-    return out.reshape(h, -1, out.shape[-1])[:, front : front + n].transpose(0, 1), state
+    return out.reshape(h, -1, out.shape[-1])[:, front : front + n].transpose(0, 1), state, kept
+
+
+def _within(
+    state: torch.Tensor, k: torch.Tensor, c: torch.Tensor, corrections: torch.Tensor, j: int
+) -> torch.Tensor:
+    """The state after the first ``j`` tokens of a chunk entered with ``state``: decayed to
+    token ``j - 1``, plus their keys' corrections decayed to it (``j`` 0: ``state``)."""
+    if j == 0:
+        return state
+    decay = (c[:, j - 1 : j] - c[:, :j]).exp()[..., None]  # [h, j, 1]
+    written = (k[:, :j] * decay).transpose(-1, -2) @ corrections[:, :j]
+    return state * c[:, j - 1].exp()[:, None, None] + written

@@ -17,6 +17,7 @@ from torch import nn
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.state_snapshots import StateSnapshots
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model import delta_rule
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
@@ -114,14 +115,27 @@ class GatedDeltaNet(nn.Module):
             if every is not None:
                 slots, starts = [batch.slots[i] for i in seqs], [batch.prefix_lens[i] for i in seqs]
                 cache.keep(self.layer_id, slots, starts, window, torch.stack(every, dim=1))
-        for i, (_, prefix, span) in enumerate(rows):
+        snapshots = cache.snapshots
+        for i, (slot, prefix, span) in enumerate(rows):
             if lengths[i] == 1 or verify[i]:
                 continue
-            x, conv_out[i] = delta_rule.causal_conv(mixed[span], conv_in[i], weight)
-            q, k, v = self._qkv(x)
-            o, ssm_out[i] = delta_rule.chunked(q, k, v, g[span], beta[span], ssm_in[i], prefix)
+            cuts = snapshots.cuts(slot, prefix, prefix + span.stop - span.start - 1)
+            o, conv_out[i], ssm_out[i] = self._prefill(
+                mixed[span],
+                conv_in[i],
+                ssm_in[i],
+                weight,
+                g[span],
+                beta[span],
+                prefix,
+                cuts,
+                snapshots,
+            )
             out[span] = o.to(out.dtype)
         cache.write(self.layer_id, batch.slots, batch.seq_lens, conv_out, ssm_out)
+        for i, (slot, end) in enumerate(zip(batch.slots, batch.seq_lens, strict=True)):
+            for _, entry in snapshots.cuts(slot, end - 1, end):  # the state the piece leaves
+                snapshots.keep(self.layer_id, entry, conv_out[i], ssm_out[i])
         y = self.norm(out, z.view(-1, self.v_heads, self.dv))
         return self.out_proj(y.reshape(y.shape[0], self.value_dim))
 
@@ -149,6 +163,32 @@ class GatedDeltaNet(nn.Module):
         g, beta = g.view(seqs, n, -1), beta.view(seqs, n, -1)
         o, ssm = delta_rule.recurrent(q, k, v, g, beta, ssm, every)
         return o.reshape(seqs * n, *o.shape[2:]), window[:, :, n:], ssm, window
+
+    def _prefill(
+        self,
+        mixed: torch.Tensor,
+        conv_in: torch.Tensor,
+        ssm_in: torch.Tensor,
+        weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        prefix: int,
+        cuts: list[tuple[int, int]],
+        snapshots: StateSnapshots,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's piece of tokens after ``prefix``: its outputs, conv and SSM states.
+        At each of ``cuts`` (boundary, snapshot entry) inside the piece the state after exactly
+        that boundary is kept (the delta rule reads it off the boundary's chunk: one small
+        matmul a cut)."""
+        x, conv_out = delta_rule.causal_conv(mixed, conv_in, weight)
+        q, k, v = self._qkv(x)
+        keep = [b - prefix for b, _ in cuts]
+        out, state, kept = delta_rule.chunked_keeping(q, k, v, g, beta, ssm_in, prefix, keep)
+        inputs = torch.cat((conv_in, mixed.t()), dim=1)  # the conv's inputs, its state first
+        for r, (_, entry), ssm in zip(keep, cuts, kept, strict=True):
+            conv = inputs[:, r : r + self.kernel - 1]  # the kernel - 1 inputs before the cut
+            snapshots.keep(self.layer_id, entry, conv, ssm)
+        return out, conv_out, state
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv's output ``[.., n, channels]`` into normalised, scaled queries and

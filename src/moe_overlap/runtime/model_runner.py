@@ -57,13 +57,17 @@ class ModelRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         num_pages: int | None = None,
         mtp_steps: int = 0,
+        state_snapshots: int = 0,
+        window_pages: int | None = None,
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
         process); ``cuda_graph_max_bs``: decode batches up to this size replay from CUDA graphs
         where the model and layout allow (0: never); ``num_pages`` of ``page_size`` tokens:
         the KV pool (None: every slot at ``max_len``); ``mtp_steps``: the MTP drafter's
-        drafts per sequence after each step (0: none)."""
+        drafts per sequence after each step (0: none); ``state_snapshots``: recurrent states
+        kept at cached page boundaries (hybrid models' prefix caching); ``window_pages``: the
+        sliding-window layers' pool where the scheduler counts it (None: as the full one)."""
         self.model = model
         self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
         self.active = dispatcher  # the one this forward's micro-batches use
@@ -82,8 +86,10 @@ class ModelRunner:
         )
         graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # with graphs, one more slot and page: the padding rows'
-        self.kv_cache = kv_cache_for(model, num_slots, max_len, page_size, num_pages, int(graphs))
-        self.states = state_cache_for(model, num_slots)
+        self.kv_cache = kv_cache_for(
+            model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages
+        )
+        self.states = state_cache_for(model, num_slots, state_snapshots)
         self.rollbacks = 0  # slots whose recurrent state the last forward rolled back
         self.ops = build_operations(model, strategy_for(model, NONE.name))
         self.overlap = overlap or OverlapConfig()

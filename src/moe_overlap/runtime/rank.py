@@ -144,6 +144,8 @@ def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) ->
         page_size=spec.page_size,
         num_pages=spec.pool_pages,
         mtp_steps=spec.mtp_steps,
+        state_snapshots=spec.state_snapshots,
+        window_pages=None if spec.window_budget is None else spec.window_budget[1],
     )
 
 
@@ -226,6 +228,7 @@ def serve_step(
     batch, wave = request.batches[group], request.prefill
     if request.pages is not None:  # before this step's sequences take pages
         runner.kv_cache.apply(request.pages[group])
+        runner.states.apply_snapshots(request.pages[group])
     running, lane = None, runner.prefill_lane
     if wave is not None:
         if lane is None:
