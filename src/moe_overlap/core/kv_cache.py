@@ -246,10 +246,12 @@ class KVCache:
         table = self.window_table if self.sliding[layer] else self.block_table
         table = table[slots, first : pages_for(length, self.page_size)]
         buffer = self.layers[layer][name]
-        # whole pages by ``index_select`` (row copies), not ``buffer[table]`` (advanced
-        # indexing, element by element: 4-6x slower on CPU for a decode batch)
-        rows = buffer.index_select(0, table.flatten())
-        rows = rows.view(table.shape[0], -1, *buffer.shape[2:])  # [seqs, pages x page_size, ...]
+        if buffer.device.type == "cpu":  # whole pages as row copies: a CPU's advanced indexing
+            # goes element by element, 4-6x slower for a decode batch's history
+            rows = buffer.index_select(0, table.flatten()).unflatten(0, table.shape)
+        else:  # one gather kernel (a GPU's launches are what cost)
+            rows = buffer[table]
+        rows = rows.flatten(1, 2)  # [seqs, pages x page_size, ...]
         skip = first * self.page_size
         return rows[:, start - skip : length - skip]
 

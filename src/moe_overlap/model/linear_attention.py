@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
@@ -94,12 +95,8 @@ class GatedDeltaNet(nn.Module):
         out = mixed.new_empty(mixed.shape[0], self.v_heads, self.dv)
         conv_out, ssm_out = torch.empty_like(conv_in), torch.empty_like(ssm_in)
         rows = list(batch.per_sequence())
-        # a verify sequence's rows (its last token and drafts, or a piece of them) run token by
-        # token, as decode does, keeping the state after each row for the rollback
-        verify = [d and every for d, every in zip(batch.is_decode, batch.all_logits, strict=True)]
         lengths = [span.stop - span.start for _, _, span in rows]
-        runs = {n: [i for i, v in enumerate(verify) if v and lengths[i] == n] for n in lengths}
-        runs[0] = [i for i, n in enumerate(lengths) if n == 1 and not verify[i]]  # decode
+        verify, runs = _token_runs(batch, lengths)
         for n, seqs in runs.items():
             if not seqs:
                 continue
@@ -201,3 +198,14 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.repeat_interleave(repeat, dim=-2) for t in (q, k))
         q = delta_rule.l2_normalize(q) * self.dk**-0.5
         return q, delta_rule.l2_normalize(k), v.reshape(*lead, self.v_heads, self.dv)
+
+
+def _token_runs(batch: ForwardBatch, lengths: list[int]) -> tuple[list[bool], dict[int, list[int]]]:
+    """Which sequences are verify rows, and the sequences that run token by token, grouped by
+    their rows: a verify sequence's rows (its last token and drafts, or a piece of them) run
+    as decode does, keeping the state after each row for the rollback (key: its row count);
+    key 0: the decode sequences (one token each, no state kept)."""
+    verify = [d and every for d, every in zip(batch.is_decode, batch.all_logits, strict=True)]
+    runs = {n: [i for i, v in enumerate(verify) if v and lengths[i] == n] for n in lengths}
+    runs[0] = [i for i, n in enumerate(lengths) if n == 1 and not verify[i]]
+    return verify, runs
