@@ -132,16 +132,23 @@ def decode_attention(
     sequence b seeing the keys ``mask [B, 1, 1, L]`` marks (``AttentionPlan.decode_mask``; all
     ``L`` when None: no mask, the faster kernel). Returns ``[B, heads, v_dim]``.
 
-    The query heads sharing a KV head attend as that head's queries (``[B, kv_heads, group,
-    d]``): no repeated K/V, and SDPA's fused path with a key-padding mask.
+    No repeated K/V: on a GPU the query heads sharing a KV head attend as that head's queries
+    (``[B, kv_heads, group, d]``, SDPA's fused path with a key-padding mask); on a CPU each
+    head's one query attends with ``enable_gqa``, which its kernel spreads over more work.
     """
     b, heads, d = q.shape
     kv_heads = k.shape[2]
-    out = F.scaled_dot_product_attention(
-        q.reshape(b, kv_heads, heads // kv_heads, d),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-    )
+    if q.device.type == "cpu":  # one query row per head: the CPU kernel's GQA form, 2-2.5x
+        # faster at a decode batch of 128 than a head group's queries as rows of one KV head
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), mask, scale=scale, enable_gqa=True
+        )
+    else:  # grouped: a GPU's memory-efficient kernel takes the mask, but not enable_gqa
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, kv_heads, heads // kv_heads, d),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+        )
     return out.reshape(b, heads, v.shape[-1])
