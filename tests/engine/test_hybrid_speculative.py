@@ -4,12 +4,13 @@ rows. One process: the rolled-back state continues exactly as plain decoding's, 
 sequence cut in two included. Real gloo ranks: n-gram drafts and Qwen3.5's own MTP layer
 (``mtp.*``, two steps from one layer, asked for in vLLM's spelling) give plain greedy
 decoding's tokens at ep=2 in none, tbo, tbo+two-chunk, sbo and dbo (one engine each), and
-n-gram drafts under PP 2 and DP attention, with drafts rejected and rollbacks counted by the
+n-gram and MTP drafts under PP 2 and DP attention, with drafts rejected and rollbacks counted by the
 ranks."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -127,10 +128,11 @@ def test_mtp_on_qwen3_5_gives_plain_greedy_tokens_in_every_mode_at_ep2():
     assert all(v > 0 and r > 0 for v, r in ran.values()), ran
 
 
-def test_ngram_on_qwen3_5_under_pp2_and_dp_attention():
+def test_ngram_and_mtp_on_qwen3_5_under_pp2_and_dp_attention():
     prompts, params = _requests([1, 37, 9, 20], 10)
     layouts = {"pp2": dict(pp=2), "dp-attention": dict(tp=2, dp=2, enable_dp_attention=True)}
-    for name, layout in layouts.items():
-        with LLM(config=CFG, seed=0, speculative_algorithm="NGRAM", **layout) as llm:
-            ran = _identity(llm, prompts, params, {name: None})
-        assert all(v > 0 and r > 0 for v, r in ran.values()), ran
+    drafters = {"NGRAM": CFG, "EAGLE": MTP}
+    for (name, layout), (algorithm, cfg) in itertools.product(layouts.items(), drafters.items()):
+        with LLM(config=cfg, seed=0, speculative_algorithm=algorithm, **layout) as llm:
+            ran = _identity(llm, prompts, params, {name: None}, accepts=algorithm == "NGRAM")
+        assert all(v > 0 and r > 0 for v, r in ran.values()), (algorithm, ran)

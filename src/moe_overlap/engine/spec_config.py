@@ -231,9 +231,8 @@ def check_speculation(
         (mtp and not cfg.num_nextn_predict_layers, f"{cfg.model_type}'s config has no MTP "
          "layers (num_nextn_predict_layers is 0, or Qwen3.5's mtp_num_hidden_layers): use "
          "--speculative-algorithm NGRAM"),
-        (mtp and cfg.is_hybrid and (par.pp > 1 or par.enable_dp_attention or pdmux),
-         "Qwen3.5's MTP layers are checked at ep=2 alone, not under --pp, DP attention or "
-         "PD-mux; use --speculative-algorithm NGRAM there"),
+        (mtp and cfg.is_hybrid and pdmux, "--enable-pdmux: Qwen3.5's MTP drafts beside "
+         "prefill waves are not checked; drop one or use --speculative-algorithm NGRAM"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
