@@ -5,17 +5,27 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from tests.dist_utils import free_port
 
+# Each rank first records what LLM(...) did with a netns link (one launch checks both): had a
+# rank exited with the error, torchrun could stop the other before it got that far, and the
+# test could not tell what that rank would have done.
 SCRIPT = """
 import json, os
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.errors import ConfigError
 cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
+try:
+    LLM(config=cfg, ep=2, link="netns:1gbit", timeout_s=10).close()
+    result = "started"
+except ConfigError as exc:
+    result = f"ConfigError: {exc}"
+with open(f"{OUT}/rank{os.environ['RANK']}.txt", "w") as f:
+    f.write(result)
 with LLM(config=cfg, overlap="tbo", **LAYOUT) as llm:
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
     with open(f"{OUT}/rank{os.environ['RANK']}.json", "w") as f:
@@ -44,13 +54,17 @@ def _torchrun(script, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["ep2", "pp2"])
 def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
-    """Under pp2 the last stage (rank 1) answers for its group, through rank 0's gather."""
+    """Under pp2 the last stage (rank 1) answers for its group, through rank 0's gather. First
+    every rank refuses a netns link, which torchrun's processes cannot share, without a hang."""
     script = tmp_path / "run.py"
     script.write_text(
         f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\nLAYOUT = {layout!r}\n{SCRIPT}"
     )
-    proc = _torchrun(script)
+    proc = _torchrun(script)  # a hang fails here
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        refused = (tmp_path / f"rank{r}.txt").read_text()
+        assert refused.startswith("ConfigError: --link netns:1gbit cannot be used under torchrun")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     with LLM(config=ModelConfig.from_hf("configs/deepseek-v3-tiny.json")) as llm:
         expected = [
@@ -60,35 +74,6 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
             )
         ]
     assert results == [expected, []]  # rank 0 drives; rank 1 served its steps
-
-
-# Each rank records what LLM(...) did: had a rank exited with the error, torchrun could stop the
-# other before it got that far, and the test could not tell what that rank would have done.
-NETNS_SCRIPT = """
-import os
-from moe_overlap import LLM, ModelConfig
-from moe_overlap.core.errors import ConfigError
-cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
-try:
-    LLM(config=cfg, ep=2, link="netns:1gbit", timeout_s=10).close()
-    result = "started"
-except ConfigError as exc:
-    result = f"ConfigError: {exc}"
-with open(f"{OUT}/rank{os.environ['RANK']}.txt", "w") as f:
-    f.write(result)
-"""
-
-
-def test_torchrun_refuses_netns_link_on_every_rank(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(f"OUT = {str(tmp_path)!r}\n{NETNS_SCRIPT}")
-    start = time.monotonic()
-    proc = _torchrun(script, timeout=90)  # a hang fails here
-    assert time.monotonic() - start < 60
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in range(2):
-        result = (tmp_path / f"rank{r}.txt").read_text()
-        assert result.startswith("ConfigError: --link netns:1gbit cannot be used under torchrun")
 
 
 def test_torchrun_world_must_match_the_layout(monkeypatch):
