@@ -77,18 +77,9 @@ def test_mtp_head_matches_the_reference_and_loads_without_its_own_head(tmp_path,
     assert f"model.layers.{LAYERS}.eh_proj.weight" in tensors
     want_hidden, want_logits = _reference(tmp_path, tensors, eps)
 
-    runner = build_rank_runner(
-        EngineSpec(cfg, str(tmp_path), max_num_seqs=1, max_len=64, mtp_steps=1)
-    )
-    ids = torch.tensor(PROMPT)
-    runner.forward(ForwardBatch(ids, [0], [0], [len(PROMPT)], [False], [False]))
-    hidden = runner.last_hidden
-    assert hidden is not None and torch.allclose(hidden, want_hidden, atol=TOL, rtol=0)
-    drafter = runner.mtp
-    assert drafter is not None
-    rows = ForwardBatch(ids[1:], [0], [0], [len(PROMPT) - 1], [True], [False])
-    out = drafter.forward(0, rows, hidden[:-1], runner.dispatcher, runner.timeline)
-    assert (out["logits"] - want_logits).abs().max() < TOL
+    runner, hidden, logits = engine_head(cfg, tmp_path, PROMPT)
+    assert torch.allclose(hidden, want_hidden, atol=TOL, rtol=0)
+    assert (logits - want_logits).abs().max() < TOL
 
     _engine_drafts_follow_the_head(tmp_path, runner, monkeypatch)
 
@@ -98,6 +89,22 @@ def test_mtp_head_matches_the_reference_and_loads_without_its_own_head(tmp_path,
     model = build_model(cfg, tmp_path, mtp=True)
     assert torch.equal(model.mtp_layers[0].shared_head.head.weight, model.lm_head.weight)
     assert not build_model(cfg, tmp_path).mtp_layers  # built without them, as plain serving is
+
+
+def engine_head(cfg: ModelConfig, path, prompt: list[int]):
+    """One rank built from the checkpoint at ``path`` with one MTP step: ``prompt``'s prefill,
+    then the MTP head over its tokens after the first and the target's hidden states before
+    the last. Returns the runner, those hidden states and the head's logits."""
+    runner = build_rank_runner(EngineSpec(cfg, str(path), max_num_seqs=1, max_len=64, mtp_steps=1))
+    ids = torch.tensor(prompt)
+    runner.forward(ForwardBatch(ids, [0], [0], [len(prompt)], [False], [False]))
+    hidden = runner.last_hidden
+    assert hidden is not None
+    drafter = runner.mtp
+    assert drafter is not None
+    rows = ForwardBatch(ids[1:], [0], [0], [len(prompt) - 1], [True], [False])
+    out = drafter.forward(0, rows, hidden[:-1], runner.dispatcher, runner.timeline)
+    return runner, hidden, out["logits"]
 
 
 def _engine_drafts_follow_the_head(path, runner, monkeypatch) -> None:

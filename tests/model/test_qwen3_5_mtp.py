@@ -15,19 +15,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.model.loader import build_model, save_checkpoint
-from moe_overlap.runtime.rank import build_rank_runner
 from moe_overlap.tools.cli import main as cli
 from tests.engine.test_prefix_exact import one_thread
 from tests.helpers import qwen3_5_hf_config
+from tests.model.test_mtp import PROMPT, TOL, engine_head
 
 transformers = pytest.importorskip("transformers")
-
-TOL = 1e-4
-PROMPT = [5, 17, 3, 40, 22, 9, 31, 12, 7, 60, 2, 44]
 
 
 def _centred_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,18 +86,9 @@ def _head_matches(tmp_path) -> None:
     assert not any(k.startswith("model.layers.4") for k in tensors)  # under mtp.* only
     want_hidden, want_logits = _reference(tmp_path, tensors, eps)
 
-    runner = build_rank_runner(
-        EngineSpec(cfg, str(tmp_path), max_num_seqs=1, max_len=64, mtp_steps=1)
-    )
-    ids = torch.tensor(PROMPT)
-    runner.forward(ForwardBatch(ids, [0], [0], [len(PROMPT)], [False], [False]))
-    hidden = runner.last_hidden
-    assert hidden is not None and (hidden - want_hidden).abs().max() < TOL
-    drafter = runner.mtp
-    assert drafter is not None
-    rows = ForwardBatch(ids[1:], [0], [0], [len(PROMPT) - 1], [True], [False])
-    out = drafter.forward(0, rows, hidden[:-1], runner.dispatcher, runner.timeline)
-    assert (out["logits"] - want_logits).abs().max() < TOL
+    _, hidden, logits = engine_head(cfg, tmp_path, PROMPT)
+    assert (hidden - want_hidden).abs().max() < TOL
+    assert (logits - want_logits).abs().max() < TOL
     assert not build_model(cfg, tmp_path).mtp_layers  # built without them, as plain serving is
 
 

@@ -52,7 +52,7 @@ def check_settings(
     emulated = link.spec if link.shaped else None
     redundant = args.ep_num_redundant_experts  # EPLB's slots: E + R must divide over --ep
     check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers, redundant)
-    check_speculation(args.speculative(), par, cfg, args.enable_pdmux)
+    check_speculation(args.speculative(), cfg, args.enable_pdmux)
     cap = overlap.num_max_dispatch_tokens_per_rank
     if overlap.a2a_mode == A2AMode.LOW_LATENCY and args.max_num_batched_tokens > cap:
         raise ConfigError(

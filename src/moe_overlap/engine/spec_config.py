@@ -10,7 +10,6 @@ from typing import TypeVar
 
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
-from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import setting
 
 ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # SGLang's names; NEXTN is EAGLE for MTP models
@@ -220,9 +219,7 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
-def check_speculation(
-    spec: SpeculativeConfig | None, par: ParallelConfig, cfg: ModelConfig, pdmux: bool
-) -> None:
+def check_speculation(spec: SpeculativeConfig | None, cfg: ModelConfig, pdmux: bool) -> None:
     """Refuse what speculation is not exact on yet, each with the reason."""
     if spec is None:
         return
