@@ -5,8 +5,10 @@ hit counting, LRU eviction under a small pool, and flush; the exactness on real 
 from __future__ import annotations
 
 from moe_overlap.core.step import GroupReply, StepReply
+from moe_overlap.engine.kv_pages import CachedPage
 from moe_overlap.engine.request import Request, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
+from moe_overlap.engine.window_pages import WindowPages
 
 PAGE = 4
 
@@ -160,3 +162,15 @@ def test_a_slot_admitted_and_preempted_in_one_step_is_never_attached_on_the_rank
             assert slot not in held, f"slot {slot} attached while it holds pages"
             held.add(slot)
         held |= {req.slot for req, _ in step.scheduled[0]}
+
+
+def test_a_hit_ends_where_the_sliding_window_before_it_is_kept():
+    """Window 8, pages of 4: a hit of n pages reads pages n-2 and n-1 in the sliding layers;
+    with page 5's sliding page given back, a 6-page chain is usable up to 5 pages, and with
+    page 3's too, up to 3."""
+    pool = WindowPages(8, 16, PAGE)
+    chain = [CachedPage(i + 1, (i, ())) for i in range(6)]
+    chain[5].window = False
+    assert pool.usable(chain) == chain[:5]
+    chain[3].window = False
+    assert pool.usable(chain) == chain[:3]

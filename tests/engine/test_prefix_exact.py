@@ -108,19 +108,30 @@ def test_dp_attention_with_mla_caches_per_rank_and_stays_exact_through_evictions
     assert sum(c.evictions for c in caches) > 0
 
 
-def test_sliding_window_layers_read_cached_pages_exactly():
-    """GPT-OSS's sliding layers attend over the last 128 keys: a cached 300-token prefix holds
-    them, so the window's reads are the same from the cache (here a 64-key window, one
-    request a wave)."""
+def gpt_oss() -> Config:
+    """One sliding layer (a 64-key window, so the 300-token prefix crosses it) and a full one."""
     raw = json.loads(Path("configs/gpt-oss-tiny.json").read_text())
     raw |= dict(hidden_size=32, head_dim=8, intermediate_size=16, vocab_size=80)
     raw |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    cfg = ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
-    with one_thread(), LLM(config=cfg, **KW) as llm:
-        base, _ = two_waves(llm, cached=False, per_wave=1)
-        outs, hits = two_waves(llm, per_wave=1)
-    assert_same(base, outs)
-    assert hits == 288
+    return ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
+
+
+def test_ep2_sliding_window_pages_leave_the_cache_and_hits_stay_exact():
+    """GPT-OSS's sliding layer over 64 keys with its pool counted at the windows, cache on:
+    three sequences at once per rank (38 sliding pages beside 60 full ones), so cached pages'
+    sliding pages below every window go back to make room; wave 2 still reads the window
+    before its hit from the cache, and none and tbo+two-chunk (whose cut sequence's first
+    piece reads its window) give the tokens of the cache off."""
+    with LLM(config=gpt_oss(), ep=2, max_num_seqs=3, **KW) as llm:
+        assert llm.spec.window_budget == (64, 38)
+        base, _ = two_waves(llm, cached=False)
+        for mode in ("none", "tbo+two-chunk"):
+            force_overlap(llm, every_mode()[mode])
+            outs, hits = two_waves(llm)
+            assert_same(base, outs)
+            assert hits >= WAVE_HITS, mode
+        pools = [c.windows for c in llm.scheduler.prefix]
+    assert all(p is not None and p.given_back > 0 for p in pools)
 
 
 def test_pdmux_waves_start_after_the_cached_pages():

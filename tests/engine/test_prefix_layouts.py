@@ -11,25 +11,21 @@ is not run under TP 2: its linear-attention layers refuse attention TP
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from moe_overlap import LLM, ModelConfig
-from moe_overlap.core.model_config import ModelConfig as Config
-from tests.engine.test_prefix_exact import KW, assert_same, config, one_thread, qwen3_5, two_waves
+from moe_overlap import LLM
+from tests.engine.test_prefix_exact import (
+    KW,
+    assert_same,
+    config,
+    gpt_oss,
+    one_thread,
+    qwen3_5,
+    two_waves,
+)
 
 PER_WAVE = 4
 WAVE_HITS = PER_WAVE * 288  # wave 2: 18 full pages of 16 each, its last token computed
-
-
-def gpt_oss() -> Config:
-    """One sliding layer (a 64-key window, so the 300-token prefix crosses it) and a full one."""
-    raw = json.loads(Path("configs/gpt-oss-tiny.json").read_text())
-    raw |= dict(hidden_size=32, head_dim=8, intermediate_size=16, vocab_size=80)
-    raw |= dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
-    return ModelConfig.from_hf(raw | dict(sliding_window=64, max_position_embeddings=320))
 
 
 FAMILIES = {

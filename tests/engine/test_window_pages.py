@@ -1,6 +1,7 @@
 """Sliding-window layers keep only their window: their pages wholly below every sequence's
 window go back to their own pool as it grows (full-attention layers keep theirs), but for
-cached pages, which a later request may cut at; and a long generation gives exactly the tokens
+cached pages, which stay the cache's (a later request may cut at them) until the driver gives
+them back; and a long generation gives exactly the tokens
 and log-probabilities of the same engine keeping every page."""
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def test_a_growing_sequence_keeps_only_its_window_in_the_sliding_layers():
     grow(kv, 0, 0, 20)  # a 20-token prefill: 5 pages in each table
     assert (kv.window_pages_used, kv.free_pages) == (5, 35)
     grow(kv, 0, 20, 21)  # the query at 20 sees keys 13..20: pages 0-2 (keys 0..11) go
-    assert kv.window_held[0][:3] == [NULL_PAGE] * 3 and kv.window_pages_used == 3
-    assert kv.window_table[0, :3].tolist() == [NULL_PAGE] * 3
+    assert kv.windows.held[0][:3] == [NULL_PAGE] * 3 and kv.window_pages_used == 3
+    assert kv.windows.table[0, :3].tolist() == [NULL_PAGE] * 3
     for pos in range(21, 60):  # a long decode: never more than its window's pages
         grow(kv, 0, pos, pos + 1)
         assert kv.window_pages_used <= -(-WINDOW // PAGE) + 1
@@ -56,18 +57,20 @@ def test_stored_keys_inside_the_window_read_back_after_trimming():
     assert torch.equal(kv.gather(1, "k", [1], 12)[0], keys)  # the full layer: every key
 
 
-def test_a_cached_page_keeps_its_window_page_until_it_is_evicted():
+def test_a_cached_page_keeps_its_window_page_until_the_driver_gives_it_back():
     kv = cache()
     grow(kv, 0, 0, 12)
-    kv.apply(PageOps(publish=[(0, 0, 7), (0, 1, 8)]))  # pages 0 and 1 cached
+    kv.apply(PageOps(publish=[(0, 0, 7), (0, 1, 8), (0, 2, 9)]))  # pages 0-2 cached
     grow(kv, 0, 12, 20)
-    grow(kv, 0, 20, 24)  # pages 0-2 fall below the window: only page 2 goes
-    assert kv.window_held[0][:3] != [NULL_PAGE] * 3 and kv.window_held[0][2] == NULL_PAGE
-    kv.apply(PageOps(released=[0], attach=[(1, [7, 8])]))  # a later request cuts there
-    assert kv.window_table[1, :2].tolist() == kv.window_held[1] != [NULL_PAGE] * 2
-    grow(kv, 1, 8, 30)
-    assert kv.window_held[1][:2] == [kv.cached_window[7], kv.cached_window[8]]  # kept: cached
-    kv.apply(PageOps(released=[1], evict=[7, 8]))
+    grow(kv, 0, 20, 24)  # pages 0-2 fall below the window: they leave the row, kept cached
+    assert kv.windows.held[0][:3] == [NULL_PAGE] * 3 and kv.window_pages_used == 6
+    kv.apply(PageOps(released=[0], unwindow=[7], attach=[(1, [7, 8, 9])]))  # a cut at 12
+    assert kv.windows.held[1] == [NULL_PAGE, kv.windows.cached[8], kv.windows.cached[9]]
+    assert kv.window_pages_used == 2  # 8 and 9: the window of the query at 12 reads 5..11
+    grow(kv, 1, 12, 30)
+    grow(kv, 1, 30, 31)  # keys 23..30: pages 0-4 leave the row, 8 and 9 stay cached
+    assert kv.windows.held[1][:5] == [NULL_PAGE] * 5 and kv.window_pages_used == 2 + 3
+    kv.apply(PageOps(released=[1], evict=[7, 8, 9]))
     assert kv.window_pages_used == 0 and kv.free_pages == 40
 
 

@@ -79,7 +79,7 @@ class EngineSpec:
     mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
     prefix_caching: bool = False  # a hybrid model then keeps recurrent-state snapshots
     # sliding-window layers budgeted for their windows alone, their pages counted by the
-    # scheduler (the engine's choice without prefix caching, PD-mux or speculation)
+    # scheduler (the engine's choice without PD-mux or speculation)
     sliding_budget: bool = False
     # --max-num-batched-tokens: a step's prefill chunks bound the sliding pages they hold
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -10,13 +10,14 @@ Prefix caching (``apply``): the driver names full, computed pages; a named page 
 sequence that wrote it, and a later sequence's first table entries point at it, until the
 driver evicts it. A sequence never writes a page it was attached to: its writes start past them.
 
-Sliding-window layers (GPT-OSS, MiMo) have a block table and a pool of their own, by default as
-many pages as the full layers' (a slot's window pages are a subset of its full pages, so they
-never run out first), or ``window_pages`` where the scheduler counts them (then the budget
-holds more full pages): before each forward, ``trim_windows`` returns the pages wholly below
-every sequence's window, so those layers' buffers hold only the windows. A cached page keeps its
-window page until evicted, since a later request may cut its prefix there and read the window
-before the cut.
+Sliding-window layers (GPT-OSS, MiMo) have a block table and a pool of their own
+(``core/window_table.py``), by default as many pages as the full layers' (a slot's window pages
+are a subset of its full pages, so they never run out first), or ``window_pages`` where the
+scheduler counts them (then the budget holds more full pages): before each forward,
+``trim_windows`` returns the pages wholly below every sequence's window, so those layers'
+buffers hold only the windows. A cached page keeps its window page until the driver gives it
+back (``PageOps.unwindow``) or evicts the page, since a later request may cut its prefix there
+and read the window before the cut.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import torch
 
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import PageOps
-
-NULL_PAGE = 0
+from moe_overlap.core.window_table import NULL_PAGE, WindowTable
 
 
 class KVPoolExhausted(RuntimeError):
@@ -88,16 +88,13 @@ class KVCache:
         self.free = list(range(self.num_pages, NULL_PAGE, -1))  # popped lowest first
         self.cached: dict[int, int] = {}  # prefix caching: a cached page's id -> its page
         self.cached_pages: set[int] = set()
-        # per layer: its sliding window (0: full attention); the window layers' own table,
-        # pool and pages per slot (NULL_PAGE where trimmed), and each cached page's window page
+        # per layer: its sliding window (0: full attention); the window layers' own table
         self.sliding = [w > 0 for w in windows] + [False] * (num_layers - len(windows))
         self.window = max(windows, default=0)
-        self.window_table = torch.zeros_like(self.block_table)
-        self.window_held: list[list[int]] = [[] for _ in range(num_slots)]
-        self.window_total = self.num_pages if window_pages is None else window_pages
-        self.window_free = list(range(self.window_total, NULL_PAGE, -1))
-        self.trimmed = [0] * num_slots  # pages below this index were trimmed (or kept cached)
-        self.cached_window: dict[int, int] = {}
+        total = self.num_pages if window_pages is None else window_pages
+        self.windows = WindowTable(
+            num_slots, self.pages_per_seq, total, self.window, page_size, self.device
+        )
 
     @property
     def free_pages(self) -> int:
@@ -106,7 +103,7 @@ class KVCache:
     @property
     def window_pages_used(self) -> int:
         """Pages the sliding-window layers hold now (0 without such layers)."""
-        return self.window_total - len(self.window_free) if self.window else 0
+        return self.windows.used if self.window else 0
 
     def reserve(self, slots: Sequence[int], ends: Sequence[int]) -> None:
         """Pages for tokens ``[0, ends[i])`` of ``slots[i]``, taken from the pool where the
@@ -126,41 +123,18 @@ class KVCache:
                 self.block_table[slot, len(held) : need] = torch.tensor(new)
                 held.extend(new)
                 self._grow(max(new) + 1, sliding=False)
-                if self.window:
-                    self._reserve_window(slot, need)
-
-    def _reserve_window(self, slot: int, need: int) -> None:
-        held = self.window_held[slot]
-        new = [self.window_free.pop() for _ in range(need - len(held))]
-        if not new:
-            return
-        self.window_table[slot, len(held) : need] = torch.tensor(new)
-        held.extend(new)
-        self._grow(max(new) + 1, sliding=True)
+                window = self.windows.reserve(slot, need) if self.window else []
+                if window:
+                    self._grow(max(window) + 1, sliding=True)
 
     def trim_windows(self, slots: Sequence[int], starts: Sequence[int]) -> None:
         """Before a forward whose sequence ``slots[i]`` computes from position ``starts[i]``:
-        its sliding-window layers' pages wholly below the window of that first query go back
-        to their pool (not a cached page's: a later request may need it). A no-op without
-        sliding-window layers."""
-        if not self.window:
-            return
-        rows: list[int] = []
-        cols: list[int] = []
-        with self._lock:
-            for slot, start in zip(slots, starts, strict=True):
-                keep = max(0, start - self.window + 1) // self.page_size
-                held, full = self.window_held[slot], self.held[slot]
-                stop = min(keep, len(held))
-                for i in range(self.trimmed[slot], stop):
-                    if held[i] != NULL_PAGE and full[i] not in self.cached_pages:
-                        self.window_free.append(held[i])
-                        held[i] = NULL_PAGE
-                        rows.append(slot)
-                        cols.append(i)
-                self.trimmed[slot] = max(self.trimmed[slot], stop)
-            if rows:  # one write to the device's table, however many pages went
-                self.window_table[torch.tensor(rows), torch.tensor(cols)] = NULL_PAGE
+        its sliding-window layers' pages wholly below the window of that first query leave its
+        table (its own back to their pool; a cached page's stays the cache's until the driver
+        gives it back). A no-op without sliding-window layers."""
+        if self.window:
+            with self._lock:
+                self.windows.trim(slots, starts, self.held, self.cached_pages)
 
     def release(self, slots: Sequence[int]) -> None:
         """Give the pages of ``slots`` (sequences that ended) back to the pool, but for cached
@@ -169,31 +143,29 @@ class KVCache:
             for slot in slots:
                 own = [p for p in self.held[slot] if p not in self.cached_pages]
                 self.free.extend(reversed(own))
-                pairs = zip(self.held[slot], self.window_held[slot], strict=False)
-                own = [w for p, w in pairs if w != NULL_PAGE and p not in self.cached_pages]
-                self.window_free.extend(reversed(own))
-                self.held[slot], self.window_held[slot], self.trimmed[slot] = [], [], 0
+                self.windows.release(slot, self.held[slot], self.cached_pages)
+                self.held[slot] = []
                 self.block_table[slot].fill_(NULL_PAGE)
-                self.window_table[slot].fill_(NULL_PAGE)
 
     def apply(self, ops: PageOps) -> None:
         """The driver's page changes for this step, in ``PageOps``' order: cache full pages,
-        release ended slots, evict cached pages, attach cached pages to new slots."""
+        release ended slots, evict cached pages, give back cached pages' window pages, attach
+        cached pages to new slots."""
         with self._lock:
             for slot, index, page_id in ops.publish:
                 page = self.held[slot][index]
                 self.cached[page_id] = page
                 self.cached_pages.add(page)
                 if self.window:
-                    self._cache_window(slot, index, page_id)
+                    self.windows.cache(slot, index, page_id)
         self.release(ops.released)
         with self._lock:
+            for page_id in [*ops.evict, *ops.unwindow]:
+                self.windows.drop(page_id)
             for page_id in ops.evict:
                 page = self.cached.pop(page_id)
                 self.cached_pages.discard(page)
                 self.free.append(page)
-                if self.window:
-                    self.window_free.append(self.cached_window.pop(page_id))
             for slot, ids in ops.attach:
                 if self.held[slot]:
                     raise RuntimeError(f"cached pages attached to slot {slot}, which holds pages")
@@ -201,15 +173,7 @@ class KVCache:
                 self.held[slot] = pages
                 self.block_table[slot, : len(pages)] = torch.tensor(pages)
                 if self.window:
-                    window = [self.cached_window[i] for i in ids]
-                    self.window_held[slot] = window
-                    self.window_table[slot, : len(window)] = torch.tensor(window)
-
-    def _cache_window(self, slot: int, index: int, page_id: int) -> None:
-        page = self.window_held[slot][index]
-        if page == NULL_PAGE:  # the driver publishes a page before any forward passes it
-            raise RuntimeError(f"page {index} of slot {slot} cached after its window was trimmed")
-        self.cached_window[page_id] = page
+                    self.windows.attach(slot, ids)
 
     def store(
         self,
@@ -228,7 +192,7 @@ class KVCache:
         if bounds is None:
             bounds = int(positions.max()) + 1, int(slots.max()) + 1
         self._check(*bounds)
-        table = self.window_table if self.sliding[layer] else self.block_table
+        table = self.windows.table if self.sliding[layer] else self.block_table
         pages = table[slots, positions // self.page_size]
         offsets = positions % self.page_size
         buffers = self.layers[layer]
@@ -243,7 +207,7 @@ class KVCache:
         ...]`` (a copy through the block table); rows past a sequence's own length hold zeros
         or stale finite values, to be masked."""
         first = start // self.page_size  # a window's read starts at its first page
-        table = self.window_table if self.sliding[layer] else self.block_table
+        table = self.windows.table if self.sliding[layer] else self.block_table
         table = table[slots, first : pages_for(length, self.page_size)]
         buffer = self.layers[layer][name]
         if buffer.device.type == "cpu":  # whole pages as row copies: a CPU's advanced indexing
@@ -260,7 +224,7 @@ class KVCache:
         addresses)."""
         with self._lock:
             self._grow(self.num_pages + 1, sliding=False)
-            self._grow(self.window_total + 1, sliding=True)
+            self._grow(self.windows.total + 1, sliding=True)
 
     def _check(self, end: int, top: int) -> None:
         if end > self.max_len:
@@ -281,7 +245,7 @@ class KVCache:
                 if pages <= have:
                     continue
                 n = min(
-                    (self.window_total if sliding else self.num_pages) + 1, max(pages, 2 * have)
+                    (self.windows.total if sliding else self.num_pages) + 1, max(pages, 2 * have)
                 )
                 with torch.inference_mode(False):  # a plain tensor: writable outside inference
                     grown = buf.new_zeros(n, *buf.shape[1:])

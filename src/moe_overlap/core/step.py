@@ -100,8 +100,10 @@ class PageOps:
     driver's prefix cache decides them; ``core/kv_cache.py: KVCache.apply`` carries them out).
     ``publish``: (slot, page index, id): a full, computed page of a running sequence becomes a
     cached page named ``id``. ``released``: slots whose sequences ended (their pages go back,
-    cached ones stay cached). ``evict``: cached pages no sequence holds, freed. ``attach``:
-    (slot, ids): a new sequence's first pages are those cached pages. Hybrid models' recurrent
+    cached ones stay cached). ``evict``: cached pages no sequence holds, freed. ``unwindow``:
+    cached pages whose sliding-window layers' page goes back (no sequence's window holds it;
+    the page stays cached, ``core/window_table.py``). ``attach``: (slot, ids): a new
+    sequence's first pages are those cached pages. Hybrid models' recurrent
     states (``core/state_snapshots.py``), after the pages: ``restore``: (slot, entry, tokens):
     a new sequence starts from the state kept in snapshot ``entry``, after ``tokens`` tokens;
     ``snapshot``: (slot, boundary, entry): keep the state of the sequence in ``slot`` after
@@ -110,6 +112,7 @@ class PageOps:
     publish: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     evict: list[int] = field(default_factory=list)
+    unwindow: list[int] = field(default_factory=list)
     attach: list[tuple[int, list[int]]] = field(default_factory=list)
     restore: list[tuple[int, int, int]] = field(default_factory=list)
     snapshot: list[tuple[int, int, int]] = field(default_factory=list)

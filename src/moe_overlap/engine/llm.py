@@ -137,7 +137,7 @@ class LLM(ExpertRecorder):
             fp8_on_the_fly=args.fp8_dequant_on_the_fly,
             mtp_steps=mtp_steps(speculative),
             prefix_caching=args.enable_prefix_caching,
-            sliding_budget=not (args.enable_prefix_caching or enable_pdmux or speculative),
+            sliding_budget=not (enable_pdmux or speculative),
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         self.spec, self.parallel = spec, par

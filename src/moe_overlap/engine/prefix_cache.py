@@ -19,6 +19,7 @@ from moe_overlap.core.step import PageOps
 from moe_overlap.engine.kv_pages import CachedPage, PageBudget
 from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
+from moe_overlap.engine.window_pages import WindowPages
 
 
 def may_use(req: Request) -> bool:
@@ -38,13 +39,20 @@ class PrefixCache:
     no request holds and none is cached, ``idle`` the cached pages no request holds (freed by
     eviction). ``ops`` gathers the page changes its rank applies before the next step.
     ``states``: a hybrid model's snapshot entries (``engine/prefix_states.py``): a hit ends
-    at a page after which the recurrent state was kept, and restores it."""
+    at a page after which the recurrent state was kept, and restores it. ``windows``: the
+    sliding-window layers' pool where it is counted (``engine/window_pages.py``): a hit ends
+    where the window before it is kept."""
 
     def __init__(
-        self, budget: PageBudget, enabled: bool = True, states: PrefixStates | None = None
+        self,
+        budget: PageBudget,
+        enabled: bool = True,
+        states: PrefixStates | None = None,
+        windows: WindowPages | None = None,
     ):
         self.budget, self.enabled, self.page_size = budget, enabled, budget.page_size
-        self.states = states
+        self.states, self.windows = states, windows
+        self.closed: set[int] = set()  # slots that met another's copy of a page: no more cached
         self.pages: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
         self.idle: OrderedDict[int, CachedPage] = OrderedDict()  # least recently used first
         self.next_id = 1
@@ -62,7 +70,12 @@ class PrefixCache:
         if not (self.enabled and usable):
             return []
         chain = self._walk(tokens, [], (len(tokens) - 1) // self.page_size)
-        return chain if self.states is None else self.states.usable(chain)
+        while True:  # the longest prefix both a kept state and a kept window allow
+            n = len(chain)
+            chain = chain if self.states is None else self.states.usable(chain)
+            chain = chain if self.windows is None else self.windows.usable(chain)
+            if len(chain) == n:
+                return chain
 
     def _walk(self, tokens: Sequence[int], chain: list[CachedPage], pages: int) -> list[CachedPage]:
         """``chain`` and the cached pages after it that ``tokens`` go on with, up to ``pages``."""
@@ -97,6 +110,8 @@ class PrefixCache:
     def admit(self, req: Request, chain: list[CachedPage]) -> None:
         """``req`` joins its slot on ``chain`` (acquired already)."""
         slot, start = req.slot, len(chain) * self.page_size
+        if self.windows is not None:
+            self.windows.attach(slot, chain)
         self.queries += req.total_len
         self.hits += start
         if chain:
@@ -127,6 +142,13 @@ class PrefixCache:
                 entry, page.entry = page.entry, None
                 return entry
         return None
+
+    def leave(self, slot: int) -> None:
+        """``slot``'s request ends or is preempted (before it drops its cached pages)."""
+        self.unattach(slot)
+        self.closed.discard(slot)
+        if self.windows is not None:
+            self.windows.leave(slot)
 
     def unattach(self, slot: int) -> None:
         """Drop a pending attach of ``slot``: its request leaves in the step that admitted it
@@ -161,15 +183,18 @@ class PrefixCache:
         if not self.enabled:
             return
         size = self.page_size
-        for index in range(len(chain), computed // size):
+        for index in range(len(chain), 0 if slot in self.closed else computed // size):
             key = (chain[-1].id if chain else 0, tuple(tokens(index * size, (index + 1) * size)))
-            if key in self.pages:
-                break  # the same tokens in another page: this one stays the request's own
+            if key in self.pages:  # the same tokens in another page: this one and the rest
+                self.closed.add(slot)  # stay its own (its window may drop them meanwhile)
+                break
             page = CachedPage(self.next_id, key, refs=1)
             self.next_id += 1
             self.pages[key] = page
             chain.append(page)
             self.ops.publish.append((slot, index, page.id))
+            if self.windows is not None:
+                self.windows.cached(slot, page, index)
         if self.states is not None:
             self._keep_states(slot, tokens, computed, chain)
 
@@ -210,6 +235,8 @@ class PrefixCache:
     def take_ops(self) -> PageOps:
         ops, self.ops = self.ops, PageOps()
         ops.released = self.budget.take_released()
+        if self.windows is not None:
+            ops.unwindow, self.windows.dropped = self.windows.dropped, []
         return ops
 
     def _evict(self, page: CachedPage) -> None:
@@ -218,6 +245,8 @@ class PrefixCache:
         if page.entry is not None and self.states is not None:
             self.states.free.append(page.entry)
             page.entry = None
+        if self.windows is not None:
+            self.windows.evicted(page)
         self.ops.evict.append(page.id)
         self.evictions += 1
         self.budget.free += 1

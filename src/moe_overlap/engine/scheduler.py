@@ -13,7 +13,7 @@ from functools import partial
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, StepReply
 from moe_overlap.engine.finish import FinishRule
-from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator, WindowPages
+from moe_overlap.engine.kv_pages import PageBudget, SlotAllocator
 from moe_overlap.engine.load_balance import (
     DEFAULT_LOAD_BALANCE_METHOD,
     GroupLoad,
@@ -26,12 +26,17 @@ from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.scheduled_step import Step, make_batch
 from moe_overlap.engine.speculation import Speculation
+from moe_overlap.engine.window_pages import WindowPages
 
 log = logging.getLogger(__name__)
 
 
 def _states(entries: int | None) -> PrefixStates | None:
     return None if entries is None else PrefixStates(entries)
+
+
+def _windows(windows: tuple[int, int] | None, page_size: int) -> WindowPages | None:
+    return None if windows is None else WindowPages(*windows, page_size)
 
 
 class Scheduler:
@@ -67,12 +72,10 @@ class Scheduler:
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
         self.prefix = [
-            PrefixCache(budget, prefix_caching, _states(state_snapshots)) for budget in self.pages
+            PrefixCache(b, prefix_caching, _states(state_snapshots), _windows(windows, page_size))
+            for b in self.pages
         ]
         self.page_size, self.preemptions = page_size, 0
-        self.windows = (
-            None if windows is None else [WindowPages(*windows, page_size) for _ in self.pages]
-        )
         self.running: list[list[Request]] = [[] for _ in range(num_ranks)]
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
@@ -230,13 +233,8 @@ class Scheduler:
 
     def _take_windows(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> bool:
         """Hold the sliding-window pages ``seqs`` take on ``rank``, where they are free."""
-        if self.windows is None:
-            return True
-        pool, step = self.windows[rank], [(r.slot, r.num_computed, len(t)) for r, t in seqs]
-        if pool.growth(step) > pool.free:
-            return False
-        pool.hold(step)
-        return True
+        pool = self.prefix[rank].windows
+        return pool is None or pool.take([(r.slot, r.num_computed, len(t)) for r, t in seqs])
 
     def _draft(self, rank: int, seqs: list[tuple[Request, list[int]]]) -> list[list[int]]:
         if self.speculation is None:
@@ -272,13 +270,11 @@ class Scheduler:
         """Give back ``req``'s slot and own pages; its computed full pages stay cached."""
         cache = self.prefix[rank]
         cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
-        cache.unattach(req.slot)  # admitted and preempted in one step: the rank never sees it
+        cache.leave(req.slot)  # admitted and preempted in one step: the rank never sees it
         self.slots[rank].release(req.slot)
         self.pages[rank].give(req.slot, req.pages - len(req.cached))
         cache.drop(req.cached)
         req.cached = []
-        if self.windows is not None:
-            self.windows[rank].leave(req.slot)
 
     def loads(self, req: Request | None = None) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies (the DP controller) read
