@@ -70,27 +70,51 @@ def assert_same(base: list, got: list) -> None:
         assert max(diffs) <= 1e-4
 
 
-def every_mode_matches_no_cache(cfg: Config) -> None:
-    with LLM(config=cfg, ep=2, **KW) as llm:
-        base, _ = two_waves(llm, cached=False)
-        for mode, overlap in every_mode().items():
-            if mode not in MODES:
-                continue
-            force_overlap(llm, overlap)
-            outs, hits = two_waves(llm)
-            assert_same(base, outs)
-            assert hits == WAVE_HITS, mode  # each rank found the prefix its wave-1 share left
+def every_mode_matches_no_cache(llm: LLM) -> None:
+    base, _ = two_waves(llm, cached=False)
+    for mode, overlap in every_mode().items():
+        if mode not in MODES:
+            continue
+        force_overlap(llm, overlap)
+        outs, hits = two_waves(llm)
+        assert_same(base, outs)
+        assert hits == WAVE_HITS, mode  # each rank found the prefix its wave-1 share left
+
+
+def two_turns(llm: LLM, cached: bool) -> tuple[list, int]:
+    """Two conversations, one a rank: 14-token prompts answered in 20 tokens, then each
+    prompt and answer followed by 5 more tokens; the outputs, and the second turn's prompt
+    tokens found cached."""
+    for cache in llm.scheduler.prefix:
+        cache.flush()
+        cache.enabled = cached
+    turn = [[(3 * i + c) % 80 for i in range(14)] for c in range(2)]
+    answer = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=0)
+    first = llm.generate(turn, answer)
+    hits = sum(c.hits for c in llm.scheduler.prefix)
+    later = [p + out.token_ids + [1, 2, 3, 4, 5] for p, out in zip(turn, first, strict=True)]
+    outs = first + llm.generate(later, GREEDY)
+    return outs, sum(c.hits for c in llm.scheduler.prefix) - hits
 
 
 def test_ep2_every_mode_from_the_cache_matches_no_cache():
-    every_mode_matches_no_cache(config("qwen3_moe"))
+    with LLM(config=config("qwen3_moe"), ep=2, **KW) as llm:
+        every_mode_matches_no_cache(llm)
 
 
 def test_ep2_every_mode_hybrid_from_kept_states_matches_no_cache():
     """Qwen3.5's linear-attention layer keeps its state after the prefix's last full page
     (inside wave 1's prefill chunk, and by a two-chunk cut's piece that crosses it); wave 2
-    restores it and prefills only its own tokens."""
-    every_mode_matches_no_cache(qwen3_5())
+    restores it and prefills only its own tokens. A second turn of a conversation finds its
+    first turn's prompt and answer: 33 tokens computed, so 2 pages and the state the decode
+    step that reached 32 kept (the one at 16 given back then; none from the prompt alone)."""
+    with LLM(config=qwen3_5(), ep=2, **KW) as llm:
+        every_mode_matches_no_cache(llm)
+        force_overlap(llm, every_mode()["none"])
+        base, _ = two_turns(llm, cached=False)
+        outs, hits = two_turns(llm, cached=True)
+    assert_same(base, outs)
+    assert hits == 2 * 32
 
 
 def test_dp_attention_with_mla_caches_per_rank_and_stays_exact_through_evictions():
@@ -118,18 +142,19 @@ def gpt_oss() -> Config:
 
 def test_ep2_sliding_window_pages_leave_the_cache_and_hits_stay_exact():
     """GPT-OSS's sliding layer over 64 keys with its pool counted at the windows, cache on:
-    three sequences at once per rank (38 sliding pages beside 60 full ones), so cached pages'
-    sliding pages below every window go back to make room; wave 2 still reads the window
+    three sequences at once per rank (38 sliding pages beside 60 full ones) and three requests
+    a wave each, so cached pages' sliding pages below every window go back to make room;
+    wave 2 still reads the window
     before its hit from the cache, and none and tbo+two-chunk (whose cut sequence's first
     piece reads its window) give the tokens of the cache off."""
     with LLM(config=gpt_oss(), ep=2, max_num_seqs=3, **KW) as llm:
         assert llm.spec.window_budget == (64, 38)
-        base, _ = two_waves(llm, cached=False)
+        base, _ = two_waves(llm, cached=False, per_wave=6)
         for mode in ("none", "tbo+two-chunk"):
             force_overlap(llm, every_mode()[mode])
-            outs, hits = two_waves(llm)
+            outs, hits = two_waves(llm, per_wave=6)
             assert_same(base, outs)
-            assert hits >= WAVE_HITS, mode
+            assert hits == 6 * 288, mode
         pools = [c.windows for c in llm.scheduler.prefix]
     assert all(p is not None and p.given_back > 0 for p in pools)
 

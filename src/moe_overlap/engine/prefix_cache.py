@@ -110,6 +110,7 @@ class PrefixCache:
     def admit(self, req: Request, chain: list[CachedPage]) -> None:
         """``req`` joins its slot on ``chain`` (acquired already)."""
         slot, start = req.slot, len(chain) * self.page_size
+        self.closed.discard(slot)  # a slot a PD-mux wave's abort freed without ``leave``
         if self.windows is not None:
             self.windows.attach(slot, chain)
         self.queries += req.total_len
@@ -130,6 +131,22 @@ class PrefixCache:
                 return
             self.states.plan(slot, b, entry)
             self.ops.snapshot.append((slot, b, entry))
+
+    def keep_decoded(self, seqs: list[tuple[int, int, int]]) -> None:
+        """A hybrid model's decode step of (slot, start, fed) sequences: each keeps its state
+        at a page boundary its tokens cross (``PageOps.snapshot``), for a later turn."""
+        if self.states is None or not self.enabled:
+            return
+        for slot, start, fed in seqs:
+            boundary = (start + fed) // self.page_size * self.page_size
+            if boundary <= start:
+                continue
+            entry = self._free_entry()
+            if entry is None:
+                return
+            self.states.plan(slot, boundary, entry)
+            self.states.decoding.add((slot, boundary))
+            self.ops.snapshot.append((slot, boundary, entry))
 
     def _free_entry(self) -> int | None:
         """A free snapshot entry, else the least recently used idle page's (its KV stays)."""
@@ -218,7 +235,9 @@ class PrefixCache:
             if page is not None and page.entry is None:
                 page.entry = entry
             else:
+                page = None
                 self.states.free.append(entry)
+            self.states.kept(slot, boundary, page)
 
     def flush(self) -> int:
         """Forget every cached page: idle ones are evicted now, ones in use when their last

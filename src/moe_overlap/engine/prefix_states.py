@@ -8,7 +8,11 @@ most at the few boundaries where a later request is likely to stop: the last ful
 prompt (a request repeating or extending this prompt stops there; also the page before, which
 an identical prompt stops at when its length is a whole number of pages), and the branch point,
 the end of the pages it found cached past the last kept state (others already shared those
-tokens: SGLang's branching-point caching). The entries are a fixed pool budgeted in the KV
+tokens: SGLang's branching-point caching). While it decodes, it keeps the state at the last
+page boundary its tokens crossed (a later turn of the conversation extends its prompt and
+output): one planned at each boundary a decode step crosses, the one before given back once it
+is reached, so a decoding request holds at most two (SGLang's ping-pong track buffer of a mamba
+state). The entries are a fixed pool budgeted in the KV
 cache memory (``core/engine_config.py``); one freed by an evicted page is reused, and when none
 is free the least recently used idle page gives up its state (its KV pages stay cached).
 """
@@ -26,6 +30,8 @@ class PrefixStates:
         self.num_entries = num_entries
         self.free = list(range(num_entries - 1, -1, -1))  # popped lowest first
         self.pending: dict[int, list[tuple[int, int]]] = {}  # slot -> (boundary, entry)
+        self.decoding: set[tuple[int, int]] = set()  # (slot, boundary) planned by a decode step
+        self.last_decoded: dict[int, CachedPage] = {}  # slot -> its last decoded boundary's page
 
     @staticmethod
     def usable(chain: list[CachedPage]) -> list[CachedPage]:
@@ -53,10 +59,28 @@ class PrefixStates:
             self.pending[slot] = [p for p in plans if p[0] > computed]
         return done
 
+    def kept(self, slot: int, boundary: int, page: CachedPage | None) -> None:
+        """``slot``'s state after ``boundary`` tokens went to ``page`` (None: not kept, the
+        page has one already): a decode step's replaces the one the slot kept at the decoded
+        boundary before."""
+        if (slot, boundary) not in self.decoding:
+            return
+        self.decoding.discard((slot, boundary))
+        if page is None:
+            return
+        before = self.last_decoded.get(slot)
+        if before is not None and before.entry is not None:
+            self.free.append(before.entry)
+            before.entry = None
+        self.last_decoded[slot] = page
+
     def leave(self, slot: int) -> None:
-        """``slot``'s request left: the entries it never reached are free again."""
+        """``slot``'s request left: the entries it never reached are free again (its last
+        decoded boundary's state stays with its page)."""
         for _, entry in self.pending.pop(slot, []):
             self.free.append(entry)
+        self.decoding = {p for p in self.decoding if p[0] != slot}
+        self.last_decoded.pop(slot, None)
 
     def take(self) -> int | None:
         return self.free.pop() if self.free else None

@@ -118,6 +118,9 @@ class Scheduler:
         batches, scheduled, drafts = [], [], []
         for rank in range(len(self.running)):
             seqs = self._plan(rank)
+            if self.speculation is None:  # a verify forward's state takes in rejected drafts
+                decode = [(r.slot, r.num_computed, len(t)) for r, t in seqs if not r.in_prefill]
+                self.prefix[rank].keep_decoded(decode)
             drafts.append(self._draft(rank, seqs))
             scheduled.append([(req, len(tokens)) for req, tokens in seqs])
             batches.append(make_batch(seqs, drafts[-1]))
