@@ -38,6 +38,9 @@ class Row:
 
 
 class WindowPages:
+    """``total`` pages of ``page_size`` for windows of ``window`` tokens; ``free`` is what the
+    rank's pool has free after the last step's forward."""
+
     def __init__(self, window: int, total: int, page_size: int):
         self.window, self.total, self.page_size = window, total, page_size
         self.free = total
