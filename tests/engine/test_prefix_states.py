@@ -15,7 +15,7 @@ from moe_overlap.engine.scheduler import Scheduler
 from moe_overlap.model import delta_rule
 from moe_overlap.model.loader import build_model
 from moe_overlap.runtime.model_runner import ModelRunner
-from tests.engine.test_prefix_cache import PAGE, request, run_out
+from tests.engine.test_prefix_cache import PAGE, reply, request, run_out
 from tests.engine.test_prefix_exact import one_thread, qwen3_5
 
 
@@ -50,6 +50,27 @@ def test_states_are_kept_at_the_prompts_last_page_and_a_branch_point_and_hits_en
     assert [p.key[1] for p in cache.pages.values() if p.entry is not None] == [(0, 1, 2, 3)]
     cache.flush()  # an evicted page's entry is free again
     assert cache.states is not None and cache.states.free == [0]
+
+
+def test_a_decoding_request_keeps_its_state_at_its_last_decoded_page_boundary():
+    """A 10-token prompt answered in 20 tokens of 2 (29 computed, pages of 4): a state at the
+    prompt's last full page (8) and at each boundary a decode step crosses (12 ... 28), each
+    handing the one before back once kept, so at most two decoded ones at a time; the last
+    stays, and a second turn (prompt, answer and one more token) hits there."""
+    sched = hybrid_scheduler(entries=8)
+    states = sched.prefix[0].states
+    assert states is not None
+    sched.add(request(0, list(range(10)), new=20))
+    step, most = sched.schedule(), 0
+    while sched.has_work():
+        sched.update(step, reply(step))
+        step = sched.schedule()
+        most = max(most, 8 - len(states.free))
+    assert most == 3 and len(states.free) == 8 - 2
+    sched.add(request(1, list(range(10)) + [2] * 20 + [50]))
+    step = sched.schedule()
+    assert [len(ids) for _, ids in step.pages[0].attach] == [7]
+    assert [tokens for _, _, tokens in step.pages[0].restore] == [28]
 
 
 def test_a_request_that_leaves_before_its_boundary_frees_its_entry():
