@@ -97,11 +97,11 @@ def _head_matches(tmp_path) -> None:
     assert tensors[MTP + "mlp.gate_proj.weight"].shape[0] == cfg.intermediate_size  # dense
     want_hidden, want_logits = _reference(made, tensors)
 
-    _, hidden, logits = engine_head(cfg, made, PROMPT)
+    runner, hidden, logits = engine_head(cfg, made, PROMPT)
     assert (hidden - want_hidden).abs().max() < TOL
     assert (logits - want_logits).abs().max() < TOL
 
-    model = build_model(cfg, made, mtp=True)
+    model = runner.model
     first, second = model.mtp_layers  # each layer its own, but the LM head is the model's
     assert first.shared_head.head is model.lm_head and second.shared_head.head is model.lm_head
     assert second.eh_proj is not first.eh_proj
