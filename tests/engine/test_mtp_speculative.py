@@ -1,16 +1,21 @@
 """Speculative decoding with the models' own MTP layers (``--speculative-algorithm EAGLE``):
 greedy identity with plain decoding on real ep=2 gloo ranks in every overlap mode, for the tiny
-DeepSeek-V3 and GLM-4.5 (fp32, eight concurrent requests, prompts of 1, 37 and 200 tokens), with
-verify steps run and drafts rejected (random weights accept almost none); and the settings."""
+DeepSeek-V3 and GLM-4.5 (fp32, eight concurrent requests, prompts of 1, 37 and 200 tokens) and
+MiMo-V2-Flash (four requests, the 200-token prompt past its 128-key window, so verify rows and
+drafts lie beyond the window's edge), with verify steps run and drafts rejected (random weights
+accept almost none); and the settings."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig as Config
-from tests.helpers import TINY, every_mode, force_overlap, glm4_hf_config
+from moe_overlap.engine.speculation import SpeculationStats
+from tests.helpers import TINY, every_mode, force_overlap, glm4_hf_config, mimo_hf_config
 
 NEW = 16
 DEEPSEEK = ModelConfig(
@@ -19,6 +24,9 @@ DEEPSEEK = ModelConfig(
 GLM = Config.from_hf(
     glm4_hf_config(vocab_size=80, num_nextn_predict_layers=1, num_hidden_layers=2).to_dict()
 )
+MIMO = Config.from_hf(
+    mimo_hf_config(num_nextn_predict_layers=1, max_position_embeddings=256, vocab_size=16).to_dict()
+)  # 16 tokens: the random-weight model repeats itself, and some MTP drafts are accepted
 GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
 
 
@@ -27,11 +35,12 @@ def _prompts() -> list[list[int]]:
     return [[(11 * i * (j + 3) + 7 * j) % 80 for i in range(n)] for j, n in enumerate(lengths)]
 
 
-def _identity(cfg: ModelConfig, modes: tuple[str, ...], steps: int) -> dict[str, int]:
-    """Plain decoding's tokens, then MTP speculation's (``steps`` drafts) in each of ``modes``:
-    the verify steps each ran (greedy identity asserted)."""
-    prompts, configs, ran = _prompts(), every_mode(), {}
-    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=steps)
+def _identity(
+    cfg: ModelConfig, modes: tuple[str, ...], spec: dict, prompts: list[list[int]] | None = None
+) -> tuple[dict[str, int], SpeculationStats]:
+    """Plain decoding's tokens, then MTP speculation's (``spec``: its settings) in each of
+    ``modes``: the verify steps each ran (greedy identity asserted), and the counts."""
+    prompts, configs, ran = prompts or _prompts(), every_mode(), {}
     with LLM(config=cfg, ep=2, seed=0, **spec) as llm:
         speculation, llm.scheduler.speculation = llm.scheduler.speculation, None
         want = [out.token_ids for out in llm.generate(prompts, GREEDY)]
@@ -45,15 +54,27 @@ def _identity(cfg: ModelConfig, modes: tuple[str, ...], steps: int) -> dict[str,
         stats = speculation.stats
     print(f"{cfg.model_type}: acceptance length {stats.mean_acceptance_length:.3f}, {ran}")
     assert stats.accepted_tokens < stats.draft_tokens  # drafts were rejected
-    return ran
+    return ran, stats
 
 
 def test_mtp_gives_plain_greedy_tokens_in_every_mode_at_ep2():
     # two steps from one MTP layer: the second reuses it (SGLang)
-    ran = _identity(DEEPSEEK, ("none", "tbo", "tbo+two-chunk", "sbo", "dbo"), steps=2)
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=2)
+    ran, _ = _identity(DEEPSEEK, ("none", "tbo", "tbo+two-chunk", "sbo", "dbo"), spec)
     assert all(n > 0 for n in ran.values()), ran
-    ran = _identity(GLM, ("tbo",), steps=1)
+    ran, _ = _identity(GLM, ("tbo",), spec | dict(speculative_num_steps=1))
     assert all(n > 0 for n in ran.values()), ran
+
+
+def test_mimo_mtp_gives_plain_greedy_tokens_in_every_mode_at_ep2():
+    # vLLM's method name for it; two steps from its one MTP layer: the second reuses it
+    spec = dict(
+        speculative_config=json.dumps({"method": "mimo_v2_mtp", "num_speculative_tokens": 2})
+    )
+    prompts = [[t % 16 for t in p] for p in _prompts() if len(p) in (1, 37, 200, 12)]
+    ran, stats = _identity(MIMO, ("none", "tbo", "tbo+two-chunk", "sbo", "dbo"), spec, prompts)
+    assert all(n > 0 for n in ran.values()), ran
+    assert stats.accepted_tokens > 0  # verify steps that kept drafts, past the window too
 
 
 @pytest.mark.parametrize(

@@ -98,13 +98,12 @@ def test_other_layouts_match_one_process(checkpoint, layout):
 
 def test_the_hubs_config_reads_as_the_same_model():
     """The Hub's config.json: hybrid_layer_pattern, moe_layer_freq, sliding_window_size (keys
-    before the query), rope_theta and swa_rope_theta, swa_num_key_value_heads."""
+    before the query), rope_theta and swa_rope_theta, swa_num_key_value_heads,
+    layernorm_epsilon."""
     ours = ModelConfig.from_hf("configs/mimo-v2-flash-tiny.json")
-    hub = {
-        k: v
-        for k, v in ours.to_hf().items()
-        if k not in ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window")
-    } | {
+    renamed = ("layer_types", "mlp_layer_types", "rope_parameters", "sliding_window")
+    hub = {k: v for k, v in ours.to_hf().items() if k not in (*renamed, "rms_norm_eps")} | {
+        "layernorm_epsilon": ours.rms_norm_eps,
         "hybrid_layer_pattern": [int(t == "sliding_attention") for t in ours.layer_types],
         "moe_layer_freq": [int(ours.is_moe_layer(i)) for i in range(ours.num_hidden_layers)],
         "sliding_window_size": ours.sliding_window - 1,

@@ -17,6 +17,7 @@ from moe_overlap.planner.inputs import load_model_spec, make_layout
 from moe_overlap.planner.plan import Planner
 from moe_overlap.planner.speculative import (
     Speculation,
+    one_layer,
     plan_speculation,
     speculation_inputs,
     speculative_workload,
@@ -66,6 +67,15 @@ def test_verify_cost_draft_cost_and_acceptance_move_the_prediction():
     tbo = ngram["tbo"]
     on_verify = none.verify.seconds / tbo.verify.seconds
     assert on_verify > none.decode.seconds / tbo.decode.seconds
+
+
+def test_the_mtp_draft_is_planned_as_the_families_mtp_layer():
+    """DeepSeek-style MTP layers are full attention with the MoE; MiMo-V2-Flash's a sliding
+    window with a dense MLP."""
+    qwen = one_layer(load_model_spec(QWEN).cfg)
+    mimo = one_layer(load_model_spec("configs/mimo-v2-flash-tiny.json").cfg)
+    assert qwen.is_moe_layer(0) and not qwen.window(0)
+    assert not mimo.is_moe_layer(0) and mimo.window(0) == mimo.sliding_window
 
 
 @pytest.mark.parametrize(

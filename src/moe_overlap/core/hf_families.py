@@ -27,6 +27,7 @@ _MIMO = (
     "topk_group",
     "routed_scaling_factor",
     "attention_bias",
+    "num_nextn_predict_layers",
 )
 
 
@@ -151,8 +152,9 @@ def mimo_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
     """MiMo-V2-Flash: sliding layers (with twice the KV heads and a sink per head) beside full
     ones, each kind with its own RoPE base; partial RoPE; K heads wider than V heads with V
     scaled; DeepSeek-V3's sigmoid routing without shared experts; dense layers by
-    ``mlp_layer_types``. Reads transformers' names and the Hub's (``hybrid_layer_pattern``,
-    ``moe_layer_freq``, ``sliding_window_size``, ``swa_*``)."""
+    ``mlp_layer_types``; ``num_nextn_predict_layers`` MTP layers (``model.mtp.layers.*``).
+    Reads transformers' names and the Hub's (``hybrid_layer_pattern``, ``moe_layer_freq``,
+    ``sliding_window_size``, ``swa_*``, ``layernorm_epsilon``)."""
     n = reader.get("num_hidden_layers")
     if not isinstance(n, int):
         raise ConfigError(f"num_hidden_layers={n!r} must be a positive integer")
@@ -182,8 +184,9 @@ def mimo_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
             f"partial_rotary_factor {swa['partial_rotary_factor']} (sliding layers) differs from "
             f"{factor} (full layers); one factor for both is supported"
         )
-    return dict(
+    return _hub_eps(raw) | dict(
         num_experts=reader.get_any("n_routed_experts", "num_local_experts"),
+        num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
         head_dim=raw.get("head_dim", 192),
         v_head_dim=raw.get("v_head_dim", 128),
         layer_types=kinds,
@@ -203,6 +206,13 @@ def mimo_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
         attention_bias=raw.get("attention_bias", False),
         use_qk_norm=False,
     )
+
+
+def _hub_eps(raw: dict[str, Any]) -> dict[str, Any]:
+    """The norms' epsilon where only the Hub's name for it, ``layernorm_epsilon``, is given."""
+    if raw.get("rms_norm_eps") is None and raw.get("layernorm_epsilon") is not None:
+        return {"rms_norm_eps": raw["layernorm_epsilon"]}
+    return {}
 
 
 def _from_pattern(pattern: Any, n: int) -> list[str]:

@@ -40,10 +40,8 @@ _BOOLS = (
     "use_qk_norm",
 )
 _DEEPSEEK_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-_CHOICES = {
-    "scoring_func": ("softmax", "sigmoid"),
-    "topk_method": ("greedy", "noaux_tc", "group_limited_greedy"),
-}
+_SCORING, _TOPK = ("softmax", "sigmoid"), ("greedy", "noaux_tc", "group_limited_greedy")
+_CHOICES = {"scoring_func": _SCORING, "topk_method": _TOPK}
 
 
 @dataclass
@@ -127,10 +125,10 @@ class ModelConfig:
         return self.model_type == "qwen3_5_moe"
 
     def layer_type(self, layer_id: int) -> str:
-        """The layer's kind from ``layer_types``; a layer past them (an MTP layer, after the
-        decoder's) is full attention."""
+        """The layer's kind; one past ``layer_types`` is an MTP layer (MiMo's: sliding)."""
         kinds = self.layer_types or []
-        return kinds[layer_id] if layer_id < len(kinds) else "full_attention"
+        past = "sliding_attention" if self.is_mimo else "full_attention"
+        return kinds[layer_id] if layer_id < len(kinds) else past
 
     def is_linear_layer(self, layer_id: int) -> bool:
         return self.is_hybrid and self.layer_type(layer_id) == "linear_attention"
@@ -187,6 +185,8 @@ class ModelConfig:
         return self.is_deepseek or self.model_type in ("glm4_moe", "mimo_v2_flash")
 
     def is_moe_layer(self, layer_id: int) -> bool:
+        if self.is_mimo and layer_id >= self.num_hidden_layers:  # its MTP layers: dense MLPs
+            return False
         if self.deepseek_moe:
             return layer_id >= self.first_k_dense_replace and layer_id not in self.mlp_only_layers
         return (

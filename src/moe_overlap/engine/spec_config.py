@@ -15,7 +15,13 @@ from moe_overlap.engine.args import setting
 ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # SGLang's names; NEXTN is EAGLE for MTP models
 MTP_ALGORITHMS = ("EAGLE", "NEXTN")
 # vLLM's "method" values, as SGLang's algorithm
-_METHODS = {"ngram": "NGRAM", "mtp": "EAGLE", "deepseek_mtp": "EAGLE", "qwen3_next_mtp": "EAGLE"}
+_METHODS = {
+    "ngram": "NGRAM",
+    "mtp": "EAGLE",
+    "deepseek_mtp": "EAGLE",
+    "qwen3_next_mtp": "EAGLE",
+    "mimo_v2_mtp": "EAGLE",  # MiMo-V2-Flash's
+}
 DEFAULT_NUM_DRAFT_TOKENS = 4  # rows per sequence in verify: the last token and 3 drafts
 DEFAULT_MTP_STEPS = 3  # SGLang's DeepSeek default: 3 MTP steps, top-1, 4 draft tokens
 DEFAULT_LOOKUP = (1, 12)  # SGLang's n-gram match window sizes
@@ -49,7 +55,8 @@ class SpeculativeArgs:
         "speculative decoding's drafter (SGLang's flag): NGRAM drafts each decoding sequence's "
         "next tokens from an earlier match of its last tokens in its prompt and output (no "
         "weights); EAGLE (or its alias NEXTN) drafts them with the model's own MTP layers "
-        "(DeepSeek-V3, GLM-4.5: num_nextn_predict_layers; Qwen3.5: mtp_num_hidden_layers). The "
+        "(DeepSeek-V3, GLM-4.5, MiMo-V2-Flash: num_nextn_predict_layers; Qwen3.5: "
+        "mtp_num_hidden_layers). The "
         "target verifies them in one "
         "forward: greedy requests get plain decoding's tokens, sampled ones its distribution "
         "(rejection sampling); a structured output is served as without it",

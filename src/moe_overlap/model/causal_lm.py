@@ -13,7 +13,7 @@ from moe_overlap.model.decoder import DecoderLayer
 from moe_overlap.model.layers import RMSNorm
 from moe_overlap.model.linear_attention import GatedDeltaNet
 from moe_overlap.model.mla import MLAttention
-from moe_overlap.model.mtp import MtpLayer, share_qwen3_5_parts
+from moe_overlap.model.mtp import MtpLayer, share_lm_head, share_qwen3_5_parts
 from moe_overlap.model.tensor_parallel import ModelParallel, VocabEmbedding, VocabHead
 
 
@@ -72,6 +72,8 @@ class MoeForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
             if cfg.is_hybrid and self.mtp_layers:  # Qwen3.5's mtp.*: one head for all
                 share_qwen3_5_parts(self.mtp_layers, self.lm_head)
+            if cfg.is_mimo:  # MiMo-V2-Flash's MTP layers have no head of their own
+                share_lm_head(self.mtp_layers, self.lm_head)
 
     @property
     def has_embedding(self) -> bool:

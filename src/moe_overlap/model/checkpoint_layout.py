@@ -12,7 +12,7 @@ import torch
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.moe import ExpertBank
-from moe_overlap.model.mtp import qwen3_5_name
+from moe_overlap.model.mtp import mimo_name, qwen3_5_name
 from moe_overlap.model.tensor_parallel import Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
@@ -55,7 +55,8 @@ def layout_entries(
             name = "model.embed_tokens.weight"  # a last stage without the embedding reads it
         if model.cfg.is_hybrid:  # Qwen3.5's MTP layers are mtp.*
             name = qwen3_5_name(name, model.cfg.num_hidden_layers)
-        if model.cfg.is_mimo:  # the Hub's name of its sinks
+        if model.cfg.is_mimo:  # its MTP layers are model.mtp.*; the Hub's name of its sinks
+            name = mimo_name(name, model.cfg.num_hidden_layers)
             name = name.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")
         if model.cfg.is_gpt_oss:  # its router is mlp.router, its experts fused tensors
             name = name.replace(".mlp.gate.", ".mlp.router.")

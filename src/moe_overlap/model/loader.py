@@ -70,6 +70,7 @@ def load_checkpoint(
         loaded.resident = make_resident(model, _fp8_columns(model, where, quant))
     materialize(model, dtype)
     entries = layout_entries(model)
+    _check_mtp(model, entries, where, path)
     scales = iter(layout_entries(model, {p: r.row_scale for p, r in loaded.resident.items()}))
     console = Console(stderr=True)
     pairs = track(
@@ -83,6 +84,23 @@ def load_checkpoint(
         for entry, scale in pairs:
             _load_tensor(entry, scale, where, quant, loaded)
     return loaded
+
+
+def _check_mtp(model: MoeForCausalLM, entries: list[Entry], where: dict, path: Path) -> None:
+    """A checkpoint without the MTP layers its config declares loads for plain serving (they
+    are built only for MTP drafts), and is refused, naming the first missing tensor, where they
+    are asked for."""
+    prefixes = tuple(f"model.layers.{layer.layer_id}." for layer in model.mtp_layers)
+    missing = [
+        e.name for e in entries if e.param.startswith(prefixes) and not _stored_name(e.name, where)
+    ]
+    if missing:
+        raise CheckpointError(
+            f"{path} lacks the MTP weights its config declares (num_nextn_predict_layers="
+            f"{model.cfg.num_nextn_predict_layers}; {missing[0]!r} and {len(missing) - 1} more "
+            "are missing), which MTP drafts (--speculative-algorithm EAGLE or NEXTN) need: use "
+            "--speculative-algorithm NGRAM, or a checkpoint that carries them"
+        )
 
 
 def _load_tensor(

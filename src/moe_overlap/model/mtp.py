@@ -1,5 +1,6 @@
-"""DeepSeek-V3's, GLM-4.5's and Qwen3.5's multi-token-prediction (MTP) layer: the drafter of
-``--speculative-algorithm EAGLE`` (``runtime/mtp_drafter.py`` runs it on the ranks).
+"""DeepSeek-V3's, GLM-4.5's, Qwen3.5's and MiMo-V2-Flash's multi-token-prediction (MTP) layer:
+the drafter of ``--speculative-algorithm EAGLE`` (``runtime/mtp_drafter.py`` runs it on the
+ranks).
 
 The checkpoint keeps it at ``model.layers.{num_hidden_layers + i}``: ``enorm`` (the next
 token's embedding), ``hnorm`` (the target's hidden state), ``eh_proj`` (``[2h -> h]`` over the
@@ -13,6 +14,11 @@ Qwen3.5 keeps the same computation under ``mtp.*`` (``mtp_num_hidden_layers``): 
 the MoE), ``mtp.norm`` (``shared_head.norm``) and the main ``lm_head``; its norms are
 zero-centred like the model's, and the projection, the norms and the head are one for all its
 layers (``share_qwen3_5_parts``; ``qwen3_5_name`` maps our names to the checkpoint's).
+
+MiMo-V2-Flash keeps each MTP layer whole under ``model.mtp.layers.{i}``: ``enorm``, ``hnorm``,
+``eh_proj``, a sliding-window decoder layer (its sinks, KV heads and RoPE base) with a dense MLP
+(``intermediate_size``), whose post-attention norm is ``pre_mlp_layernorm``, and its own
+``final_layernorm`` (``shared_head.norm``) before the model's ``lm_head`` (``mimo_name``).
 
 Row ``q`` of an MTP forward takes the target's final (normed) hidden state at position ``q``
 and the embedding of the token at ``q + 1``, and its logits predict the token at ``q + 2``;
@@ -42,6 +48,12 @@ _QWEN3_5_PARTS = {
     "hnorm.": "mtp.pre_fc_norm_hidden.",
     "shared_head.norm.": "mtp.norm.",
     "shared_head.head.": "lm_head.",
+}
+
+# MiMo-V2-Flash's checkpoint names of parts of each MTP layer (``model.mtp.layers.{i}.``)
+_MIMO_PARTS = {
+    "post_attention_layernorm.": "pre_mlp_layernorm.",
+    "shared_head.norm.": "final_layernorm.",
 }
 
 
@@ -90,11 +102,17 @@ class MtpLayer(DecoderLayer):
         return [op_project, *(self.op(name) for name in self.op_names), op_head]
 
 
+def share_lm_head(layers: list[MtpLayer], lm_head: VocabHead) -> None:
+    """MTP layers without a head of their own (Qwen3.5's, MiMo-V2-Flash's) use the model's."""
+    for layer in layers:
+        layer.shared_head.head = lm_head
+
+
 def share_qwen3_5_parts(layers: list[MtpLayer], lm_head: VocabHead) -> None:
     """Qwen3.5's MTP layers share one ``mtp.fc``, one pair of pre-fc norms, one ``mtp.norm``
     and the model's LM head: every layer takes the first one's modules and ``lm_head``."""
+    share_lm_head(layers, lm_head)
     for layer in layers:
-        layer.shared_head.head = lm_head
         for name in ("eh_proj", "enorm", "hnorm"):
             setattr(layer, name, getattr(layers[0], name))
         layer.shared_head.norm = layers[0].shared_head.norm
@@ -112,3 +130,21 @@ def qwen3_5_name(name: str, first: int) -> str:
         if rest.startswith(ours):
             return theirs + rest.removeprefix(ours)
     return f"mtp.layers.{int(match[1]) - first}.{rest}"
+
+
+def mimo_name(name: str, first: int) -> str:
+    """The MiMo-V2-Flash checkpoint's name of parameter ``name`` (``first``: the first MTP
+    layer's index, ``num_hidden_layers``): ``model.layers.{first + i}.X`` is
+    ``model.mtp.layers.{i}.X``, with ``pre_mlp_layernorm`` and ``final_layernorm`` for its
+    post-attention and head norms, and its head the model's ``lm_head``; other names are
+    unchanged."""
+    match = _LAYER.fullmatch(name)
+    if match is None or int(match[1]) < first:
+        return name
+    rest = match[2]
+    if rest.startswith("shared_head.head."):
+        return "lm_head." + rest.removeprefix("shared_head.head.")
+    for ours, theirs in _MIMO_PARTS.items():
+        if rest.startswith(ours):
+            rest = theirs + rest.removeprefix(ours)
+    return f"model.mtp.layers.{int(match[1]) - first}.{rest}"

@@ -138,8 +138,8 @@ def plan_speculation(
 
 
 def draft_step_seconds(planner: Planner, batches: list[ForwardBatch]) -> float:
-    """One MTP draft step: an MoE decoder layer and the LM head over each sequence's one
-    token, without overlap (the draft forward is never split)."""
+    """One MTP draft step: a decoder layer like the MTP layer and the LM head over each
+    sequence's one token, without overlap (the draft forward is never split)."""
     one = dataclasses.replace(planner.spec, cfg=one_layer(planner.spec.cfg))
     return (
         Planner(one, planner.cluster, planner.layout)
@@ -149,14 +149,16 @@ def draft_step_seconds(planner: Planner, batches: list[ForwardBatch]) -> float:
 
 
 def one_layer(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` with one full-attention MoE layer: an MTP module's decoder layer."""
+    """``cfg`` with one layer like its MTP layer's: full attention with the MoE, or
+    (MiMo-V2-Flash) a sliding-window layer with a dense MLP."""
+    kind = "sliding_attention" if cfg.is_mimo else "full_attention"
     return dataclasses.replace(
         cfg,
         num_hidden_layers=1,
         first_k_dense_replace=0,
-        mlp_only_layers=[],
+        mlp_only_layers=[0] if cfg.is_mimo else [],
         decoder_sparse_step=1,
-        layer_types=["full_attention"] if cfg.layer_types else [],
+        layer_types=[kind] if cfg.layer_types else [],
     )
 
 
