@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
+import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
@@ -76,11 +78,34 @@ class Matcher:
 
     def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int):
         self._matcher = xgr.GrammarMatcher(grammar)
+        self._vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def allowed(self) -> bytes:
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        return self._bitmask.numpy().tobytes()
+    def allowed(self, drafts: Sequence[int] = ()) -> tuple[bytes, ...]:
+        # one bitmask tensor, a row per draft: fill a row, take the draft, fill the next; then
+        # back to where it was (vLLM's way; xgrammar's traverse_draft_tree, one call for the
+        # chain, measured slower here). A draft that ends the grammar (its stop token) is not
+        # verified: no row follows it, and the target draws the stop token itself.
+        rows = self._rows(len(drafts) + 1)
+        self._matcher.fill_next_token_bitmask(rows, 0)
+        taken = 0
+        for token in drafts:
+            if not self._matcher.accept_token(token):
+                break
+            taken += 1
+            if self._matcher.is_terminated():
+                break
+            self._matcher.fill_next_token_bitmask(rows, taken)
+        kept = taken - self._matcher.is_terminated()
+        if taken:
+            self._matcher.rollback(taken)
+        words = rows.numpy()
+        return tuple(words[j].tobytes() for j in range(kept + 1))
+
+    def _rows(self, n: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(n, self._vocab_size)
+        return self._bitmask
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):

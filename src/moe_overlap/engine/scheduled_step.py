@@ -4,7 +4,6 @@ batch from its sequences."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,12 +26,7 @@ class Step:
     def samples(self) -> list[list[SampleSpec]]:
         """Per group, per scheduled sequence: what its rank does with its logits."""
         return [
-            [
-                dataclasses.replace(req.sample_spec(n), drafts=tuple(d))
-                if d
-                else req.sample_spec(n)
-                for (req, n), d in zip(group, self.drafts_of(rank), strict=True)
-            ]
+            [req.sample_spec(n, d) for (req, n), d in zip(group, self.drafts_of(rank), strict=True)]
             for rank, group in enumerate(self.scheduled)
         ]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,9 +74,12 @@ class StructuredOutputs:
 class TokenConstraint(Protocol):
     """A request's matcher: the tokens allowed next, advanced by each token it takes."""
 
-    def allowed(self) -> bytes:
-        """The next token's bitmask: bit ``t % 32`` of little-endian int32 word ``t // 32``
-        set when token ``t`` may come next."""
+    def allowed(self, drafts: Sequence[int] = ()) -> tuple[bytes, ...]:
+        """The next token's bitmask (bit ``t % 32`` of little-endian int32 word ``t // 32`` set
+        when token ``t`` may come next), then the bitmask after each of ``drafts`` while the
+        grammar allows them: one more than the drafts it allows before the first it refuses
+        (or the one that would end it: its stop token). Its place in the grammar is left as it
+        was."""
         ...
 
     def accept(self, token: int) -> None:
