@@ -113,13 +113,20 @@ def test_the_matcher_masks_each_draft_row_and_cuts_at_the_first_refused(tmp_path
     tokenizer = write_tokenizer(tmp_path, CFG["vocab_size"])
     a, b, x, z = (tokenizer.encode(s, add_special_tokens=False)[0] for s in "abxz")
     with LLM(config=ModelConfig(**CFG), tokenizer=tmp_path) as llm:
-        matcher = llm.constraints.matcher(StructuredOutputs(regex="[ab]{2,3}x"), "test")
+        constraints = llm.constraints
+        made = [constraints.matcher(StructuredOutputs(regex="[ab]{2,3}x"), "t") for _ in range(3)]
+    matcher = made[0]
     one = matcher.allowed()
     rows = matcher.allowed([a, b, z, a])  # z is refused: the rows after a and after a, b
-    assert len(rows) == 3 and rows[0] == one[0]
     assert [_tokens(r) for r in rows] == [{a, b}, {a, b}, {a, b, x}]
     assert matcher.allowed() == one  # the drafts left its place in the grammar as it was
-    rows = matcher.allowed([a, b, b, x, 1, a])  # the stop token (1) is not verified
-    assert len(rows) == 5 and _tokens(rows[-1]) == {1}
+    ends = matcher.allowed([a, b, b, x, 1, a])  # the stop token (1) is not verified
+    assert len(ends) == 5 and _tokens(ends[-1]) == {1}
+    made[1].accept(a)
+    drafts = [[a, b, z, a], [a, x, 1], []]
+    together = constraints.allowed(made, drafts)  # a step's, filled by batched calls
+    assert together == [m.allowed(d) for m, d in zip(made, drafts, strict=True)]
+    assert together[0] == rows and [_tokens(r) for r in together[1]] == [{a, b}, {a, b, x}, {1}]
+    assert together[2] == one
     with pytest.raises(ValueError, match="does not follow"):
         matcher.accept(x)
