@@ -23,7 +23,7 @@ def test_the_bitmask_keeps_exactly_the_tokens_whose_bits_are_set():
     words = np.zeros(2, dtype=np.uint32)  # 64 tokens' bits; the row is wider: those are masked
     for t in allowed:
         words[t // 32] |= np.uint32(1 << (t % 32))
-    row = masked(torch.randn(70), words.view(np.int32).tobytes())
+    row = masked(torch.randn(70), [words.view(np.int32).tobytes()])
     assert torch.isfinite(row).nonzero().flatten().tolist() == allowed
 
 

@@ -53,13 +53,13 @@ class SampleSpec:
     prompt_logprobs: int | None = None
     next_ids: tuple[int, ...] = ()  # the prompt tokens its rows predict, to score them
     penalties: Penalties | None = None
-    # structured outputs: the tokens the grammar allows next, a bitmask (bit t % 32 of the
-    # little-endian int32 word t // 32); the others are masked before penalties and the draw
-    allowed: bytes | None = None
+    # structured outputs: the tokens the grammar allows, a bitmask per row the draw reads (bit
+    # t % 32 of the little-endian int32 word t // 32): the deciding row's, then in a verify
+    # step the row after each draft the grammar allows, up to the first it refuses (the drafts
+    # from there on are not verified); the others are masked before penalties and the draw
+    allowed: tuple[bytes, ...] | None = None
     # speculative decoding: the draft tokens fed after the last one (a target-verify row each);
-    # its first row then decides the next token, and a sequence without a structured output
-    # verifies the drafts (a constrained one is sampled from that row alone, as without
-    # speculation)
+    # its first row then decides the next token and verification checks ``checked_drafts``
     drafts: tuple[int, ...] = ()
     # the token after the fed ones where this step draws none (a prompt chunk that does not
     # end the prompt): the MTP drafter embeds it at the chunk's last row
@@ -67,9 +67,15 @@ class SampleSpec:
 
     @property
     def verifies(self) -> bool:
-        """Its drafts are verified (else they are padding in a verify batch): greedily, or by
-        rejection sampling, with its penalties applied per row."""
-        return bool(self.drafts) and self.allowed is None
+        """It carries drafts, which are verified: greedily, or by rejection sampling, with its
+        penalties and its grammar's bitmasks applied per row."""
+        return bool(self.drafts)
+
+    @property
+    def checked_drafts(self) -> tuple[int, ...]:
+        """The drafts verification checks: all, or a structured output's that its grammar
+        allows (one per bitmask after the first)."""
+        return self.drafts if self.allowed is None else self.drafts[: len(self.allowed) - 1]
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from moe_overlap.core.step import GroupReply, TokenLogprobs
 from moe_overlap.engine.request import Request
-from moe_overlap.engine.speculation import Speculation, verifies
+from moe_overlap.engine.speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class FinishRule:
         fed tokens that were accepted; the rejected drafts' entries lie past ``num_computed``,
         overwritten by later steps and never read."""
         more = reply.more_ids[i] if reply.more_ids else []
-        if drafts and verifies(req) and speculation is not None:
+        if drafts and speculation is not None:
             speculation.record(drafts, len(more))
         req.num_computed -= drafts - len(more)
         req.mtp_drafts = reply.drafts[i] if reply.drafts else []

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import Protocol
 
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
@@ -33,12 +36,22 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # the server prepares requests on worker threads
+        self._batch = xgr.BatchGrammarMatcher()  # fills on half the host's cores
 
     def matcher(self, kind: str, text: str, field: str) -> Matcher:
         """A fresh matcher for one request, from a constraint's kind and text
         (``StructuredOutputs.key``); InvalidRequestError names ``field`` when xgrammar refuses
         it."""
-        return Matcher(self.compiled(kind, text, field), self.vocab_size)
+        return Matcher(self.compiled(kind, text, field), self.vocab_size, self._batch)
+
+    def allowed(
+        self, constraints: Sequence[Bitmasks], drafts: Sequence[Sequence[int]]
+    ) -> list[tuple[bytes, ...]]:
+        """Each constraint's ``allowed(drafts[i])``, a step's together (``walk``)."""
+        matchers = [c._matcher for c in constraints if isinstance(c, Matcher)]
+        if len(matchers) < len(constraints):  # not all ours: each fills its own
+            return [c.allowed(d) for c, d in zip(constraints, drafts, strict=True)]
+        return walk(matchers, drafts, self._batch, self.vocab_size)
 
     def compiled(self, kind: str, text: str, field: str) -> xgr.CompiledGrammar:
         key = kind, text
@@ -71,16 +84,25 @@ class Grammars:
         return c.compile_grammar(text)
 
 
+class Bitmasks(Protocol):
+    """What ``Grammars.allowed`` fills: a request's constraint
+    (``engine/structured.py: TokenConstraint``), by its ``allowed`` alone."""
+
+    def allowed(self, drafts: Sequence[int] = ()) -> tuple[bytes, ...]: ...
+
+
 class Matcher:
     """One request's place in its grammar (``engine/structured.py: TokenConstraint``)."""
 
-    def __init__(self, grammar: xgr.CompiledGrammar, vocab_size: int):
+    def __init__(
+        self, grammar: xgr.CompiledGrammar, vocab_size: int, batch: xgr.BatchGrammarMatcher
+    ):
         self._matcher = xgr.GrammarMatcher(grammar)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._vocab_size = vocab_size
+        self._batch = batch
 
-    def allowed(self) -> bytes:
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        return self._bitmask.numpy().tobytes()
+    def allowed(self, drafts: Sequence[int] = ()) -> tuple[bytes, ...]:
+        return walk([self._matcher], [drafts], self._batch, self._vocab_size)[0]
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
@@ -89,3 +111,42 @@ class Matcher:
     @property
     def done(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def walk(
+    matchers: list[xgr.GrammarMatcher],
+    drafts: Sequence[Sequence[int]],
+    batch: xgr.BatchGrammarMatcher,
+    vocab_size: int,
+) -> list[tuple[bytes, ...]]:
+    """Each matcher's bitmasks (``TokenConstraint.allowed``) for its drafts, in one bitmask
+    tensor: row j of every matcher still walking filled by one batched call (on xgrammar's
+    threads), then their draft j taken by another, as vLLM walks its drafts; a matcher stops at
+    the first draft its grammar refuses or at one that ends it (its stop token: nothing may
+    follow, and the target draws the stop token itself from the row before). At the end each
+    rolls back the drafts it took, so it is where it was."""
+    starts = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+    rows = xgr.allocate_token_bitmask(starts[-1], vocab_size)
+    taken, ended = [0] * len(matchers), [False] * len(matchers)
+    walking, j = list(range(len(matchers))), 0
+    while walking:
+        at = [matchers[i] for i in walking]
+        batch.batch_fill_next_token_bitmask(at, rows, [starts[i] + j for i in walking])
+        walking = [i for i in walking if j < len(drafts[i])]
+        if walking:
+            tokens = [drafts[i][j] for i in walking]
+            took = batch.batch_accept_token([matchers[i] for i in walking], tokens)
+            walking = [i for i, ok in zip(walking, took, strict=True) if ok]
+        for i in walking:
+            taken[i] += 1
+            ended[i] = matchers[i].is_terminated()
+        walking = [i for i in walking if not ended[i]]
+        j += 1
+    back = [i for i, n in enumerate(taken) if n]
+    if back:
+        batch.batch_rollback([matchers[i] for i in back], [taken[i] for i in back])
+    words = rows.numpy()
+    return [
+        tuple(words[start + r].tobytes() for r in range(n - end + 1))
+        for start, n, end in zip(starts[:-1], taken, ended, strict=True)
+    ]

@@ -224,7 +224,7 @@ class LLM(ExpertRecorder):
         step = self.scheduler.schedule()
         request = StepRequest(
             step.batches,
-            step.samples(),
+            step.samples(self.constraints.allowed),
             record=record,
             prefill=step.prefill,
             pages=step.pages,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -222,9 +223,11 @@ class Request:
         """Its rank computes every prompt position's logits (to return or to score them)."""
         return self.keeps_logits or (self.in_prompt and self.params.prompt_logprobs is not None)
 
-    def sample_spec(self, fed: int) -> SampleSpec:
-        """What its rank does with the logits of the ``fed`` tokens this step feeds: keep them,
-        score the prompt tokens they predict, and after the prompt's last chunk draw a token."""
+    def sample_spec(self, fed: int, drafts: Sequence[int] = (), masks: bool = True) -> SampleSpec:
+        """What its rank does with the logits of the ``fed`` tokens this step feeds (the last
+        ones ``drafts`` to verify): keep them, score the prompt tokens they predict, and after
+        the prompt's last chunk draw a token; ``masks`` False leaves a structured output's
+        bitmasks to the caller (``Step.samples`` fills a step's together)."""
         p, start = self.params, self.num_computed
         scored = p.prompt_logprobs is not None and self.in_prompt
         draw = start + fed >= self.total_len and p.max_new_tokens > 0  # a new token next
@@ -240,7 +243,8 @@ class Request:
             prompt_logprobs=p.prompt_logprobs,
             next_ids=tuple(self.prompt_ids[start + 1 : start + fed + 1]) if scored else (),
             penalties=self._penalties() if p.penalised else None,
-            allowed=self.constraint.allowed() if self.constraint and draw else None,
+            allowed=self.constraint.allowed(drafts) if self.constraint and draw and masks else None,
+            drafts=tuple(drafts),
             following=None if draw or start + fed >= self.total_len else self.token_at(start + fed),
         )
 

@@ -12,6 +12,7 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import PageOps, SampleSpec, WaveSlice
 from moe_overlap.engine.request import Request
+from moe_overlap.engine.structured import BitmaskFill
 
 
 @dataclass
@@ -24,17 +25,29 @@ class Step:
     # per rank, per sequence: the draft tokens it feeds after its last (a verify step), or none
     drafts: list[list[list[int]]] = field(default_factory=list)
 
-    def samples(self) -> list[list[SampleSpec]]:
-        """Per group, per scheduled sequence: what its rank does with its logits."""
-        return [
+    def samples(self, fill: BitmaskFill | None = None) -> list[list[SampleSpec]]:
+        """Per group, per scheduled sequence: what its rank does with its logits. ``fill``:
+        the structured outputs' bitmasks, every drawing one's in one call (else each its
+        own)."""
+        specs = [
             [
-                dataclasses.replace(req.sample_spec(n), drafts=tuple(d))
-                if d
-                else req.sample_spec(n)
+                req.sample_spec(n, d, masks=fill is None)
                 for (req, n), d in zip(group, self.drafts_of(rank), strict=True)
             ]
             for rank, group in enumerate(self.scheduled)
         ]
+        if fill is None:
+            return specs
+        at = [
+            (rank, i, req.constraint)
+            for rank, group in enumerate(self.scheduled)
+            for i, (req, _) in enumerate(group)
+            if req.constraint is not None and specs[rank][i].draw
+        ]
+        rows = fill([c for _, _, c in at], [specs[r][i].drafts for r, i, _ in at]) if at else []
+        for (rank, i, _), allowed in zip(at, rows, strict=True):
+            specs[rank][i] = dataclasses.replace(specs[rank][i], allowed=allowed)
+        return specs
 
     def drafts_of(self, rank: int) -> list[list[int]]:
         return self.drafts[rank] if self.drafts else [[] for _ in self.scheduled[rank]]

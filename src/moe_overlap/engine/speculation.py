@@ -14,7 +14,8 @@ from moe_overlap.engine.spec_config import SpeculativeConfig
 
 @dataclass
 class SpeculationStats:
-    """Counted over every sequence whose drafts were verified (all but constrained ones)."""
+    """Counted over every sequence of a verify step (a structured output's drafts that its
+    grammar refuses count as drafts, rejected)."""
 
     verifications: int = 0  # a sequence's drafts checked in one verify forward
     draft_tokens: int = 0
@@ -31,17 +32,12 @@ class SpeculationStats:
         return (self.accepted_tokens + self.verifications) / self.verifications
 
 
-def verifies(req: Request) -> bool:
-    """A request whose drafts are verified: any but a structured output's (its grammar would
-    have to follow each draft; its drafts are padding and it is sampled from its first row,
-    exactly as without speculation)."""
-    return req.constraint is None
-
-
 class Speculation:
     """Drafts a rank's step: a verify step when every sequence in it decodes, with the same
     number of drafts for each (SGLang's ``token_num_per_seq``), within the token budget and the
-    context; a request without a match, or not verified, is padded with its last token."""
+    context; a request without a match is padded with its last token. A structured output's
+    drafts are proposed as any; its grammar cuts them when the step's samples are made
+    (``Request.sample_spec``)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -59,7 +55,7 @@ class Speculation:
         k = min(self.config.num_drafts, budget // len(reqs) - 1, room)
         if k < 1:
             return None
-        found = [self._propose(req, k) if verifies(req) else [] for req in reqs]
+        found = [self._propose(req, k) for req in reqs]
         if not any(found):
             return None
         return [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,9 +74,12 @@ class StructuredOutputs:
 class TokenConstraint(Protocol):
     """A request's matcher: the tokens allowed next, advanced by each token it takes."""
 
-    def allowed(self) -> bytes:
-        """The next token's bitmask: bit ``t % 32`` of little-endian int32 word ``t // 32``
-        set when token ``t`` may come next."""
+    def allowed(self, drafts: Sequence[int] = ()) -> tuple[bytes, ...]:
+        """The next token's bitmask (bit ``t % 32`` of little-endian int32 word ``t // 32`` set
+        when token ``t`` may come next), then the bitmask after each of ``drafts`` while the
+        grammar allows them: one more than the drafts it allows before the first it refuses
+        (or the one that would end it: its stop token). Its place in the grammar is left as it
+        was."""
         ...
 
     def accept(self, token: int) -> None:
@@ -89,6 +92,12 @@ class TokenConstraint(Protocol):
         ...
 
 
+# fills constraints' bitmasks for their drafts (``TokenConstraint.allowed``), a step's at once
+BitmaskFill = Callable[
+    [Sequence[TokenConstraint], Sequence[Sequence[int]]], list[tuple[bytes, ...]]
+]
+
+
 class Constraints:
     """The model's structured outputs: xgrammar and the tokenizer's table are loaded at the
     first request that asks for one."""
@@ -96,6 +105,7 @@ class Constraints:
     def __init__(self, tokenizer: PreTrainedTokenizerFast | None, vocab_size: int, eos: int | None):
         self._args = tokenizer, vocab_size, eos
         self._make: Callable[[str, str, str], TokenConstraint] | None = None
+        self._fill: BitmaskFill | None = None
         self._lock = threading.Lock()
 
     def matcher(self, so: StructuredOutputs, where: str) -> TokenConstraint:
@@ -109,11 +119,21 @@ class Constraints:
             if self._make is None:
                 from moe_overlap.engine.grammar import Grammars  # xgrammar: seconds to import
 
-                self._make = Grammars(tokenizer, vocab_size, eos).matcher
+                grammars = Grammars(tokenizer, vocab_size, eos)
+                self._make, self._fill = grammars.matcher, grammars.allowed
         try:
             return self._make(*so.key(), so.field)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{where}: {exc}", exc.field) from None
+
+    def allowed(
+        self, constraints: Sequence[TokenConstraint], drafts: Sequence[Sequence[int]]
+    ) -> list[tuple[bytes, ...]]:
+        """Each constraint's ``allowed(drafts[i])``, filled together (xgrammar's batched fill):
+        a step's structured sequences at once."""
+        if self._fill is None:  # none made here: each fills its own
+            return [c.allowed(d) for c, d in zip(constraints, drafts, strict=True)]
+        return self._fill(constraints, drafts)
 
 
 def _dumps(schema: dict, field: str) -> str:

@@ -146,7 +146,9 @@ class MtpDrafter:
         """Each row's pick of MTP step ``step`` and its q: attention-TP rank 0 picks, the
         others take its picks (``mtp_picks.share``) and keep no q."""
         if self.group.rank == 0:
-            specs = [r.spec if r.drafts else None for r in plan]
+            # a structured output's drafts are the argmax (one-hot): its grammar cuts them on
+            # the driver, which would bias drafts drawn from an unconstrained q
+            specs = [r.spec if r.drafts and r.spec.allowed is None else None for r in plan]
             picks, probs = pick(logits, specs, [r.index + step for r in plan])
         else:
             picks, probs = [], [None] * len(plan)
@@ -187,7 +189,7 @@ class MtpDrafter:
             tokens = fed[1:count] + ([] if token is None else [token])
             end = batch.prefix_lens[i] + len(tokens)
             room = end + self.steps - 1 <= self.max_len
-            drafts = bool(got) and spec.allowed is None and room  # a grammar is not drafted
+            drafts = bool(got) and room
             if tokens:
                 plan.append(
                     _Rows(i, start, len(tokens), tokens, drafts, spec, spec.index + len(got))

@@ -23,15 +23,18 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
     return draw(probabilities(logits, spec), draw_seed(spec.seed, spec.index))
 
 
-def masked(logits: torch.Tensor, allowed: bytes) -> torch.Tensor:
-    """One row of logits with every token the bitmask ``allowed`` leaves out at -inf (those
-    past the bitmask too: a head wider than the tokenizer's vocabulary)."""
-    # little-endian words: bit t % 8 of byte t // 8 is token t's
-    bits = np.unpackbits(np.frombuffer(allowed, dtype=np.uint8), bitorder="little")
-    keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
-    n = min(keep.numel(), bits.size)
-    keep[:n] = torch.from_numpy(bits[:n]).bool()
-    return logits.masked_fill(~keep.to(logits.device, non_blocking=True), float("-inf"))
+def masked(logits: torch.Tensor, allowed: Sequence[bytes]) -> torch.Tensor:
+    """Rows of logits (``[rows, vocab]``, or one row ``[vocab]``), each with every token its
+    bitmask in ``allowed`` (one per row) leaves out at -inf (those past the bitmask too: a
+    head wider than the tokenizer's vocabulary)."""
+    # little-endian words: bit t % 8 of byte t // 8 is token t's; every row's in one unpack
+    words = np.frombuffer(b"".join(allowed), dtype=np.uint8).reshape(len(allowed), -1)
+    bits = np.unpackbits(words, axis=1, bitorder="little")
+    keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool)
+    n = min(keep.shape[1], bits.shape[1])
+    keep[:, :n] = torch.from_numpy(bits[:, :n]).bool()
+    keep = keep.reshape(logits.shape).to(logits.device, non_blocking=True)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprobs]:
@@ -113,10 +116,13 @@ def _draw(
         return [], None
     try:
         if spec.verifies:
-            return verify(logits[row : row + len(spec.drafts) + 1], spec, draft_probs), None
+            rows = logits[row : row + len(spec.checked_drafts) + 1]
+            if spec.allowed is not None:  # each row its grammar's after the drafts before it
+                rows = masked(rows, spec.allowed)
+            return verify(rows, spec, draft_probs), None
         last = logits[row]
         if spec.allowed is not None:
-            last = masked(last, spec.allowed)
+            last = masked(last, spec.allowed[:1])
         if spec.penalties is not None:
             last = penalised(last, spec.penalties, spec.index)
         return [picked if picked is not None else sample(last, spec)], None

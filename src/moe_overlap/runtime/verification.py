@@ -30,10 +30,11 @@ def verify(
     rows: torch.Tensor, spec: SampleSpec, draft_probs: torch.Tensor | None = None
 ) -> list[int]:
     """The tokens a verify forward gives a sequence: its accepted drafts and the token after
-    them (a rejected draft's replacement, or the bonus token after all ``k``). ``rows``: the
-    ``k + 1`` logit rows, row j predicting the token after draft j - 1. ``draft_probs``
+    them (a rejected draft's replacement, or the bonus token after all ``k``
+    ``spec.checked_drafts``). ``rows``: the ``k + 1`` logit rows (a structured output's
+    already masked), row j predicting the token after draft j - 1. ``draft_probs``
     ``[k, vocab]``: the drafter's distribution q of each draft; None: one-hot drafts (n-gram)."""
-    drafts = spec.drafts
+    drafts = spec.checked_drafts
     if spec.temperature == 0.0 and spec.penalties is None:
         return verify_greedy(rows, drafts)
     taken: list[int] = []
