@@ -34,6 +34,7 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.runtime.mtp_graphs import DraftGraphs
 from moe_overlap.runtime.mtp_picks import DraftProbs, pick, share
 
 
@@ -53,7 +54,18 @@ class _Rows:
 
 
 class MtpDrafter:
-    def __init__(self, model: MoeForCausalLM, num_slots: int, max_len: int, steps: int):
+    def __init__(
+        self,
+        model: MoeForCausalLM,
+        num_slots: int,
+        max_len: int,
+        steps: int,
+        *,
+        graph_max_bs: int = 0,
+        capture: bool = True,
+    ):
+        """``graph_max_bs``: the one-token steps of up to this many sequences replay from CUDA
+        graphs (0: never; ``capture=False`` runs their padded, buffer-fed forward eagerly)."""
         self.model, self.steps, self.max_len = model, steps, max_len
         self.layers = model.mtp_layers
         if not self.layers:
@@ -62,7 +74,14 @@ class MtpDrafter:
         first = model.cfg.num_hidden_layers
         entries: list[dict[str, tuple[int, ...]]] = [{}] * first
         entries += [layer.attn.kv_entries() for layer in self.layers]
-        self.kv_cache = KVCache(len(entries), num_slots, max_len, entries, self.dtype, device)
+        slots = num_slots + int(graph_max_bs > 0)  # with graphs, the padding rows' scratch slot
+        self.kv_cache = KVCache(len(entries), slots, max_len, entries, self.dtype, device)
+        hidden_size = model.cfg.hidden_size
+        self.graphs = (
+            DraftGraphs(self.kv_cache, hidden_size, graph_max_bs, capture=capture)
+            if graph_max_bs
+            else None
+        )
         embed = model.model.embed_tokens  # under --pp the last stage's copy (model/causal_lm.py)
         self.ops = [layer.mtp_ops(embed) for layer in self.layers]
         self.group = model.par.attn_tp  # its rank 0 picks, the others follow (mtp_picks.py)
@@ -135,10 +154,18 @@ class MtpDrafter:
         dispatcher: Dispatcher,
         timeline: Timeline,
     ) -> dict:
-        """One MTP forward of step ``step`` (0-based), its layer the step's or the last."""
-        ops = self.ops[min(step, len(self.ops) - 1)]
-        ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
-        return execute_operations(ctx, ops, {"hidden": hidden})
+        """One MTP forward of step ``step`` (0-based), its layer the step's or the last; a
+        one-token step from its CUDA graph where the drafter has them."""
+        layer = min(step, len(self.ops) - 1)
+
+        def run(layer: int, batch: ForwardBatch, hidden: torch.Tensor) -> dict:
+            ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
+            return execute_operations(ctx, self.ops[layer], {"hidden": hidden})
+
+        graphs = self.graphs
+        if graphs is not None and not timeline.enabled and graphs.covers(batch):
+            return graphs.forward(layer, batch, hidden, run)
+        return run(layer, batch, hidden)
 
     def _pick(
         self, logits: torch.Tensor, plan: list[_Rows], step: int
