@@ -6,6 +6,8 @@ tokens. The capture itself runs in tests/gpu/test_spec_graphs.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
@@ -113,6 +115,11 @@ def test_the_padded_buffer_fed_verify_gives_the_eager_logits():
             assert replayed.shape == eager.shape == (12, cfg.vocab_size)
             assert max_abs_diff(replayed, eager) <= 1e-4, (family, overlap.mode)
             assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+        # over the low-latency dispatch the padded rows (4 x 4) must fit its capacity
+        low_latency = OverlapConfig("none", a2a_mode="low_latency")
+        for cap, fits in ((16, True), (15, False)):
+            cfg_cap = replace(low_latency, num_max_dispatch_tokens_per_rank=cap)
+            assert graphs.covers([step], cfg_cap, True) == fits
         assert {k[0] for k in graphs.graphs} == {Bucket(4, 4, 256)}
         kv = runner.kv_cache
         assert len(kv.held[graphs.scratch]) == 1  # the padding rows' one page
