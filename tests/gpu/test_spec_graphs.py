@@ -1,5 +1,5 @@
 """On a GPU: speculative decoding's verify steps (k + 1 rows per sequence) and the MTP drafter's
-one-token steps replayed from CUDA graphs, in bf16 (the grouped GEMM's dtype), one process. A
+steps replayed from CUDA graphs, in bf16 (the grouped GEMM's dtype), one process. A
 replayed verify equals the same buffer-fed forward run eagerly bit for bit, without overlap, with
 TBO (cut by whole sequences) and with DBO; and an engine's graphed speculative decode gives the
 tokens of its eager speculative decode and of plain greedy decoding, with n-gram drafts (tiny

@@ -185,7 +185,7 @@ def test_graphed_speculative_decode_gives_plain_greedy_tokens():
         with LLM(**kw, **spec) as llm:
             runner = llm.executor.runner
             runner.graphs = eager_graphs(runner, 4)
-            if runner.mtp is not None:  # a drafter whose one-token steps run as graphs would
+            if runner.mtp is not None:  # a drafter whose steps run as graphs would
                 runner.mtp = MtpDrafter(
                     runner.model,
                     runner.kv_cache.num_slots,
@@ -201,6 +201,8 @@ def test_graphed_speculative_decode_gives_plain_greedy_tokens():
         widths = {b.width for b in got["buckets"]}
         assert max(widths) > 1, (name, got["buckets"])  # verify steps replayed
         assert got["drafts"][0] == got["drafts"][1], name  # the same MTP drafts, step by step
-        if name == "mtp":  # the second MTP step replayed per batch size
+        if name == "mtp":  # the first step padded to the verify's rows, and the second
             assert any(len(d) == 2 for step in got["drafts"][1] for d in step)
-            assert got["draft_buckets"] and {layer for _, layer in got["draft_buckets"]} == {0}
+            assert {layer for _, layer in got["draft_buckets"]} == {0}
+            widths = {b.width for b, _ in got["draft_buckets"]}
+            assert 1 in widths and 3 in widths, got["draft_buckets"]

@@ -118,7 +118,7 @@ class ModelRunner:
     def _drafter(
         self, num_slots: int, max_len: int, steps: int, graph_max_bs: int
     ) -> MtpDrafter | None:
-        """The MTP drafter, where asked for and the model has MTP layers; its one-token steps
+        """The MTP drafter, where asked for and the model has MTP layers; its steps
         replay from graphs of their own where the target's do and the dispatch is one rank's
         (the drafter's forwards always take the normal dispatch)."""
         if not (steps and self.model.mtp_layers):

@@ -34,6 +34,7 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.runtime.graph_buckets import rows_per_seq
 from moe_overlap.runtime.mtp_graphs import DraftGraphs
 from moe_overlap.runtime.mtp_picks import DraftProbs, pick, share
 
@@ -64,7 +65,7 @@ class MtpDrafter:
         graph_max_bs: int = 0,
         capture: bool = True,
     ):
-        """``graph_max_bs``: the one-token steps of up to this many sequences replay from CUDA
+        """``graph_max_bs``: the steps of up to this many sequences replay from CUDA
         graphs (0: never; ``capture=False`` runs their padded, buffer-fed forward eagerly)."""
         self.model, self.steps, self.max_len = model, steps, max_len
         self.layers = model.mtp_layers
@@ -105,29 +106,16 @@ class MtpDrafter:
         self.probs.forget(batch.slots)
         drawn = self._drawn(batch, samples, reply)
         plan = [] if drawn is None else self._plan(batch, samples, drawn)
-        ext = ForwardBatch(
-            torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
-            [batch.slots[r.seq] for r in plan],
-            [batch.prefix_lens[r.seq] for r in plan],
-            [r.count for r in plan],
-            [False] * len(plan),
-            [False] * len(plan),
-        )
+        logits, state = self._first_step(batch, hidden, plan, dispatcher, timeline)
+        picks, probs = self._pick(logits, plan, 0)
+        drafts, qs = [[p] for p in picks], [[q] for q in probs]
+        ends = [batch.prefix_lens[r.seq] + r.count for r in plan]
         device = self.kv_cache.device
-        rows = torch.tensor([r.start + i for r in plan for i in range(r.count)], dtype=torch.long)
-        inputs = hidden[rows.to(device)] if hidden is not None and plan else None
-        if inputs is None:
-            inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
-        out = self.forward(0, ext, inputs, dispatcher, timeline)
-        last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
-        picks, probs = self._pick(out["logits"], plan, 0)
-        drafts, qs, state = [[p] for p in picks], [[q] for q in probs], out["hidden"][last]
-        ends = [p + r.count for p, r in zip(ext.prefix_lens, plan, strict=True)]
         for step in range(1, self.steps):
             chosen = [i for i, r in enumerate(plan) if r.drafts]
             dec = ForwardBatch(
                 torch.tensor([drafts[i][-1] for i in chosen], dtype=torch.long),
-                [ext.slots[i] for i in chosen],
+                [batch.slots[plan[i].seq] for i in chosen],
                 [ends[i] + step - 1 for i in chosen],
                 [1] * len(chosen),
                 [False] * len(chosen),
@@ -146,6 +134,63 @@ class MtpDrafter:
             self.probs.keep(batch.slots[seq], drafts[i], qs[i])
         return [drafts[found[i]] if i in found else [] for i in range(batch.num_seqs)]
 
+    def _first_step(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        plan: list[_Rows],
+        dispatcher: Dispatcher,
+        timeline: Timeline,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP step, an extend over each planned sequence's rows: the logits and
+        hidden state of each one's last row. From a graph, padded (``_padded``), where the
+        drafter has graphs that hold it."""
+        device = self.kv_cache.device
+        padded = None if timeline.enabled else self._padded(batch, plan)
+        if padded is not None and hidden is not None:
+            out = self.forward(0, padded, hidden, dispatcher, timeline)
+            width = padded.token_num_per_seq
+            picked = [i * width + r.count - 1 for i, r in enumerate(plan)]
+            keep = torch.tensor(picked, dtype=torch.long, device=device)
+            return out["logits"][keep], out["hidden"][keep]
+        ext = ForwardBatch(
+            torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
+            [batch.slots[r.seq] for r in plan],
+            [batch.prefix_lens[r.seq] for r in plan],
+            [r.count for r in plan],
+            [False] * len(plan),
+            [False] * len(plan),
+        )
+        rows = torch.tensor([r.start + i for r in plan for i in range(r.count)], dtype=torch.long)
+        inputs = hidden[rows.to(device)] if hidden is not None and plan else None
+        if inputs is None:
+            inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
+        out = self.forward(0, ext, inputs, dispatcher, timeline)
+        last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
+        return out["logits"], out["hidden"][last]
+
+    def _padded(self, batch: ForwardBatch, plan: list[_Rows]) -> ForwardBatch | None:
+        """The first step's extend as a graph holds it, or None: where ``batch`` decodes or
+        verifies (w rows per sequence) and every sequence is planned, each sequence's rows
+        padded to w by repeating its last token (SGLang's draft-extend graphs). The padding
+        rows' entries lie past the sequence's end, which the next forward writes over before
+        any row reads it, and no real row attends to them (they come after it)."""
+        width = rows_per_seq([batch])
+        if self.graphs is None or width is None or not plan or len(plan) != batch.num_seqs:
+            return None
+        if any(r.count > width for r in plan):
+            return None
+        n = len(plan)
+        padded = ForwardBatch(
+            torch.tensor([t for r in plan for t in r.tokens + r.tokens[-1:] * (width - r.count)]),
+            batch.slots,
+            batch.prefix_lens,
+            [width] * n,
+            [True] * n,
+            [True] * n,
+        )
+        return padded if self.graphs.covers(padded) else None
+
     def forward(
         self,
         step: int,
@@ -155,7 +200,7 @@ class MtpDrafter:
         timeline: Timeline,
     ) -> dict:
         """One MTP forward of step ``step`` (0-based), its layer the step's or the last; a
-        one-token step from its CUDA graph where the drafter has them."""
+        step from its CUDA graph where the drafter has one that holds it."""
         layer = min(step, len(self.ops) - 1)
 
         def run(layer: int, batch: ForwardBatch, hidden: torch.Tensor) -> dict:

@@ -1,13 +1,16 @@
-"""The MTP drafter's one-token steps replayed from CUDA graphs (SGLang's EAGLE draft graphs,
-top-1): after the extend that drafts each sequence's first token, steps 2 .. ``steps`` are each
-one decode row per sequence through one MTP layer, the previous step's hidden state its input.
+"""The MTP drafter's steps replayed from CUDA graphs (SGLang's EAGLE draft and draft-extend
+graphs, top-1). The first step is an extend over the rows each sequence kept (1 .. k + 1 after
+a verify, as many as drafts were accepted); after a decode or verify step of w rows per
+sequence it runs padded to w rows each (``MtpDrafter._padded``), every row's logits kept, and
+the drafter reads each sequence's last kept row. Steps 2 .. ``steps`` are one decode row per
+sequence through one MTP layer, the previous step's hidden state its input.
 
-A step replays the graph of its (batch-size bucket, key bucket, MTP layer), with the target's
-decode graphs' rules (``graph_buckets.py``): padding sequences write only the drafter cache's
-scratch slot (its last), the ids, positions and slots are staged into the graph's buffers, and
-the hidden states are copied into the graph's own input buffer. The picks (argmax, or a draw
-from q) stay on the host, outside the graph. The first step's extend, whose rows per sequence
-vary with the drafts accepted, runs eagerly.
+A step replays the graph of its (batch-size bucket, rows per sequence, key bucket, MTP layer),
+with the target's graphs' rules (``graph_buckets.py``): padding sequences write only the
+drafter cache's scratch slot (its last), the ids, positions and slots are staged into the
+graph's buffers, and the hidden states are copied into the graph's own input buffer. The picks
+(argmax, or a draw from q) stay on the host, outside the graph. A first step after a prefill
+chunk (rows per sequence vary) runs eagerly.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.transfer import copy_to
 from moe_overlap.runtime.graph_buckets import (
@@ -36,13 +39,13 @@ DraftStep = Callable[[int, ForwardBatch, torch.Tensor], dict]
 
 @dataclass
 class _DraftGraph:
-    staged: torch.Tensor  # [3, size] int64 on the device: ids, positions, slots
-    hidden: torch.Tensor  # [size, hidden] the graph's input hidden states
+    staged: torch.Tensor  # [3, rows] int64 on the device: ids, positions, slots
+    hidden: torch.Tensor  # [rows, hidden] the graph's input hidden states
     replay: Callable[[], dict]  # its logits and hidden states, in its own buffers
 
 
 class DraftGraphs:
-    """One drafter's one-token MTP steps, per (bucket, layer). ``kv_cache``: the drafter's,
+    """One drafter's MTP steps, per (bucket, layer). ``kv_cache``: the drafter's,
     whose last slot is the padding rows' scratch slot."""
 
     def __init__(self, kv_cache: KVCache, hidden_size: int, max_bs: int, *, capture: bool = True):
@@ -56,8 +59,9 @@ class DraftGraphs:
         kv_cache.reserve([self.scratch], [1])
 
     def covers(self, batch: ForwardBatch) -> bool:
-        """A one-token step of at most the largest size."""
-        return batch.mode == ForwardMode.DECODE and self._bucket(batch) is not None
+        """A one-token step, or a padded first step (every sequence ``width`` rows, every
+        row's logits), of at most the largest size."""
+        return self._bucket(batch) is not None
 
     def _bucket(self, batch: ForwardBatch) -> Bucket | None:
         return choose_bucket([batch], self.sizes, self.kv_cache.max_len)
@@ -73,7 +77,7 @@ class DraftGraphs:
         key = (bucket, layer)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, layer, run, hidden.dtype)
-        graph, n = self.graphs[key], batch.num_seqs
+        graph, n = self.graphs[key], batch.num_tokens
         self.kv_cache.reserve(batch.slots, batch.seq_lens)  # before the table is read
         copy_to(graph.staged, staged_rows(batch, bucket, self.scratch))
         graph.hidden[:n].copy_(hidden)
@@ -82,9 +86,11 @@ class DraftGraphs:
 
     def _capture(self, bucket: Bucket, layer: int, run: DraftStep, dtype) -> _DraftGraph:
         device = self.kv_cache.device
-        staged = torch.zeros(3, bucket.size, dtype=torch.long, device=device)
+        self.kv_cache.reserve([self.scratch], [bucket.width])  # the padding rows' positions
+        staged = torch.zeros(3, bucket.rows, dtype=torch.long, device=device)
         staged[2].fill_(self.scratch)
-        hidden = torch.zeros(bucket.size, self.hidden_size, dtype=dtype, device=device)
+        staged[1].copy_(torch.arange(bucket.width).repeat(bucket.size))
+        hidden = torch.zeros(bucket.rows, self.hidden_size, dtype=dtype, device=device)
         batch = capture_batch(bucket, staged, self.scratch)
 
         def step() -> dict:
