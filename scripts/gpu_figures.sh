@@ -3,8 +3,8 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check
-#          (default all; decode-ll runs only with decode)
+#   STEPS: a comma list of emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check,
+#          spec-graphs (default all; decode-ll runs only with decode)
 #
 # The emulated runs come first (they are what the overlap criteria judge), then the one-process
 # forward, the GPU checks and last the profiles. Every step has its own `timeout`; a step that
@@ -19,7 +19,7 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-steps=",${2:-emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check},"
+steps=",${2:-emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check,spec-graphs},"
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160
 py=${PY:-python3}
@@ -154,6 +154,18 @@ fi
 if want gpu-check; then
   run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
   tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
+fi
+
+# 3b. greedy decode under speculation with and without CUDA graphs (the verify steps' graphs,
+#     and MTP's draft-step graphs), against plain decode with and without them, one process:
+#     n-gram drafts on the 4-layer model, MTP drafts on the tiny DeepSeek-V3 (one MTP layer)
+if want spec-graphs; then
+  note "== speculative decode, CUDA graphs against eager (scripts/spec_graph_bench.py)"
+  run spec-graphs-ngram 90 "$py" scripts/spec_graph_bench.py "$cfg" NGRAM 1,8,32 64
+  grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-ngram.txt" >> "$summary"
+  run spec-graphs-mtp 60 "$py" scripts/spec_graph_bench.py configs/deepseek-v3-tiny.json EAGLE \
+    1,8,32 64
+  grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-mtp.txt" >> "$summary"
 fi
 
 # 4. where the emulated forward's host time goes, per mode (its waits for the device among

@@ -77,7 +77,7 @@ def test_an_emulated_low_latency_decode_replays_bit_for_bit(mode):
     overlap = replace(overlap, a2a_mode="low_latency", num_max_dispatch_tokens_per_rank=8)
     eager = eager_graphs(runner, 4, local=False)
     runner.choose_dispatch(overlap, [step])
-    expected = eager.forward(step, overlap, [step])
+    expected = eager.forward(step, overlap, [step]).final_logits()
     replayed = runner.forward(step, overlap)
     assert runner.graphs.graphs, "the step did not run from a graph"
     assert runner.last_mode == mode

@@ -13,7 +13,8 @@ from moe_overlap import LLM, ConfigError, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.runtime.cuda_graphs import DecodeGraphs, graph_sizes, key_bucket
+from moe_overlap.runtime.cuda_graphs import DecodeGraphs
+from moe_overlap.runtime.graph_buckets import graph_sizes, key_bucket
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.helpers import TINY, max_abs_diff
 
@@ -44,7 +45,7 @@ def eager_graphs(runner, max_bs: int, local: bool = True) -> DecodeGraphs:
     return DecodeGraphs(
         runner.model,
         runner.kv_cache,
-        runner._logits,
+        runner.forward_stage,
         max_bs,
         capture=False,
         mode_ran=lambda: runner.last_mode,
@@ -79,8 +80,7 @@ def test_the_padded_buffer_fed_decode_gives_the_eager_logits(family):
         assert max_abs_diff(replayed, eager) <= 1e-4
         assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
     # the batch of 3 ran in the graph of 4: the padding row wrote the scratch page only
-    assert {k[0] for k in graphs.graphs} == {4}
-    assert {k[1] for k in graphs.graphs} == {512}
+    assert {(k[0].size, k[0].width, k[0].keys) for k in graphs.graphs} == {(4, 1, 512)}
     kv = runner.kv_cache
     written = {p for slot in [*SLOTS, graphs.scratch] for p in kv.held[slot]}
     untouched = [p for p in range(kv.num_pages + 1) if p not in written]
@@ -117,7 +117,7 @@ def test_a_graph_reports_the_mode_its_forward_ran():
     for batch in (one, two):  # each bucket's "capture"
         runner.forward(batch, OverlapConfig("tbo"))
     for graph in runner.graphs.graphs.values():  # from here on, replays as a captured graph's
-        graph.replay = (lambda logits: lambda: logits)(graph.replay())
+        graph.replay = (lambda out: lambda: out)(graph.replay())
     runner.forward(one, OverlapConfig("tbo"))
     assert runner.last_mode == "none"
     runner.forward(two, OverlapConfig("tbo"))

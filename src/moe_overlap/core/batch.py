@@ -10,18 +10,20 @@ import torch
 
 @dataclass
 class DecodeInputs:
-    """A decode batch's per-sequence inputs already on the device, one row per sequence: the
-    static buffers a CUDA graph was captured on (``runtime/cuda_graphs.py``). The forward reads
-    them instead of sending the batch's host lists; ``max_len`` bounds every sequence's length
-    (the attention's padded key count, RoPE's and the cache's bound)."""
+    """A decode or target-verify batch's inputs already on the device, one entry per token
+    row: the static buffers a CUDA graph was captured on (``runtime/cuda_graphs.py``). Every
+    row attends as a decode row over its slot's keys up to its own position (a verify
+    sequence's k + 1 rows: its causal mask). The forward reads them instead of sending the
+    batch's host lists; ``max_len`` bounds every sequence's length (the attention's padded key
+    count, RoPE's and the cache's bound)."""
 
-    input_ids: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B] = the sequence's length before this token
-    slots: torch.Tensor  # [B] KV cache slots
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] = the sequence's length before this token
+    slots: torch.Tensor  # [T] KV cache slots (a verify sequence's, once per row)
     max_len: int
 
     def rows(self, start: int, stop: int) -> DecodeInputs:
-        """Sequences ``start .. stop - 1``: views, so a micro-batch reads the same buffers."""
+        """Token rows ``start .. stop - 1``: views, so a micro-batch reads the same buffers."""
         cut = slice(start, stop)
         return DecodeInputs(self.input_ids[cut], self.positions[cut], self.slots[cut], self.max_len)
 

@@ -179,7 +179,9 @@ class LayoutArgs:
     cuda_graph_max_bs: int = setting(
         64,
         "on CUDA, decode batches of up to this many sequences per rank replay from CUDA graphs "
-        "(one per batch-size, key-length and overlap bucket, captured when first met; with "
+        "(one per batch-size, key-length and overlap bucket, captured when first met; "
+        "speculative verify steps per drafts-per-sequence too, and the MTP drafter's "
+        "steps on one rank; with "
         "no overlap, TBO or DBO, and SBO too over the low-latency dispatch); a step that "
         "communicates is graphed only over the low-latency dispatch (--a2a-mode), never under "
         "auto, --tp/--pp > 1, PD-mux or with linear attention, where decode runs eagerly",

@@ -8,6 +8,7 @@ result is exact as long as the earlier piece runs each layer's attention first.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -167,14 +168,15 @@ def split_batch(batch: ForwardBatch, plan: Plan) -> list[ForwardBatch]:
 
 
 def _staged_rows(batch: ForwardBatch, child: list[Piece]) -> DecodeInputs | None:
-    """A child's rows of the parent's device buffers (a CUDA graph's decode batch, cut by
-    sequences into contiguous runs of one-token pieces)."""
+    """A child's rows of the parent's device buffers (a CUDA graph's decode or verify batch,
+    cut into a contiguous run of token rows: by sequences, or DBO's token cut)."""
     if batch.device_inputs is None:
         return None
-    first, last = child[0].seq, child[-1].seq
-    if [p.seq for p in child] != list(range(first, last + 1)) or any(p.length != 1 for p in child):
-        raise ValueError("a decode batch in device buffers splits only into runs of sequences")
-    return batch.device_inputs.rows(first, last + 1)
+    starts = _seq_starts(batch)
+    spans = [(starts[p.seq] + p.start, starts[p.seq] + p.start + p.length) for p in child]
+    if any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+        raise ValueError("a batch in device buffers splits only into contiguous runs of rows")
+    return batch.device_inputs.rows(spans[0][0], spans[-1][1])
 
 
 def merge_logits(batch: ForwardBatch, plan: Plan, logits: list[torch.Tensor]) -> torch.Tensor:

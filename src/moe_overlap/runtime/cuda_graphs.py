@@ -8,10 +8,16 @@ launch. Graphs need fixed shapes and fixed memory, so:
 - a batch runs in the graph of the smallest captured size that holds it (1, 2, 4, 8, then
   every 8), its rows past the batch padding that writes only the cache's scratch slot (the
   runner's last, which no sequence owns);
-- keys are padded to a power of two (256 at least, up to ``max_len``) and masked per sequence;
+- a speculative target-verify step (k + 1 rows per sequence, every row's logits) has graphs of
+  its own per size and k; each row runs as a decode row over its slot's keys up to its own
+  position, which is the verify forward's causal mask (``graph_buckets.py``: the bucket
+  choice, the padding and the staged rows, pure and tested on CPU). The drafts, their
+  acceptance and the rollback stay on the host, outside the graph;
+- keys are padded to a power of two (256 at least, up to ``max_len``) and masked per row;
 - the inputs (ids, positions, slots; key counts follow from positions) are copied into the
   graph's own device buffers before each replay; the forward reads them there
-  (``ForwardBatch.device_inputs``);
+  (``ForwardBatch.device_inputs``); a graph returns the logits and, where the MTP drafter
+  needs them, every row's final hidden state;
 - the KV cache and RoPE tables are allocated whole before the first capture (a buffer that
   grew later would move under the captured pointers);
 - a graph is captured the first time its (size, key length, overlap) is met, after one warm-up
@@ -21,7 +27,8 @@ What the graph holds must never read the device from the host: the dispatch's co
 the device, which the local backend's grouped GEMM allows (bf16 on sm90+, one rank). Every
 other step runs eagerly, as before: prefill and mixed steps, other backends, linear-attention
 layers (their state cache indexes by the host's slots), pipeline stages, PD multiplexing,
-recorded steps, and SBO and auto.
+recorded steps, SBO and auto, and a low-latency step whose padded rows would pass
+``--num-max-dispatch-tokens-per-rank``.
 
 TBO's micro-batches run one after the other on the capturing stream. DBO's run on two threads,
 each launching on its own stream (``distributed/streams.py: MicroBatchStreams``), which fork
@@ -35,7 +42,6 @@ the CPU tests check everything here but the capture itself.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,35 +49,30 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.a2a_mode import Backend
-from moe_overlap.core.batch import DecodeInputs, ForwardBatch, ForwardMode
+from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, NONE
+from moe_overlap.core.stage_io import ForwardOutputs
 from moe_overlap.core.transfer import copy_to
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.moe import ExpertBank, grouped_fits
 from moe_overlap.model.rope import RotaryEmbedding
+from moe_overlap.runtime.graph_buckets import (
+    Bucket,
+    capture_batch,
+    choose_bucket,
+    graph_sizes,
+    staged_rows,
+)
 
 log = logging.getLogger(__name__)
-MIN_KEYS = 256  # the shortest key bucket: shorter contexts pad up to it
-
-
-def graph_sizes(max_bs: int) -> list[int]:
-    """The batch sizes captured: 1, 2, 4, 8, then every 8 up to ``max_bs`` (and it)."""
-    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8))
-    return sorted({*sizes, max_bs})
-
-
-def key_bucket(length: int, max_len: int) -> int:
-    """Keys a graph pads ``length`` to: the next power of two from ``MIN_KEYS``, at most
-    ``max_len``."""
-    return min(max_len, max(MIN_KEYS, 1 << (length - 1).bit_length()))
 
 
 @dataclass
 class _Graph:
-    staged: torch.Tensor  # [3, size] int64 on the device: ids, positions, slots
-    replay: Callable[[], torch.Tensor]  # the logits, in the graph's own buffer
+    staged: torch.Tensor  # [3, rows] int64 on the device: ids, positions, slots
+    replay: Callable[[], ForwardOutputs]  # the logits (and hidden states), in its own buffers
     mode: str  # the overlap mode its forward ran (TBO and DBO decline a batch too small)
 
 
@@ -84,7 +85,7 @@ class DecodeGraphs:
         self,
         model: MoeForCausalLM,
         kv_cache: KVCache,
-        forward_eager: Callable[[ForwardBatch, OverlapConfig], torch.Tensor],
+        forward_eager: Callable[[ForwardBatch, OverlapConfig], ForwardOutputs],
         max_bs: int,
         *,
         mode_ran: Callable[[], str],
@@ -104,7 +105,7 @@ class DecodeGraphs:
         self.failed = 0  # buckets whose capture failed (they run eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by all
         kv_cache.allocate_all()
-        kv_cache.reserve([self.scratch], [1])  # the padding rows' scratch page
+        kv_cache.reserve([self.scratch], [1])  # the padding rows' scratch page(s)
         for m in model.modules():
             if isinstance(m, RotaryEmbedding):
                 m.allocate(kv_cache.max_len)
@@ -138,59 +139,45 @@ class DecodeGraphs:
 
     def covers(self, peers: list[ForwardBatch], cfg: OverlapConfig, low_latency: bool) -> bool:
         """Whether this step replays: every group's batch (``peers``, this rank's among them)
-        decodes or idles, and fits; the mode is one the graphs hold; and the dispatch is one
-        the host never sizes (one rank's local dispatch, or this step's ``low_latency``
-        all-to-all). Every rank answers alike, so all replay or none does."""
-        modes = {p.mode for p in peers}
-        return (
-            ForwardMode.DECODE in modes
-            and modes <= {ForwardMode.DECODE, ForwardMode.IDLE}
-            and max(p.num_seqs for p in peers) <= self.sizes[-1]
-            and MODES[cfg.mode].graphable(low_latency)
-            and (self.local or low_latency)
-        )
+        decodes, verifies drafts (the same k in every group) or idles, and fits, its padded
+        rows within the low-latency dispatch's capacity; the mode is one the graphs hold; and
+        the dispatch is one the host never sizes (one rank's local dispatch, or this step's
+        ``low_latency`` all-to-all). Every rank answers alike, so all replay or none does."""
+        if not (MODES[cfg.mode].graphable(low_latency) and (self.local or low_latency)):
+            return False
+        cap = cfg.num_max_dispatch_tokens_per_rank if low_latency else None
+        return choose_bucket(peers, self.sizes, self.kv_cache.max_len, cap) is not None
 
     def forward(
         self, batch: ForwardBatch, cfg: OverlapConfig, peers: list[ForwardBatch] | None = None
-    ) -> torch.Tensor:
-        """``batch``'s logits from the graph of the smallest bucket that holds every group's
-        batch (``peers``): ranks that communicate replay, or capture, the same graph at the
-        same step, so their collectives (and the votes a capture makes) always match."""
-        n, peers = batch.num_seqs, peers or [batch]
-        size = self.sizes[bisect.bisect_left(self.sizes, max(p.num_seqs for p in peers))]
-        longest = max(max(p.seq_lens, default=1) for p in peers)
-        keys = key_bucket(longest, self.kv_cache.max_len)
-        key = (size, keys, cfg)
+    ) -> ForwardOutputs:
+        """``batch``'s logits (and hidden states) from the graph of the smallest bucket that
+        holds every group's batch (``peers``): ranks that communicate replay, or capture, the
+        same graph at the same step, so their collectives (and the votes a capture makes)
+        always match."""
+        bucket = choose_bucket(peers or [batch], self.sizes, self.kv_cache.max_len)
+        if bucket is None:
+            raise ValueError("no captured bucket holds this batch: ask covers() first")
+        key = (bucket, cfg)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(size, keys, cfg)
+            self.kv_cache.reserve([self.scratch], [bucket.width])  # the padding rows' positions
+            self.graphs[key] = self._capture(bucket, cfg)
         graph = self.graphs[key]
-        pad = size - n  # padding rows: token 0 at position 0 of the scratch slot
         self.kv_cache.reserve(batch.slots, batch.seq_lens)  # before the table is read
-        host = torch.tensor(
-            [
-                batch.input_ids.tolist() + [0] * pad,
-                batch.prefix_lens + [0] * pad,  # a decode token's position
-                batch.slots + [self.scratch] * pad,
-            ],
-            dtype=torch.long,
-        )
-        copy_to(graph.staged, host)
+        copy_to(graph.staged, staged_rows(batch, bucket, self.scratch))
         self.last_mode = graph.mode
-        return graph.replay()[:n].clone()  # the graph's buffer is the next replay's too
+        out, rows = graph.replay(), batch.num_tokens
+        # the graph's buffers are the next replay's too
+        hidden = None if out.hidden is None else out.hidden[:rows].clone()
+        return ForwardOutputs(logits=out.final_logits()[:rows].clone(), hidden=hidden)
 
-    def _capture(self, size: int, keys: int, cfg: OverlapConfig) -> _Graph:
-        staged = torch.zeros(3, size, dtype=torch.long, device=self.device)
+    def _capture(self, bucket: Bucket, cfg: OverlapConfig) -> _Graph:
+        staged = torch.zeros(3, bucket.rows, dtype=torch.long, device=self.device)
         staged[2].fill_(self.scratch)
-        batch = ForwardBatch(
-            torch.zeros(size, dtype=torch.long),
-            [self.scratch] * size,
-            [keys - 1] * size,  # the host's view: every sequence at the bucket's length
-            [1] * size,
-            is_decode=[True] * size,
-            device_inputs=DecodeInputs(staged[0], staged[1], staged[2], keys),
-        )
+        staged[1].copy_(torch.arange(bucket.width).repeat(bucket.size))
+        batch = capture_batch(bucket, staged, self.scratch)
 
-        def run() -> torch.Tensor:
+        def run() -> ForwardOutputs:
             return self.forward_eager(batch, cfg)
 
         side = torch.cuda.Stream(self.device) if self.capture else None
@@ -205,20 +192,21 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = run()
+                outputs = run()
         except RuntimeError as error:  # a capture records and runs nothing: eager is safe
             self.failed += 1
             log.warning(
-                "decode of %d sequences under %s runs eagerly: its CUDA graph failed to "
+                "%d sequences of %d rows under %s run eagerly: their CUDA graph failed to "
                 "capture (%s)",
-                size,
+                bucket.size,
+                bucket.width,
                 cfg.mode,
                 error,
             )
             return _Graph(staged, run, mode)
 
-        def replay() -> torch.Tensor:
+        def replay() -> ForwardOutputs:
             graph.replay()
-            return logits
+            return outputs
 
         return _Graph(staged, replay, mode)

@@ -77,14 +77,13 @@ class ModelRunner:
         )
         self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
+        graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # --speculative-algorithm EAGLE: the MTP layers draft after each step, on the last
-        # pipeline stage, which holds them (no CUDA graphs: they need every row's hidden state)
-        drafts = mtp_steps and model.mtp_layers
-        self.mtp = MtpDrafter(model, num_slots, max_len, mtp_steps) if drafts else None
+        # pipeline stage, which holds them
+        self.mtp = self._drafter(num_slots, max_len, mtp_steps, cuda_graph_max_bs if graphs else 0)
         self.last_hidden: torch.Tensor | None = (
             None  # the last forward's, where the model keeps them
         )
-        graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # with graphs, one more slot and page: the padding rows'
         self.kv_cache = kv_cache_for(
             model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages
@@ -114,13 +113,26 @@ class ModelRunner:
         )
         if max_bs > 0 and why_not and device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", why_not)
-        return max_bs > 0 and why_not is None and self.mtp is None
+        return max_bs > 0 and why_not is None
+
+    def _drafter(
+        self, num_slots: int, max_len: int, steps: int, graph_max_bs: int
+    ) -> MtpDrafter | None:
+        """The MTP drafter, where asked for and the model has MTP layers; its steps
+        replay from graphs of their own where the target's do and the dispatch is one rank's
+        (the drafter's forwards always take the normal dispatch)."""
+        if not (steps and self.model.mtp_layers):
+            return None
+        local = self.dispatcher.name == Backend.LOCAL
+        return MtpDrafter(
+            self.model, num_slots, max_len, steps, graph_max_bs=graph_max_bs if local else 0
+        )
 
     def _decode_graphs(self, max_bs: int) -> DecodeGraphs:
         return DecodeGraphs(
             self.model,
             self.kv_cache,
-            self._logits,
+            self.forward_stage,
             max_bs,
             mode_ran=lambda: self.last_mode,
             local=self.dispatcher.name == Backend.LOCAL,
@@ -173,9 +185,10 @@ class ModelRunner:
             and not self.timeline.enabled
             and graphs.covers(peers, cfg, low_latency)
         ):
-            logits = graphs.forward(batch, cfg, peers)
+            out = graphs.forward(batch, cfg, peers)
             self.last_mode = graphs.last_mode  # what the captured forward ran
-            return logits
+            self.last_hidden = out.hidden
+            return out.final_logits()
         return self._logits(batch, cfg)
 
     def _logits(self, batch: ForwardBatch, cfg: OverlapConfig) -> torch.Tensor:

@@ -34,6 +34,8 @@ from moe_overlap.core.timeline import Timeline
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
 from moe_overlap.overlap.operations import execute_operations
+from moe_overlap.runtime.graph_buckets import rows_per_seq
+from moe_overlap.runtime.mtp_graphs import DraftGraphs
 from moe_overlap.runtime.mtp_picks import DraftProbs, pick, share
 
 
@@ -53,7 +55,18 @@ class _Rows:
 
 
 class MtpDrafter:
-    def __init__(self, model: MoeForCausalLM, num_slots: int, max_len: int, steps: int):
+    def __init__(
+        self,
+        model: MoeForCausalLM,
+        num_slots: int,
+        max_len: int,
+        steps: int,
+        *,
+        graph_max_bs: int = 0,
+        capture: bool = True,
+    ):
+        """``graph_max_bs``: the steps of up to this many sequences replay from CUDA
+        graphs (0: never; ``capture=False`` runs their padded, buffer-fed forward eagerly)."""
         self.model, self.steps, self.max_len = model, steps, max_len
         self.layers = model.mtp_layers
         if not self.layers:
@@ -62,7 +75,14 @@ class MtpDrafter:
         first = model.cfg.num_hidden_layers
         entries: list[dict[str, tuple[int, ...]]] = [{}] * first
         entries += [layer.attn.kv_entries() for layer in self.layers]
-        self.kv_cache = KVCache(len(entries), num_slots, max_len, entries, self.dtype, device)
+        slots = num_slots + int(graph_max_bs > 0)  # with graphs, the padding rows' scratch slot
+        self.kv_cache = KVCache(len(entries), slots, max_len, entries, self.dtype, device)
+        hidden_size = model.cfg.hidden_size
+        self.graphs = (
+            DraftGraphs(self.kv_cache, hidden_size, graph_max_bs, capture=capture)
+            if graph_max_bs
+            else None
+        )
         embed = model.model.embed_tokens  # under --pp the last stage's copy (model/causal_lm.py)
         self.ops = [layer.mtp_ops(embed) for layer in self.layers]
         self.group = model.par.attn_tp  # its rank 0 picks, the others follow (mtp_picks.py)
@@ -86,29 +106,16 @@ class MtpDrafter:
         self.probs.forget(batch.slots)
         drawn = self._drawn(batch, samples, reply)
         plan = [] if drawn is None else self._plan(batch, samples, drawn)
-        ext = ForwardBatch(
-            torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
-            [batch.slots[r.seq] for r in plan],
-            [batch.prefix_lens[r.seq] for r in plan],
-            [r.count for r in plan],
-            [False] * len(plan),
-            [False] * len(plan),
-        )
+        logits, state = self._first_step(batch, hidden, plan, dispatcher, timeline)
+        picks, probs = self._pick(logits, plan, 0)
+        drafts, qs = [[p] for p in picks], [[q] for q in probs]
+        ends = [batch.prefix_lens[r.seq] + r.count for r in plan]
         device = self.kv_cache.device
-        rows = torch.tensor([r.start + i for r in plan for i in range(r.count)], dtype=torch.long)
-        inputs = hidden[rows.to(device)] if hidden is not None and plan else None
-        if inputs is None:
-            inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
-        out = self.forward(0, ext, inputs, dispatcher, timeline)
-        last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
-        picks, probs = self._pick(out["logits"], plan, 0)
-        drafts, qs, state = [[p] for p in picks], [[q] for q in probs], out["hidden"][last]
-        ends = [p + r.count for p, r in zip(ext.prefix_lens, plan, strict=True)]
         for step in range(1, self.steps):
             chosen = [i for i, r in enumerate(plan) if r.drafts]
             dec = ForwardBatch(
                 torch.tensor([drafts[i][-1] for i in chosen], dtype=torch.long),
-                [ext.slots[i] for i in chosen],
+                [batch.slots[plan[i].seq] for i in chosen],
                 [ends[i] + step - 1 for i in chosen],
                 [1] * len(chosen),
                 [False] * len(chosen),
@@ -127,6 +134,63 @@ class MtpDrafter:
             self.probs.keep(batch.slots[seq], drafts[i], qs[i])
         return [drafts[found[i]] if i in found else [] for i in range(batch.num_seqs)]
 
+    def _first_step(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        plan: list[_Rows],
+        dispatcher: Dispatcher,
+        timeline: Timeline,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first MTP step, an extend over each planned sequence's rows: the logits and
+        hidden state of each one's last row. From a graph, padded (``_padded``), where the
+        drafter has graphs that hold it."""
+        device = self.kv_cache.device
+        padded = None if timeline.enabled else self._padded(batch, plan)
+        if padded is not None and hidden is not None:
+            out = self.forward(0, padded, hidden, dispatcher, timeline)
+            width = padded.token_num_per_seq
+            picked = [i * width + r.count - 1 for i, r in enumerate(plan)]
+            keep = torch.tensor(picked, dtype=torch.long, device=device)
+            return out["logits"][keep], out["hidden"][keep]
+        ext = ForwardBatch(
+            torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long),
+            [batch.slots[r.seq] for r in plan],
+            [batch.prefix_lens[r.seq] for r in plan],
+            [r.count for r in plan],
+            [False] * len(plan),
+            [False] * len(plan),
+        )
+        rows = torch.tensor([r.start + i for r in plan for i in range(r.count)], dtype=torch.long)
+        inputs = hidden[rows.to(device)] if hidden is not None and plan else None
+        if inputs is None:
+            inputs = torch.zeros(0, self.model.cfg.hidden_size, dtype=self.dtype, device=device)
+        out = self.forward(0, ext, inputs, dispatcher, timeline)
+        last = torch.tensor(ext.logit_rows().tolist(), dtype=torch.long, device=device)
+        return out["logits"], out["hidden"][last]
+
+    def _padded(self, batch: ForwardBatch, plan: list[_Rows]) -> ForwardBatch | None:
+        """The first step's extend as a graph holds it, or None: where ``batch`` decodes or
+        verifies (w rows per sequence) and every sequence is planned, each sequence's rows
+        padded to w by repeating its last token (SGLang's draft-extend graphs). The padding
+        rows' entries lie past the sequence's end, which the next forward writes over before
+        any row reads it, and no real row attends to them (they come after it)."""
+        width = rows_per_seq([batch])
+        if self.graphs is None or width is None or not plan or len(plan) != batch.num_seqs:
+            return None
+        if any(r.count > width for r in plan):
+            return None
+        n = len(plan)
+        padded = ForwardBatch(
+            torch.tensor([t for r in plan for t in r.tokens + r.tokens[-1:] * (width - r.count)]),
+            batch.slots,
+            batch.prefix_lens,
+            [width] * n,
+            [True] * n,
+            [True] * n,
+        )
+        return padded if self.graphs.covers(padded) else None
+
     def forward(
         self,
         step: int,
@@ -135,10 +199,18 @@ class MtpDrafter:
         dispatcher: Dispatcher,
         timeline: Timeline,
     ) -> dict:
-        """One MTP forward of step ``step`` (0-based), its layer the step's or the last."""
-        ops = self.ops[min(step, len(self.ops) - 1)]
-        ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
-        return execute_operations(ctx, ops, {"hidden": hidden})
+        """One MTP forward of step ``step`` (0-based), its layer the step's or the last; a
+        step from its CUDA graph where the drafter has one that holds it."""
+        layer = min(step, len(self.ops) - 1)
+
+        def run(layer: int, batch: ForwardBatch, hidden: torch.Tensor) -> dict:
+            ctx = ForwardContext(batch, self.kv_cache, dispatcher, timeline=timeline)
+            return execute_operations(ctx, self.ops[layer], {"hidden": hidden})
+
+        graphs = self.graphs
+        if graphs is not None and not timeline.enabled and graphs.covers(batch):
+            return graphs.forward(layer, batch, hidden, run)
+        return run(layer, batch, hidden)
 
     def _pick(
         self, logits: torch.Tensor, plan: list[_Rows], step: int
