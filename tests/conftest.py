@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+import torch
 
 from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 from tests.helpers import deepseek_hf_config, qwen3_hf_config, save_hf_model
@@ -16,6 +17,11 @@ def pytest_configure(config) -> None:
     Python's own handler, which a started process then resets to the default."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # One intra-op thread in this process, as each spawned rank has: the tiny models gain
+    # nothing from a second, and while any other process holds a core, a second thread's
+    # spin at every parallel region's barrier made a one-process engine test 30-40x slower
+    # (tests/overlap/test_overlap_one_process.py: 31 s against 0.8 s at a load of 1.8).
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
