@@ -3,11 +3,15 @@ transformers applies, and incremental detokenization with stop strings."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.engine.detokenize import TextStream
+from moe_overlap.engine.detokenize import TextStream, window_decoder
 from moe_overlap.engine.tokenizer import (
     SPECIAL_TOKENS,
     encode_chat,
@@ -87,6 +91,60 @@ def test_text_stream_never_hands_out_half_a_character(tok_dir):
         stream.push(t)
         pieces.append(stream.delta())
     assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == "東京"
+
+
+def whole_text_until_stop(tok, ids: list[int], stop: list[str]) -> tuple[str, int, bool]:
+    """The reference: decode the whole output after each token; the first token whose text holds
+    a stop string ends it, cut before the stop string."""
+    text = ""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k], skip_special_tokens=True)
+        hits = [text.find(s) for s in stop if s in text]
+        if hits:
+            return text[: min(hits)], k, True
+    return text, len(ids), False
+
+
+@pytest.fixture(scope="module")
+def tok320(tok_dir):
+    return load_tokenizer(tok_dir, vocab_size=320)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 319), min_size=1, max_size=40),  # special, byte and merged ids
+    picks=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 5)), max_size=3),
+    every=st.integers(1, 3),  # a delta is asked for every this many tokens
+    windowed=st.booleans(),
+)
+def test_incremental_text_equals_the_whole_decode(tok320, ids, picks, every, windowed):
+    """Pushed token by token (a byte-level tokenizer decodes only its last ids; or decoded
+    whole each time), the text, the stop and the deltas handed out every few tokens equal
+    decoding the whole output at once, with half characters held until complete."""
+    full = tok320.decode(ids, skip_special_tokens=True)
+    stop = [full[a % len(full) : a % len(full) + n] for a, n in picks] if full else []
+    want, ends_at, stops = whole_text_until_stop(tok320, ids, stop)
+    with patch(
+        f"{TextStream.__module__}.window_decoder", window_decoder if windowed else lambda tok: None
+    ):
+        stream, pieces = TextStream(tok320, stop), []
+    for k, token in enumerate(ids, 1):
+        stopped = stream.push(token)
+        if stopped or k == len(ids) or k % every == 0:
+            pieces.append(stream.delta(final=stopped or k == len(ids)))
+        if stopped:
+            break
+    assert (stream.text, k, stream.stopped) == (want, ends_at, stops)
+    assert "".join(pieces) == want  # a half character handed out would differ here
+
+
+def test_a_byte_level_tokenizer_decodes_a_window(tok320):
+    assert window_decoder(tok320) is not None
+    tok320.clean_up_tokenization_spaces = True  # looks across tokens: decoded whole
+    try:
+        assert window_decoder(tok320) is None
+    finally:
+        tok320.clean_up_tokenization_spaces = False
 
 
 def test_a_users_special_token_text_stays_text_in_a_chat(tok_dir):

@@ -65,8 +65,10 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
 def test_bench_engine_alone_and_bad_flags(tmp_path, capsys):
     out = tmp_path / "engine.json"
     argv = ["--hf-config", "configs/qwen3-moe-tiny.json", *TINY_CASES, "--json", str(out)]
-    assert run_bench_engine(argv) == 0
-    assert all(c["ratio"] is None for c in json.loads(out.read_text())["cases"])
+    assert run_bench_engine([*argv, "--cpu-time"]) == 0  # timed on the process's CPU clock
+    report = json.loads(out.read_text())
+    assert report["cpu_time"] and all(c["ratio"] is None for c in report["cases"])
+    assert "CPU time" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run_bench_engine(["--hf-config", "x.json", "--prefill", "3072"])
     too_long = ["--hf-config", "configs/qwen3-moe-tiny.json", "--prefill", "1x5000"]

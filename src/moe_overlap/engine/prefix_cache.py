@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from moe_overlap.core.step import PageOps
 from moe_overlap.engine.kv_pages import CachedPage, PageBudget
@@ -186,6 +187,13 @@ class PrefixCache:
         for _ in range(max(0, short)):
             self._evict(self.idle.popitem(last=False)[1])
         return True
+
+    def publish_computed(self, req: Request) -> None:
+        """``publish`` the pages of running ``req`` that its last step filled (a cheap look
+        first: most steps of most requests fill none)."""
+        full = self.enabled and req.num_computed // self.page_size > len(req.cached)
+        if full or (self.enabled and self.states is not None):
+            self.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
 
     def publish(
         self,

@@ -182,15 +182,16 @@ class Request:
     eos_token_id: int | None = None  # masked until min_tokens are generated
     constraint: TokenConstraint | None = None  # structured outputs: follows every token taken
     mtp_drafts: list[int] = field(default_factory=list)  # the ranks' MTP drafts after its last
+    prompt_len: int = field(init=False, default=0)  # read many times a step: not recounted
 
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)
 
     @property
     def in_prefill(self) -> bool:
         """Tokens to feed before the draw: the prompt's, or after a preemption all but one."""
-        return self.num_computed < max(self.prompt_len, self.total_len - 1)
+        n = self.prompt_len
+        return self.num_computed < max(n, n + len(self.output_ids) - 1)
 
     @property
     def in_prompt(self) -> bool:

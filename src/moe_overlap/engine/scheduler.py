@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from functools import partial
 
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE, pages_for
 from moe_overlap.core.step import GroupReply, StepReply
@@ -113,7 +112,7 @@ class Scheduler:
     def schedule(self) -> Step:
         for cache, running in zip(self.prefix, self.running, strict=True):
             for req in running:  # pages computed by the last step become shareable
-                cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
+                cache.publish_computed(req)
         self._admit()
         batches, scheduled, drafts = [], [], []
         for rank in range(len(self.running)):
@@ -272,7 +271,7 @@ class Scheduler:
     def _free(self, rank: int, req: Request) -> None:
         """Give back ``req``'s slot and own pages; its computed full pages stay cached."""
         cache = self.prefix[rank]
-        cache.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
+        cache.publish_computed(req)
         cache.leave(req.slot)  # admitted and preempted in one step: the rank never sees it
         self.slots[rank].release(req.slot)
         self.pages[rank].give(req.slot, req.pages - len(req.cached))
@@ -281,12 +280,15 @@ class Scheduler:
 
     def loads(self, req: Request | None = None) -> list[GroupLoad]:
         """Each data-parallel group's load, as the balancing policies (the DP controller) read
-        it; for ``cache_aware``, with ``req``'s prompt tokens each group has cached."""
+        it; for ``cache_aware``, with ``req``'s prompt tokens each group has cached. The tokens
+        left are summed for ``minimum_tokens`` only, the policy that reads them (0 otherwise):
+        a sum over the running requests per admission made admitting a batch quadratic."""
         affinity = req is not None and self.method == "cache_aware"
+        counts = self.method == "minimum_tokens"
         return [
             GroupLoad(
                 len(running),
-                sum(r.prompt_len - r.num_computed + 1 for r in running),
+                sum(r.prompt_len - r.num_computed + 1 for r in running) if counts else 0,
                 len(slots),
                 cache.cached_tokens(req) if affinity and req is not None else 0,
             )

@@ -83,17 +83,23 @@ def answer(
     greedy = [
         i
         for i, s in enumerate(samples)
-        if s.draw and s.temperature == 0.0 and not s.penalties and s.allowed is None
+        if s.draw
+        and s.temperature == 0.0
+        and not s.penalties
+        and s.allowed is None
+        and not s.drafts  # a verify row's tokens come from verification
     ]
     picked = dict(zip(greedy, logits[[decide[i] for i in greedy]].argmax(-1).tolist(), strict=True))
     for i, spec in enumerate(samples):
-        scored = logits[starts[i] : starts[i] + len(spec.next_ids)]
-        top = spec.prompt_logprobs or 0
-        reply.prompt_logprobs.append(
-            token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
-        )
+        scores: list[TokenLogprobs] = []
+        if spec.next_ids:
+            scored = logits[starts[i] : starts[i] + len(spec.next_ids)]
+            top = spec.prompt_logprobs or 0
+            scores = token_logprobs(scored, list(spec.next_ids), [top] * len(spec.next_ids))
+        reply.prompt_logprobs.append(scores)
         q = draft_probs[i] if i < len(draft_probs) else None
-        tokens, error = _draw(logits, decide[i], spec, picked.get(i), q)
+        pick = picked.get(i)
+        tokens, error = ([pick], None) if pick is not None else _draw(logits, decide[i], spec, q)
         reply.token_ids.append(tokens[0] if tokens else None)
         reply.more_ids.append(tokens[1:])
         reply.errors.append(error)
@@ -104,14 +110,10 @@ def answer(
 
 
 def _draw(
-    logits: torch.Tensor,
-    row: int,
-    spec: SampleSpec,
-    picked: int | None,
-    draft_probs: torch.Tensor | None = None,
+    logits: torch.Tensor, row: int, spec: SampleSpec, draft_probs: torch.Tensor | None = None
 ) -> tuple[list[int], str | None]:
-    """One sequence's new tokens (none where it draws none) from its deciding ``row`` on: the
-    greedy pick, or a draw, or the tokens verification accepts; or why its draw failed."""
+    """One sequence's new tokens (none where it draws none) from its deciding ``row`` on: a
+    draw, or the tokens verification accepts; or why its draw failed."""
     if not spec.draw:
         return [], None
     try:
@@ -125,7 +127,7 @@ def _draw(
             last = masked(last, spec.allowed[:1])
         if spec.penalties is not None:
             last = penalised(last, spec.penalties, spec.index)
-        return [picked if picked is not None else sample(last, spec)], None
+        return [sample(last, spec)], None
     except Exception as exc:  # this sequence alone fails; the driver says why
         return [], f"{type(exc).__name__}: {exc}".splitlines()[0]
 

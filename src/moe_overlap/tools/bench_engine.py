@@ -101,10 +101,12 @@ def run_hf(hf, case: Case, prompts: torch.Tensor) -> list[list[int]]:
     return out[:, prompts.shape[1] :].tolist()
 
 
-def timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
+def timed(
+    fn: Callable[[], list[list[int]]], clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, list[list[int]]]:
+    start = clock()
     out = fn()
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 def load_hf(model_dir: Path):
@@ -118,12 +120,19 @@ def load_hf(model_dir: Path):
 
 
 def bench_case(
-    case: Case, model_dir: Path, hf, vocab: int, seed: int, repeats: int, breakdown: bool = False
+    case: Case,
+    model_dir: Path,
+    hf,
+    vocab: int,
+    seed: int,
+    repeats: int,
+    breakdown: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ):
-    """Time ``case`` ``repeats`` times for each engine, alternating; the best time counts
-    (on a shared machine the slower runs measure the neighbours, not the engine). With
-    ``breakdown``, ``repeats`` more runs of each engine under the profiler say where the time
-    went."""
+    """Time ``case`` ``repeats`` times for each engine, alternating, on ``clock``; the best
+    time counts (on a shared machine the slower runs measure the neighbours, not the engine).
+    With ``breakdown``, ``repeats`` more runs of each engine under the profiler say where the
+    time went."""
     prompts = prompts_for(case, vocab, seed)
     ours: list[float] = []
     theirs: list[float] = []
@@ -132,10 +141,10 @@ def bench_case(
     # the engine's defaults (max_num_seqs, max_num_batched_tokens); only the context is sized
     with LLM(model_dir, max_model_len=case.sequence_len) as llm:
         for _ in range(repeats):
-            t, ours_out = timed(lambda: run_ours(llm, case, prompts))
+            t, ours_out = timed(lambda: run_ours(llm, case, prompts), clock)
             ours.append(t)
             if hf is not None:
-                t, hf_out = timed(lambda: run_hf(hf, case, prompts))
+                t, hf_out = timed(lambda: run_hf(hf, case, prompts), clock)
                 theirs.append(t)
         ours_split = None
         if breakdown:
@@ -190,16 +199,17 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         if speculative_args(args) is not None:
             console.print(bench_speculative(Path(tmp), args, cfg.vocab_size))
             return 0
-        results = []
-        for case in cases:
-            results.append(
-                bench_case(
-                    case, Path(tmp), hf, cfg.vocab_size, args.seed, args.repeats, args.breakdown
-                )
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        results = [
+            bench_case(
+                case, Path(tmp), hf, cfg.vocab_size, args.seed, args.repeats, args.breakdown, clock
             )
+            for case in cases
+        ]
     title = (
         f"{Path(args.hf_config).stem}, one process, {args.threads} threads, fp32, best of "
-        f"{args.repeats}; tokens/s: prompt tokens (prefill), generated tokens (decode)"
+        f"{args.repeats}{', CPU time' if args.cpu_time else ''}; tokens/s: prompt tokens "
+        "(prefill), generated tokens (decode)"
     )
     console.print(results_table(results, title))
     peak = peak_matmul_gflops() if args.breakdown else None
@@ -216,6 +226,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         report = {
             "config": args.hf_config,
             "threads": args.threads,
+            "cpu_time": args.cpu_time,
             "repeats": args.repeats,
             "torch": torch.__version__,
             "matmul_peak_gflops": peak,

@@ -102,6 +102,12 @@ class BenchEngineFlags:
     new_tokens: int = setting(32, "tokens each decode generates")
     repeats: int = setting(3, "runs per case; the best counts")
     json: str | None = setting(None, "write the results here", metavar="PATH")
+    cpu_time: bool = setting(
+        False,
+        "time each run in this process's CPU time, not wall-clock time: on a shared machine "
+        "the other jobs' time stays out (use it with --threads 1: more threads add up, "
+        "their spin-waits included)",
+    )
     breakdown: bool = setting(
         False,
         "profile --repeats more runs of each case per engine (the fastest counts): the time in "
