@@ -23,7 +23,7 @@ from moe_overlap.model.loader import build_model
 from moe_overlap.tools.cli import main as cli
 from tests.engine.test_prefix_exact import one_thread
 from tests.helpers import mimo_hf_config
-from tests.model.test_mtp import PROMPT, TOL, engine_head
+from tests.model.test_mtp import PROMPT, TOL, engine_head, head_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,24 +56,16 @@ def _head_checkpoint(path, tensors: dict, out) -> None:
 
 
 def _reference(path, tensors: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' final hidden states of PROMPT, and the MTP logits of rows 0..T-2 (row q:
-    hidden state q and the embedding of token q + 1, at position q)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()  # skips model.mtp.*
-    _head_checkpoint(path, tensors, path / "head")
-    head = transformers.AutoModelForCausalLM.from_pretrained(path / "head").eval()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state  # normed
-        embeds = model.model.embed_tokens(ids[:, 1:])
-        x = F.linear(
+    def project(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(
             torch.cat(
                 [_rms(embeds, tensors[MTP + "enorm.weight"]),
-                 _rms(hidden[:, :-1], tensors[MTP + "hnorm.weight"])], -1
+                 _rms(hidden, tensors[MTP + "hnorm.weight"])], -1
             ),
             tensors[MTP + "eh_proj.weight"],
         )  # fmt: skip
-        logits = head(inputs_embeds=x).logits
-    return hidden[0], logits[0]
+
+    return head_reference(path, lambda out: _head_checkpoint(path, tensors, out), project)
 
 
 def test_mimo_mtp_head_matches_the_reference(tmp_path):

@@ -107,6 +107,23 @@ def engine_head(cfg: ModelConfig, path, prompt: list[int]):
     return runner, hidden, out["logits"]
 
 
+def head_reference(path, make_head, project) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' final hidden states of PROMPT from the checkpoint at ``path``, and the MTP
+    logits of rows 0..T-2 (row q: hidden state q and the embedding of token q + 1), for a
+    family whose MTP layer transformers does not build: ``make_head(out)`` writes a one-layer
+    checkpoint of that layer that transformers reads, and ``project(embeds, hidden)`` gives the
+    rows it takes as input embeddings."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()  # skips the MTP
+    make_head(path / "head")
+    head = transformers.AutoModelForCausalLM.from_pretrained(path / "head").eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state  # normed
+        embeds = model.model.embed_tokens(ids[:, 1:])
+        logits = head(inputs_embeds=project(embeds, hidden[:, :-1])).logits
+    return hidden[0], logits[0]
+
+
 def _engine_drafts_follow_the_head(path, runner, monkeypatch) -> None:
     """The engine's first draft after every step (prefill, decode and verify steps, rejected
     drafts among them) is the MTP head's argmax over a whole recompute of the sequence so far:

@@ -20,7 +20,7 @@ from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.tools.cli import main as cli
 from tests.engine.test_prefix_exact import one_thread
 from tests.helpers import qwen3_5_hf_config
-from tests.model.test_mtp import PROMPT, TOL, engine_head
+from tests.model.test_mtp import PROMPT, TOL, engine_head, head_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,24 +48,16 @@ def _head_checkpoint(path, tensors: dict, out) -> None:
 
 
 def _reference(path, tensors: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' final hidden states of PROMPT, and the MTP logits of rows 0..T-2 (row q:
-    hidden state q and the embedding of token q + 1)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()  # skips mtp.*
-    _head_checkpoint(path, tensors, path / "head")
-    head = transformers.AutoModelForCausalLM.from_pretrained(path / "head").eval()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state  # normed
-        embeds = model.model.embed_tokens(ids[:, 1:])
-        x = F.linear(
+    def project(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(
             torch.cat(
                 [_centred_rms(embeds, tensors["mtp.pre_fc_norm_embedding.weight"], eps),
-                 _centred_rms(hidden[:, :-1], tensors["mtp.pre_fc_norm_hidden.weight"], eps)], -1
+                 _centred_rms(hidden, tensors["mtp.pre_fc_norm_hidden.weight"], eps)], -1
             ),
             tensors["mtp.fc.weight"],
         )  # fmt: skip
-        logits = head(inputs_embeds=x).logits
-    return hidden[0], logits[0]
+
+    return head_reference(path, lambda out: _head_checkpoint(path, tensors, out), project)
 
 
 def test_qwen3_5_mtp_head_matches_the_reference(tmp_path):

@@ -63,6 +63,7 @@ from moe_overlap.runtime.graph_buckets import (
     capture_batch,
     choose_bucket,
     graph_sizes,
+    replay_of,
     staged_rows,
 )
 
@@ -189,10 +190,8 @@ class DecodeGraphs:
         if side is None:
             return _Graph(staged, run, mode)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = run()
+            replay = replay_of(run, self.pool)
         except RuntimeError as error:  # a capture records and runs nothing: eager is safe
             self.failed += 1
             log.warning(
@@ -204,9 +203,4 @@ class DecodeGraphs:
                 error,
             )
             return _Graph(staged, run, mode)
-
-        def replay() -> ForwardOutputs:
-            graph.replay()
-            return outputs
-
         return _Graph(staged, replay, mode)

@@ -13,8 +13,9 @@ keys up to its own position, which is the verify forward's causal mask.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -114,3 +115,22 @@ def capture_batch(bucket: Bucket, staged: torch.Tensor, scratch: int) -> Forward
         is_decode=[True] * bucket.size,
         device_inputs=DecodeInputs(staged[0], staged[1], staged[2], bucket.keys),
     )
+
+
+T = TypeVar("T")
+
+
+def replay_of(run: Callable[[], T], pool) -> Callable[[], T]:
+    """``run`` (already warmed up) captured into a CUDA graph in ``pool``, as a function that
+    replays it and returns the captured outputs (the graph's buffers, the next replay's too).
+    A capture that fails raises ``RuntimeError`` having recorded and run nothing, so the
+    caller can run ``run`` eagerly instead."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+
+    def replay() -> T:
+        graph.replay()
+        return outputs
+
+    return replay

@@ -29,6 +29,7 @@ from moe_overlap.runtime.graph_buckets import (
     capture_batch,
     choose_bucket,
     graph_sizes,
+    replay_of,
     staged_rows,
 )
 
@@ -103,10 +104,8 @@ class DraftGraphs:
         with torch.cuda.stream(side):  # the warm-up, off the default stream
             step()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = step()
+            replay = replay_of(step, self.pool)
         except RuntimeError as error:  # a capture records and runs nothing: eager is safe
             self.failed += 1
             log.warning(
@@ -115,9 +114,4 @@ class DraftGraphs:
                 error,
             )
             return _DraftGraph(staged, hidden, step)
-
-        def replay() -> dict:
-            graph.replay()
-            return outputs
-
         return _DraftGraph(staged, hidden, replay)
