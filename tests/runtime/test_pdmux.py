@@ -74,6 +74,41 @@ def test_an_aborted_wave_member_keeps_its_slot_until_the_wave_ends():
     assert len(sched.slots[0]) == 4 and not req.output_ids
 
 
+def _drive(sched: Scheduler, steps: int) -> None:
+    """``steps`` steps, each decode answered with token 5 and a wave's last range with 7."""
+    for _ in range(steps):
+        step = sched.schedule()
+        n = step.batches[0].num_seqs
+        wave = (
+            [GroupReply([7], [None], [None], [[]])] if step.prefill and step.prefill.last else None
+        )
+        sched.update(
+            step, StepReply([GroupReply([5] * n, [None] * n, [None] * n, [[]] * n)], [None], wave)
+        )
+
+
+def test_an_aborted_wave_member_gives_back_its_own_pages_and_its_hit():
+    """A member that hit the prefix cache, aborted mid-wave: when the wave ends its own pages
+    go back (not its cached ones as well) and its hold on the cached pages is let go."""
+    sched = Scheduler(1, 4, 64, 64, pdmux=PrefillWaves(4, 2, 64), num_pages=32, page_size=4,
+                      prefix_caching=True)  # fmt: skip
+    sched.add(_request(0, 12))
+    _drive(sched, 5)  # its wave, then decodes to the end: 3 full pages cached
+    assert not sched.has_work()
+    cache, free = sched.prefix[0], sched.pages[0].free
+    idle = len(cache.idle)
+    hit = _request(1, 14)  # the same 12 tokens, then 2 more
+    sched.add(hit)
+    step = sched.schedule()
+    assert len(hit.cached) == 3 and len(cache.idle) == idle - 3  # held by the wave
+    sched.abort([hit])
+    sched.update(step, _reply())
+    _drive(sched, 1)  # the wave's last range
+    assert not sched.has_work() and not hit.output_ids
+    assert sched.pages[0].free == free and len(cache.idle) == idle
+    assert len(sched.slots[0]) == 4
+
+
 @pytest.mark.parametrize(("family", "layout"), [("qwen3_moe", {}), ("deepseek_v3", {"ep": 2})])
 def test_pdmux_matches_a_run_without_it(family, layout):
     cfg = ModelConfig(**TINY[family])

@@ -79,8 +79,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.method, self.turn = check_method(load_balance_method), 0
         self.pdmux = pdmux  # prompts go whole, in layer ranges, beside the decode steps
-        # (rank, slot, pages) an aborted wave still writes
-        self.deferred: list[tuple[int, int, int]] = []
+        # (rank, request) aborted in a wave, which still writes its pages and reads its hit
+        self.deferred: list[tuple[int, Request]] = []
         self.speculation = speculation
 
     def add(self, request: Request) -> None:
@@ -101,8 +101,7 @@ class Scheduler:
             for req in [r for r in running if r.request_id in ids]:
                 running.remove(req)
                 if self.pdmux is not None and self.pdmux.in_wave(req):
-                    # freed when the wave ends
-                    self.deferred.append((rank, req.slot, req.pages))
+                    self.deferred.append((rank, req))  # freed when the wave ends
                 else:
                     self._free(rank, req)
 
@@ -145,9 +144,8 @@ class Scheduler:
             for rank, members in enumerate(self.pdmux.finish()):
                 wave = [(r, r.prompt_len - r.num_computed) for r in members]
                 self._consume(step, rank, wave, reply.wave[rank], finished)
-            for rank, slot, pages in self.deferred:
-                self.slots[rank].release(slot)
-                self.pages[rank].give(slot, pages)
+            for rank, req in self.deferred:
+                self._free(rank, req)
             self.deferred = []
         return finished
 
