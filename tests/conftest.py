@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,36 @@ def pytest_configure(config) -> None:
     # spin at every parallel region's barrier made a one-process engine test 30-40x slower
     # (tests/overlap/test_overlap_one_process.py: 31 s against 0.8 s at a load of 1.8).
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Where the session holds the type check (tests/test_types.py), mypy starts now, niced,
+    in the background: its 15 s of one core run where the tests leave a core idle, and the
+    test only waits for what is left (it runs near the end of a whole run)."""
+    if not any(item.nodeid.startswith("tests/test_types.py") for item in items):
+        return
+    cache = tempfile.mkdtemp(prefix="mypy-cache-")
+    config.mypy_run = subprocess.Popen(
+        [sys.executable, "-m", "mypy", "--cache-dir", cache],
+        cwd=Path(__file__).resolve().parents[1],  # pyproject.toml names the files
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: os.nice(10),
+    )
+
+
+def pytest_unconfigure(config) -> None:
+    run = getattr(config, "mypy_run", None)
+    if run is not None and run.poll() is None:  # the session ended before its test
+        run.kill()
+        run.wait()
+
+
+@pytest.fixture(scope="session")
+def mypy_run(request) -> subprocess.Popen:
+    """The background type check this session started (see pytest_collection_modifyitems)."""
+    return request.config.mypy_run
 
 
 @pytest.fixture(scope="session")
