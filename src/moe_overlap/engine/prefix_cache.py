@@ -191,8 +191,8 @@ class PrefixCache:
     def publish_computed(self, req: Request) -> None:
         """``publish`` the pages of running ``req`` that its last step filled (a cheap look
         first: most steps of most requests fill none)."""
-        full = self.enabled and req.num_computed // self.page_size > len(req.cached)
-        if full or (self.enabled and self.states is not None):
+        filled = req.num_computed // self.page_size > len(req.cached)
+        if self.enabled and (filled or self.states is not None):
             self.publish(req.slot, partial(token_ids, req), req.num_computed, req.cached)
 
     def publish(

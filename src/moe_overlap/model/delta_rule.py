@@ -70,28 +70,14 @@ def chunked(
     beta: torch.Tensor,
     state: torch.Tensor,
     start: int = 0,
-    chunk: int = CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, ``chunk`` tokens at a time: ``q, k [n, h, dk]``, ``v [n, h, dv]``, ``g,
-    beta [n, h]``, ``state [h, dk, dv]`` (after the ``start`` tokens before these) ->
-    ``(out [n, h, dv], state)``."""
-    out, state, _ = chunked_keeping(q, k, v, g, beta, state, start, (), chunk)
-    return out, state
-
-
-def chunked_keeping(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    start: int = 0,
     keep: Sequence[int] = (),
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """``chunked``, and the states after the first ``keep[i]`` of these tokens (ascending,
-    inside the piece), each read off its chunk's corrections: one small matmul, no more chunks.
+    """One sequence, ``chunk`` tokens at a time: ``q, k [n, h, dk]``, ``v [n, h, dv]``, ``g,
+    beta [n, h]``, ``state [h, dk, dv]`` (after the ``start`` tokens before these) -> ``(out
+    [n, h, dv], state, kept)``; ``kept``: the states after the first ``keep[i]`` of these
+    tokens (ascending, inside the piece), each read off its chunk's corrections: one small
+    matmul, no more chunks.
 
     Within a chunk with cumulative log decay ``c``, token i's correction depends on the earlier
     tokens' corrections through ``A[i, j] = beta_i (k_i . k_j) exp(c_i - c_j)`` (j < i); solving

@@ -180,7 +180,7 @@ class GatedDeltaNet(nn.Module):
         x, conv_out = delta_rule.causal_conv(mixed, conv_in, weight)
         q, k, v = self._qkv(x)
         keep = [b - prefix for b, _ in cuts]
-        out, state, kept = delta_rule.chunked_keeping(q, k, v, g, beta, ssm_in, prefix, keep)
+        out, state, kept = delta_rule.chunked(q, k, v, g, beta, ssm_in, prefix, keep)
         inputs = torch.cat((conv_in, mixed.t()), dim=1)  # the conv's inputs, its state first
         for r, (_, entry), ssm in zip(keep, cuts, kept, strict=True):
             conv = inputs[:, r : r + self.kernel - 1]  # the kernel - 1 inputs before the cut
