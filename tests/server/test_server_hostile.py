@@ -17,7 +17,14 @@ import pytest
 from moe_overlap import LLM
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.server import app as app_module
-from tests.server.test_server import KEY, SERVE, Running, _free_port, served_model
+from tests.server.test_server import (
+    KEY,
+    SERVE,
+    Running,
+    alive_after,
+    descendants,
+    served_model,
+)
 
 JSON = {"Content-Type": "application/json"}
 LIMITS = dict(
@@ -203,12 +210,17 @@ def test_serving_is_printed_only_once_bound(model_dir):
 
 
 def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir):
-    port = _free_port()
-    proc = _serve(model_dir, port, "--shutdown-timeout", "0.3", "--max-num-seqs", "2")
+    """At ep=2: the server then stops, and its two ranks and their fork server with it. On
+    port 0, it names the port the system chose."""
+    proc = _serve(model_dir, 0, "--shutdown-timeout", "0.3", "--max-num-seqs", "2", "--ep", "2")
     try:
         deadline = time.monotonic() + 60
         while "serving" not in (line := proc.stderr.readline()):
             assert line and time.monotonic() < deadline
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0
+        rank_pids = descendants(proc.pid)
+        assert len(rank_pids) == 3
         long = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
         stream = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         stream.request("POST", "/v1/completions", json.dumps({**long, "stream": True}), JSON)
@@ -230,6 +242,7 @@ def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir
         assert reply.status == 503 and json.loads(reply.read())["error"]["code"] == "shutting_down"
         assert proc.wait(30) == 128 + signal.SIGTERM
         assert "Traceback" not in proc.stderr.read()
+        assert not alive_after(rank_pids, 5)
     finally:
         if proc.poll() is None:
             proc.kill()

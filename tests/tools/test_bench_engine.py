@@ -37,10 +37,11 @@ def run_bench_engine(argv: list[str]) -> int:
 def test_bench_engine_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "engine.json"
-    argv = ["--hf-config", "configs/qwen3-moe-tiny.json", "--compare-hf", *TINY_CASES]
+    cases = ["--prefill", "3x8", "--decode-batches", "5", *TINY_CASES[4:]]  # profiled: 1 s each
+    argv = ["--hf-config", "configs/qwen3-moe-tiny.json", "--compare-hf", *cases]
     assert run_bench_engine([*argv, "--threads", "1", "--breakdown", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    names = ["prefill 1x24", "prefill 3x8", "decode batch 2", "decode batch 5"]
+    names = ["prefill 3x8", "decode batch 5"]
     for name in [*names, "ours tok/s", "HF tok/s", "ours/HF", "same tokens", "Where the time"]:
         assert name in table
     report = json.loads(out.read_text())
@@ -52,14 +53,14 @@ def test_bench_engine_against_transformers(tmp_path, capsys):
             assert split["matmul_s"] > 0 and 0 < parts <= split["profiled_wall_s"]
             assert split["wall_s"] == min(times)
     assert report["threads"] == 1 and [c["name"] for c in report["cases"]] == names
-    assert [c["tokens"] for c in report["cases"]] == [24, 24, 6, 15]
+    assert [c["tokens"] for c in report["cases"]] == [24, 15]
     for case in report["cases"]:
         assert case["ours_tok_s"] > 0 and case["hf_tok_s"] > 0
         assert len(case["ours_times"]) == len(case["hf_times"]) == 1
         assert case["ours_s"] == min(case["ours_times"])
         assert case["ratio"] == pytest.approx(case["ours_tok_s"] / case["hf_tok_s"])
     # same weights and prompts: greedy tokens agree with transformers
-    assert [c["same_tokens"] for c in report["cases"]] == ["1/1", "3/3", "2/2", "5/5"]
+    assert [c["same_tokens"] for c in report["cases"]] == ["3/3", "5/5"]
 
 
 def test_bench_engine_alone_and_bad_flags(tmp_path, capsys):

@@ -67,6 +67,11 @@ class Server:
     def started(self) -> bool:
         return self.http.started
 
+    @property
+    def port(self) -> int:
+        """The port bound (the one asked for, or the one the system chose for port 0)."""
+        return self.http.servers[0].sockets[0].getsockname()[1]
+
     def run(self) -> None:
         """Serve until stopped (a signal, ``stop()``, or a dead rank); then stop the engine."""
         self.engine.start()

@@ -74,18 +74,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         text = "text and token ids" if llm.tokenizer is not None else "token ids only"
-        serving = (  # printed once the address is bound, not before
-            f"moe-overlap: serving {settings.model_name!r} ({text}) at "
-            f"http://{args.host}:{args.port}/v1 on {llm.parallel.describe()}; Ctrl-C stops\n"
-            f"moe-overlap: {llm.spec.kv_cache_summary()}"
-        )
-        server = Server(
-            llm,
-            settings,
-            args.host,
-            args.port,
-            args.log_level,
-            on_started=lambda: print(serving, file=sys.stderr, flush=True),
-        )
+        summary = llm.spec.kv_cache_summary()
+
+        def serving() -> None:  # once the address is bound (port 0: the one chosen), not before
+            print(
+                f"moe-overlap: serving {settings.model_name!r} ({text}) at "
+                f"http://{args.host}:{server.port}/v1 on {llm.parallel.describe()}; Ctrl-C "
+                f"stops\nmoe-overlap: {summary}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        server = Server(llm, settings, args.host, args.port, args.log_level, on_started=serving)
         server.run()
     return 0
