@@ -52,6 +52,28 @@ def test_states_are_kept_at_the_prompts_last_page_and_a_branch_point_and_hits_en
     assert cache.states is not None and cache.states.free == [0]
 
 
+def test_a_state_is_taken_from_an_idle_page_past_those_without_one_never_from_a_held_one():
+    """Entries run out: a new branch point takes the state of the least recently used idle
+    page that keeps one (past idle pages that keep none), but not while a request holds it."""
+    sched = hybrid_scheduler(entries=1)
+    cache = sched.prefix[0]
+    sched.add(request(0, [90] * 13))  # three idle pages, the state the next one takes ...
+    run_out(sched, sched.schedule())
+    sched.add(request(1, list(range(10))))  # ... to keep it at token 8, on page (4..7)
+    run_out(sched, sched.schedule())
+    kept = [p for p in cache.pages.values() if p.entry is not None]
+    assert [p.key[1] for p in kept] == [(4, 5, 6, 7)] and cache.evictable == 5
+    sched.add(request(2, list(range(10)) + [50], new=3))  # a hit holds the page with it
+    step = sched.schedule()
+    sched.update(step, reply(step))
+    sched.add(request(3, [0, 1, 2, 3, 60, 61]))  # a branch point at 4 finds no entry
+    step = sched.schedule()
+    assert step.pages[0].snapshot == [] and kept[0].entry == 0
+    run_out(sched, step)  # request 2 lets go: its page's state is the one to take now
+    sched.add(request(4, [0, 1, 2, 3, 70, 71]))
+    assert sched.schedule().pages[0].snapshot == [(1, 4, 0)] and kept[0].entry is None
+
+
 def test_a_decoding_request_keeps_its_state_at_its_last_decoded_page_boundary():
     """A 10-token prompt answered in 20 tokens of 2 (29 computed, pages of 4): a state at the
     prompt's last full page (8) and at each boundary a decode step crosses (12 ... 28), each

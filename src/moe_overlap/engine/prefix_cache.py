@@ -56,6 +56,10 @@ class PrefixCache:
         self.closed: set[int] = set()  # slots that met another's copy of a page: no more cached
         self.pages: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
         self.idle: OrderedDict[int, CachedPage] = OrderedDict()  # least recently used first
+        # the idle pages that keep a state, in the order they went idle or got one, so a state
+        # is taken from one without walking the idle pages that keep none (stale rows: pages
+        # whose state another took since are passed over when met)
+        self.idle_kept: OrderedDict[int, CachedPage] = OrderedDict()
         self.next_id = 1
         self.ops = PageOps()
         self.queries = self.hits = 0  # prompt tokens looked up, and found (vLLM's counters)
@@ -97,6 +101,7 @@ class PrefixCache:
         for page in chain:
             page.refs += 1
             self.idle.pop(page.id, None)
+            self.idle_kept.pop(page.id, None)
 
     def drop(self, chain: list[CachedPage]) -> None:
         """A request lets go of ``chain``: its tail first, so the tail is evicted first."""
@@ -105,6 +110,8 @@ class PrefixCache:
             if page.refs == 0:
                 if page.listed:
                     self.idle[page.id] = page
+                    if page.entry is not None:
+                        self.idle_kept[page.id] = page
                 else:  # flushed while in use: nothing can find it
                     self._evict(page)
 
@@ -155,7 +162,8 @@ class PrefixCache:
         entry = self.states.take()
         if entry is not None:
             return entry
-        for page in self.idle.values():
+        while self.idle_kept:
+            page = self.idle_kept.popitem(last=False)[1]
             if page.entry is not None:
                 entry, page.entry = page.entry, None
                 return entry
@@ -242,6 +250,8 @@ class PrefixCache:
             page = pages[-1] if len(pages) == index else None
             if page is not None and page.entry is None:
                 page.entry = entry
+                if page.id in self.idle:  # the same tokens in a chain no request holds
+                    self.idle_kept[page.id] = page
             else:
                 page = None
                 self.states.free.append(entry)
@@ -252,6 +262,7 @@ class PrefixCache:
         request ends. Returns the pages evicted now."""
         idle = list(self.idle.values())
         self.idle.clear()
+        self.idle_kept.clear()
         for page in idle:
             self._evict(page)
         for page in self.pages.values():
@@ -267,6 +278,7 @@ class PrefixCache:
         return ops
 
     def _evict(self, page: CachedPage) -> None:
+        self.idle_kept.pop(page.id, None)
         if self.pages.get(page.key) is page:
             del self.pages[page.key]
         if page.entry is not None and self.states is not None:
