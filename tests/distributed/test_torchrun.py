@@ -26,11 +26,14 @@ except ConfigError as exc:
     result = f"ConfigError: {exc}"
 with open(f"{OUT}/rank{os.environ['RANK']}.txt", "w") as f:
     f.write(result)
-with LLM(config=cfg, overlap="tbo", **LAYOUT) as llm:
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))
-    with open(f"{OUT}/rank{os.environ['RANK']}.json", "w") as f:
-        json.dump([o.token_ids for o in outs], f)
+for name, layout in LAYOUTS.items():  # one engine after another in the same processes
+    with LLM(config=cfg, overlap="tbo", **layout) as llm:
+        params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params)
+        with open(f"{OUT}/{name}-rank{os.environ['RANK']}.json", "w") as f:
+            json.dump([o.token_ids for o in outs], f)
 """
+LAYOUTS = {"ep2": {"ep": 2}, "pp2": {"pp": 2}}
 PROMPTS = [[1, 2, 3], list(range(50, 90))]
 
 
@@ -52,20 +55,18 @@ def _torchrun(script, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["ep2", "pp2"])
-def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
-    """Under pp2 the last stage (rank 1) answers for its group, through rank 0's gather. First
-    every rank refuses a netns link, which torchrun's processes cannot share, without a hang."""
+def test_torchrun_two_ranks_match_one_process(tmp_path):
+    """An ep2 engine, then a pp2 one in the same launch (each in a world of its own): under
+    pp2 the last stage (rank 1) answers for its group, through rank 0's gather. First every
+    rank refuses a netns link, which torchrun's processes cannot share, without a hang."""
     script = tmp_path / "run.py"
-    script.write_text(
-        f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\nLAYOUT = {layout!r}\n{SCRIPT}"
-    )
+    head = f"PROMPTS = {PROMPTS!r}\nOUT = {str(tmp_path)!r}\nLAYOUTS = {LAYOUTS!r}\n"
+    script.write_text(head + SCRIPT)
     proc = _torchrun(script)  # a hang fails here
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(2):
         refused = (tmp_path / f"rank{r}.txt").read_text()
         assert refused.startswith("ConfigError: --link netns:1gbit cannot be used under torchrun")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     with LLM(config=ModelConfig.from_hf("configs/deepseek-v3-tiny.json")) as llm:
         expected = [
             o.token_ids
@@ -73,7 +74,9 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, layout):
                 PROMPTS, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
             )
         ]
-    assert results == [expected, []]  # rank 0 drives; rank 1 served its steps
+    for name in LAYOUTS:
+        results = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in range(2)]
+        assert results == [expected, []], name  # rank 0 drives; rank 1 served its steps
 
 
 def test_torchrun_world_must_match_the_layout(monkeypatch):

@@ -2,11 +2,13 @@
 
 Every process runs the same script. Rank 0 owns the scheduler: each step it broadcasts all
 ranks' batches, runs its own, and gathers the sampled tokens. The other ranks serve those steps inside
-``generate`` and return an empty list; ``close`` on rank 0 releases them.
+``generate`` and return an empty list; ``close`` on rank 0 releases them. Engines may follow
+one another in the same launch (each in a world of its own).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from datetime import timedelta
 
@@ -19,6 +21,8 @@ from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.distributed.link import LinkSpec
 from moe_overlap.runtime.executor import Executor
 from moe_overlap.runtime.rank import RankSpec, build_rank_runner, gather_replies, serve_step
+
+_ENGINES = itertools.count()  # the engines this process started, the same on every rank
 
 
 def launched_by_torchrun() -> bool:
@@ -41,9 +45,20 @@ class TorchrunExecutor(Executor):
             )
         self.rank, self.num_ranks = int(os.environ["RANK"]), world
         self.num_dp, self.parallel = par.attn_dp, par
-        if not dist.is_initialized():
-            backend = dist_backend(spec.device)  # NCCL for CUDA tensors, gloo for the rest
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        self.owns_group = not dist.is_initialized()  # else the script's, which it closes
+        if self.owns_group:
+            # the launch's store under a prefix of this engine's own: torch names groups by a
+            # count that starts again with each world, so an engine after one closed in the
+            # same processes would meet the first's keys and wait on a peer long gone
+            store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+            store = dist.PrefixStore(f"moe_overlap/engine{next(_ENGINES)}/", store)
+            dist.init_process_group(
+                dist_backend(spec.device),  # NCCL for CUDA tensors, gloo for the rest
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
         rank = RankSpec(self.rank, world, "env://", timeout_s, link)
         self.runner = build_rank_runner(spec, rank)
         self.is_driver = self.rank == 0
@@ -89,4 +104,5 @@ class TorchrunExecutor(Executor):
             self.serve()
         self.closed = True
         dist.barrier()  # nobody tears the group down while a peer still uses it
-        dist.destroy_process_group()
+        if self.owns_group:
+            dist.destroy_process_group()
