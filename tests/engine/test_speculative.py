@@ -6,6 +6,7 @@ whole sequences, rejected drafts, and the requests speculation must leave as the
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from moe_overlap.core.batch import ForwardBatch, ForwardMode
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.timeline import split_rows
 from moe_overlap.engine.ngram import propose
+from moe_overlap.engine.spec_config import SpeculativeArgs
 from moe_overlap.overlap.split import plan_even_tokens, plan_two_batch
 from moe_overlap.runtime.verification import verify_greedy
 from tests.helpers import TINY, every_mode, qwen3_5_hf_config
@@ -184,6 +186,16 @@ def test_vllm_config_is_read_into_the_flags():
     assert (config.algorithm, config.num_drafts, config.lookup_min, config.lookup_max) == (
         "NGRAM", 2, 2, 3,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mimo_v2_mtp"],
+)
+def test_vllm_mtp_methods_are_eagle_with_their_steps(method):
+    given = json.dumps({"method": method, "num_speculative_tokens": 2})
+    config = SpeculativeArgs(speculative_config=given).speculative()
+    assert config is not None and (config.algorithm, config.num_drafts) == ("EAGLE", 2)
 
 
 def test_served_speculation_streams_every_token_and_counts_acceptance(tmp_path_factory):

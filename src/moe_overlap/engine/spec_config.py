@@ -14,12 +14,15 @@ from moe_overlap.engine.args import setting
 
 ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # SGLang's names; NEXTN is EAGLE for MTP models
 MTP_ALGORITHMS = ("EAGLE", "NEXTN")
-# vLLM's "method" values, as SGLang's algorithm
+# vLLM's "method" values, as SGLang's algorithm: "mtp" and the per-family MTP names of the
+# families here, which vLLM itself reads as "mtp" (the model's config decides the layers)
 _METHODS = {
     "ngram": "NGRAM",
     "mtp": "EAGLE",
     "deepseek_mtp": "EAGLE",
-    "qwen3_next_mtp": "EAGLE",
+    "glm4_moe_mtp": "EAGLE",  # GLM-4.5's
+    "qwen3_next_mtp": "EAGLE",  # what the Qwen3.5 model cards give
+    "qwen3_5_mtp": "EAGLE",
     "mimo_v2_mtp": "EAGLE",  # MiMo-V2-Flash's
 }
 DEFAULT_NUM_DRAFT_TOKENS = 4  # rows per sequence in verify: the last token and 3 drafts
