@@ -23,7 +23,7 @@ from tests.helpers import TINY, every_mode, qwen3_5_hf_config
 from tests.server.test_server import KEY, Running, _metrics, served_model
 
 LONG = 600  # the long prompt
-NEW = 64
+NEW = 36
 CFG = ModelConfig(**(TINY["qwen3_moe"] | dict(max_position_embeddings=LONG + NEW + 8)))
 MODES = ("none", "tbo", "tbo+two-chunk", "sbo", "dbo")
 GREEDY = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
