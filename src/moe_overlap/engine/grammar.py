@@ -131,9 +131,15 @@ def walk(
     walking, j = list(range(len(matchers))), 0
     while walking:
         at = [matchers[i] for i in walking]
-        batch.batch_fill_next_token_bitmask(at, rows, [starts[i] + j for i in walking])
+        if len(at) == 1:  # its own call: the batched one's threads cost more than one fill
+            at[0].fill_next_token_bitmask(rows, starts[walking[0]] + j)
+        else:
+            batch.batch_fill_next_token_bitmask(at, rows, [starts[i] + j for i in walking])
         walking = [i for i in walking if j < len(drafts[i])]
-        if walking:
+        if len(walking) == 1:
+            i = walking[0]
+            walking = walking if matchers[i].accept_token(drafts[i][j]) else []
+        elif walking:
             tokens = [drafts[i][j] for i in walking]
             took = batch.batch_accept_token([matchers[i] for i in walking], tokens)
             walking = [i for i, ok in zip(walking, took, strict=True) if ok]
