@@ -127,6 +127,13 @@ def test_bench_refuses_bad_modes(capsys):
         main(["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--modes", "none,tbo9x"]) == 2
     )
     assert "tbo[N][+two-chunk|+time-split]" in capsys.readouterr().err
+    tiny = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--workload", "nope"]
+    assert main([*tiny, "--modes", "none,dbo"]) == 2  # asked for: refused on one process
+    assert "--modes dbo: --enable-dbo needs more than one rank" in capsys.readouterr().err
+    assert main(tiny) == 2  # the default list: dbo left out, named, and on to the workload
+    err = capsys.readouterr().err
+    assert "bench: dbo left out: --enable-dbo needs more than one rank" in err
+    assert "unknown workload 'nope'" in err
 
 
 def test_mode_names():

@@ -56,7 +56,10 @@ class BenchFlags:
 
     workload: str = setting(DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR, metavar="SPEC", group="bench")
     modes: str = setting(
-        ",".join(DEFAULT_LABELS), f"{MODES_HELP}, e.g. tbo4+time-split", group="bench"
+        ",".join(DEFAULT_LABELS),
+        f"{MODES_HELP}, e.g. tbo4+time-split; a mode of the default list that the layout cannot "
+        "run (dbo on one process) is left out with a line saying why, one asked for is refused",
+        group="bench",
     )
     repeat: int = setting(5, "timed forwards per mode", group="bench")
     json: str | None = setting(
