@@ -190,6 +190,14 @@ def test_deepseek_v3_61_layers_plans_in_under_3_s(tmp_path) -> None:
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
+def test_a_one_gpu_plan_on_a_bigger_cluster_says_so(capsys) -> None:
+    argv = ["plan", "--hf-config", "configs/qwen3-30b-a3b.json", "--cluster", "1x8-h100"]
+    assert main([*argv, "--modes", "none,tbo", "--workload", "decode:8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
+    assert "(1 GPU, EP 1," in out
+    assert "planned on 1 GPU of 1x8-h100's 8: nothing crosses GPUs" in out and "--ep 8" in out
+
+
 def test_layout_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match="--dp=3 does not divide --tp=16"):
         make_layout(16, 3, 16, True)

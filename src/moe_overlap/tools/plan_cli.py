@@ -113,10 +113,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = {m: planner.plan(m, cfg, batches, record) for m, cfg in configs.items()}
     elapsed = time.perf_counter() - started
     console = Console(width=max(Console().width, 120))
-    for note in (*spec.notes, *([workload_note] if workload_note else [])):
+    notes = [*spec.notes, *([workload_note] if workload_note else [])]
+    if layout.world == 1 < cluster.world:
+        notes.append(
+            f"planned on 1 GPU of {cluster.name}'s {cluster.world}: nothing crosses GPUs, so "
+            f"there is no communication to overlap; give --ep {cluster.world} (or --tp) to "
+            "plan the cluster"
+        )
+    for note in notes:
         console.print(f"note: {note}")
+    gpus = "1 GPU" if layout.world == 1 else f"{layout.world} GPUs"
     title = (
-        f"{spec.name} on {cluster.name} ({layout.world} GPUs, EP {layout.ep}, attention TP "
+        f"{spec.name} on {cluster.name} ({gpus}, EP {layout.ep}, attention TP "
         f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
         f"{spec.precision}"
     )
