@@ -5,6 +5,8 @@ process without overlap."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import torch
@@ -66,6 +68,12 @@ def made_model_matches_transformers(config: str, out: Path, prompt_len: int) -> 
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     assert max_abs_diff(ours.prompt_logits, ref) <= 1e-4
+    weights = (out / "model.safetensors").read_bytes()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # a checkpoint there already: refused, not replaced
+        assert main(["make-model", "--hf-config", config, "--out", str(out), "--seed", "1"]) == 2
+    assert "holds a checkpoint already" in err.getvalue() and "--overwrite" in err.getvalue()
+    assert (out / "model.safetensors").read_bytes() == weights
 
 
 def layout_matches_one_process(cfg: ModelConfig, layout: dict, base=None) -> None:

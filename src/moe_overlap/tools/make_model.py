@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.engine.args import ModelArgs, setting
 from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
@@ -13,6 +15,17 @@ from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.model.quant_config import FP8, QUANTIZATIONS
 from moe_overlap.tools.flags import add_fields
+
+CHECKPOINT_FILES = ("config.json", "tokenizer.json")
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin")
+
+
+def checkpoint_files(out: Path) -> list[str]:
+    """The files of a checkpoint already in ``out`` (none where it is not a directory)."""
+    if not out.is_dir():
+        return []
+    names = (p.name for p in out.iterdir())
+    return sorted(n for n in names if n in CHECKPOINT_FILES or n.endswith(WEIGHT_SUFFIXES))
 
 
 def parse_block(text: str) -> tuple[int, int]:
@@ -39,6 +52,9 @@ class MakeModelFlags:
         "stay unquantized); docs/fp8.md",
         choices=QUANTIZATIONS,
     )
+    overwrite: bool = setting(
+        False, "replace a checkpoint already in --out (else it is refused: nothing is lost)"
+    )
     fp8_block: str = setting(
         "128,128",
         "with --quantize fp8: rows,cols of one scale block (the Hub's 128,128); a tiny "
@@ -49,6 +65,12 @@ class MakeModelFlags:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    held = checkpoint_files(Path(args.out))
+    if held and not args.overwrite:
+        raise ConfigError(
+            f"--out {args.out} holds a checkpoint already ({', '.join(held[:4])}); choose "
+            "another directory, or add --overwrite to replace it with random weights"
+        )
     cfg = ModelConfig.from_hf(args.hf_config)
     model = build_model(cfg, seed=args.seed, mtp=True)  # with its MTP layers, if it has any
     save_checkpoint(model, args.out)
