@@ -41,7 +41,7 @@ def test_second_wait_on_a_handle_is_free():
     linked = InFlight(handle, ModelledLink(bytes_per_s=1e6), 50_000, "mb0", None)  # a 50 ms link
     assert linked.wait() is out and time.perf_counter() - linked.start >= 0.05
     start = time.perf_counter()
-    assert linked.wait() is out and time.perf_counter() - start < 0.01
+    assert linked.wait() is out and time.perf_counter() - start < 0.04  # not the link again
     assert work.wait.call_count == 1
 
 
