@@ -200,13 +200,18 @@ def _serve(model_dir, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
 
 
-def test_serving_is_printed_only_once_bound(model_dir):
+def test_a_port_in_use_is_named_before_the_model_loads(model_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        proc = _serve(model_dir, taken.getsockname()[1])
-        _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and "serving" not in err and "address already in use" in err
+        port = taken.getsockname()[1]
+        cli = [sys.executable, "-m", "moe_overlap.tools.cli", "serve", "--model", str(model_dir)]
+        proc = subprocess.run(
+            [*cli, "--port", str(port), "--ep", "2"], capture_output=True, text=True, timeout=120
+        )
+        err = proc.stderr
+    assert proc.returncode == 2 and "serving" not in err and "KV cache" not in err
+    assert f"--port {port}: address already in use; choose another --port (0: a free one)" in err
 
 
 def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir):

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.llm import LLM
 from moe_overlap.engine.loop import EngineLoop
 from moe_overlap.server.app import build_app
@@ -45,9 +47,12 @@ class Server:
         port: int = 8000,
         log_level: str = "warning",
         on_started: Callable[[], None] | None = None,
+        sock: socket.socket | None = None,
     ):
+        """``sock``: a socket already bound (``listening_socket``) to serve on, instead of
+        binding ``host`` and ``port`` now."""
         self.engine = EngineLoop(llm, record_every=settings.metrics_record_every)
-        self.settings, self.on_started = settings, on_started
+        self.settings, self.on_started, self.sock = settings, on_started, sock
         self.app = build_app(self.engine, settings)
         self.metrics = self.app.state.metrics
         caps = (settings.max_connections, settings.max_connections_per_client)
@@ -91,7 +96,7 @@ class Server:
         tasks = [self._watch_engine, self._drain, self._told, self.metrics.log_throughput]
         running = [asyncio.create_task(t()) for t in tasks]
         try:
-            await self.http.serve()
+            await self.http.serve(sockets=None if self.sock is None else [self.sock])
         finally:
             for task in running:
                 task.cancel()
@@ -130,6 +135,24 @@ class Server:
             self.engine.stop()
         except Exception as exc:
             logger.error("stopping the engine failed: %s: %s", type(exc).__name__, exc)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), for a server to start on
+    later: bound before the model loads, so a port in use is named at once, not after the
+    weights are read (vLLM binds first likewise)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = (exc.strerror or str(exc)).lower()
+        raise ConfigError(
+            f"--host {host} --port {port}: {why}; choose another --port (0: a free one)"
+        ) from None
+    return sock
 
 
 class _Http(uvicorn.Server):

@@ -60,12 +60,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(
             "serve runs its ranks itself (--tp/--ep N); it does not run under torchrun"
         )
-    with build_llm(args) as llm:
-        # the serving stack (FastAPI, uvicorn) loads only for the commands that serve, so
-        # bench and plan run where it is not installed (a GPU machine with torch alone)
-        from moe_overlap.server.observability import configure_logging
-        from moe_overlap.server.run import Server
+    # the serving stack (FastAPI, uvicorn) loads only for the commands that serve, so bench
+    # and plan run where it is not installed (a GPU machine with torch alone)
+    from moe_overlap.server.observability import configure_logging
+    from moe_overlap.server.run import Server, listening_socket
 
+    sock = listening_socket(args.host, args.port)  # a port in use: named before the model loads
+    with sock, build_llm(args) as llm:
         configure_logging(args.log_level)
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(
@@ -85,6 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        server = Server(llm, settings, args.host, args.port, args.log_level, on_started=serving)
+        server = Server(
+            llm, settings, args.host, args.port, args.log_level, on_started=serving, sock=sock
+        )
         server.run()
     return 0
