@@ -32,6 +32,14 @@ def test_text_and_ids_give_the_same_output_with_its_text(llm):
     assert len(by_text.token_ids) == 10 and by_text.finish_reason == "length"
 
 
+def test_one_text_prompt_alone_is_one_prompt(llm):
+    """As vLLM takes it: a bare string is one prompt, not a list of characters."""
+    (alone,) = llm.generate("The fox counted", GREEDY)
+    assert alone.token_ids == llm.generate(["The fox counted"], GREEDY)[0].token_ids
+    with pytest.raises(InvalidRequestError, match="prompts must be a list of prompts"):
+        llm.generate(7, GREEDY)  # type: ignore[arg-type]
+
+
 def test_stop_string_cuts_the_text_and_finishes(llm):
     full = llm.generate(["Hello"], GREEDY)[0]
     stop = full.text[len(full.text) // 2 :][:2]

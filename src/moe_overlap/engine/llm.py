@@ -169,19 +169,21 @@ class LLM(ExpertRecorder):
 
     def generate(
         self,
-        prompts: Sequence[str | Sequence[int]],
+        prompts: str | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         return_logits: bool = False,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs come back in prompt
-        order, with their text when the model has a tokenizer.
+        """Generate for every prompt (text, or a list of token ids; a string alone is one
+        prompt); outputs come back in prompt order, with their text when the model has a
+        tokenizer.
 
         All prompts are checked before anything runs: a bad one raises InvalidRequestError
         naming it. A call that fails or is interrupted (Ctrl-C) drops its requests, so the
         engine is left as it was before the call.
         """
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
             raise InvalidRequestError("prompts must be a list of prompts (text or token ids)")
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
