@@ -210,27 +210,39 @@ def test_layout_errors_are_clear() -> None:
 
 
 def test_calibrated_plan_tracks_the_bench_on_this_machine() -> None:
-    """A small case with a loose bound: 2 ranks over a modelled link, timings are noisy here."""
+    """A small case with a loose bound: 2 ranks over a modelled link, timings are noisy here. A
+    burst of load on this shared machine is measured again; one during the calibration (every
+    bench then off by the same factor, as in one fresh-clone run) is calibrated again."""
     spec = load_model_spec("configs/qwen3-moe-tiny.json")
     layout = make_layout(None, None, 2, False)
     link = "model:200mbit,50us"
-    cluster = calibrate_this(spec, layout, link, repeat=1)  # the decode rounds: a median of 6
-    p = Planner(spec, cluster, layout)
-    cases = (("single-long:512", ["none", "tbo+two-chunk"]), ("decode:32:256", ["none", "tbo"]))
     with LLM(config=spec.cfg, ep=2, link=link, max_model_len=600) as llm:
-        for spec_text, modes in cases:
-            workload = parse_workload(spec_text, 2)
-            vocab = spec.cfg.vocab_size
-            batches = make_batches(workload, vocab, 0)  # what the bench runs, rank by rank
-            predicted = {m: p.plan(m, mode_config(m), batches).seconds for m in modes}
-            errors: list[dict[str, float]] = []
-            for _ in range(3):  # a burst of load on this shared machine is measured again
-                report = run_bench(llm.executor, workload, modes, 3, vocab, progress=False)
-                measured = {m: report.results[m].median for m in modes}
-                errors.append({m: abs(predicted[m] / measured[m] - 1) for m in modes})
-                if max(errors[-1].values()) < 0.35:
-                    break
-            assert max(errors[-1].values()) < 0.35, (spec_text, predicted, errors)
+        for _ in range(2):
+            cluster = calibrate_this(spec, layout, link, repeat=1)  # decode: a median of 6
+            misses = _plan_misses(Planner(spec, cluster, layout), llm, spec.cfg.vocab_size)
+            if not misses:
+                break
+    assert not misses, misses
+
+
+def _plan_misses(planner: Planner, llm: LLM, vocab: int) -> list:
+    """The cases whose plans miss the bench by 35% or more in each of three measurements."""
+    cases = (("single-long:512", ["none", "tbo+two-chunk"]), ("decode:32:256", ["none", "tbo"]))
+    misses = []
+    for spec_text, modes in cases:
+        workload = parse_workload(spec_text, 2)
+        batches = make_batches(workload, vocab, 0)  # what the bench runs, rank by rank
+        predicted = {m: planner.plan(m, mode_config(m), batches).seconds for m in modes}
+        errors: list[dict[str, float]] = []
+        for _ in range(3):  # a burst of load on this shared machine is measured again
+            report = run_bench(llm.executor, workload, modes, 3, vocab, progress=False)
+            measured = {m: report.results[m].median for m in modes}
+            errors.append({m: abs(predicted[m] / measured[m] - 1) for m in modes})
+            if max(errors[-1].values()) < 0.35:
+                break
+        if max(errors[-1].values()) >= 0.35:
+            misses.append((spec_text, predicted, errors))
+    return misses
 
 
 def test_the_fit_recovers_a_known_machine_from_its_own_plans() -> None:
