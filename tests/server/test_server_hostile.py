@@ -15,8 +15,10 @@ import time
 import pytest
 
 from moe_overlap import LLM
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.server import app as app_module
+from moe_overlap.server.run import listening_socket
 from tests.server.test_server import (
     KEY,
     SERVE,
@@ -212,6 +214,13 @@ def test_a_port_in_use_is_named_before_the_model_loads(model_dir):
         err = proc.stderr
     assert proc.returncode == 2 and "serving" not in err and "KV cache" not in err
     assert f"--port {port}: address already in use; choose another --port (0: a free one)" in err
+
+
+def test_a_bad_host_is_named_with_its_own_fix():
+    with pytest.raises(ConfigError, match=r"--host 999\.1\.1\.1 --port 0: .*; give an address"):
+        listening_socket("999.1.1.1", 0)
+    with listening_socket("127.0.0.1", 0) as sock:
+        assert sock.getsockname()[1] > 0
 
 
 def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
 import socket
 import threading
@@ -149,9 +150,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         why = (exc.strerror or str(exc)).lower()
-        raise ConfigError(
-            f"--host {host} --port {port}: {why}; choose another --port (0: a free one)"
-        ) from None
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            fix = "give an address of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+        else:
+            fix = "choose another --port (0: a free one)"
+        raise ConfigError(f"--host {host} --port {port}: {why}; {fix}") from None
     return sock
 
 
