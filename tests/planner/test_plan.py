@@ -196,6 +196,8 @@ def test_a_one_gpu_plan_on_a_bigger_cluster_says_so(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())  # rich folds long lines
     assert "(1 GPU, EP 1," in out
     assert "planned on 1 GPU of 1x8-h100's 8: nothing crosses GPUs" in out and "--ep 8" in out
+    assert main([*argv, "--decode-sweep", "0"]) == 2  # was taken as no sweep, silently
+    assert "--decode-sweep=0 must be >= 1" in capsys.readouterr().err
 
 
 def test_layout_errors_are_clear() -> None:

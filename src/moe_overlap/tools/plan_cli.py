@@ -97,6 +97,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
+    if args.decode_sweep is not None and args.decode_sweep < 1:
+        raise ConfigError(f"--decode-sweep={args.decode_sweep} must be >= 1 (tokens of context)")
     speculation = speculation_inputs(
         args.speculative_num_draft_tokens, args.accept_length, args.speculative_drafter
     )
@@ -140,7 +142,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     write_outputs(console, recording, args, out)
     if measured is not None:
         console.print(compare_table(plans, measured, workload.spec))
-    if args.decode_sweep:
+    if args.decode_sweep is not None:
         print_decode_sweep(console, planner, configs, layout, spec, args)
     if speculation is not None:
         specs = plan_speculation(planner, configs, batches, layout, speculation)
