@@ -75,6 +75,9 @@ def test_bench_engine_alone_and_bad_flags(tmp_path, capsys):
     too_long = ["--hf-config", "configs/qwen3-moe-tiny.json", "--prefill", "1x5000"]
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         run_bench_engine(too_long)
+    zeros = ["--hf-config", "configs/qwen3-moe-tiny.json", "--threads", "0", "--new-tokens", "0"]
+    with pytest.raises(ConfigError, match="^--threads=0, --new-tokens=0: must be >= 1$"):
+        run_bench_engine(zeros)
 
 
 @pytest.mark.parametrize("make", [qwen3_hf_config, deepseek_hf_config])

@@ -182,8 +182,10 @@ def results_table(results: list[CaseResult], title: str) -> Table:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    if args.threads < 1 or args.repeats < 1 or args.new_tokens < 1 or args.decode_prompt_len < 1:
-        raise ConfigError("--threads, --repeats, --new-tokens, --decode-prompt-len must be >= 1")
+    counts = ("threads", "repeats", "new_tokens", "decode_prompt_len")
+    bad = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in counts if getattr(args, n) < 1]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: must be >= 1")
     has_hf = importlib.util.find_spec("transformers") is not None
     if args.compare_hf and not has_hf:
         raise ConfigError("--compare-hf needs transformers (pip install transformers)")
