@@ -86,6 +86,14 @@ def plan_cluster(
     return cluster, imbalance
 
 
+def one_gpu_note(cluster: Cluster) -> str:
+    return (
+        f"note: planned on 1 GPU of {cluster.name}'s {cluster.world}: nothing crosses GPUs, so "
+        f"there is no communication to overlap; give --ep {cluster.world} (or --tp) to plan "
+        "the cluster"
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.reproduce:
         return cmd_reproduce()
@@ -115,15 +123,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = {m: planner.plan(m, cfg, batches, record) for m, cfg in configs.items()}
     elapsed = time.perf_counter() - started
     console = Console(width=max(Console().width, 120))
-    notes = [*spec.notes, *([workload_note] if workload_note else [])]
-    if layout.world == 1 < cluster.world:
-        notes.append(
-            f"planned on 1 GPU of {cluster.name}'s {cluster.world}: nothing crosses GPUs, so "
-            f"there is no communication to overlap; give --ep {cluster.world} (or --tp) to "
-            "plan the cluster"
-        )
-    for note in notes:
+    for note in (*spec.notes, *([workload_note] if workload_note else [])):
         console.print(f"note: {note}")
+    if layout.world == 1 < cluster.world:
+        console.print(one_gpu_note(cluster))
     gpus = "1 GPU" if layout.world == 1 else f"{layout.world} GPUs"
     title = (
         f"{spec.name} on {cluster.name} ({gpus}, EP {layout.ep}, attention TP "
