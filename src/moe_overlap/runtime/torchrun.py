@@ -55,7 +55,7 @@ class TorchrunExecutor(Executor):
             dist.init_process_group(
                 dist_backend(spec.device),  # NCCL for CUDA tensors, gloo for the rest
                 store=store,
-                rank=int(os.environ["RANK"]),
+                rank=self.rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )

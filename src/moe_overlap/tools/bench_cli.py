@@ -94,15 +94,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_layout(par, emulate_peers=peers)  # the layout's own refusals, before any mode's
     configs = mode_configs(args, modes)
     given = args.modes != ",".join(DEFAULT_LABELS)
-    for mode in list(modes):  # each mode on this layout, as the engine would check it
+    for mode in modes:  # each mode on this layout, as the engine would check it
         try:
             check_layout(par, overlap=configs[mode], emulate_peers=peers)
         except ConfigError as exc:
             if given:
                 raise ConfigError(f"--modes {mode}: {exc}") from None
-            modes.remove(mode)  # the default list: what this layout runs, each left out named
-            del configs[mode]
+            del configs[mode]  # the default list: what this layout runs, each left out named
             print(f"moe-overlap: bench: {mode} left out: {exc}", file=sys.stderr)
+    modes = [m for m in modes if m in configs]
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     cfg = ModelConfig.from_hf(model_path(args))
