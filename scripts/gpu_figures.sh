@@ -106,11 +106,14 @@ if want decode; then
       --cuda-graph-max-bs 256
     table decode-ll
     grep "CUDA graphs" "$logs/decode-ll.txt" >> "$summary"
-    note "== the same, low-latency dispatch, eager (no CUDA graphs)"
-    run decode-ll-eager 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" \
-      --repeat 10 --modes none,tbo,sbo,dbo --a2a-mode low_latency \
-      --num-max-dispatch-tokens-per-rank 256 --disable-cuda-graph
-    table decode-ll-eager
+    # the capacity bounds each micro-batch (SGLang's default 128): TBO's and DBO's halves of
+    # 256 dispatch in blocks half the size; none (256 rows) takes the normal dispatch, eagerly
+    note "== the same, --a2a-mode auto, capacity 128 (low-latency for each micro-batch of 128)"
+    run decode-ll-128 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" \
+      --repeat 10 --modes none,tbo,dbo --a2a-mode auto --num-max-dispatch-tokens-per-rank 128 \
+      --cuda-graph-max-bs 256
+    table decode-ll-128
+    grep "CUDA graphs" "$logs/decode-ll-128.txt" >> "$summary"
   fi
 fi
 

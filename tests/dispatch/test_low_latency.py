@@ -16,6 +16,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.runtime.spawn import RankFailure
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
 from tests.helpers import TINY, every_mode
@@ -24,6 +25,7 @@ FAMILIES = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
     name: lambda name=name: ModelConfig.from_hf(f"configs/{name}-tiny.json")
     for name in ("gpt-oss", "glm4-moe", "mimo-v2-flash", "qwen3_5-moe")
 }
+CAP_FLAG = "num_max_dispatch_tokens_per_rank"
 CAP = 24  # tokens per rank per micro-batch: every batch below fits
 
 
@@ -94,6 +96,29 @@ def test_a_step_over_the_capacity_is_refused_before_anything_is_sent():
         step_a2a_mode("low_latency", [_prefill([3]), _prefill([5])], 4, True)
     with pytest.raises(ConfigError, match="needs the all-to-all dispatcher"):
         step_a2a_mode("low_latency", [_prefill([3])], 4, False)
+
+
+def test_the_capacity_bounds_each_micro_batch_as_deepep_bounds_each_dispatch_call():
+    """4 decodes a rank fit a capacity of 2 where TBO or DBO cuts them in two (each
+    micro-batch dispatches on its own, as SGLang's TBO calls DeepEP's low-latency dispatch
+    once per micro-batch), and give the normal dispatch's logits; unsplit they are refused."""
+    cfg = ModelConfig(**TINY["qwen3_moe"])
+    with LLM(config=cfg, ep=2, seed=0, max_num_seqs=4, max_model_len=32) as llm:
+        lengths = [[5, 6, 7, 8], [4, 9, 3, 6]]
+        llm.executor.run([_prefill(n, seed=r) for r, n in enumerate(lengths)])
+        step = [_decode(list(range(4)), n) for n in lengths]
+        modes = every_mode()
+        for mode in ("tbo", "dbo"):
+            got = [
+                llm.executor.run(step, replace(modes[mode], a2a_mode=a2a, **{CAP_FLAG: 2}))
+                for a2a in ("normal", "low_latency")
+            ]
+            for a, b in zip(got[0].logits, got[1].logits, strict=True):
+                assert (a - b).abs().max().item() <= 1e-4, mode
+        # unsplit, the same step is refused on the ranks before any row is sent
+        unsplit = replace(modes["none"], a2a_mode="low_latency", **{CAP_FLAG: 2})
+        with pytest.raises(RankFailure, match="dispatch of 4 tokens .*tokens-per-rank=2"):
+            llm.executor.run(step, unsplit)
 
 
 def test_engine_settings_that_could_overflow_are_refused():

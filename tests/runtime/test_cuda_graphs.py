@@ -4,6 +4,7 @@ padding rows write only the scratch slot. The capture itself runs in tests/gpu."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -155,3 +156,10 @@ def test_the_padded_low_latency_decode_gives_the_eager_logits(overlap):
     assert max_abs_diff(replayed, eager) <= 1e-4
     normal = runner.forward(step, replace(low_latency, a2a_mode="normal"))  # eager: not covered
     assert max_abs_diff(normal, eager) <= 1e-4
+    # the capacity bounds each micro-batch of the padded bucket (4 rows): TBO and DBO cut it
+    # 2 + 2, which a capacity of 2 holds; unsplit, 4 rows pass a capacity of 3
+    cap = 2 if overlap.mode != "none" else 3
+    tight = replace(low_latency, num_max_dispatch_tokens_per_rank=cap)
+    rows = functools.partial(runner.dispatch_rows, tight)
+    assert graphs.covers([step], tight, True, rows) == (overlap.mode != "none")
+    assert max_abs_diff(runner.forward(step, tight), eager) <= 1e-4

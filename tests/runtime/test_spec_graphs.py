@@ -46,9 +46,11 @@ def test_bucket_choice_padding_and_staged_rows():
     assert rows_per_seq([three]) == 4
     assert choose_bucket([three], SIZES, 4096) == Bucket(4, 4, 512)
     assert choose_bucket([decode([0, 2, 5], [3, 40, 300])], SIZES, 4096) == Bucket(4, 1, 512)
-    # the low-latency cap counts the padded verify rows: 4 sequences x 4 rows
-    assert choose_bucket([three], SIZES, 4096, row_cap=16) == Bucket(4, 4, 512)
-    assert choose_bucket([three], SIZES, 4096, row_cap=15) is None
+    # the bucket is offered to the low-latency cap's test, which counts its padded rows
+    asked = []
+    assert choose_bucket([three], SIZES, 4096, asked.append) is None  # None: does not fit
+    assert asked == [Bucket(4, 4, 512)]
+    assert choose_bucket([three], SIZES, 4096, lambda b: b.rows <= 16) == Bucket(4, 4, 512)
     idle = ForwardBatch.idle()
     assert choose_bucket([three, idle], SIZES, 4096) == Bucket(4, 4, 512)  # an idle group joins
     assert choose_bucket([idle], SIZES, 4096) is None

@@ -17,9 +17,9 @@ receives with the step.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.batch import ForwardBatch, ForwardMode, most_tokens
 from moe_overlap.core.errors import ConfigError
 
 
@@ -63,7 +63,8 @@ def parse_a2a_mode(text: str) -> str:
 def over_capacity(tokens: int, capacity: int) -> ConfigError:
     """The refusal of a step or micro-batch of ``tokens`` tokens on one rank."""
     return ConfigError(
-        f"a step of {tokens} tokens on one rank exceeds the low-latency dispatch's "
+        f"a dispatch of {tokens} tokens on one rank (the step's, or its largest micro-batch's "
+        f"where the overlap mode splits it) exceeds the low-latency dispatch's "
         f"capacity (--num-max-dispatch-tokens-per-rank={capacity}); raise it, lower "
         "--max-num-batched-tokens, or use --a2a-mode auto (low-latency for decode only)"
     )
@@ -78,15 +79,19 @@ def step_a2a_mode(
     capacity: int,
     available: bool,
     on_gpu: bool = True,
+    dispatch_rows: Callable[[Sequence[ForwardBatch]], int] = most_tokens,
 ) -> str:
     """``normal`` or ``low_latency`` for a step whose groups run ``batches``, the same on every
     rank. ``available``: this layout built a low-latency dispatcher (one all-to-all group, no
     pipeline or PD-mux lane); ``on_gpu``: it runs on CUDA (``auto`` takes low-latency only
-    there, for decode and target-verify steps whose rows fit). An explicit ``low_latency`` with a batch above ``capacity`` tokens is refused
-    here, before any rank sends a row."""
+    there, for decode and target-verify steps whose rows fit). ``dispatch_rows``: the most
+    tokens one dispatch carries on any rank (the overlap scheme's largest micro-batch; the
+    whole batch without one), which ``capacity`` bounds, as DeepEP's bounds each dispatch
+    call: TBO's decode of 256 sequences fits the default 128. An explicit ``low_latency``
+    over the capacity is refused here, before any rank sends a row."""
     if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
         return A2AMode.NORMAL
-    tokens = max((b.num_tokens for b in batches), default=0)
+    tokens = dispatch_rows(batches)
     if asked == A2AMode.AUTO:
         # a verify batch is decode with k + 1 rows a sequence: the rows count toward the cap
         decoding = all(b.mode in _DECODING for b in batches)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -162,3 +163,9 @@ class ForwardBatch:
             d["all_logits"],
             d["is_decode"],
         )
+
+
+def most_tokens(batches: Sequence[ForwardBatch]) -> int:
+    """The largest batch's tokens (0 for none): what one dispatch of an unsplit step carries
+    on the busiest rank."""
+    return max((b.num_tokens for b in batches), default=0)

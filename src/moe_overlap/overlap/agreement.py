@@ -25,6 +25,7 @@ pass, every rank has tokens on both sides of the split point.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,12 @@ def tbo_decide(votes: list[int], mode_mismatch: str = "off") -> TboDecision:
         names = ", ".join(m.value for m in present)
         return TboDecision(False, False, f"busy ranks run different forward modes ({names})")
     return TboDecision(True, present == [ForwardMode.DECODE])
+
+
+def tbo_decide_from(batches: Sequence[ForwardBatch], cfg: OverlapConfig) -> TboDecision:
+    """The decision ``tbo_agree`` reaches, from every rank's batch (no collective)."""
+    votes = [tbo_local_vote(b, cfg.tbo_min_tokens) for b in batches]
+    return tbo_decide([min(column) for column in zip(*votes, strict=True)], cfg.tbo_mode_mismatch)
 
 
 def tbo_agree(batch: ForwardBatch, cfg: OverlapConfig, group: Group) -> TboDecision:
@@ -119,6 +126,12 @@ def dbo_decide(table: torch.Tensor) -> DboDecision:
             f"({tokens} tokens, split at token {split})",
         )
     return DboDecision(True, split)
+
+
+def dbo_decide_from(batches: Sequence[ForwardBatch], cfg: OverlapConfig) -> DboDecision:
+    """The decision ``dbo_agree`` reaches, from every rank's batch (no collective)."""
+    columns = [dbo_local_column(b, cfg) for b in batches]
+    return dbo_decide(torch.tensor(columns, dtype=torch.int64).T)
 
 
 def dbo_gather_table(batch: ForwardBatch, cfg: OverlapConfig, group: Group) -> torch.Tensor:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from moe_overlap.core import tracks
-from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch, most_tokens
 from moe_overlap.core.mode_labels import auto_choice_config
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -102,6 +103,10 @@ class AutoOverlap:
         self.last_s = time.perf_counter() - start
         self._report(runner, choice, start)
         return out
+
+    def largest_dispatch(self, batches: Sequence[ForwardBatch]) -> int:
+        """The whole batch's: the mode is chosen inside the step, and none may win."""
+        return most_tokens(batches)
 
     def agree(self, batch: ForwardBatch) -> Step:
         """One all-reduce: every rank's column of work, votes and last forward time."""

@@ -18,8 +18,10 @@ the second piece of a cut sequence attends over KV the first piece already wrote
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from moe_overlap.core import tracks
-from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch, most_tokens
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import DBO
@@ -28,7 +30,7 @@ from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.streams import MicroBatchStreams
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import model_placement
-from moe_overlap.overlap.agreement import dbo_agree
+from moe_overlap.overlap.agreement import dbo_agree, dbo_decide_from
 from moe_overlap.overlap.baton import GRACE_S, DualBatchThreads, Hook
 from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import merge_outputs, split_batch, split_inputs, token_split
@@ -76,6 +78,13 @@ class DualBatchOverlap:
             runner.timeline.mark_decision(decision.reason)
             return None
         return self.run(batch, runner, decision.split_point, inputs)
+
+    def largest_dispatch(self, batches: Sequence[ForwardBatch]) -> int:
+        decision = dbo_decide_from(batches, self.cfg)
+        if not decision.run:
+            return most_tokens(batches)
+        cut = decision.split_point
+        return max(max(cut, b.num_tokens - cut) for b in batches)
 
     def run(
         self,

@@ -16,14 +16,14 @@ every rank knows each owner's blocks from the counts dispatch gathered.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from moe_overlap.core import tracks
-from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch, most_tokens
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -149,3 +149,6 @@ class SingleBatchOverlap:
         return ForwardOutputs.of(
             execute_operations(runner.context(batch), self.ops, op_inputs(inputs))
         )
+
+    def largest_dispatch(self, batches: Sequence[ForwardBatch]) -> int:
+        return most_tokens(batches)  # one batch; its combine goes in pieces, its dispatch whole

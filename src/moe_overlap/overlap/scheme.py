@@ -4,6 +4,7 @@ layer above, satisfies ``Runner`` without naming it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from moe_overlap.core import tracks
@@ -34,4 +35,11 @@ class OverlapScheme(Protocol):
         """The stage's outputs for ``batch`` (the logits on the last stage, else the hidden
         states the next starts from), or None when the ranks agreed not to use the
         scheme this forward (the runner then runs its plain op list)."""
+        ...
+
+    def largest_dispatch(self, batches: Sequence[ForwardBatch]) -> int:
+        """The most tokens one dispatch of this step carries on any rank, from every rank's
+        batch (``batches``) and no collective: a micro-batch's where the ranks will agree to
+        split, the whole batch's otherwise. The low-latency dispatch's capacity bounds this,
+        as DeepEP's bounds each dispatch call."""
         ...

@@ -5,14 +5,16 @@ Whether to micro-batch, and with which strategy, is agreed across ranks (agreeme
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from moe_overlap.core import tracks
-from moe_overlap.core.batch import ForwardBatch, ForwardMode
+from moe_overlap.core.batch import ForwardBatch, ForwardMode, most_tokens
 from moe_overlap.core.model_flops import ModelFlops
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import TBO
 from moe_overlap.core.stage_io import ForwardOutputs, StageInputs
 from moe_overlap.distributed.groups import Group
-from moe_overlap.overlap.agreement import tbo_agree
+from moe_overlap.overlap.agreement import tbo_agree, tbo_decide_from
 from moe_overlap.overlap.operations import execute_overlapped
 from moe_overlap.overlap.scheme import Runner
 from moe_overlap.overlap.split import (
@@ -45,6 +47,11 @@ class TwoBatchOverlap:
         if n == 2:
             return plan_two_batch(batch, self.cfg.tbo_token_distribution_threshold, self.cost)
         return plan_even_tokens(batch, n, self.cost)
+
+    def largest_dispatch(self, batches: Sequence[ForwardBatch]) -> int:
+        if not tbo_decide_from(batches, self.cfg).run:
+            return most_tokens(batches)
+        return max(sum(p.length for p in child) for b in batches for child in self.plan(b))
 
     def forward(
         self, batch: ForwardBatch, runner: Runner, inputs: StageInputs | None = None

@@ -27,7 +27,7 @@ What the graph holds must never read the device from the host: the dispatch's co
 the device, which the local backend's grouped GEMM allows (bf16 on sm90+, one rank). Every
 other step runs eagerly, as before: prefill and mixed steps, other backends, linear-attention
 layers (their state cache indexes by the host's slots), pipeline stages, PD multiplexing,
-recorded steps, SBO and auto, and a low-latency step whose padded rows would pass
+recorded steps, SBO and auto, and a low-latency step whose padded micro-batches would pass
 ``--num-max-dispatch-tokens-per-rank``.
 
 TBO's micro-batches run one after the other on the capturing stream. DBO's run on two threads,
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_overlap.core.a2a_mode import Backend
-from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch, most_tokens
 from moe_overlap.core.kv_cache import KVCache
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, NONE
@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.scratch = kv_cache.num_slots - 1
         self.device = kv_cache.device
         self.graphs: dict[tuple, _Graph] = {}
+        self.fitting: dict[tuple, bool] = {}  # (bucket, cfg): its dispatches fit the capacity
         self.failed = 0  # buckets whose capture failed (they run eagerly)
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by all
         kv_cache.allocate_all()
@@ -138,16 +139,32 @@ class DecodeGraphs:
                     return "the experts do not run as one grouped GEMM (bf16 on sm90+)"
         return None
 
-    def covers(self, peers: list[ForwardBatch], cfg: OverlapConfig, low_latency: bool) -> bool:
+    def covers(
+        self,
+        peers: list[ForwardBatch],
+        cfg: OverlapConfig,
+        low_latency: bool,
+        dispatch_rows: Callable[[list[ForwardBatch]], int] = most_tokens,
+    ) -> bool:
         """Whether this step replays: every group's batch (``peers``, this rank's among them)
-        decodes, verifies drafts (the same k in every group) or idles, and fits, its padded
-        rows within the low-latency dispatch's capacity; the mode is one the graphs hold; and
-        the dispatch is one the host never sizes (one rank's local dispatch, or this step's
+        decodes, verifies drafts (the same k in every group) or idles, and fits, the largest
+        dispatch of its padded bucket (``dispatch_rows``: a micro-batch's under TBO or DBO)
+        within the low-latency dispatch's capacity; the mode is one the graphs hold; and the
+        dispatch is one the host never sizes (one rank's local dispatch, or this step's
         ``low_latency`` all-to-all). Every rank answers alike, so all replay or none does."""
         if not (MODES[cfg.mode].graphable(low_latency) and (self.local or low_latency)):
             return False
-        cap = cfg.num_max_dispatch_tokens_per_rank if low_latency else None
-        return choose_bucket(peers, self.sizes, self.kv_cache.max_len, cap) is not None
+        fits = None
+        if low_latency:
+
+            def fits(bucket: Bucket) -> bool:
+                if (bucket, cfg) not in self.fitting:
+                    rows = torch.zeros(3, bucket.rows, dtype=torch.long)  # the host view only
+                    largest = dispatch_rows([capture_batch(bucket, rows, self.scratch)])
+                    self.fitting[bucket, cfg] = largest <= cfg.num_max_dispatch_tokens_per_rank
+                return self.fitting[bucket, cfg]
+
+        return choose_bucket(peers, self.sizes, self.kv_cache.max_len, fits) is not None
 
     def forward(
         self, batch: ForwardBatch, cfg: OverlapConfig, peers: list[ForwardBatch] | None = None

@@ -67,11 +67,15 @@ def rows_per_seq(batches: Sequence[ForwardBatch]) -> int | None:
 
 
 def choose_bucket(
-    peers: Sequence[ForwardBatch], sizes: Sequence[int], max_len: int, row_cap: int | None = None
+    peers: Sequence[ForwardBatch],
+    sizes: Sequence[int],
+    max_len: int,
+    fits: Callable[[Bucket], bool] | None = None,
 ) -> Bucket | None:
     """The graph that holds every group's batch (``peers``), or None: it runs eagerly (a
-    prefill, groups of different widths, more sequences than the largest size, or padded rows
-    past ``row_cap``, the low-latency dispatch's ``--num-max-dispatch-tokens-per-rank``)."""
+    prefill, groups of different widths, more sequences than the largest size, or a bucket
+    that ``fits`` refuses: one whose padded micro-batches would pass the low-latency
+    dispatch's ``--num-max-dispatch-tokens-per-rank``)."""
     width = rows_per_seq(peers)
     if width is None:
         return None
@@ -80,7 +84,7 @@ def choose_bucket(
         return None
     longest = max(max(p.seq_lens, default=1) for p in peers)
     bucket = Bucket(sizes[at], width, key_bucket(longest, max_len))
-    if row_cap is not None and bucket.rows > row_cap:
+    if fits is not None and not fits(bucket):
         return None
     return bucket
 

@@ -6,6 +6,7 @@ each scheme is built once, on first use.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -13,7 +14,7 @@ import torch
 
 from moe_overlap.core import tracks
 from moe_overlap.core.a2a_mode import A2AMode, Backend, step_a2a_mode
-from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.batch import ForwardBatch, most_tokens
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.kv_budget import DEFAULT_PAGE_SIZE
@@ -149,9 +150,17 @@ class ModelRunner:
         rank of the EP group takes the same one; True when it is the low-latency one."""
         cap = cfg.num_max_dispatch_tokens_per_rank
         on_gpu = self.kv_cache.device.type == "cuda"
-        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu)
+        rows = functools.partial(self.dispatch_rows, cfg)
+        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu, rows)
         self.active = self.low_latency(cap) if mode == A2AMode.LOW_LATENCY else self.dispatcher
         return mode == A2AMode.LOW_LATENCY
+
+    def dispatch_rows(self, cfg: OverlapConfig, batches: Sequence[ForwardBatch]) -> int:
+        """The most tokens one dispatch carries on any rank when every group runs ``batches``
+        in ``cfg``'s mode: its scheme's largest micro-batch, or the whole batch."""
+        if MODES[cfg.mode].scheme is None:
+            return most_tokens(batches)
+        return self._scheme(cfg).largest_dispatch(batches)
 
     def low_latency(self, capacity: int) -> LowLatencyDispatcher:
         if capacity not in self._low_latency:
@@ -179,11 +188,11 @@ class ModelRunner:
         peers = peers or [batch]
         cfg = overlap or self.overlap
         low_latency = self.choose_dispatch(cfg, peers)
-        graphs = self.graphs
+        graphs, rows = self.graphs, functools.partial(self.dispatch_rows, cfg)
         if (
             graphs is not None
             and not self.timeline.enabled
-            and graphs.covers(peers, cfg, low_latency)
+            and graphs.covers(peers, cfg, low_latency, rows)
         ):
             out = graphs.forward(batch, cfg, peers)
             self.last_mode = graphs.last_mode  # what the captured forward ran
