@@ -10,6 +10,7 @@ from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.step import SampleSpec
 from moe_overlap.runtime import sampler as sampler_module
+from moe_overlap.runtime.draws import probabilities
 from moe_overlap.runtime.sampler import sample
 from tests.helpers import TINY
 
@@ -77,6 +78,18 @@ def test_tiny_temperatures_are_greedy_and_tiny_top_p_keeps_the_likeliest_token()
     assert SamplingParams(temperature=1e-39).temperature == 0.0
 
 
+def test_min_p_drops_what_is_less_likely_than_its_share_of_the_likeliest():
+    """vLLM's min-p: after temperature, a token less likely than min_p x the likeliest is never
+    drawn; the rest keep their relative odds."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = probabilities(logits, SampleSpec(1.0, min_p=0.2))  # floor: 0.2 x 0.5 = 0.1
+    assert probs[3] == 0 and probs[:3].gt(0).all()
+    assert torch.allclose(probs[:3] / probs[:3].sum(), torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    draws = {sample(logits, SampleSpec(1.0, seed=s, min_p=0.2)) for s in range(200)}
+    assert draws == {0, 1, 2}
+    assert {sample(logits, SampleSpec(1.0, seed=s, min_p=1.0)) for s in range(50)} == {0}
+
+
 def test_a_request_that_fails_in_a_step_fails_alone(monkeypatch):
     def flaky(logits, spec):
         if spec.seed == 13:
@@ -142,6 +155,8 @@ def test_bad_prompt_is_refused_and_engine_stays_usable(prompt, match):
         ({"temperature": -1}, "temperature=-1"),
         ({"top_p": 0}, "top_p=0"),
         ({"top_k": -2}, "top_k=-2"),
+        ({"min_p": 1.5}, "min_p=1.5 must be in \\[0, 1\\]"),
+        ({"min_p": -0.1}, "min_p=-0.1"),
     ],
 )
 def test_bad_sampling_params(kw, match):

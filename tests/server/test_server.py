@@ -218,7 +218,12 @@ def test_bad_requests_get_an_openai_error_and_the_server_survives(served, body, 
 
 def test_tiny_temperature_or_top_p_is_served_and_the_server_survives(served):
     greedy = served.client().completions.create(model="tiny", prompt="hi", **GREEDY)
-    for extra in (dict(temperature=1e-39), dict(temperature=1.0, top_p=1e-300)):
+    # min_p=1 keeps only the likeliest token: greedy at any temperature
+    for extra in (
+        dict(temperature=1e-39),
+        dict(temperature=1.0, top_p=1e-300),
+        dict(temperature=1.5, min_p=1.0, seed=4),
+    ):
         body = dict(prompt="hi", max_tokens=6, ignore_eos=True, **extra)
         code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
         assert code == 200 and reply["choices"][0]["text"] == greedy.choices[0].text
@@ -256,7 +261,7 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
     "field, value",
     [
         ("suffix", "end"),
-        ("min_p", 0.1),
+        ("allowed_token_ids", [1]),
     ],
 )
 def test_a_completion_field_not_implemented_is_refused_by_name(served, field, value):
@@ -301,6 +306,8 @@ def test_fields_sent_at_values_that_change_nothing_are_served(served, offline):
 def test_malformed_json_and_bad_chat_messages_are_400(served):
     code, reply = served.raw("POST", "/v1/completions", b"{not json")
     assert code == 400 and reply["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON: Expecting property name" in reply["error"]["message"]
+    assert "(at character 1)" in reply["error"]["message"] and reply["error"]["param"] is None
     with pytest.raises(openai.BadRequestError, match="messages"):
         served.client().chat.completions.create(model="tiny", messages=[])
 

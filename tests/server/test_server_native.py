@@ -76,7 +76,7 @@ def test_generate_streams_cumulative_text_and_logprobs(served) -> None:
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"text": "hi", "sampling_params": {"min_p": 0.1}}, "sampling_params"),
+        ({"text": "hi", "sampling_params": {"no_stop_trim": True}}, "sampling_params"),
         ({"text": "hi", "regex": "[a-z]+"}, "regex"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path"),
         ({"text": "hi", "return_routed_experts": True}, "return_routed_experts"),

@@ -64,6 +64,7 @@ class SampleSpec:
     # the token after the fed ones where this step draws none (a prompt chunk that does not
     # end the prompt): the MTP drafter embeds it at the chunk's last row
     following: int | None = None
+    min_p: float = 0.0  # tokens below min_p x the likeliest's probability are dropped (0: off)
 
     @property
     def verifies(self) -> bool:

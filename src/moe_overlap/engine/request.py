@@ -32,6 +32,7 @@ class SamplingParams:
     temperature: float = DEFAULT_TEMPERATURE  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the likeliest's probability
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] | str | None = None  # strings that end the output (needs a tokenizer)
@@ -74,6 +75,9 @@ class SamplingParams:
         check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p={self.top_p} must be in (0, 1]")
+        check_number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p={self.min_p} must be in [0, 1] (0 disables it)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -247,6 +251,7 @@ class Request:
             allowed=self.constraint.allowed(drafts) if self.constraint and draw and masks else None,
             drafts=tuple(drafts),
             following=None if draw or start + fed >= self.total_len else self.token_at(start + fed),
+            min_p=p.min_p,
         )
 
     def _penalties(self) -> Penalties:

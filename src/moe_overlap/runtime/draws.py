@@ -18,9 +18,13 @@ def draw_seed(seed: int, index: int) -> int:
 
 
 def probabilities(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
-    """One row's sampling distribution (temperature > 0): temperature, then top-k, then top-p
-    (vLLM's rules)."""
+    """One row's sampling distribution (temperature > 0): temperature, then min-p, top-k and
+    top-p (vLLM's order)."""
     logits = logits.float() / spec.temperature
+    if spec.min_p > 0:
+        # drop what is less likely than min_p x the likeliest: logit < max + log(min_p)
+        floor = logits.max() + torch.log(torch.tensor(spec.min_p))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if spec.top_k:
         kth = torch.topk(logits, min(spec.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,7 +17,8 @@ from moe_overlap.runtime.verification import verify
 
 
 def sample(logits: torch.Tensor, spec: SampleSpec) -> int:
-    """One token from one row of logits: greedy, temperature, top-k and top-p (vLLM's rules)."""
+    """One token from one row of logits: greedy, or temperature, min-p, top-k and top-p
+    (vLLM's rules)."""
     if spec.temperature == 0.0:
         return int(torch.argmax(logits))
     return draw(probabilities(logits, spec), draw_seed(spec.seed, spec.index))

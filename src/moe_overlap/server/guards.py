@@ -95,6 +95,10 @@ def install_guards(app: FastAPI, settings: ServerSettings) -> Gate:
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # its loc is the offset where parsing stopped
+            at, why = first["loc"][-1], first.get("ctx", {}).get("error", "")
+            message = f"the request body is not valid JSON: {why} (at character {at})"
+            return error_response(400, message, "invalid_json")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc) or "body"
         message = f"{where}: {first.get('msg', 'invalid')}"

@@ -33,6 +33,7 @@ class NativeSampling(BaseModel):
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
@@ -76,6 +77,7 @@ class GenerateRequest(BaseModel):
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
+            min_p=sp.min_p,
             stop=sp.stop,
             stop_token_ids=sp.stop_token_ids,
             ignore_eos=sp.ignore_eos,

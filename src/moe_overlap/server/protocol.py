@@ -38,6 +38,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=-1)  # vLLM's extension; 0 and -1 disable it
+    min_p: float = Field(default=0.0, ge=0, le=1)  # vLLM's and SGLang's extension; 0 disables it
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None  # true is not 1
@@ -86,6 +87,7 @@ class SamplingFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
+            min_p=self.min_p,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             stop=self.stop,

@@ -22,7 +22,6 @@ ZERO: tuple[object, ...] = (None, 0)
 
 # field -> (the values that change nothing, what is not supported)
 _BOTH: dict[str, tuple[tuple, str]] = {
-    "min_p": ((None, 0), "min_p"),
     "use_beam_search": (OFF, "beam search"),
     "length_penalty": ((None, 1, 1.0), "length_penalty (beam search)"),
     "include_stop_str_in_output": (OFF, "keeping the stop string in the output"),

@@ -43,6 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
@@ -120,6 +121,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k best; 0 disables")
+    gen.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than MIN_P x the likeliest (0 to 1; 0, the default, disables)",
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
     gen.set_defaults(func=cmd_generate)
 
