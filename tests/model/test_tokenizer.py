@@ -19,6 +19,7 @@ from moe_overlap.engine.tokenizer import (
     with_chat_template,
     write_tokenizer,
 )
+from moe_overlap.server.protocol import ChatRequest
 
 TEXT = "Hello, how are the experts today? Ünïcode and 東京 survive the trip."
 
@@ -171,3 +172,30 @@ def test_a_chat_template_flag_replaces_the_tokenizers(tok_dir, tmp_path):
         with_chat_template(tok, "{% for m in messages %}")
     with pytest.raises(ConfigError, match="needs a model with a tokenizer"):
         with_chat_template(None, str(path))
+
+
+def test_tools_earlier_calls_and_template_arguments_reach_the_chat_template(tok_dir):
+    """What a chat request sends beside its messages' text is the template's to render: the
+    tools, an assistant's earlier calls (their JSON arguments as objects, as Hugging Face's
+    templates read them), the call a tool answers, and ``chat_template_kwargs``."""
+    tok = load_tokenizer(tok_dir, vocab_size=320)
+    with_chat_template(
+        tok,
+        "{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+        "{% for m in messages %}[{{ m.role }}{{ ' ' + m.tool_call_id if m.tool_call_id }}] "
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments.x }}"
+        "{% endfor %}{{ m.content }}{% endfor %}{{ '/think' if thinking }}",
+    )
+    body = ChatRequest(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 7}'}}
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+        ],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+    )  # fmt: skip
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    ids = encode_chat(tok, body.conversation(), False, tools=tools, template_kwargs={"thinking": 1})
+    assert tok.decode(ids) == "<f>[user] hi[assistant] f7[tool c1] done/think"

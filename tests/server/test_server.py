@@ -278,7 +278,7 @@ def test_a_completion_field_not_implemented_is_refused_by_name(served, field, va
 @pytest.mark.parametrize(
     "extra",
     [
-        dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        dict(functions=[{"name": "f", "parameters": {}}]),  # OpenAI's older tools
         dict(
             messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}

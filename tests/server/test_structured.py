@@ -11,7 +11,8 @@ from functools import partial
 
 import pytest
 
-from moe_overlap import LLM
+from moe_overlap import LLM, SamplingParams
+from moe_overlap.engine.tokenizer import encode_chat
 from tests.server.test_server import Running, served_model
 from tests.server.test_server_native import post
 
@@ -182,3 +183,161 @@ def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_its_field(served, 
         sampling = {**extra, "max_new_tokens": 4}
         code, reply = post(served, "/generate", {"text": "hi", "sampling_params": sampling})
         assert code == 400 and reply["error"]["param"] == f"sampling_params.{field}", reply
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _weather_args(arguments: str) -> bool:
+    value = json.loads(arguments)
+    return list(value) == ["city"] and re.fullmatch("[a-z]{1,6}", value["city"]) is not None
+
+
+def test_tool_calls_named_and_required_follow_the_tools_schemas(served):
+    """vLLM's named and ``required`` function calling, by structured outputs: the calls come
+    back as ``tool_calls`` whose arguments follow the tool's schema, streamed as whole."""
+    client = served.client()
+    ask = dict(model="tiny", messages=CHAT, tools=[WEATHER, CLOCK], max_tokens=120)
+
+    def create(**kw):
+        return client.chat.completions.create(**{**ask, **kw})
+
+    def streamed(**kw):
+        return list(create(stream=True, **kw))
+
+    asks = {
+        "named": partial(create, tool_choice=NAMED, seed=1),
+        "named streamed": partial(streamed, tool_choice=NAMED, seed=1),
+        "one": partial(create, tool_choice="required", parallel_tool_calls=False, seed=0),
+        "required streamed": partial(streamed, tool_choice="required", seed=0),
+        "cut": partial(create, tool_choice="required", max_tokens=3),
+        "none": partial(create, tool_choice="none", seed=1),
+    }
+    asks |= {seed: partial(create, tool_choice="required", seed=seed) for seed in range(6)}
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = dict(zip(asks, pool.map(lambda call: call(), asks.values()), strict=True))
+    named = got["named"].choices[0]
+    assert named.finish_reason == "stop" and named.message.content is None
+    (call,) = named.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert _weather_args(call.function.arguments) and call.id.startswith("chatcmpl-tool-")
+    chunks = got["named streamed"]
+    parts = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert parts[0].id and parts[0].function.name == "get_weather"
+    assert {p.index for p in parts} == {0} and all(p.id is None for p in parts[1:])
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments
+    # a random model may go on calling past max_tokens (then its text comes back): of six
+    # seeds, those that end are whole calls
+    ended = 0
+    for seed in range(6):
+        choice = got[seed].choices[0]
+        if choice.finish_reason == "length":
+            assert choice.message.tool_calls is None and choice.message.content.startswith("[")
+            continue
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        ended += 1
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "now")
+            if call.function.name == "get_weather":
+                assert _weather_args(call.function.arguments)
+            else:
+                assert isinstance(json.loads(call.function.arguments), dict)
+    assert ended >= 2
+    assert len(got["one"].choices[0].message.tool_calls) == 1
+    # streamed, 'required' sends its calls whole with the last chunk
+    last = [c for c in got["required streamed"] if c.choices][-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    calls = [(t.function.name, t.function.arguments) for t in last.delta.tool_calls]
+    assert calls == [
+        (t.function.name, t.function.arguments) for t in got[0].choices[0].message.tool_calls
+    ]
+    # cut short by max_tokens: not a whole call, so the text comes back as text
+    cut = got["cut"].choices[0]
+    assert cut.finish_reason == "length" and cut.message.content and cut.message.tool_calls is None
+    # tool_choice 'none': the tools reach the template, the answer is text
+    plain = got["none"].choices[0]
+    assert plain.message.tool_calls is None and plain.message.content is not None
+
+
+@pytest.mark.parametrize(
+    "extra, field, words",
+    [
+        ({"tools": [WEATHER]}, "tool_choice", "needs a parser"),  # auto, OpenAI's default
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "needs a parser"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {**NAMED, "function": {"name": "x"}}},
+            "tool_choice",
+            "not among tools",
+        ),  # fmt: skip
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "twice"),
+        (
+            {"tools": [WEATHER], "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "each constrain",
+        ),  # fmt: skip
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "x<|im_end|>"}}],
+                "tool_choice": "none",
+            },
+            "tools",
+            "forge",
+        ),  # fmt: skip
+        ({"tools": [{"type": "retrieval"}]}, "tools", "function"),
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
+    ],
+)
+def test_tool_and_template_fields_that_cannot_be_served_are_named(served, extra, field, words):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 4, **extra}
+    code, reply = post(served, "/v1/chat/completions", body)
+    assert code == 400 and reply["error"]["param"] == field and words in reply["error"]["message"]
+
+
+def test_a_final_message_continued_and_template_arguments(served):
+    """``continue_final_message`` leaves the assistant's text open for the model to go on: the
+    prompt is the template's render without the end of that turn, and the answer is the offline
+    engine's from those ids; ``chat_template_kwargs`` reach the template (this one ignores
+    them), and earlier calls and a tool's answer render as messages."""
+    client = served.client()
+    llm = served.server.engine.llm
+    conversation = [*CHAT, {"role": "assistant", "content": "A fox is"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = client.chat.completions.create(
+        model="tiny", messages=conversation, max_tokens=6, temperature=0, extra_body=extra
+    )
+    ids = encode_chat(llm.tokenizer, conversation, False, continue_final=True)
+    text = llm.tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\nA fox is")
+    assert reply.usage.prompt_tokens == len(ids)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == llm.generate([ids], greedy)[0].text
+    history = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]  # fmt: skip
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=history,
+        max_tokens=3,
+        tools=[CLOCK],
+        tool_choice="none",
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert reply.choices[0].finish_reason == "length"

@@ -134,13 +134,8 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Any adjustment of the logits asked for (else the rank samples them as they are)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
-            or self.min_tokens
-        )
+        adjusted = (self.presence_penalty, self.frequency_penalty, self.logit_bias, self.min_tokens)
+        return any(adjusted) or self.repetition_penalty != 1.0
 
 
 @dataclass

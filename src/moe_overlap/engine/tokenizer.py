@@ -78,8 +78,7 @@ def with_chat_template(tok: PreTrainedTokenizerFast | None, template: str) -> No
     one that does not render a conversation is refused now, not at the first chat."""
     if tok is None:
         raise ConfigError("--chat-template needs a model with a tokenizer (tokenizer.json)")
-    path = Path(template)
-    text = path.read_text() if len(template) < 4096 and path.is_file() else template
+    text = Path(template).read_text() if _is_file(template) else template
     try:
         tok.chat_template = text
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
@@ -87,15 +86,35 @@ def with_chat_template(tok: PreTrainedTokenizerFast | None, template: str) -> No
         raise ConfigError(f"--chat-template does not render a conversation: {exc}") from None
 
 
+def _is_file(name: str) -> bool:
+    """Whether ``name`` names a file (a template itself may be too long to be a path)."""
+    try:
+        return Path(name).is_file()
+    except OSError:  # ENAMETOOLONG: a template, not a file name
+        return False
+
+
 def encode_chat(
-    tok: PreTrainedTokenizerFast, conversation: list[dict[str, str]], generation_prompt: bool
+    tok: PreTrainedTokenizerFast,
+    conversation: list[dict],
+    generation_prompt: bool,
+    continue_final: bool = False,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The conversation through the chat template as token ids, each message's text encoded as
     text: a special token's string written in a message stays characters (transformers'
     ``split_special_tokens``), so a user cannot write the template's role markers. A
-    conversation with no such string is encoded whole, exactly as the template renders it."""
+    conversation with no such string is encoded whole, exactly as the template renders it.
+    ``continue_final``: the last message is left open for the model to go on (no end of turn);
+    ``tools`` and ``template_kwargs`` are the template's variables."""
     text = tok.apply_chat_template(
-        conversation, add_generation_prompt=generation_prompt, tokenize=False
+        conversation,
+        tools=tools,
+        add_generation_prompt=generation_prompt,
+        continue_final_message=continue_final,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
     specials = [s for s in tok.all_special_tokens if s]
     if not any(s in m["content"] for m in conversation for s in specials):

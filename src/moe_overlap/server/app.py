@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_overlap.engine.loop import EngineLoop
-from moe_overlap.engine.tokenizer import encode_chat
+from moe_overlap.server.chat_prompt import chat_prompt_ids
 from moe_overlap.server.checks import check_fan_out, check_fields
 from moe_overlap.server.guards import APIError, ServerSettings, error_response, install_guards
 from moe_overlap.server.native_routes import install_native
@@ -69,7 +69,7 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")
 
         def encode() -> list[list[int]]:
-            return [encode_chat(tok, body.conversation(), generation_prompt=True)]
+            return [chat_prompt_ids(tok, body)]
 
         limit = body.max_completion_tokens or body.max_tokens
         call = (body, encode, None, limit, True, request)

@@ -4,6 +4,8 @@ it cannot honour; the rest are ignored, as OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -15,6 +17,7 @@ from moe_overlap.engine.request import (
     SamplingParams,
 )
 from moe_overlap.server.structured import FIELDS, structured_outputs
+from moe_overlap.server.tools import ToolCalling, ToolChoice, ToolSpec, tool_calling
 
 SEED_MAX = 2**64 - 1  # torch.Generator takes 64-bit seeds
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer is no vocabulary's token id
@@ -79,7 +82,18 @@ class SamplingFields(BaseModel):
         """Where the sampling fields sit in the body, for errors that name one."""
         return ""
 
+    def tool_calling(self) -> ToolCalling | None:
+        """The tool calls the output is held to (chat only), or None."""
+        return None
+
     def params(self, max_new_tokens: int) -> SamplingParams:
+        constraint = structured_outputs({f: getattr(self, f) for f in FIELDS}, self.fields_at())
+        calling = self.tool_calling()
+        if calling is not None:
+            if constraint is not None:
+                message = f"tool_choice and {constraint.field} each constrain the output: send one"
+                raise InvalidRequestError(message, "tool_choice")
+            constraint = calling.constraint()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             logprobs=self.token_logprobs(),
@@ -99,9 +113,7 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens or 0,
             n=self.n,
             best_of=self.candidates(),
-            structured_outputs=structured_outputs(
-                {f: getattr(self, f) for f in FIELDS}, self.fields_at()
-            ),
+            structured_outputs=constraint,
         )
 
 
@@ -171,18 +183,52 @@ class ChatMessage(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        message: dict = {"role": self.role, "content": self.text()}
+        extra = self.model_extra or {}
+        for key in ("name", "tool_call_id"):
+            if isinstance(extra.get(key), str):
+                message[key] = extra[key]
+        calls = extra.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            message["tool_calls"] = [_call_for_template(c) for c in calls]
+        return message
+
+
+def _call_for_template(call: object) -> object:
+    """An earlier call with its ``arguments`` (JSON text on the wire) as an object."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = dict(call["function"])
+    with contextlib.suppress(TypeError, ValueError):  # not JSON: the text as sent
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    return {**call, "function": function}
+
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: tool_choice='required' makes one call
+    # vLLM's chat template controls (server/chat_prompt.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def tool_calling(self) -> ToolCalling | None:
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def conversation(self) -> list[dict]:
+        """The messages as a chat template reads them: each text, and an assistant's earlier
+        calls (arguments as objects, as Hugging Face's templates expect) or a tool's answer
+        with the call it answers."""
+        return [m.for_template() for m in self.messages]
 
 
 def bad_unicode(value: object, where: str = "") -> str | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from moe_overlap.engine.loop import Delta
 from moe_overlap.server.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from moe_overlap.server.protocol import FINISH_REASONS
+from moe_overlap.server.tools import ToolCalling
 
 DONE = "data: [DONE]\n\n"
 
@@ -78,6 +79,7 @@ class Formatter:
         self.echo, self.logprobs = echo, logprobs
         self.token_text = token_text or TokenText(None)
         self._streamed_chars: dict[int, int] = {}  # per choice: its token strings' length
+        self.tools: ToolCalling | None = None  # a chat's output held to tool calls
 
     def choices(self) -> list[Choice]:
         return [Choice() for _ in range(len(self.prompt_tokens) * self.per_prompt)]
@@ -113,15 +115,19 @@ class Formatter:
     def whole(self, choices: list[Choice]) -> dict:
         body = []
         for i, c in enumerate(choices):
-            if self.chat:
-                out: dict = {"message": {"role": "assistant", "content": c.text}}
+            reason = c.finish_reason
+            if self.tools is not None:
+                message, reason = self.tools.message(i, c.text, reason)
+                out: dict = {"message": message}
+            elif self.chat:
+                out = {"message": {"role": "assistant", "content": c.text}}
             else:
                 out = {"text": c.text}
             body.append(
                 {
                     "index": i,
                     **out,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                     "logprobs": self._logprobs(c.entries, 0),
                     "token_ids": c.token_ids,
                 }
@@ -144,7 +150,12 @@ class Formatter:
             chars = sum(len(self.token_text(t)) for t, _ in entries)
             self._streamed_chars[index] = offset + chars
         if self.chat:
-            part = {"content": text} if delta else {"role": "assistant", "content": ""}
+            part: dict | None = {"content": text} if delta else {"role": "assistant", "content": ""}
+            if self.tools is not None and delta is not None and choice is not None:
+                part = self.tools.delta(index, text, choice.text, reason is not None)
+                if reason == "stop" and self.tools.forced is None and part and "tool_calls" in part:
+                    reason = "tool_calls"
+                part = part or {}
             choice_body = {"index": index, "delta": part, "finish_reason": reason}
             logprobs = self._logprobs(entries, offset) if delta else None
             body = {**choice_body, "logprobs": logprobs, "token_ids": ids}

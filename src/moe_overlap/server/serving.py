@@ -190,7 +190,9 @@ def _formatter(
     asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
     lengths = [len(ids) for ids in prompts]
     name = settings.model_name
-    return make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
+    fmt = make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
+    fmt.tools = body.tool_calling()
+    return fmt
 
 
 def stopped_body(why: str) -> dict:

@@ -79,20 +79,15 @@ _COMPLETIONS: dict[str, tuple[tuple, str]] = {
     ),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
-    "tools": ((None, []), "tools"),
-    "tool_choice": ((None, "none", "auto"), "tools"),
     "functions": ((None, []), "functions"),
     "function_call": ((None, "none", "auto"), "functions"),
     "audio": ((None,), "audio output"),
     "modalities": ((None, ["text"]), "output other than text"),
     "prediction": ((None,), "predicted outputs"),
     "echo": (OFF, "echo on chat (prepending the last message)"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt=false"),
-    "continue_final_message": (OFF, "continuing the final message"),
     "add_special_tokens": (OFF, "special tokens beyond the chat template's"),
     "documents": (EMPTY, "documents (RAG templates)"),
     "chat_template": (EMPTY, "a per-request chat template (serve --chat-template)"),
-    "chat_template_kwargs": (EMPTY, "chat template arguments"),
     "mm_processor_kwargs": (EMPTY, "multimodal processor arguments"),
     "reasoning_effort": (NONE, "reasoning effort"),
     "input_ids": (EMPTY, "prompt token ids on chat (use /v1/completions)"),
@@ -111,7 +106,6 @@ NO_OPS: dict[str, str] = {
     "include_reasoning": "no model here separates reasoning from the answer",
     "separate_reasoning": "no model here separates reasoning from the answer",
     "stream_reasoning": "no model here separates reasoning from the answer",
-    "parallel_tool_calls": "tools are refused, so there are no calls to run in parallel",
     "guided_decoding_backend": "xgrammar serves every constraint; the output obeys it either way",
 }
 REFUSED = {"completions": {**_BOTH, **_COMPLETIONS}, "chat": {**_BOTH, **_CHAT}}
