@@ -341,3 +341,23 @@ def test_a_final_message_continued_and_template_arguments(served):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_auto_tool_choice_answers_freely_where_the_server_reads_calls(served):
+    """With ``--enable-auto-tool-choice --tool-call-parser hermes`` the output is not held to
+    a schema: the random model writes no call, so its text comes back as the answer, whole
+    and streamed alike (``test_tool_parsing.py`` reads calls out of such text)."""
+    settings = served.server.settings
+    settings.enable_auto_tool_choice, settings.tool_call_parser = True, "hermes"
+    try:
+        client = served.client()
+        ask = dict(model="tiny", messages=CHAT, tools=[WEATHER], max_tokens=6, temperature=0)
+        whole = client.chat.completions.create(**ask).choices[0]
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+    finally:
+        settings.enable_auto_tool_choice, settings.tool_call_parser = False, None
+    assert whole.finish_reason == "length" and whole.message.tool_calls is None
+    assert whole.message.content
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.delta.content or "" for p in parts) == whole.message.content
+    assert parts[-1].finish_reason == "length"

@@ -8,7 +8,7 @@ import contextlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
 
 from moe_overlap.engine.request import (
     DEFAULT_TEMPERATURE,
@@ -221,8 +221,14 @@ class ChatRequest(SamplingFields):
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    _tool_parser: str | None = PrivateAttr(default=None)  # the server's, for tool_choice 'auto'
+
+    def use_tool_parser(self, parser: str | None) -> None:
+        self._tool_parser = parser
+
     def tool_calling(self) -> ToolCalling | None:
-        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+        choice, parallel = self.tool_choice, self.parallel_tool_calls
+        return tool_calling(self.tools, choice, parallel, self._tool_parser)
 
     def conversation(self) -> list[dict]:
         """The messages as a chat template reads them: each text, and an assistant's earlier

@@ -152,9 +152,7 @@ class Formatter:
         if self.chat:
             part: dict | None = {"content": text} if delta else {"role": "assistant", "content": ""}
             if self.tools is not None and delta is not None and choice is not None:
-                part = self.tools.delta(index, text, choice.text, reason is not None)
-                if reason == "stop" and self.tools.forced is None and part and "tool_calls" in part:
-                    reason = "tool_calls"
+                part, reason = self.tools.delta(index, text, choice.text, reason)
                 part = part or {}
             choice_body = {"index": index, "delta": part, "finish_reason": reason}
             logprobs = self._logprobs(entries, offset) if delta else None

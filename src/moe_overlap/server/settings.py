@@ -10,6 +10,7 @@ from moe_overlap.engine.args import setting
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+TOOL_CALL_PARSERS = ("hermes",)
 LIMITS = (  # the server's bounds, each > 0
     "max_prompts_per_request",
     "max_choices_per_request",
@@ -109,6 +110,21 @@ class ServerSettings:
         "hidden (a recorded step costs a little more; 0: never)",
         group="server",
     )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "serve chat's tool_choice='auto' (OpenAI's default with tools): the model answers "
+        "freely and its calls are read back by --tool-call-parser (vLLM's flag; without it "
+        "'auto' is refused, while named and 'required' calls always work)",
+        group="server",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        'the call format --enable-auto-tool-choice reads: hermes, \'<tool_call>{"name": ..., '
+        "\"arguments\": ...}</tool_call>' as Qwen2.5, Qwen3 and Qwen3-MoE's chat templates "
+        "teach",
+        choices=TOOL_CALL_PARSERS,
+        group="server",
+    )
     log_level: str = setting(
         "info",
         "log level of the server's loggers and uvicorn's (info: a line per finished request "
@@ -128,8 +144,18 @@ class ServerSettings:
             raise ConfigError(
                 f"--metrics-record-every={self.metrics_record_every} must be >= 0 (0: never)"
             )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(
+                "--enable-auto-tool-choice needs --tool-call-parser to read the model's calls "
+                f"(one of {', '.join(TOOL_CALL_PARSERS)})"
+            )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser ``tool_choice='auto'`` uses, or None where it is refused."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
         for name in LIMITS:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")

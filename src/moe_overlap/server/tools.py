@@ -1,6 +1,6 @@
-"""Tool calling on chat (OpenAI's ``tools`` and ``tool_choice``), by structured outputs: no
-parser of a model's own call format is needed, as vLLM's named and ``required`` function
-calling needs none.
+"""Tool calling on chat (OpenAI's ``tools`` and ``tool_choice``): named and ``required`` by
+structured outputs, which need no parser of a model's own call format (as vLLM's need none),
+and ``auto`` by the Hermes parser.
 
 - The tools reach the prompt through the chat template (its ``tools`` variable), whatever the
   choice; a template that ignores them (the tiny models') renders the conversation alone.
@@ -10,8 +10,9 @@ calling needs none.
 - ``"required"``: the output is held to a JSON array of one or more ``{"name", "parameters"}``
   objects, one schema per tool (``anyOf``), and comes back as that many calls.
 - ``"auto"`` (OpenAI's default when tools are sent) lets the model decide whether to call, which
-  needs a parser of that model's call format (vLLM's ``--tool-call-parser``); this server has
-  none, so it is refused, naming the choices that work.
+  needs a parser of that model's call format: with ``--enable-auto-tool-choice
+  --tool-call-parser hermes`` (vLLM's flags) the output is free and its calls are read back in
+  the Hermes format (``hermes.py``); without them it is refused, naming what works.
 
 An output cut by ``max_tokens`` is not a whole call: it comes back as text, with
 ``finish_reason`` ``length``.
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from moe_overlap.engine.errors import InvalidRequestError
 from moe_overlap.engine.structured import StructuredOutputs
+from moe_overlap.server.hermes import Call, HermesStream, split_calls
 
 ANY_OBJECT = {"type": "object"}  # a function that declares no parameters takes any object
 
@@ -59,16 +61,32 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def _shaped(ids: list[str], named: list[Call]) -> list[dict]:
+    return [
+        {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for id_, (name, arguments) in zip(ids, named, strict=True)
+    ]
+
+
+def _new_ids(count: int) -> list[str]:
+    return [f"chatcmpl-tool-{uuid.uuid4().hex}" for _ in range(count)]
+
+
 @dataclass
 class ToolCalling:
-    """A request's calls: to ``forced`` (a named function) or, with None, ``required``."""
+    """A request's calls: to ``forced`` (a named function), ``required`` (forced None, not
+    ``auto``) or, with ``auto``, as the model decides, read back in the Hermes format."""
 
     tools: list[ToolSpec]
     forced: str | None
     parallel: bool = True  # False: ``required`` makes exactly one call
+    auto: bool = False
     ids: dict[int, list[str]] = field(default_factory=dict)  # per choice: its calls' ids
+    streams: dict[int, HermesStream] = field(default_factory=dict)  # auto, per choice
 
-    def constraint(self) -> StructuredOutputs:
+    def constraint(self) -> StructuredOutputs | None:
+        if self.auto:
+            return None
         if self.forced is not None:
             function = next(t.function for t in self.tools if t.function.name == self.forced)
             return StructuredOutputs(json=function.parameters or ANY_OBJECT, field="tools")
@@ -88,73 +106,104 @@ class ToolCalling:
             schema["maxItems"] = 1
         return StructuredOutputs(json=schema, field="tools")
 
-    def calls(self, index: int, text: str) -> list[dict] | None:
-        """Choice ``index``'s calls in OpenAI's shape, or None where ``text`` is not whole."""
+    def read(self, text: str) -> tuple[str | None, list[Call]] | None:
+        """The text beside the calls and the calls, or None where ``text`` holds none whole."""
+        if self.auto:
+            found = split_calls(text)
+            return None if found is None else (found[0].strip() or None, found[1])
         try:
             parsed = json.loads(text, strict=False)  # xgrammar lets control characters in
         except ValueError:
             return None
         if self.forced is not None:
-            named = [(self.forced, text)]
-        else:  # the schema's shape (xgrammar held the output to it)
-            named = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
-        ids = self.ids.setdefault(index, [])
-        ids += [f"chatcmpl-tool-{uuid.uuid4().hex}" for _ in range(len(named) - len(ids))]
-        return [
-            {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
-            for id_, (name, arguments) in zip(ids, named, strict=False)
-        ]
+            return None, [(self.forced, text)]
+        # the schema's shape (xgrammar held the output to it)
+        return None, [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed]
 
     def message(self, index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole answer's message and finish reason."""
-        calls = self.calls(index, text)
-        if calls is None:
+        found = self.read(text)
+        if found is None:
             return {"role": "assistant", "content": text}, finish_reason
-        reason = "tool_calls" if self.forced is None else finish_reason
-        return {"role": "assistant", "content": None, "tool_calls": calls}, reason
+        content, named = found
+        calls = _shaped(_new_ids(len(named)), named)
+        reason = finish_reason if self.forced is not None or finish_reason != "stop" else None
+        return {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": calls,
+        }, reason or "tool_calls"
 
-    def delta(self, index: int, added: str, whole: str, finished: bool) -> dict | None:
-        """A streamed delta's message part, or None (nothing to send yet). A named function's
-        arguments stream as they come (the call's id and name first); ``required``'s calls
-        are sent whole at the end, when the array is known."""
+    def delta(
+        self, index: int, added: str, whole: str, reason: str | None
+    ) -> tuple[dict | None, str | None]:
+        """A streamed delta's message part (None: nothing to send yet) and finish reason. A
+        named function's arguments stream as they come (the call's id and name first);
+        ``required``'s calls go whole at the end, when the array is known; ``auto``'s text as
+        it comes and each call once closed (``hermes.py``)."""
         if self.forced is not None:
             first = index not in self.ids
             call: dict = {"index": 0, "function": {"arguments": added}}
             if first:
-                self.ids[index] = [f"chatcmpl-tool-{uuid.uuid4().hex}"]
+                self.ids[index] = _new_ids(1)
                 call |= {"id": self.ids[index][0], "type": "function"}
                 call["function"] = {"name": self.forced, "arguments": added}
-            return {"tool_calls": [call]} if added or first else None
-        if not finished:
-            return None
-        calls = self.calls(index, whole)
-        if calls is None:
-            return {"content": whole}
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+            return ({"tool_calls": [call]} if added or first else None), reason
+        if self.auto:
+            return self._auto_delta(index, whole, reason)
+        if reason is None:
+            return None, None
+        message, reason = self.message(index, whole, reason)
+        if "tool_calls" not in message:
+            return {"content": whole}, reason
+        return {
+            "tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        }, reason
+
+    def _auto_delta(
+        self, index: int, whole: str, reason: str | None
+    ) -> tuple[dict | None, str | None]:
+        stream = self.streams.setdefault(index, HermesStream())
+        before = stream.calls
+        text, named = stream.step(whole, reason is not None)
+        part: dict = {"content": text} if text else {}
+        if named:
+            calls = _shaped(_new_ids(len(named)), named)
+            part["tool_calls"] = [{"index": before + i, **c} for i, c in enumerate(calls)]
+        if reason == "stop" and stream.calls:
+            reason = "tool_calls"
+        return part or None, reason
 
 
 def tool_calling(
-    tools: list[ToolSpec] | None, choice: ToolChoice | None, parallel: bool = True
+    tools: list[ToolSpec] | None,
+    choice: ToolChoice | None,
+    parallel: bool = True,
+    parser: str | None = None,
 ) -> ToolCalling | None:
-    """What ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask of the output: None for
-    text."""
+    """What ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask of the output, None for
+    text; ``parser``: the server's ``--tool-call-parser`` where ``--enable-auto-tool-choice``
+    is on (``auto`` needs it)."""
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
     if not tools:
         raise InvalidRequestError(f"tool_choice={_shown(choice)} needs tools", "tool_choice")
-    if choice == "auto":
-        raise InvalidRequestError(
-            "tool_choice='auto' (the default with tools) lets the model decide whether to call, "
-            "which needs a parser of its call format, and this server has none; send "
-            "tool_choice='required' or a named function (the output is held to the tools' "
-            "schemas), or 'none'",
-            "tool_choice",
-        )
     names = [t.function.name for t in tools]
     if len(set(names)) < len(names):
         raise InvalidRequestError(f"tools name a function twice: {names}", "tools")
+    if choice == "auto":
+        if parser is None:
+            raise InvalidRequestError(
+                "tool_choice='auto' (the default with tools) lets the model decide whether to "
+                "call, which needs a parser of its call format: start the server with "
+                "--enable-auto-tool-choice --tool-call-parser hermes (Qwen's and Hermes' "
+                "format), or send tool_choice='required' or a named function (the output is "
+                "held to the tools' schemas), or 'none'",
+                "tool_choice",
+            )
+        return ToolCalling(tools, None, parallel, auto=True)
     if choice == "required":
         return ToolCalling(tools, None, parallel)
     assert isinstance(choice, NamedToolChoice)

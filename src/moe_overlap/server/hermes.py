@@ -1,0 +1,91 @@
+"""The Hermes call format (``--tool-call-parser hermes``), which Qwen2.5, Qwen3 and Qwen3-MoE's chat
+templates teach: any text, then calls, each ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``. With ``tool_choice="auto"`` the model decides whether to call; this reads its
+calls back out of the text, whole and streamed.
+
+Streamed, the text before the first call goes out as it comes (holding back what may be the
+start of ``<tool_call>``), and each call goes out whole once its ``</tool_call>`` arrives (an
+unclosed one at the end, if it parses). A call whose JSON does not parse is text. What follows
+the calls is dropped, as vLLM's parser drops it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+
+Call = tuple[str, str]  # a call's name and its arguments as JSON text
+
+
+def read_call(body: str) -> Call | None:
+    """One call's ``{"name": ..., "arguments": ...}``, or None where it is not one."""
+    try:
+        value = json.loads(body, strict=False)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def split_calls(text: str) -> tuple[str, list[Call]] | None:
+    """The text before the calls and the calls (an unclosed last one included), or None when
+    ``text`` holds no call that parses (then all of it is the answer's text)."""
+    start = text.find(OPEN)
+    if start < 0:
+        return None
+    bodies = _BLOCK.findall(text, start)
+    tail = text.rfind(OPEN)
+    if text.find(CLOSE, tail) < 0:  # the last call was not closed (cut short, or no EOS)
+        bodies.append(text[tail + len(OPEN) :])
+    calls = [read_call(b) for b in bodies]
+    if not calls or any(c is None for c in calls):
+        return None
+    return text[:start], [c for c in calls if c is not None]
+
+
+@dataclass
+class HermesStream:
+    """One streamed choice: how much text went out, and how many calls."""
+
+    sent: int = 0  # characters of the output sent as text, or read as calls
+    calls: int = 0
+    failed: bool = False  # a call did not parse: the rest streams as text
+
+    def step(self, whole: str, finished: bool) -> tuple[str, list[Call]]:
+        """The text and calls to send now that the output reads ``whole``."""
+        start = whole.find(OPEN)
+        if self.failed or start < 0:
+            end = len(whole) if finished or self.failed else _safe_end(whole)
+            text, self.sent = whole[self.sent : end], max(self.sent, end)
+            return text, []
+        text = whole[self.sent : start] if self.calls == 0 else ""
+        self.sent = max(self.sent, start)
+        blocks = [(m.group(1), m.end()) for m in _BLOCK.finditer(whole, start)][self.calls :]
+        tail = whole.rfind(OPEN)
+        if finished and whole.find(CLOSE, tail) < 0 and tail >= self.sent:
+            blocks.append((whole[tail + len(OPEN) :], len(whole)))
+        calls: list[Call] = []
+        for body, end in blocks:
+            call = read_call(body)
+            if call is None:  # not a call after all: the rest is text
+                self.failed = True
+                rest, self.sent = whole[self.sent :], len(whole)
+                return text + rest, calls
+            calls.append(call)
+            self.sent = end
+        self.calls += len(calls)
+        return text, calls
+
+
+def _safe_end(text: str) -> int:
+    """Where the text may be sent up to: before a tail that could begin ``<tool_call>``."""
+    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
