@@ -590,7 +590,11 @@ def test_bench_serve_arguments_fail_before_any_rank_starts(model_dir, extra, mat
         (["--max-stop-sequences", "-1"], "--max-stop-sequences=-1 must be > 0"),
     ],
 )
-def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match):
+def test_serve_arguments_fail_before_any_rank_starts(model_dir, extra, match, monkeypatch):
+    def accepted(self):  # a server that started would serve until killed: fail instead
+        raise AssertionError(f"serve {extra} was accepted and began to serve")
+
+    monkeypatch.setattr(Server, "run", accepted)
     args = _parse("serve", "--model", str(model_dir), *extra)
     with pytest.raises(ConfigError, match=match):
         args.func(args)

@@ -151,11 +151,11 @@ class ServerSettings:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        for name in LIMITS:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
 
     @property
     def auto_tool_parser(self) -> str | None:
         """The parser ``tool_choice='auto'`` uses, or None where it is refused."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
-        for name in LIMITS:
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)} must be > 0")
