@@ -36,7 +36,8 @@ OTHER_ENUMS = {
     "core/eplb_placement.py": "--eplb-algorithm auto",
     "distributed/link.py": "--link none",
     "engine/args.py": "--load-format auto, --link none",
-    "server/unsupported.py": "OpenAI's tool_choice none/auto",
+    "server/unsupported.py": "OpenAI's function_call none/auto",
+    "server/tools.py": "OpenAI's tool_choice none/auto",
 }
 SHARED_WORDS = {"none", "auto"}
 
