@@ -371,6 +371,9 @@ def test_wrong_or_missing_key_is_refused_but_health_is_open(served):
     assert [m.id for m in served.client().models.list()] == ["tiny"]
     card = served.raw("GET", "/v1/models")[1]["data"][0]
     assert card["max_model_len"] == served.server.engine.llm.max_len
+    assert served.client().models.retrieve("tiny").id == "tiny"  # OpenAI's retrieve
+    with pytest.raises(openai.NotFoundError, match="model 'other/x' does not exist"):
+        served.client().models.retrieve("other/x")
 
 
 def test_disconnected_stream_frees_its_slot(served):

@@ -91,6 +91,10 @@ def test_what_generate_does_not_honour_is_a_400_naming_it(served, body, param) -
     assert code == 400 and reply["error"]["param"] == param, reply
 
 
+def tokens_text(served, tokens: list[int]) -> str:
+    return post(served, "/detokenize", {"tokens": tokens})[1]["prompt"]
+
+
 def test_tokenize_detokenize_and_the_info_routes(served) -> None:
     code, tokens = post(served, "/tokenize", {"prompt": "where is the fox"})
     assert code == 200 and tokens["count"] == len(tokens["tokens"]) > 0
@@ -99,6 +103,15 @@ def test_tokenize_detokenize_and_the_info_routes(served) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     code, templated = post(served, "/tokenize", chat)
     assert code == 200 and templated["count"] > 1
+    # with the chat route's template inputs, the count is the prompt chat would run
+    open_turn = {"messages": [*chat["messages"], {"role": "assistant", "content": "The fox"}]}
+    open_turn |= {"add_generation_prompt": False, "continue_final_message": True}
+    open_turn["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    code, continued = post(served, "/tokenize", open_turn)
+    ask = {**open_turn, "max_tokens": 1, "tool_choice": "none"}
+    reply = post(served, "/v1/chat/completions", ask)[1]
+    assert code == 200 and continued["count"] == reply["usage"]["prompt_tokens"]
+    assert tokens_text(served, continued["tokens"]).endswith("assistant\nThe fox")
     code, reply = post(served, "/detokenize", {"tokens": [10**6]})
     assert code == 400 and reply["error"]["param"] == "tokens"
     code, reply = post(served, "/tokenize", {"prompt": "a", "model": "other"})

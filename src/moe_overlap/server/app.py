@@ -35,15 +35,24 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
             return error_response(503, trouble, "rank_unhealthy")
         return JSONResponse({"status": "ok", **engine.stats()})
 
+    card = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "moe-overlap",
+        "max_model_len": engine.llm.max_len,  # vLLM's field
+    }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {
-            "id": settings.model_name,
-            "object": "model",
-            "created": created,
-            "max_model_len": engine.llm.max_len,  # vLLM's field
-        }
-        return {"object": "list", "data": [{**card, "owned_by": "moe-overlap"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (a Hub id holds a slash)
+    async def model(model: str) -> dict:
+        if model != settings.model_name:
+            message = f"model {model!r} does not exist; this server serves {settings.model_name!r}"
+            raise APIError(404, message, "model_not_found", "model")
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from moe_overlap.engine.request import DEFAULT_TEMPERATURE
 from moe_overlap.server.guards import APIError
-from moe_overlap.server.protocol import CompletionRequest
+from moe_overlap.server.protocol import ChatMessage, ChatRequest, CompletionRequest
 from moe_overlap.server.responses import Choice, Formatter, sse
+from moe_overlap.server.tools import ToolSpec
 
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's default
 
@@ -142,9 +143,19 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # vLLM: true for a prompt, false for messages
+    # with messages, the chat route's template inputs, so the count is the one chat sees
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list[ToolSpec] | None = None
+
+    def chat(self) -> ChatRequest:
+        """The messages as a chat request carries them (its template inputs)."""
+        fields = ("messages", "add_generation_prompt", "continue_final_message")
+        fields += ("chat_template_kwargs", "tools")
+        return ChatRequest.model_construct(**{f: getattr(self, f) for f in fields})
 
 
 class DetokenizeRequest(BaseModel):

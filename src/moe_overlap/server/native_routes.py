@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from moe_overlap.engine.loop import EngineDead, EngineLoop
-from moe_overlap.engine.tokenizer import encode_chat
+from moe_overlap.server.chat_prompt import chat_prompt_ids
 from moe_overlap.server.checks import check_fan_out, check_fields
 from moe_overlap.server.guards import APIError, ServerSettings, error_response
 from moe_overlap.server.native import (
@@ -143,7 +143,7 @@ def _install_tokens(app: FastAPI, engine: EngineLoop, settings: ServerSettings) 
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = tok.encode(body.prompt, add_special_tokens=special)
         else:
-            ids = encode_chat(tok, body.messages, body.add_generation_prompt)
+            ids = chat_prompt_ids(tok, body.chat())
             if body.add_special_tokens:  # vLLM's default for messages is false
                 ids = tok.build_inputs_with_special_tokens(ids)
         return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": None}
