@@ -24,7 +24,6 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="moe-overlap", version=package_version(), redoc_url=None)
     app.state.gate = install_guards(app, settings)
     metrics = app.state.metrics = install_observability(app, engine, engine.llm.spec.overlap.mode)
-    created = int(time.time())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -35,24 +34,7 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
             return error_response(503, trouble, "rank_unhealthy")
         return JSONResponse({"status": "ok", **engine.stats()})
 
-    card = {
-        "id": settings.model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "moe-overlap",
-        "max_model_len": engine.llm.max_len,  # vLLM's field
-    }
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [card]}
-
-    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (a Hub id holds a slash)
-    async def model(model: str) -> dict:
-        if model != settings.model_name:
-            message = f"model {model!r} does not exist; this server serves {settings.model_name!r}"
-            raise APIError(404, message, "model_not_found", "model")
-        return card
+    _install_models(app, engine, settings)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -87,3 +69,26 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     install_native(app, engine, settings, metrics)
     return app
+
+
+def _install_models(app: FastAPI, engine: EngineLoop, settings: ServerSettings) -> None:
+    """``/v1/models`` and OpenAI's retrieve of the one model served."""
+    created = int(time.time())
+    card = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "moe-overlap",
+        "max_model_len": engine.llm.max_len,  # vLLM's field
+    }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (a Hub id holds a slash)
+    async def model(model: str) -> dict:
+        if model != settings.model_name:
+            message = f"model {model!r} does not exist; this server serves {settings.model_name!r}"
+            raise APIError(404, message, "model_not_found", "model")
+        return card

@@ -136,6 +136,15 @@ class NativeFormatter(Formatter):
         return sse({**self._item(index, choice), "index": index})
 
 
+_CHAT_INPUTS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+)
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a prompt, or chat messages through the model's template."""
 
@@ -153,9 +162,7 @@ class TokenizeRequest(BaseModel):
 
     def chat(self) -> ChatRequest:
         """The messages as a chat request carries them (its template inputs)."""
-        fields = ("messages", "add_generation_prompt", "continue_final_message")
-        fields += ("chat_template_kwargs", "tools")
-        return ChatRequest.model_construct(**{f: getattr(self, f) for f in fields})
+        return ChatRequest.model_construct(**{f: getattr(self, f) for f in _CHAT_INPUTS})
 
 
 class DetokenizeRequest(BaseModel):
