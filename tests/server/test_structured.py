@@ -361,3 +361,25 @@ def test_auto_tool_choice_answers_freely_where_the_server_reads_calls(served):
     parts = [c.choices[0] for c in chunks if c.choices]
     assert "".join(p.delta.content or "" for p in parts) == whole.message.content
     assert parts[-1].finish_reason == "length"
+
+
+def test_a_reasoning_parser_keeps_the_reasoning_apart_over_http(served):
+    """``--reasoning-parser deepseek_r1`` reads an output that never closes ``</think>`` as all
+    reasoning: the random model's text comes back in ``reasoning_content``, whole and
+    streamed, the same text it gives without the parser; SGLang's ``separate_reasoning: false``
+    leaves it in the content."""
+    client = served.client()
+    ask = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    settings = served.server.settings
+    settings.reasoning_parser = "deepseek_r1"
+    try:
+        whole = client.chat.completions.create(**ask).choices[0].message
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        kept = client.chat.completions.create(**ask, extra_body={"separate_reasoning": False})
+    finally:
+        settings.reasoning_parser = None
+    assert (whole.content, whole.reasoning_content) == ("", plain.lstrip())
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == plain.lstrip()
+    assert kept.choices[0].message.content == plain

@@ -55,7 +55,7 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         check_fields(body, settings, chat=True)
         check_fan_out(body, 1, settings)
-        body.use_tool_parser(settings.auto_tool_parser)
+        body.use_parsers(settings.auto_tool_parser, settings.reasoning_parser)
         tok = engine.llm.tokenizer
         if tok is None:
             raise APIError(400, "chat needs a model with a tokenizer (tokenizer.json)", "no_chat")

@@ -16,6 +16,7 @@ from moe_overlap.engine.request import (
     InvalidRequestError,
     SamplingParams,
 )
+from moe_overlap.server.chat_answer import ChatAnswer
 from moe_overlap.server.structured import FIELDS, structured_outputs
 from moe_overlap.server.tools import ToolCalling, ToolChoice, ToolSpec, tool_calling
 
@@ -84,6 +85,10 @@ class SamplingFields(BaseModel):
 
     def tool_calling(self) -> ToolCalling | None:
         """The tool calls the output is held to (chat only), or None."""
+        return None
+
+    def chat_answer(self) -> ChatAnswer | None:
+        """How a chat answer's reasoning and tool calls are read out (chat only), or None."""
         return None
 
     def params(self, max_new_tokens: int) -> SamplingParams:
@@ -221,10 +226,21 @@ class ChatRequest(SamplingFields):
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    _tool_parser: str | None = PrivateAttr(default=None)  # the server's, for tool_choice 'auto'
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning from the answer
+    separate_reasoning: bool = True  # SGLang's: False leaves it in the content
+    # the server's --tool-call-parser (for tool_choice 'auto') and --reasoning-parser
+    _tool_parser: str | None = PrivateAttr(default=None)
+    _reasoning_parser: str | None = PrivateAttr(default=None)
 
-    def use_tool_parser(self, parser: str | None) -> None:
-        self._tool_parser = parser
+    def use_parsers(self, tool: str | None, reasoning: str | None) -> None:
+        self._tool_parser, self._reasoning_parser = tool, reasoning
+
+    def chat_answer(self) -> ChatAnswer | None:
+        tools = self.tool_calling()
+        reasoning = self._reasoning_parser if self.separate_reasoning else None
+        if tools is None and reasoning is None:
+            return None
+        return ChatAnswer(tools, reasoning, self.include_reasoning)
 
     def tool_calling(self) -> ToolCalling | None:
         choice, parallel = self.tool_choice, self.parallel_tool_calls

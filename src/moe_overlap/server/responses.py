@@ -11,9 +11,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from moe_overlap.engine.loop import Delta
+from moe_overlap.server.chat_answer import ChatAnswer
 from moe_overlap.server.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from moe_overlap.server.protocol import FINISH_REASONS
-from moe_overlap.server.tools import ToolCalling
 
 DONE = "data: [DONE]\n\n"
 
@@ -79,7 +79,7 @@ class Formatter:
         self.echo, self.logprobs = echo, logprobs
         self.token_text = token_text or TokenText(None)
         self._streamed_chars: dict[int, int] = {}  # per choice: its token strings' length
-        self.tools: ToolCalling | None = None  # a chat's output held to tool calls
+        self.answer: ChatAnswer | None = None  # a chat's reasoning or tool calls, where asked
 
     def choices(self) -> list[Choice]:
         return [Choice() for _ in range(len(self.prompt_tokens) * self.per_prompt)]
@@ -116,8 +116,8 @@ class Formatter:
         body = []
         for i, c in enumerate(choices):
             reason = c.finish_reason
-            if self.tools is not None:
-                message, reason = self.tools.message(i, c.text, reason)
+            if self.answer is not None:
+                message, reason = self.answer.message(i, c.text, reason)
                 out: dict = {"message": message}
             elif self.chat:
                 out = {"message": {"role": "assistant", "content": c.text}}
@@ -151,9 +151,8 @@ class Formatter:
             self._streamed_chars[index] = offset + chars
         if self.chat:
             part: dict | None = {"content": text} if delta else {"role": "assistant", "content": ""}
-            if self.tools is not None and delta is not None and choice is not None:
-                part, reason = self.tools.delta(index, text, choice.text, reason)
-                part = part or {}
+            if self.answer is not None and delta is not None and choice is not None:
+                part, reason = self.answer.delta(index, text, choice.text, reason)
             choice_body = {"index": index, "delta": part, "finish_reason": reason}
             logprobs = self._logprobs(entries, offset) if delta else None
             body = {**choice_body, "logprobs": logprobs, "token_ids": ids}

@@ -191,7 +191,7 @@ def _formatter(
     lengths = [len(ids) for ids in prompts]
     name = settings.model_name
     fmt = make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
-    fmt.tools = body.tool_calling()
+    fmt.answer = body.chat_answer()
     return fmt
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.args import setting
+from moe_overlap.server.reasoning import REASONING_PARSERS
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -123,6 +124,14 @@ class ServerSettings:
         "\"arguments\": ...}</tool_call>' as Qwen2.5, Qwen3 and Qwen3-MoE's chat templates "
         "teach",
         choices=TOOL_CALL_PARSERS,
+        group="server",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "keep a thinking model's reasoning apart from its answer, in chat's reasoning_content "
+        "(vLLM's and SGLang's flag): qwen3 (<think>...</think> opening the output), "
+        "deepseek_r1 (all up to </think>, whose <think> the template opened)",
+        choices=REASONING_PARSERS,
         group="server",
     )
     log_level: str = setting(

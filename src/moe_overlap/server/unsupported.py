@@ -90,6 +90,7 @@ _CHAT: dict[str, tuple[tuple, str]] = {
     "chat_template": (EMPTY, "a per-request chat template (serve --chat-template)"),
     "mm_processor_kwargs": (EMPTY, "multimodal processor arguments"),
     "reasoning_effort": (NONE, "reasoning effort"),
+    "stream_reasoning": ((None, True), "holding streamed reasoning back to the end"),
     "input_ids": (EMPTY, "prompt token ids on chat (use /v1/completions)"),
     "task": (NONE, "quick-instruction tasks"),
     "max_dynamic_patch": (NONE, "images"),
@@ -103,9 +104,6 @@ NO_OPS: dict[str, str] = {
     "rid": "a client's id for the request; this server numbers requests itself",
     "extra_key": "a client's classification key; nothing here is keyed by it",
     "custom_labels": "labels for the provider's metrics; no effect on the answer",
-    "include_reasoning": "no model here separates reasoning from the answer",
-    "separate_reasoning": "no model here separates reasoning from the answer",
-    "stream_reasoning": "no model here separates reasoning from the answer",
     "guided_decoding_backend": "xgrammar serves every constraint; the output obeys it either way",
 }
 REFUSED = {"completions": {**_BOTH, **_COMPLETIONS}, "chat": {**_BOTH, **_CHAT}}

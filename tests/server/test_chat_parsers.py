@@ -1,5 +1,6 @@
-"""``tool_choice='auto'`` with ``--tool-call-parser hermes``: the calls read back out of a model's
-free text, whole and streamed in any chunking, into OpenAI's message and chunk shapes."""
+"""The parsers of a chat answer: ``--tool-call-parser hermes`` (``tool_choice='auto'``'s calls
+read back out of free text) and ``--reasoning-parser`` (a thinking model's reasoning apart), whole
+and streamed in any chunking, into OpenAI's message and chunk shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from hypothesis import strategies as st
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.errors import InvalidRequestError
 from moe_overlap.engine.loop import Delta
+from moe_overlap.server.chat_answer import ChatAnswer
 from moe_overlap.server.hermes import HermesStream, split_calls
+from moe_overlap.server.reasoning import ReasoningStream, split_reasoning
 from moe_overlap.server.responses import Formatter
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.server.tools import ToolSpec, tool_calling
@@ -71,8 +74,9 @@ def _delta(text: str, reason: str | None = None) -> Delta:
 
 def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
     calling = tool_calling(TOOLS, "auto", parser="hermes")
+    assert calling is not None
     fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
-    fmt.tools = calling
+    fmt.answer = ChatAnswer(calling)
     (choice,) = fmt.choices()
     pieces = [CALLS[i : i + 7] for i in range(0, len(CALLS), 7)]
     chunks = []
@@ -92,7 +96,7 @@ def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
     assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "now"]
     # an answer without calls is the text, as it ended
     fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
-    fmt.tools = calling
+    fmt.answer = ChatAnswer(calling)
     (plain,) = fmt.choices()
     fmt.add(plain, 0, _delta("just text", "length"))
     message = fmt.whole([plain])["choices"][0]
@@ -108,3 +112,56 @@ def test_auto_needs_the_servers_parser():
     assert ServerSettings("m", tool_call_parser="hermes").auto_tool_parser is None
     both = ServerSettings("m", enable_auto_tool_choice=True, tool_call_parser="hermes")
     assert both.auto_tool_parser == "hermes"
+
+
+THOUGHT = "<think>\nThe user wants Oslo's weather.\n</think>\n\n" + CALLS
+
+
+def test_reasoning_is_read_apart_from_the_answer_by_each_parser():
+    assert split_reasoning(THOUGHT, "qwen3") == ("\nThe user wants Oslo's weather.\n", CALLS)
+    assert split_reasoning("plain answer", "qwen3") == (None, "plain answer")  # thinking off
+    assert split_reasoning("<think>cut short", "qwen3") == ("cut short", "")
+    # DeepSeek-R1's template opens <think>: the output starts inside it
+    assert split_reasoning("so: 4</think>\n\nFour.", "deepseek_r1") == ("so: 4", "Four.")
+    assert split_reasoning("still thinking", "deepseek_r1") == ("still thinking", "")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=60), st.sampled_from(["qwen3", "deepseek_r1"])
+)
+def test_streamed_reasoning_and_answer_add_up_to_the_whole_in_any_chunks(sizes, parser):
+    for text in (THOUGHT, "no thoughts here", "<think>cut", "<thi"):
+        stream, thought, answer, at = ReasoningStream(parser), "", "", 0
+        for size in sizes:
+            at = min(len(text), at + size)
+            more, new = stream.step(text[:at], finished=False)
+            thought, answer = thought + more, answer + new
+        more, new = stream.step(text, finished=True)
+        thought, answer = thought + more, answer + new
+        expected = split_reasoning(text, parser)
+        assert (thought, answer) == (expected[0] or "", expected[1]), (text, parser)
+
+
+def test_reasoning_then_calls_come_back_apart_whole_and_streamed():
+    """A thinking model that calls: the reasoning in reasoning_content, the calls read from the
+    answer after it; include_reasoning=false drops the reasoning."""
+    answer = ChatAnswer(tool_calling(TOOLS, "auto", parser="hermes"), "qwen3")
+    message, reason = answer.message(0, THOUGHT, "stop")
+    assert message["reasoning_content"] == "\nThe user wants Oslo's weather.\n"
+    assert message["content"] == "Let me look."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
+    assert reason == "tool_calls"
+    parts, at = [], 0
+    while at < len(THOUGHT):
+        at = min(len(THOUGHT), at + 5)
+        parts.append(answer.delta(1, "", THOUGHT[:at], "stop" if at == len(THOUGHT) else None))
+    assert "".join(p.get("reasoning_content", "") for p, _ in parts) == message["reasoning_content"]
+    assert "".join(p.get("content") or "" for p, _ in parts) == "Let me look.\n"
+    assert [t["function"]["name"] for p, _ in parts for t in p.get("tool_calls", [])] == [
+        "get_weather",
+        "now",
+    ]
+    assert parts[-1][1] == "tool_calls"
+    hidden = ChatAnswer(None, "qwen3", show_reasoning=False)
+    assert hidden.message(0, THOUGHT, "stop")[0] == {"role": "assistant", "content": CALLS}
