@@ -198,6 +198,11 @@ def test_a_one_gpu_plan_on_a_bigger_cluster_says_so(capsys) -> None:
     assert "planned on 1 GPU of 1x8-h100's 8: nothing crosses GPUs" in out and "--ep 8" in out
     assert main([*argv, "--decode-sweep", "0"]) == 2  # was taken as no sweep, silently
     assert "--decode-sweep=0 must be >= 1" in capsys.readouterr().err
+    # past the model's 40,960-token context: planned once without a word
+    assert main([*argv, "--workload", "decode:8:100000"]) == 2
+    assert "exceeds the model's context of 40960" in capsys.readouterr().err
+    assert main([*argv, "--decode-sweep", "50000"]) == 2
+    assert "--decode-sweep 50000: a sequence of 50001 tokens" in capsys.readouterr().err
 
 
 def test_layout_errors_are_clear() -> None:

@@ -20,7 +20,7 @@ from moe_overlap.core.expert_location import read_load
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
-from moe_overlap.core.workloads import make_batches, parse_workload
+from moe_overlap.core.workloads import check_fits, make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
@@ -105,13 +105,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     configs = {m: mode_config(m) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
-    if args.decode_sweep is not None and args.decode_sweep < 1:
-        raise ConfigError(f"--decode-sweep={args.decode_sweep} must be >= 1 (tokens of context)")
+    _check_sweep(args.decode_sweep, spec.cfg)
     speculation = speculation_inputs(
         args.speculative_num_draft_tokens, args.accept_length, args.speculative_drafter
     )
     workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
     workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
+    check_fits(f"--workload {workload_spec}", workload.longest, spec.cfg)
     measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
     cluster, imbalance = plan_cluster(args, spec, layout)
     started = time.perf_counter()  # the planning alone, after any calibration
@@ -184,6 +184,13 @@ def imbalance_text(imbalance: Imbalance) -> str:
     if not imbalance.eplb:
         return f"{imbalance.planned:.3f}"
     return f"{imbalance.before:.3f} -> {imbalance.planned:.3f} after EPLB"
+
+
+def _check_sweep(ctx: int | None, cfg: ModelConfig) -> None:
+    if ctx is not None and ctx < 1:
+        raise ConfigError(f"--decode-sweep={ctx} must be >= 1 (tokens of context)")
+    if ctx is not None:  # its decodes are one token past the context
+        check_fits(f"--decode-sweep {ctx}", ctx + 1, cfg)
 
 
 def cmd_reproduce() -> int:
