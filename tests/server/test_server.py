@@ -568,6 +568,7 @@ def _parse(*argv: str):
         (["--metric-percentiles", "0"], r"comma-separated numbers in \(0, 100\]"),
         (["--base-url", "http://x:1", "--modes", "tbo"], "drop one of them"),
         (["--random-range-ratio", "1"], r"--random-range-ratio=1.0 must be in \[0, 1\)"),
+        (["--random-input-len", "64"], "shapes --dataset-name random, but workload runs"),
         (["--prefix-repetition-num-prefixes", "0"], "--prefix-repetition-num-prefixes=0 must"),
         (
             ["--dataset-name", "random", "--random-input-len", "1000", "--random-output-len", "30"],
