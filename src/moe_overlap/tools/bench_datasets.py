@@ -12,9 +12,11 @@ and answer lengths from one of three datasets.
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.workloads import parse_workload
 
 FIRST_ID = 3  # prompts avoid the shipped tokenizer's special tokens (ids 0-2)
@@ -88,3 +90,21 @@ def prefix_repetition_requests(
         BenchRequest(prefixes[i % num_prefixes] + _ids(rng, suffix_len, vocab), output_len)
         for i in range(count)
     ]
+
+
+_DATASET_FLAGS = {"random": "random_", "prefix_repetition": "prefix_repetition_"}
+
+
+def check_dataset_flags(args: argparse.Namespace, defaults: dict[str, object]) -> None:
+    """A dataset's flags moved from their ``defaults`` while another dataset runs: refused,
+    not silently ignored."""
+    for dataset, prefix in _DATASET_FLAGS.items():
+        if args.dataset_name == dataset:
+            continue
+        for name, default in defaults.items():
+            if name.startswith(prefix) and getattr(args, name) != default:
+                flag = f"--{name.replace('_', '-')}"
+                raise ConfigError(
+                    f"{flag} shapes --dataset-name {dataset}, but {args.dataset_name} runs: "
+                    f"add --dataset-name {dataset}, or drop {flag}"
+                )

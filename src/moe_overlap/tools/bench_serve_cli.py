@@ -4,7 +4,6 @@ mode) or against any OpenAI-compatible server already running (``--base-url``)."
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import threading
 import time
@@ -23,6 +22,7 @@ from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_datasets import (
     BenchRequest,
+    check_dataset_flags,
     prefix_repetition_requests,
     random_requests,
     workload_requests,
@@ -36,7 +36,7 @@ from moe_overlap.tools.bench_serve_report import (
     speculative_note,
 )
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
-from moe_overlap.tools.command_flags import LoadFlags
+from moe_overlap.tools.command_flags import LOAD_DEFAULTS, LoadFlags
 from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.serving_metrics import parse_metrics, parse_percentiles, result_block
 
@@ -97,7 +97,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
             f"--random-range-ratio={args.random_range_ratio} must be in [0, 1): lengths are "
             "drawn from mean x [1 - R, 1 + R]"
         )
-    _check_dataset_flags(args)  # after the values' own checks
+    check_dataset_flags(args, LOAD_DEFAULTS)  # after the values' own checks
     if args.duration is not None and not args.duration > 0:
         raise ConfigError(f"--duration={args.duration} must be a positive number of seconds")
     if args.base_url and args.modes:
@@ -114,25 +114,6 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
         raise ConfigError(str(exc)) from None
     modes = list(parse_modes(args.modes) if args.modes else SERVE_LABELS)
     return (["external"] if args.base_url else modes), rates, metrics
-
-
-_DATASET_FLAGS = {"random": "random_", "prefix_repetition": "prefix_repetition_"}
-_LOAD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LoadFlags)}
-
-
-def _check_dataset_flags(args: argparse.Namespace) -> None:
-    """A dataset's flags moved from their defaults while another dataset runs: refused, not
-    silently ignored."""
-    for dataset, prefix in _DATASET_FLAGS.items():
-        if args.dataset_name == dataset:
-            continue
-        for name, default in _LOAD_DEFAULTS.items():
-            if name.startswith(prefix) and getattr(args, name) != default:
-                flag = f"--{name.replace('_', '-')}"
-                raise ConfigError(
-                    f"{flag} shapes --dataset-name {dataset}, but {args.dataset_name} runs: "
-                    f"add --dataset-name {dataset}, or drop {flag}"
-                )
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

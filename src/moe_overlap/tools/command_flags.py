@@ -5,7 +5,7 @@ default are written once, here. The engine's flags come from ``EngineArgs``."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, SERVE_LABELS
 from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
@@ -286,3 +286,6 @@ class PlanFlags(SpeculativePlanFlags):
     json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
     trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
     plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")
+
+
+LOAD_DEFAULTS = {f.name: f.default for f in fields(LoadFlags)}  # a dataset's flags, unmoved
