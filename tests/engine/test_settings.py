@@ -16,8 +16,9 @@ from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools import command_flags
-from moe_overlap.tools.cli import build_parser, main
+from moe_overlap.tools.cli import main
 from moe_overlap.tools.cli_args import engine_args
+from moe_overlap.tools.commands import build_parser
 from moe_overlap.tools.flags import expand_config, field_help, flag_name
 
 CONFIG = "configs/qwen3-moe-tiny.json"

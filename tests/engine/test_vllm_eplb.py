@@ -10,8 +10,9 @@ import pytest
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.engine_args import EngineArgs
-from moe_overlap.tools.cli import build_parser, main
+from moe_overlap.tools.cli import main
 from moe_overlap.tools.cli_args import engine_args
+from moe_overlap.tools.commands import build_parser
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 VLLM = {"window_size": 500, "step_interval": 2000, "num_redundant_experts": 8}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.distributed import netns
 from moe_overlap.engine.engine_args import EngineArgs
-from moe_overlap.tools.cli import build_parser, main
+from moe_overlap.tools.cli import forks_ranks, main
+from moe_overlap.tools.commands import build_parser
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -105,3 +109,19 @@ def test_every_commands_help_renders(capsys):
             main([name, "--help"])
         assert exit_.value.code == 0, name
         assert f"usage: moe-overlap {name}" in capsys.readouterr().out
+
+
+def test_a_command_that_forks_ranks_starts_the_fork_server_before_importing_torch():
+    """The entry guesses from the raw arguments whether ranks will be forked, and loads no
+    torch before it has started the fork server (whose own import then runs beside ours)."""
+    assert forks_ranks(["serve", "--model", "m", "--ep", "2"])
+    assert forks_ranks(["generate", "--tp=4", "--prompt", "x"])
+    assert forks_ranks(["bench", "--emulate-peers", "8", "--ep", "1"])
+    assert not forks_ranks(["serve", "--model", "m"])  # one process
+    assert not forks_ranks(["serve", "--ep", "2", "--help"])
+    assert not forks_ranks(["make-model", "--ep", "2"])
+    assert not forks_ranks(["bench", "--ep"])  # a value missing: argparse will say so
+    assert not forks_ranks([])
+    code = "import sys, moe_overlap.tools.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr

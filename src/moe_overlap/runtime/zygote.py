@@ -24,9 +24,7 @@ import sys
 import threading
 import time
 import traceback
-
-# imported here once, so that no forked rank imports torch and the rank code again
-from moe_overlap.runtime import worker
+from collections.abc import Callable
 
 _MAX_MESSAGE = 1 << 20
 EXIT_UNKNOWN = -1000  # a rank that ended after its fork server died: init reaped it, not us
@@ -151,7 +149,7 @@ def zygote() -> Zygote:
 # ---- the server's side ----
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, serve_fd: Callable[[int], None]) -> None:
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
@@ -163,7 +161,7 @@ def _serve(sock: socket.socket) -> None:
         try:
             reply: tuple[str, object] = (
                 "ok",
-                _fork(sock, fds, *args) if kind == "spawn" else _reap(*args),
+                _fork(sock, serve_fd, fds, *args) if kind == "spawn" else _reap(*args),
             )
         except Exception as exc:  # tell the driver; the server keeps serving
             reply = ("error", f"{type(exc).__name__}: {exc}")
@@ -173,7 +171,9 @@ def _serve(sock: socket.socket) -> None:
         sock.send(pickle.dumps(reply))
 
 
-def _fork(sock: socket.socket, fds: list[int], env: dict, cwd: str) -> int:
+def _fork(
+    sock: socket.socket, serve_fd: Callable[[int], None], fds: list[int], env: dict, cwd: str
+) -> int:
     pid = os.fork()
     if pid:
         return pid
@@ -186,7 +186,7 @@ def _fork(sock: socket.socket, fds: list[int], env: dict, cwd: str) -> int:
         os.environ.clear()
         os.environ.update(env)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        worker.serve_fd(os.dup(fds[0]))
+        serve_fd(os.dup(fds[0]))
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -203,7 +203,12 @@ def _reap(pid: int) -> int | None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver to handle
-    _serve(socket.socket(fileno=int(sys.argv[1])))
+    # imported here once, so that no forked rank imports torch and the rank code again (and
+    # not at the module's top: the driver imports this module for ``zygote()`` alone, which
+    # the command line calls before its own import of torch)
+    import moe_overlap.runtime.worker as worker
+
+    _serve(socket.socket(fileno=int(sys.argv[1])), worker.serve_fd)
 
 
 if __name__ == "__main__":
