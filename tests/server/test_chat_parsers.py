@@ -4,7 +4,10 @@ and streamed in any chunking, into OpenAI's message and chunk shapes."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import operator
 
 import pytest
 from hypothesis import given, settings
@@ -45,17 +48,19 @@ def test_calls_are_read_after_the_text_and_what_is_not_a_call_stays_text():
     )
 
 
+def streamed(stream: HermesStream | ReasoningStream, text: str, sizes: list[int]) -> tuple:
+    """What ``stream`` sends, summed part by part, when ``text`` arrives in chunks of
+    ``sizes`` (then whole, finished)."""
+    ends = [min(len(text), at) for at in itertools.accumulate(sizes)]
+    parts = [stream.step(text[:end], finished=False) for end in ends]
+    parts.append(stream.step(text, finished=True))
+    return tuple(functools.reduce(operator.add, column) for column in zip(*parts, strict=True))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 12), min_size=1, max_size=40))
 def test_streamed_in_any_chunks_the_calls_and_text_are_the_whole_answers(sizes):
-    text, calls, stream, at = "", [], HermesStream(), 0
-    for size in sizes:
-        at = min(len(CALLS), at + size)
-        sent, new = stream.step(CALLS[:at], finished=False)
-        text, calls = text + sent, calls + new
-    sent, new = stream.step(CALLS, finished=True)
-    text, calls = text + sent, calls + new
-    assert (text, calls) == split_calls(CALLS)
+    assert streamed(HermesStream(), CALLS, sizes) == split_calls(CALLS)
     # text that only looked like the start of a call goes out in the end
     stream = HermesStream()
     assert stream.step("a <tool_c", finished=False) == ("a ", [])
@@ -132,13 +137,7 @@ def test_reasoning_is_read_apart_from_the_answer_by_each_parser():
 )
 def test_streamed_reasoning_and_answer_add_up_to_the_whole_in_any_chunks(sizes, parser):
     for text in (THOUGHT, "no thoughts here", "<think>cut", "<thi"):
-        stream, thought, answer, at = ReasoningStream(parser), "", "", 0
-        for size in sizes:
-            at = min(len(text), at + size)
-            more, new = stream.step(text[:at], finished=False)
-            thought, answer = thought + more, answer + new
-        more, new = stream.step(text, finished=True)
-        thought, answer = thought + more, answer + new
+        thought, answer = streamed(ReasoningStream(parser), text, sizes)
         expected = split_reasoning(text, parser)
         assert (thought, answer) == (expected[0] or "", expected[1]), (text, parser)
 

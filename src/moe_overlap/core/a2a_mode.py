@@ -91,7 +91,9 @@ def step_a2a_mode(
     over the capacity is refused here, before any rank sends a row."""
     if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
         return A2AMode.NORMAL
-    tokens = dispatch_rows(batches)
+    tokens = most_tokens(batches)
+    if tokens > capacity:  # only then can a split matter (a micro-batch is never larger)
+        tokens = dispatch_rows(batches)
     if asked == A2AMode.AUTO:
         # a verify batch is decode with k + 1 rows a sequence: the rows count toward the cap
         decoding = all(b.mode in _DECODING for b in batches)

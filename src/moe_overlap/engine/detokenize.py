@@ -131,7 +131,7 @@ class TextStream:
         if not final:
             while end > self.sent - at and pending[end - 1] == PENDING:  # bytes still to come
                 end -= 1
-            end -= _held_for_stop(self._sent_end + pending[:end], self.stop)
+            end -= held_back(self._sent_end + pending[:end], self.stop)
         end = max(end, self.sent - at)
         out = pending[self.sent - at : end]
         self.sent = at + end
@@ -142,10 +142,11 @@ class TextStream:
         return out
 
 
-def _held_for_stop(text: str, stop: list[str]) -> int:
-    """How many trailing characters might begin a stop string."""
+def held_back(text: str, markers: list[str]) -> int:
+    """How many trailing characters might begin one of ``markers`` (a stop string, a tag a
+    parser waits for), so a stream holds them back until the next text decides."""
     held = 0
-    for s in stop:
+    for s in markers:
         for n in range(min(len(s) - 1, len(text)), held, -1):
             if text.endswith(s[:n]):
                 held = n

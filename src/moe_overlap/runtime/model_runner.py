@@ -188,11 +188,11 @@ class ModelRunner:
         peers = peers or [batch]
         cfg = overlap or self.overlap
         low_latency = self.choose_dispatch(cfg, peers)
-        graphs, rows = self.graphs, functools.partial(self.dispatch_rows, cfg)
+        graphs = self.graphs
         if (
             graphs is not None
             and not self.timeline.enabled
-            and graphs.covers(peers, cfg, low_latency, rows)
+            and graphs.covers(peers, cfg, low_latency, functools.partial(self.dispatch_rows, cfg))
         ):
             out = graphs.forward(batch, cfg, peers)
             self.last_mode = graphs.last_mode  # what the captured forward ran

@@ -19,7 +19,9 @@ class ChatAnswer:
 
     def message(self, index: int, text: str, reason: str | None) -> tuple[dict, str | None]:
         """Choice ``index``'s whole message and finish reason."""
-        thought, answer = (None, text) if self.reasoning is None else self._split(text)
+        thought, answer = None, text
+        if self.reasoning is not None:
+            thought, answer = split_reasoning(text, self.reasoning)
         if self.tools is not None:
             message, reason = self.tools.message(index, answer, reason)
         else:
@@ -45,7 +47,3 @@ class ChatAnswer:
         if thought and self.show_reasoning:
             part["reasoning_content"] = thought
         return part, reason
-
-    def _split(self, text: str) -> tuple[str | None, str]:
-        assert self.reasoning is not None
-        return split_reasoning(text, self.reasoning)

@@ -15,6 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from moe_overlap.engine.detokenize import held_back
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
@@ -33,17 +35,23 @@ def read_call(body: str) -> Call | None:
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+def _blocks(text: str, start: int, finished: bool) -> list[tuple[str, int]]:
+    """Each call's body from ``start`` on, with where it ends; once ``finished``, a last call
+    that was not closed (cut short, or no EOS) too."""
+    blocks = [(m.group(1), m.end()) for m in _BLOCK.finditer(text, start)]
+    tail = text.rfind(OPEN)
+    if finished and tail >= start and text.find(CLOSE, tail) < 0:
+        blocks.append((text[tail + len(OPEN) :], len(text)))
+    return blocks
+
+
 def split_calls(text: str) -> tuple[str, list[Call]] | None:
     """The text before the calls and the calls (an unclosed last one included), or None when
     ``text`` holds no call that parses (then all of it is the answer's text)."""
     start = text.find(OPEN)
     if start < 0:
         return None
-    bodies = _BLOCK.findall(text, start)
-    tail = text.rfind(OPEN)
-    if text.find(CLOSE, tail) < 0:  # the last call was not closed (cut short, or no EOS)
-        bodies.append(text[tail + len(OPEN) :])
-    calls = [read_call(b) for b in bodies]
+    calls = [read_call(body) for body, _ in _blocks(text, start, finished=True)]
     if not calls or any(c is None for c in calls):
         return None
     return text[:start], [c for c in calls if c is not None]
@@ -61,17 +69,13 @@ class HermesStream:
         """The text and calls to send now that the output reads ``whole``."""
         start = whole.find(OPEN)
         if self.failed or start < 0:
-            end = len(whole) if finished or self.failed else _safe_end(whole)
+            end = len(whole) if finished or self.failed else len(whole) - held_back(whole, [OPEN])
             text, self.sent = whole[self.sent : end], max(self.sent, end)
             return text, []
         text = whole[self.sent : start] if self.calls == 0 else ""
         self.sent = max(self.sent, start)
-        blocks = [(m.group(1), m.end()) for m in _BLOCK.finditer(whole, start)][self.calls :]
-        tail = whole.rfind(OPEN)
-        if finished and whole.find(CLOSE, tail) < 0 and tail >= self.sent:
-            blocks.append((whole[tail + len(OPEN) :], len(whole)))
         calls: list[Call] = []
-        for body, end in blocks:
+        for body, end in _blocks(whole, start, finished)[self.calls :]:
             call = read_call(body)
             if call is None:  # not a call after all: the rest is text
                 self.failed = True
@@ -81,11 +85,3 @@ class HermesStream:
             self.sent = end
         self.calls += len(calls)
         return text, calls
-
-
-def _safe_end(text: str) -> int:
-    """Where the text may be sent up to: before a tail that could begin ``<tool_call>``."""
-    for keep in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-keep:]):
-            return len(text) - keep
-    return len(text)

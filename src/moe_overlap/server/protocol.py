@@ -222,10 +222,6 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
-
-    def token_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
     include_reasoning: bool = True  # vLLM's: False drops the reasoning from the answer
     separate_reasoning: bool = True  # SGLang's: False leaves it in the content
     # the server's --tool-call-parser (for tool_choice 'auto') and --reasoning-parser
@@ -234,6 +230,9 @@ class ChatRequest(SamplingFields):
 
     def use_parsers(self, tool: str | None, reasoning: str | None) -> None:
         self._tool_parser, self._reasoning_parser = tool, reasoning
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_answer(self) -> ChatAnswer | None:
         tools = self.tool_calling()

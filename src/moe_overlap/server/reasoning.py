@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_overlap.engine.detokenize import held_back
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
 
@@ -68,12 +70,4 @@ class ReasoningStream:
         end = body.find(END)
         if end >= 0:
             return body[:end], body[end + len(END) :].lstrip("\n")
-        return body[: len(body) - _held(body)], self.answer
-
-
-def _held(text: str) -> int:
-    """How many characters at the end of ``text`` may begin ``</think>``."""
-    for keep in range(min(len(END) - 1, len(text)), 0, -1):
-        if END.startswith(text[-keep:]):
-            return keep
-    return 0
+        return body[: len(body) - held_back(body, [END])], self.answer

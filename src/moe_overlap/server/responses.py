@@ -150,7 +150,7 @@ class Formatter:
             chars = sum(len(self.token_text(t)) for t, _ in entries)
             self._streamed_chars[index] = offset + chars
         if self.chat:
-            part: dict | None = {"content": text} if delta else {"role": "assistant", "content": ""}
+            part = {"content": text} if delta else {"role": "assistant", "content": ""}
             if self.answer is not None and delta is not None and choice is not None:
                 part, reason = self.answer.delta(index, text, choice.text, reason)
             choice_body = {"index": index, "delta": part, "finish_reason": reason}

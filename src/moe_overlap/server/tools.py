@@ -81,7 +81,7 @@ class ToolCalling:
     forced: str | None
     parallel: bool = True  # False: ``required`` makes exactly one call
     auto: bool = False
-    ids: dict[int, list[str]] = field(default_factory=dict)  # per choice: its calls' ids
+    named_ids: dict[int, str] = field(default_factory=dict)  # a named call's id, per choice
     streams: dict[int, HermesStream] = field(default_factory=dict)  # auto, per choice
 
     def constraint(self) -> StructuredOutputs | None:
@@ -127,12 +127,9 @@ class ToolCalling:
             return {"role": "assistant", "content": text}, finish_reason
         content, named = found
         calls = _shaped(_new_ids(len(named)), named)
-        reason = finish_reason if self.forced is not None or finish_reason != "stop" else None
-        return {
-            "role": "assistant",
-            "content": content,
-            "tool_calls": calls,
-        }, reason or "tool_calls"
+        if self.forced is None and finish_reason == "stop":
+            finish_reason = "tool_calls"  # a named call ends as OpenAI's forced call: "stop"
+        return {"role": "assistant", "content": content, "tool_calls": calls}, finish_reason
 
     def delta(
         self, index: int, added: str, whole: str, reason: str | None
@@ -142,11 +139,11 @@ class ToolCalling:
         ``required``'s calls go whole at the end, when the array is known; ``auto``'s text as
         it comes and each call once closed (``hermes.py``)."""
         if self.forced is not None:
-            first = index not in self.ids
+            first = index not in self.named_ids
             call: dict = {"index": 0, "function": {"arguments": added}}
             if first:
-                self.ids[index] = _new_ids(1)
-                call |= {"id": self.ids[index][0], "type": "function"}
+                self.named_ids[index] = _new_ids(1)[0]
+                call |= {"id": self.named_ids[index], "type": "function"}
                 call["function"] = {"name": self.forced, "arguments": added}
             return ({"tool_calls": [call]} if added or first else None), reason
         if self.auto:

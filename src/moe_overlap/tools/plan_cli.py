@@ -187,10 +187,11 @@ def imbalance_text(imbalance: Imbalance) -> str:
 
 
 def _check_sweep(ctx: int | None, cfg: ModelConfig) -> None:
-    if ctx is not None and ctx < 1:
+    if ctx is None:
+        return
+    if ctx < 1:
         raise ConfigError(f"--decode-sweep={ctx} must be >= 1 (tokens of context)")
-    if ctx is not None:  # its decodes are one token past the context
-        check_fits(f"--decode-sweep {ctx}", ctx + 1, cfg)
+    check_fits(f"--decode-sweep {ctx}", ctx + 1, cfg)  # its decodes: one token past it
 
 
 def cmd_reproduce() -> int:
