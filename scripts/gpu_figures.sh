@@ -3,8 +3,8 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check,
-#          spec-graphs (default all; decode-ll runs only with decode)
+#   STEPS: a comma list of emulated,decode,decode-ll,paged,prefill,fp8,profile,device-ops,
+#          gpu-check,spec-graphs (default all; decode-ll runs only with decode)
 #
 # The emulated runs come first (they are what the overlap criteria judge), then the one-process
 # forward, the GPU checks and last the profiles. Every step has its own `timeout`; a step that
@@ -19,7 +19,7 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-steps=",${2:-emulated,decode,decode-ll,prefill,fp8,profile,device-ops,gpu-check,spec-graphs},"
+steps=",${2:-emulated,decode,decode-ll,paged,prefill,fp8,profile,device-ops,gpu-check,spec-graphs},"
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160
 py=${PY:-python3}
@@ -117,6 +117,14 @@ if want decode; then
   fi
 fi
 
+# 1b. decode-256 from CUDA graphs on KV pages of 16 against one page per sequence (the
+#     whole-context slot's layout), one process, the same greedy tokens asked of both
+if want paged; then
+  note "== decode-256 on pages against whole-context slots (scripts/paged_decode_bench.py)"
+  run paged 150 "$py" scripts/paged_decode_bench.py "$cfg" 256 512 64
+  grep -E "^(==|pages|one page| +pages| +one page)" "$logs/paged.txt" >> "$summary"
+fi
+
 # 2. the one-process forward (ep=1, no link)
 if want prefill; then
   run prefill 90 "${cli[@]}" bench --hf-config "$cfg" --device "$device" --ep 1 --dtype bfloat16 \
@@ -166,7 +174,7 @@ if want spec-graphs; then
   note "== speculative decode, CUDA graphs against eager (scripts/spec_graph_bench.py)"
   run spec-graphs-ngram 90 "$py" scripts/spec_graph_bench.py "$cfg" NGRAM 1,8,32 64
   grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-ngram.txt" >> "$summary"
-  run spec-graphs-mtp 60 "$py" scripts/spec_graph_bench.py configs/deepseek-v3-tiny.json EAGLE \
+  run spec-graphs-mtp 100 "$py" scripts/spec_graph_bench.py configs/deepseek-v3-tiny.json EAGLE \
     1,8,32 64
   grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-mtp.txt" >> "$summary"
 fi

@@ -1,5 +1,5 @@
 """FP8 on a GPU: the weights stay resident in FP8 (at most 0.55x their bf16 bytes with the
-scales), and the W8A8 path (torch._scaled_mm, 1x128 activations, 128x128 weights) gives the
+scales), and the W8A8 path (F.scaled_mm, 1x128 activations, 128x128 weights) gives the
 logits of the dequantized path within FP8's activation rounding, on the linears and, where
 their widths are multiples of 128, on the routed experts (one scaled GEMM per expert)."""
 
@@ -40,7 +40,7 @@ def test_fp8_weights_stay_resident_on_the_gpu(fp8_128):
 
 def test_w8a8_logits_match_the_dequantized_path(fp8_128):
     if not w8a8_available("cuda"):
-        pytest.skip("no block-scaled FP8 GEMM on this GPU/torch (needs sm90 and _scaled_mm)")
+        pytest.skip("no block-scaled FP8 GEMM on this GPU/torch (needs sm90 and F.scaled_mm)")
     kw = dict(device="cuda", dtype="bfloat16", disable_cuda_graph=True)
     with LLM(fp8_128, **kw) as llm:
         scaled = [m for m in llm.executor.runner.model.modules() if isinstance(m, W8A8Linear)]
@@ -69,7 +69,7 @@ def fp8_experts_128(tmp_path_factory):
 
 def test_w8a8_experts_match_the_dequantized_path(fp8_experts_128):
     if not w8a8_available("cuda"):
-        pytest.skip("no block-scaled FP8 GEMM on this GPU/torch (needs sm90 and _scaled_mm)")
+        pytest.skip("no block-scaled FP8 GEMM on this GPU/torch (needs sm90 and F.scaled_mm)")
     kw = dict(device="cuda", dtype="bfloat16", disable_cuda_graph=True)
     with LLM(fp8_experts_128, **kw) as llm:
         model = llm.executor.runner.model

@@ -32,7 +32,8 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_resident import column_block, fp8_path, keep_resident
-from moe_overlap.model.fp8_w8a8 import W8A8Linear, quantize_activations
+from moe_overlap.model.fp8_scale_layout import gemm_works, pad_grid, quantize_activations
+from moe_overlap.model.fp8_w8a8 import W8A8Linear
 from moe_overlap.model.fp8_weights import dequantize, resident_bytes
 from moe_overlap.model.loader import build_model, load_checkpoint, save_checkpoint
 from moe_overlap.model.quant_config import quant_config_of
@@ -359,3 +360,18 @@ def test_on_the_fly_refuses_a_column_shard_inside_a_block():
     with pytest.raises(ConfigError, match="column 32, inside a scale block of 48.*drop --fp8"):
         column_block([entry], kept)
     assert column_block([dataclasses.replace(entry, shard=Shard(0, 8, 32))], kept) == 48
+
+
+def test_the_fp8_gemm_pads_what_cublas_needs_aligned():
+    """The activations' rows padded to a multiple of 4 (their 1x128 scales' leading dimension
+    with them), the weight grid's column blocks padded with ones; never taken off a GPU."""
+    x = torch.randn(5, 768)
+    xq, scale = quantize_activations(x, row_multiple=4)
+    assert xq.shape == (8, 768) and scale.shape == (8, 6) and scale.stride() == (1, 8)
+    assert not xq[5:].float().any()
+    grid = torch.rand(3, 16, 6) + 0.5
+    padded = pad_grid(grid)
+    assert padded.shape == (3, 16, 8) and padded.is_contiguous()
+    assert torch.equal(padded[..., :6], grid) and bool((padded[..., 6:] == 1).all())
+    assert pad_grid(torch.ones(16, 16)).shape == (16, 16)
+    assert not gemm_works(torch.device("cpu"))

@@ -22,6 +22,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.checkpoint_layout import Entry, fill, layout_entries
 from moe_overlap.model.fp8_checkpoint import Fp8Tensor
+from moe_overlap.model.fp8_scale_layout import gemm_works
 from moe_overlap.model.fp8_w8a8 import (
     W8A8_BLOCK,
     W8A8Experts,
@@ -53,7 +54,7 @@ def fp8_path(quant: Fp8Config | None, device: torch.device | str, on_the_fly: bo
         return "FP8 weights dequantized once at load (CPU has no FP8 matmul)"
     if not on_the_fly and w8a8_available(device) and quant.block == W8A8_BLOCK:
         return (
-            "FP8 weights resident; W8A8 block FP8 (torch._scaled_mm) on the linears and expert "
+            "FP8 weights resident; W8A8 block FP8 (F.scaled_mm) on the linears and expert "
             "banks that fit (the experts one GEMM per expert), the rest dequantized at each use"
         )
     return "FP8 weights resident, dequantized at each use (no W8A8 here)"
@@ -169,7 +170,10 @@ def keep_resident(
             rebuild = partial(getattr, module, attr)  # the fallback: dequantized at use
             module.w8a8 = W8A8Linear(q, scale[:: block[0]], rebuild)
             scaled += 1
-    return scaled + (_w8a8_experts(model, resident) if w8a8 else 0)
+    scaled += _w8a8_experts(model, resident) if w8a8 else 0
+    if scaled:  # the GEMM checked now, never inside a CUDA graph's capture
+        gemm_works(next(iter(resident.values())).q.device)
+    return scaled
 
 
 def _w8a8_experts(model: MoeForCausalLM, resident: dict[str, ResidentFp8]) -> int:

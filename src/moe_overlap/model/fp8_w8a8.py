@@ -1,11 +1,13 @@
 """W8A8 block FP8 on a GPU: a linear's FP8 weight times its input quantized per token in
-groups of 128 (``scale = amax / 448``, as SGLang and vLLM do), as one ``torch._scaled_mm``
+groups of 128 (``scale = amax / 448``, as SGLang and vLLM do), as one ``F.scaled_mm``
 with block scales (the input 1x128, the weight 128x128; cuBLAS on sm90 and later).
 
-Taken only on CUDA with compute capability 9.0 or more, a torch that has ``_scaled_mm``, a
+Taken only on CUDA with compute capability 9.0 or more, a torch that has ``F.scaled_mm``, a
 checkpoint in 128x128 blocks, and a shard that starts on a block; a routed expert bank whose
 hidden and intermediate sizes are multiples of 128 runs the same GEMM per expert
-(``W8A8Experts``). Everything else (CPU always, the MLA's plain ``nn.Linear``
+(``W8A8Experts``). The scales are laid out as this GPU's cuBLAS takes them
+(``fp8_scale_layout.py``: ``F.scaled_mm`` with the recipes named, the rows and the weight
+grid's column blocks padded). Everything else (CPU always, the MLA's plain ``nn.Linear``
 down-projections) runs the dequantized weight. A GEMM that raises at its first call falls back
 to the dequantized weight for good."""
 
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_overlap.model.fp8_weights import FP8_DTYPE, FP8_MAX
+from moe_overlap.model.fp8_scale_layout import gemm_works, pad_grid, scaled_mm
 
 W8A8_BLOCK = (128, 128)
 log = logging.getLogger(__name__)
@@ -28,17 +30,8 @@ def w8a8_available(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and hasattr(torch, "_scaled_mm")
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` (K a multiple of 128) as FP8 and its scales ``[M, K / 128]``, laid out
-    column-major as cuBLAS's 1x128 scaling reads them."""
-    m, k = x.shape
-    groups = x.float().view(m, k // 128, 128)
-    scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
-    return q, scale.t().contiguous().t()
+    capable = torch.cuda.get_device_capability(device) >= (9, 0)
+    return capable and hasattr(nn.functional, "scaled_mm")
 
 
 class W8A8Linear(nn.Module):
@@ -52,7 +45,7 @@ class W8A8Linear(nn.Module):
     ):
         super().__init__()
         self.q = q  # shared with the parametrization's FP8 tensor: no second copy
-        self.register_buffer("grid", grid.contiguous())
+        self.register_buffer("grid", pad_grid(grid))  # its column blocks padded to 4
         self.dequantized = dequantized  # () -> the weight in the run dtype
         self.failed = False
 
@@ -66,18 +59,16 @@ class W8A8Linear(nn.Module):
         return nn.functional.linear(x, self.dequantized(), bias)
 
     def _scaled(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return scaled_linear(x, self.q, self.grid, bias)
+        _check_gemm(x.device)
+        y = scaled_mm(x.reshape(-1, x.shape[-1]), self.q, self.grid, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def scaled_linear(
-    x: torch.Tensor, q: torch.Tensor, grid: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x (q * grid)^T (+ bias)``: ``x`` quantized per token in groups of 128, one
-    ``torch._scaled_mm`` with the weight's 128x128 block scales."""
-    rows = x.reshape(-1, x.shape[-1])
-    xq, scale = quantize_activations(rows)
-    y = torch._scaled_mm(xq, q.t(), scale_a=scale, scale_b=grid.t(), out_dtype=x.dtype, bias=bias)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+def _check_gemm(device: torch.device) -> None:
+    """Raise where the block-scaled GEMM fails its check on ``device``
+    (``fp8_scale_layout.gemm_works``): the callers then dequantize."""
+    if not gemm_works(device):
+        raise NotImplementedError(f"no block-scaled FP8 GEMM that checks out on {device}")
 
 
 class W8A8Experts:
@@ -88,7 +79,8 @@ class W8A8Experts:
     def __init__(
         self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]
     ):
-        self.gate_up, self.down = gate_up, down  # the FP8 tensors are the bank's own
+        # the FP8 tensors are the bank's own; the grids' column blocks padded to 4
+        self.gate_up, self.down = ((q, pad_grid(grid)) for q, grid in (gate_up, down))
         self.failed = False
 
     def run(
@@ -104,11 +96,12 @@ class W8A8Experts:
         if self.failed:
             return False
         try:
+            _check_gemm(x.device)
             for e in experts:
                 rows = slice(ends[e], ends[e + 1])
                 if rows.start < rows.stop:
-                    h = scaled_linear(x[rows], self.gate_up[0][e], self.gate_up[1][e])
-                    out[rows] = scaled_linear(act(h), self.down[0][e], self.down[1][e])
+                    h = scaled_mm(x[rows], self.gate_up[0][e], self.gate_up[1][e])
+                    out[rows] = scaled_mm(act(h), self.down[0][e], self.down[1][e])
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel not here
             self.failed = True
             log.warning("W8A8 expert GEMM unavailable (%s); dequantizing the experts instead", exc)

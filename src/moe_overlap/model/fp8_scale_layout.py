@@ -1,0 +1,90 @@
+"""The block-scaled FP8 GEMM as cuBLAS takes it: ``torch.nn.functional.scaled_mm`` with the
+1x128 and 128x128 recipes named, and its scales laid out as cuBLAS reads them.
+
+What an H200 (torch 2.11, CUDA 13) showed (``scripts/fp8_layout_probe.py``):
+- ``torch._scaled_mm`` infers the recipes from the scales' shapes and takes the weight grid as
+  ``[K/128, N/128]``; where K/128 is not a multiple of 4 (a Qwen3-30B-A3B down projection,
+  K = 768) it was refused or, with 8 rows, ran and returned a wrong product (relative error 65):
+  cuBLAS reads the grid with its column blocks padded to a multiple of 4.
+- ``F.scaled_mm`` takes that padded grid, ``[K'/128, N/128]``, and gives the right product.
+- Either refuses (``CUBLAS_STATUS_NOT_SUPPORTED``) activations whose row count is not a multiple
+  of 4 (the 1x128 scales' leading dimension): a routed expert's few rows.
+
+So the weight grids are padded once at load (``pad_grid``), the activation rows at each call,
+and ``gemm_works`` checks once per device, on a GEMM with both misalignments, that the product
+matches the dequantized one; where it does not (or torch lacks ``F.scaled_mm``), the callers
+dequantize.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from moe_overlap.model.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
+
+log = logging.getLogger(__name__)
+ROW_MULTIPLE = 4  # activation rows per GEMM: a multiple of this
+K_BLOCK_MULTIPLE = 4  # the weight grid's column blocks, padded in memory
+
+
+def pad_grid(grid: torch.Tensor) -> torch.Tensor:
+    """A weight grid ``[..., N/128, K/128]`` with its column blocks padded (with ones, which
+    scale nothing: no weight column lies there) to a multiple of 4, contiguous."""
+    return F.pad(grid, (0, -grid.shape[-1] % K_BLOCK_MULTIPLE), value=1.0).contiguous()
+
+
+def quantize_activations(
+    x: torch.Tensor, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (K a multiple of 128), its rows padded with zeros to a multiple of
+    ``row_multiple``, as FP8 and its scales ``[M', K / 128]``, laid out column-major as
+    cuBLAS's 1x128 scaling reads them."""
+    x = F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple))
+    m, k = x.shape
+    groups = x.float().view(m, k // 128, 128)
+    scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    return q, scale.t().contiguous().t()
+
+
+def scaled_mm(
+    x: torch.Tensor, q: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] (q * grid)^T (+ bias)``, ``[M, N]`` in x's dtype, as one ``F.scaled_mm``;
+    ``padded``: ``pad_grid``'s grid of ``q``."""
+    xq, scale = quantize_activations(x, ROW_MULTIPLE)
+    recipes = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    y = F.scaled_mm(
+        xq, q.t(), scale, recipes[0], padded.t(), recipes[1], bias=bias, output_dtype=x.dtype
+    )
+    return y[: x.shape[0]]
+
+
+@functools.cache
+def gemm_works(device: torch.device) -> bool:
+    """Whether ``scaled_mm`` runs on ``device`` and matches the dequantized product on 5 rows
+    of K = 768 (both misalignments); never off a GPU."""
+    if device.type != "cuda" or not hasattr(F, "scaled_mm"):
+        return False
+    error = gemm_error(device, rows=5, n=256, k=768)
+    if error is None or error > 0.05:
+        log.warning("the block-scaled FP8 GEMM fails its check on %s (%s)", device, error)
+        return False
+    return True
+
+
+def gemm_error(device: torch.device, rows: int, n: int, k: int) -> float | None:
+    """``scaled_mm``'s relative error against the dequantized product; None where it raises."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, k, generator=gen).to(device, torch.bfloat16)
+    q, grid = quantize(torch.randn(n, k, generator=gen).to(device), (128, 128))
+    try:
+        y = scaled_mm(x, q, pad_grid(grid)).float()
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+        return None
+    reference = x.float() @ dequantize(q, grid, (128, 128)).float().t()
+    return ((y - reference).norm() / reference.norm()).item()
