@@ -142,6 +142,8 @@ if want fp8; then
   cfg2="$logs/qwen3-30b-a3b-2l.json"
   "$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2
 json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
+  run fp8-probe 40 "$py" scripts/fp8_layout_probe.py
+  grep -E "^[0-9]+x|engine takes" "$logs/fp8-probe.txt" >> "$summary"
   run fp8-model 120 "${cli[@]}" make-model --hf-config "$cfg2" --out "$logs/fp8-model" \
     --quantize fp8
   for w in decode:64:512 single-long:3072; do

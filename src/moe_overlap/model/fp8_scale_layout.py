@@ -54,14 +54,14 @@ def quantize_activations(
 def scaled_mm(
     x: torch.Tensor, q: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x [M, K] (q * grid)^T (+ bias)``, ``[M, N]`` in x's dtype, as one ``F.scaled_mm``;
-    ``padded``: ``pad_grid``'s grid of ``q``."""
+    """``x [M, K] (q * grid)^T (+ bias)``, ``[M, N]`` in x's dtype, as one ``F.scaled_mm``
+    (the bias added after it: the probe never ran one inside); ``padded``: ``pad_grid``'s grid
+    of ``q``."""
     xq, scale = quantize_activations(x, ROW_MULTIPLE)
     recipes = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
-    y = F.scaled_mm(
-        xq, q.t(), scale, recipes[0], padded.t(), recipes[1], bias=bias, output_dtype=x.dtype
-    )
-    return y[: x.shape[0]]
+    y = F.scaled_mm(xq, q.t(), scale, recipes[0], padded.t(), recipes[1], output_dtype=x.dtype)
+    y = y[: x.shape[0]]
+    return y if bias is None else y + bias
 
 
 @functools.cache
