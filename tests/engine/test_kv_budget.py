@@ -37,13 +37,13 @@ def test_max_total_tokens_caps_the_pool_and_the_summary_names_the_numbers():
     assert spec.num_pages == 3000 and spec.max_concurrent(1000) == 47
     assert "3000 pages of 16 tokens = 48000 tokens" in spec.kv_cache_summary()
     assert "at once 1 sequences of max_len=40960 or 46 of 1024 tokens" in spec.kv_cache_summary()
-    with pytest.raises(ConfigError, match="max_len=40960"):
-        qwen3_30b(max_total_tokens=40_000)
+    with pytest.raises(ConfigError, match="^--max-total-tokens=40000 .*max_len=40960"):
+        qwen3_30b(max_total_tokens=40_000)  # the cap is named, not the memory it caps
 
 
 def test_page_count_rounds_up_and_a_bad_page_size_is_refused():
     assert [pages_for(n, 16) for n in (1, 16, 17, 1000)] == [1, 1, 2, 63]
-    with pytest.raises(ConfigError, match="page_size=0"):
+    with pytest.raises(ConfigError, match="--page-size=0"):
         qwen3_30b(page_size=0)
 
 

@@ -88,15 +88,23 @@ class EngineSpec:
         torch_dtype(self.dtype)  # a clear error for an unknown name
         rank_device(self.device, 0)  # likewise
         if self.page_size < 1:
-            raise ConfigError(f"page_size={self.page_size} must be >= 1")
+            raise ConfigError(f"--page-size={self.page_size} must be >= 1")
         if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+            raise ConfigError(f"--max-num-seqs={self.max_num_seqs} must be >= 1")
         if self.num_pages < pages_for(self.max_len, self.page_size):
+            capped = self.max_total_tokens is not None and self.max_total_tokens < (
+                self.kv_cache_bytes // max(self.token_bytes, 1)
+            )
+            budget = (
+                f"--max-total-tokens={self.max_total_tokens}"
+                if capped
+                else f"the KV cache budget of {_gib(self.kv_cache_bytes)}"
+            )
             raise ConfigError(
-                f"the KV cache budget of {_gib(self.kv_cache_bytes)} ({self.num_pages} pages of "
-                f"{self.page_size} tokens) holds no sequence of max_len={self.max_len} tokens "
-                f"({_gib(self.slot_bytes)} each); lower --max-model-len or raise the budget "
-                "(--kv-cache-memory, --mem-fraction-static, --max-total-tokens)"
+                f"{budget} ({self.num_pages} pages of {self.page_size} tokens) holds no "
+                f"sequence of max_len={self.max_len} tokens ({_gib(self.slot_bytes)} each); "
+                "lower --max-model-len or raise the budget (--kv-cache-memory, "
+                "--mem-fraction-static, --max-total-tokens)"
             )
 
     @property
