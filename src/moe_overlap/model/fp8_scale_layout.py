@@ -58,8 +58,15 @@ def scaled_mm(
     (the bias added after it: the probe never ran one inside); ``padded``: ``pad_grid``'s grid
     of ``q``."""
     xq, scale = quantize_activations(x, ROW_MULTIPLE)
-    recipes = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
-    y = F.scaled_mm(xq, q.t(), scale, recipes[0], padded.t(), recipes[1], output_dtype=x.dtype)
+    y = F.scaled_mm(  # keywords: as the probe called it on torch 2.11
+        xq,
+        q.t(),
+        scale_a=scale,
+        scale_recipe_a=F.ScalingType.BlockWise1x128,
+        scale_b=padded.t(),
+        scale_recipe_b=F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
     y = y[: x.shape[0]]
     return y if bias is None else y + bias
 
