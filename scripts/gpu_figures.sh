@@ -3,11 +3,12 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,paged,prefill,fp8,profile,device-ops,
-#          gpu-check,spec-graphs (default all; decode-ll runs only with decode)
+#   STEPS: a comma list of emulated,decode,decode-ll,paged,prefill,fp8,gpu-check,spec-graphs,
+#          profile,device-ops (default all, in that order); they run in the order given, so a
+#          lent session puts first what it most needs (decode-ll runs within decode)
 #
-# The emulated runs come first (they are what the overlap criteria judge), then the one-process
-# forward, the GPU checks and last the profiles. Every step has its own `timeout`; a step that
+# By default the emulated runs come first (they are what the overlap criteria judge), then the
+# one-process forward, the GPU checks and last the profiles. Every step has its own `timeout`; a step that
 # fails or times out is named in the summary and the run goes on, except a failed link
 # calibration, which aborts (every later figure would be over a wrong link). Whatever ran is
 # packed into at most 8 files under OUT_DIR (a device call returns no more):
@@ -19,7 +20,17 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-steps=",${2:-emulated,decode,decode-ll,paged,prefill,fp8,profile,device-ops,gpu-check,spec-graphs},"
+order=${2:-emulated,decode,decode-ll,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
+steps=",$order,"
+for s in ${order//,/ }; do
+  case $s in
+  emulated | decode | decode-ll | paged | prefill | fp8 | gpu-check | spec-graphs | profile | device-ops) ;;
+  *)
+    echo "gpu_figures.sh: unknown step '$s'" >&2
+    exit 2
+    ;;
+  esac
+done
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 COLUMNS=160
 py=${PY:-python3}
@@ -82,7 +93,7 @@ print("%.1fgbit" % (400 * r["t_comm_s"] / r["t_comp_s"]))' "$logs/$1-probe.json"
   }
 }
 bw=400gbit profile_bw=400gbit
-if want emulated; then
+step_emulated() {
   for w in ${EMULATE_WORKLOADS:-single-long:3072 single-long:8192}; do
     name=emulate-${w//:/-}
     calibrate "$name" "$w"
@@ -92,8 +103,8 @@ if want emulated; then
     table "$name"
     [[ $w == single-long:3072 ]] && profile_bw=$bw
   done
-fi
-if want decode; then
+}
+step_decode() {
   calibrate decode decode:256:512
   note "== emulated ep=8, decode:256:512, link model:$bw,20us, normal dispatch"
   run decode 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
@@ -115,30 +126,30 @@ if want decode; then
     table decode-ll-128
     grep "CUDA graphs" "$logs/decode-ll-128.txt" >> "$summary"
   fi
-fi
+}
 
 # 1b. decode-256 from CUDA graphs on KV pages of 16 against one page per sequence (the
 #     whole-context slot's layout), one process, the same greedy tokens asked of both
-if want paged; then
+step_paged() {
   note "== decode-256 on pages against whole-context slots (scripts/paged_decode_bench.py)"
   run paged 150 "$py" scripts/paged_decode_bench.py "$cfg" 256 512 64
   grep -E "^(==|pages|one page| +pages| +one page)" "$logs/paged.txt" >> "$summary"
-fi
+}
 
 # 2. the one-process forward (ep=1, no link)
-if want prefill; then
+step_prefill() {
   run prefill 90 "${cli[@]}" bench --hf-config "$cfg" --device "$device" --ep 1 --dtype bfloat16 \
     --link none \
     --repeat 10 --workload single-long:3072 --modes none
   table prefill
-fi
+}
 
 # 2b. an FP8 checkpoint (Hub layout, 128x128 blocks) of the same shape, 2 layers (make-model
 #     stays cheap): decode-64 and prefill-3072 against bf16 random weights of that shape, ep=1,
 #     then the same checkpoint dequantized at each use (--fp8-dequant-on-the-fly: no W8A8, the
 #     reference the W8A8 linears and per-expert GEMMs are judged against); the bench's header
 #     says which FP8 path ran (W8A8 or dequantized) and the resident bytes
-if want fp8; then
+step_fp8() {
   cfg2="$logs/qwen3-30b-a3b-2l.json"
   "$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2
 json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
@@ -161,36 +172,39 @@ json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
     table "fp8-dequant-${w//:/-}"
   done
   rm -rf "$logs/fp8-model"
-fi
+}
 
 # 3. the GPU checks (tests/gpu), before the diagnostics
-if want gpu-check; then
+step_gpu_check() {
   run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
   tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
-fi
+}
 
 # 3b. greedy decode under speculation with and without CUDA graphs (the verify steps' graphs,
 #     and MTP's draft-step graphs), against plain decode with and without them, one process:
 #     n-gram drafts on the 4-layer model, MTP drafts on the tiny DeepSeek-V3 (one MTP layer)
-if want spec-graphs; then
+step_spec_graphs() {
   note "== speculative decode, CUDA graphs against eager (scripts/spec_graph_bench.py)"
   run spec-graphs-ngram 90 "$py" scripts/spec_graph_bench.py "$cfg" NGRAM 1,8,32 64
   grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-ngram.txt" >> "$summary"
   run spec-graphs-mtp 100 "$py" scripts/spec_graph_bench.py configs/deepseek-v3-tiny.json EAGLE \
     1,8,32 64
   grep -E "^(==|batch|graphs captured)" "$logs/spec-graphs-mtp.txt" >> "$summary"
-fi
+}
 
 # 4. where the emulated forward's host time goes, per mode (its waits for the device among
 #    them), and the device operations the same forward issues, counted on meta
-if want profile; then
+step_profile() {
   run emulate-profile 120 "$py" scripts/emulate_profile.py "$cfg" single-long:3072 \
     "model:$profile_bw,20us" none,tbo+two-chunk,dbo,sbo
   grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" \
     "$logs/emulate-profile.txt" >> "$summary"
-fi
-if want device-ops; then
+}
+step_device_ops() {
   run device-ops 60 "$py" scripts/device_ops.py "$cfg" --emulate-peers 8 --prefill 3072
   grep overlap "$logs/device-ops.txt" >> "$summary"
-fi
+}
 
+for s in ${order//,/ }; do
+  [[ $s == decode-ll ]] || "step_${s//-/_}"
+done
