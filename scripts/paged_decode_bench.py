@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
+from spec_graph_bench import timed  # this script's folder is on sys.path
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 
@@ -26,22 +26,16 @@ REPEATS = int(os.environ.get("REPEATS", "3"))
 DEVICE = os.environ.get("DEVICE", "cuda")
 
 
-def timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    sync = torch.cuda.synchronize if DEVICE == "cuda" else lambda: None
-    sync()
-    start = time.perf_counter()
-    tokens = [o.token_ids for o in llm.generate(prompts, params)]
-    sync()
-    return time.perf_counter() - start, tokens
+def greedy(new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
 
 
 def decode_seconds(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
     """Best decode time of ``new_tokens - 1`` steps, and the greedy tokens."""
     best = float("inf")
     for repeat in range(REPEATS + 1):  # the first round warms up (and captures)
-        whole, tokens = timed(llm, prompts, new_tokens)
-        first, _ = timed(llm, prompts, 1)
+        whole, tokens = timed(llm, prompts, greedy(new_tokens))
+        first, _ = timed(llm, prompts, greedy(1))
         if repeat:
             best = min(best, whole - first)
     return best, tokens
