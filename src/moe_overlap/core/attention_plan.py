@@ -11,6 +11,11 @@ import torch
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.transfer import to_device
 
+# --attention-backend (SGLang's flag): how decode attention reads the paged KV cache.
+# torch_native: each row's keys gathered into a contiguous tensor, then SDPA; flex_attention:
+# FlexAttention over the pool with a block mask of each row's pages (model/flex_decode.py)
+ATTENTION_BACKENDS = ("torch_native", "flex_attention")
+
 
 @dataclass
 class ExtendGroup:
@@ -46,6 +51,9 @@ class AttentionPlan:
     all_decode: bool  # every token is a decode row, in batch order
     # the decode rows' key masks, per padded key count: built by the first layer, reused
     _decode_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # --attention-backend flex_attention: the decode rows' block mask over the page pool
+    # (model/flex_decode.py), built by the first layer, like the above
+    decode_block_mask: object | None = field(default=None, init=False, repr=False)
     # the extends' lower-right causal masks, per (queries, keys): built once, like the above
     causal_masks: dict[tuple[int, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False

@@ -72,6 +72,7 @@ class EngineSpec:
     dtype: str = "float32"  # weights and KV cache; float32 is the exactness reference
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay from CUDA graphs (0: off)
     page_size: int = DEFAULT_PAGE_SIZE  # tokens per KV page
+    attention_backend: str = "torch_native"  # how decode reads the pages (ATTENTION_BACKENDS)
     max_total_tokens: int | None = None  # caps the pool's tokens below the budget (SGLang's)
     placement: ExpertPlacement | None = None  # EPLB's physical slots (None: E/ep experts each)
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)

@@ -65,6 +65,9 @@ class KVCache:
         self.device = torch.device(device)  # where a forward's index tensors must live
         self.dtype = dtype
         self.page_size = page_size
+        # --attention-backend flex_attention: decode attention reads the pages where they lie
+        # (model/flex_decode.py) rather than through ``gather``
+        self.read_in_place = False
         self.pages_per_seq = pages_for(max_len, page_size)
         # the pool: by default every slot at max_len (what whole-context slots would hold)
         self.num_pages = num_slots * self.pages_per_seq if num_pages is None else num_pages

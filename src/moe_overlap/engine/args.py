@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_overlap.core.attention_plan import ATTENTION_BACKENDS
 from moe_overlap.core.device import AUTO_DTYPE, DEVICE_HELP, DEVICES, DTYPE_CHOICES, DTYPE_HELP
 from moe_overlap.core.engine_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from moe_overlap.core.errors import ConfigError
@@ -189,6 +190,16 @@ class LayoutArgs:
     )
     disable_cuda_graph: bool = setting(
         False, "decode eagerly, without CUDA graphs (there are none on CPU)", group="device"
+    )
+    attention_backend: str = setting(
+        ATTENTION_BACKENDS[0],
+        "how decode attention reads the paged KV cache: torch_native gathers each sequence's "
+        "keys into a contiguous tensor, then runs SDPA; flex_attention reads the pages where "
+        "they lie (FlexAttention over the pool, compiled on a GPU, with a block mask of each "
+        "sequence's pages; not yet run on a GPU; on CPU unfused and slow: a check of "
+        "exactness). Sliding-window layers, sinks and MLA read as torch_native",
+        choices=ATTENTION_BACKENDS,
+        group="device",
     )
     link: str = setting(
         "none",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from moe_overlap.core.a2a_mode import A2AMode
+from moe_overlap.core.attention_plan import ATTENTION_BACKENDS
 from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.expert_location import ExpertPlacement
@@ -42,6 +43,11 @@ def check_settings(
         raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
     par = args.parallel_config()
     check_method(args.load_balance_method)
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        choices = ", ".join(ATTENTION_BACKENDS)
+        raise ConfigError(
+            f"--attention-backend={args.attention_backend!r} must be one of {choices}"
+        )
     device = resolve_device(args.device, ranks_on_this_node(par.world_size))
     resolve_dtype(args.dtype, device)  # a clear error for an unknown name
     _check_int("pdmux_prefill_splits", args.pdmux_prefill_splits, minimum=1)

@@ -10,7 +10,6 @@ from typing import Any
 from rich.progress import Progress
 
 from moe_overlap.core.device import checkpoint_dtype, resolve_dtype
-from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
@@ -20,15 +19,14 @@ from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.engine_spec import engine_spec
 from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
-from moe_overlap.engine.kv_memory import kv_cache_bytes
-from moe_overlap.engine.layout_checks import check_settings, expert_placement
+from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.online_eplb import OnlineEplb
 from moe_overlap.engine.pdmux import PrefillWaves
 from moe_overlap.engine.request import InvalidRequestError, Request, RequestOutput, SamplingParams
 from moe_overlap.engine.scheduler import Scheduler
-from moe_overlap.engine.spec_config import mtp_steps
 from moe_overlap.engine.speculation import Speculation
 from moe_overlap.engine.structured import Constraints
 from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
@@ -110,39 +108,13 @@ class LLM(ExpertRecorder):
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         args = _settled_dtype(args, device, model)
-        speculative = args.speculative()
-        placement = expert_placement(args, cfg, par, emulate_peers, mtp_steps(speculative))
-        seed, max_num_seqs, max_len = args.seed, args.max_num_seqs, cfg.max_len(args.max_model_len)
-        enable_pdmux, pdmux_prefill_splits = args.enable_pdmux, args.pdmux_prefill_splits
-        self.args, self.config, self.seed, self.max_len = args, cfg, seed, max_len
+        max_len = cfg.max_len(args.max_model_len)
+        self.args, self.config, self.seed, self.max_len = args, cfg, args.seed, max_len
         self._load_tokenizer(tokenizer or model, args.chat_template)
-        spec = EngineSpec(
-            cfg,
-            str(model) if model is not None else None,
-            seed,
-            max_num_seqs,
-            max_len,
-            overlap,
-            kv_cache_bytes(args, cfg, par, device),
-            parallel=par,
-            device=device,
-            dtype=args.dtype,
-            cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-            pdmux_splits=pdmux_prefill_splits if enable_pdmux else 0,
-            emulate_peers=emulate_peers,
-            page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
-            placement=placement,
-            expert_skew=args.skew_exponent(),
-            fp8_on_the_fly=args.fp8_dequant_on_the_fly,
-            mtp_steps=mtp_steps(speculative),
-            prefix_caching=args.enable_prefix_caching,
-            sliding_budget=not (enable_pdmux or speculative),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
+        spec = engine_spec(args, cfg, model, overlap, par, device, emulate_peers)
         self.spec, self.parallel = spec, par
         self.executor = start_executor(spec, link_spec, float(args.timeout))
-        self.eplb = OnlineEplb.of(args, self.executor, placement)  # --enable-eplb
+        self.eplb = OnlineEplb.of(args, self.executor, spec.placement)  # --enable-eplb
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
             spec.num_slots,
@@ -150,11 +122,13 @@ class LLM(ExpertRecorder):
             args.max_num_batched_tokens,
             cfg.eos_token_id,
             args.load_balance_method,
-            PrefillWaves.of(enable_pdmux, cfg, pdmux_prefill_splits, args.max_num_batched_tokens),
+            PrefillWaves.of(
+                args.enable_pdmux, cfg, args.pdmux_prefill_splits, args.max_num_batched_tokens
+            ),
             spec.pool_pages,
             spec.page_size,
             spec.prefix_caching,
-            Speculation.of(speculative),
+            Speculation.of(args.speculative()),
             spec.state_snapshots if cfg.is_hybrid else None,
             spec.window_budget,
         )

@@ -13,6 +13,7 @@ from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.distributed.groups import Group
+from moe_overlap.model.flex_decode import paged_decode
 from moe_overlap.model.layers import (
     RMSNorm,
     attention_plan,
@@ -109,10 +110,13 @@ class GQAttention(nn.Module):
             return self._output(self._windowed(ctx, plan, q, scale), gate)
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
-            keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
-            values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
             q_dec = q if plan.all_decode else q[plan.decode_rows]
-            dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), scale)
+            if cache.read_in_place and self.v_dim == self.head_dim:
+                dec = paged_decode(q_dec, cache, layer, plan, scale)
+            else:
+                keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
+                values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
+                dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), scale)
             if plan.all_decode:
                 out = dec
             else:

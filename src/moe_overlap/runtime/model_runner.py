@@ -60,6 +60,7 @@ class ModelRunner:
         mtp_steps: int = 0,
         state_snapshots: int = 0,
         window_pages: int | None = None,
+        attention_backend: str = "torch_native",
     ):
         """``pp_group``: this stage's pipeline group under --pp; ``prefill_lane``: PD
         multiplexing's lane dispatcher and the turns its collectives take (None in one
@@ -68,7 +69,8 @@ class ModelRunner:
         the KV pool (None: every slot at ``max_len``); ``mtp_steps``: the MTP drafter's
         drafts per sequence after each step (0: none); ``state_snapshots``: recurrent states
         kept at cached page boundaries (hybrid models' prefix caching); ``window_pages``: the
-        sliding-window layers' pool where the scheduler counts it (None: as the full one)."""
+        sliding-window layers' pool where the scheduler counts it (None: as the full one);
+        ``attention_backend``: how decode attention reads the pages (``ATTENTION_BACKENDS``)."""
         self.model = model
         self.dispatcher = dispatcher  # the normal dispatch; low-latency ones are built on it
         self.active = dispatcher  # the one this forward's micro-batches use
@@ -89,6 +91,7 @@ class ModelRunner:
         self.kv_cache = kv_cache_for(
             model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages
         )
+        self.kv_cache.read_in_place = attention_backend == "flex_attention"
         self.states = state_cache_for(model, num_slots, state_snapshots)
         self.rollbacks = 0  # slots whose recurrent state the last forward rolled back
         self.ops = build_operations(model, strategy_for(model, NONE.name))

@@ -142,6 +142,7 @@ def assemble_rank(spec: EngineSpec, joined: RankGroups, device: torch.device) ->
         prefill_lane=prefill_lane(spec, joined, coords, timeline) if spec.pdmux_splits else None,
         cuda_graph_max_bs=spec.cuda_graph_max_bs,
         page_size=spec.page_size,
+        attention_backend=spec.attention_backend,
         num_pages=spec.pool_pages,
         mtp_steps=spec.mtp_steps,
         state_snapshots=spec.state_snapshots,
