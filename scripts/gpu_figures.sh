@@ -129,10 +129,10 @@ step_decode() {
 }
 
 # 1b. decode-256 from CUDA graphs on KV pages of 16 against one page per sequence (the
-#     whole-context slot's layout), one process, the same greedy tokens asked of both
+#     whole-context slot's layout) and pages read in place by FlexAttention, one process
 step_paged() {
   note "== decode-256 on pages against whole-context slots (scripts/paged_decode_bench.py)"
-  run paged 150 "$py" scripts/paged_decode_bench.py "$cfg" 256 512 64
+  run paged 240 "$py" scripts/paged_decode_bench.py "$cfg" 256 512 64
   grep -E "^(==|pages|one page| +pages| +one page)" "$logs/paged.txt" >> "$summary"
 }
 

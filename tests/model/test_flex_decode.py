@@ -14,6 +14,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.engine.layout_checks import _check_attention_backend
 from moe_overlap.model.flex_decode import paged_decode
 from moe_overlap.model.layers import decode_attention
 from tests.helpers import every_mode, force_overlap
@@ -84,7 +85,10 @@ def test_the_engine_reads_pages_in_place_as_exactly_at_ep2_in_every_scheme():
         assert sum(c.hits for c in llm.scheduler.prefix) > 0  # wave 2 read cached pages
 
 
-def test_an_unknown_backend_is_refused_with_the_choices():
+def test_an_unknown_backend_and_a_gpu_page_flex_cannot_tile_are_refused():
+    with pytest.raises(ConfigError, match="--page-size=8 must be a multiple of 16"):
+        _check_attention_backend("flex_attention", 8, "cuda")
+    _check_attention_backend("flex_attention", 8, "cpu")  # the CPU reference takes any page
     with pytest.raises(
         ConfigError,
         match="--attention-backend=.flashinfer. must be one of torch_native, flex_attention",

@@ -15,6 +15,7 @@ from moe_overlap.core.transfer import to_device
 # torch_native: each row's keys gathered into a contiguous tensor, then SDPA; flex_attention:
 # FlexAttention over the pool with a block mask of each row's pages (model/flex_decode.py)
 ATTENTION_BACKENDS = ("torch_native", "flex_attention")
+GPU_PAGE_MULTIPLE = 16  # flex_attention on a GPU: a page holds whole key tiles of 16 or more
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from moe_overlap.core.a2a_mode import A2AMode
-from moe_overlap.core.attention_plan import ATTENTION_BACKENDS
+from moe_overlap.core.attention_plan import ATTENTION_BACKENDS, GPU_PAGE_MULTIPLE
 from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.expert_location import ExpertPlacement
@@ -43,12 +43,8 @@ def check_settings(
         raise ConfigError(f"--timeout={timeout!r} must be a positive number of seconds")
     par = args.parallel_config()
     check_method(args.load_balance_method)
-    if args.attention_backend not in ATTENTION_BACKENDS:
-        choices = ", ".join(ATTENTION_BACKENDS)
-        raise ConfigError(
-            f"--attention-backend={args.attention_backend!r} must be one of {choices}"
-        )
     device = resolve_device(args.device, ranks_on_this_node(par.world_size))
+    _check_attention_backend(args.attention_backend, args.page_size, device)
     resolve_dtype(args.dtype, device)  # a clear error for an unknown name
     _check_int("pdmux_prefill_splits", args.pdmux_prefill_splits, minimum=1)
     try:
@@ -83,3 +79,14 @@ def expert_placement(
     if placement is not None and mtp:
         raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
     return placement
+
+
+def _check_attention_backend(backend: str, page_size: int, device: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        choices = ", ".join(ATTENTION_BACKENDS)
+        raise ConfigError(f"--attention-backend={backend!r} must be one of {choices}")
+    if backend == "flex_attention" and device == "cuda" and page_size % GPU_PAGE_MULTIPLE:
+        raise ConfigError(
+            f"--attention-backend flex_attention on a GPU reads pages in key tiles of 16 or "
+            f"more: --page-size={page_size} must be a multiple of {GPU_PAGE_MULTIPLE}"
+        )

@@ -4,11 +4,16 @@ mask whose KV blocks are each sequence's own pages, one block per page, straight
 table. No sequence's keys are copied into a contiguous tensor first, as the default
 (``torch_native``: ``KVCache.gather`` then SDPA) does.
 
-The mask holds each page's place in each decode row (``[rows, pool pages]``, built once per
-forward and read by every layer): a page shared by prefix caching has its place in every row
-that holds it.
+The mask is built once per forward and read by every layer. Its block list is ``[rows, pool
+pages]`` int32 (FlexAttention's layout: a row of indices as long as the keys have blocks, as
+torch's own paged FlexAttention has): over a large pool that is what a forward pays to build,
+so cap the pool (``--max-total-tokens``) near what the batch needs. Only the last page of a
+row can be partly written, so ``mask_mod`` needs two numbers per row; a page shared by prefix
+caching is full, and sits in every row that holds it.
 
-On a GPU the kernel is ``torch.compile``'d FlexAttention (Triton). On a CPU one SDPA over the
+On a GPU the kernel is ``torch.compile``'d FlexAttention (Triton), its key tile the largest
+power of two up to 64 that divides a page (pages of a multiple of 16 tokens, so a tile is 16
+at least; the settings refuse others there). On a CPU one SDPA over the
 whole pool with the mask that kernel applies (``masked_reference``): a check of exactness, not
 a fast path.
 """
@@ -16,6 +21,7 @@ a fast path.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -30,27 +36,24 @@ Q_BLOCK = 128  # one block of queries: a decode row's one query
 def decode_block_mask(
     table: torch.Tensor, lens: torch.Tensor, page_size: int, pool_pages: int
 ) -> BlockMask:
-    """The mask of decode rows over a pool of ``pool_pages`` pages: row b sees the first
-    ``lens[b]`` keys of its pages (``table[b]``, in order). Its blocks (one per page) are the
-    row's pages, and its ``mask_mod`` says the same from each page's place in the row
-    (``logical``, -1 where the row does not hold the page): the kernel skips the blocks, an
-    unfused run (CPU) applies the mod everywhere, and both see the same keys."""
+    """The mask of decode rows over a pool of ``pool_pages`` pages: row b visits the first
+    ``ceil(lens[b] / page_size)`` pages of ``table[b]`` (its blocks, one per page), and of
+    them sees every key but its last page's past ``lens[b]`` (``mask_mod``, which needs only
+    that page and its count of real keys: the kernel applies it within the visited blocks)."""
     rows = table.shape[0]
     width = min(table.shape[1], pool_pages)  # a row's pages are distinct pool pages
     count = (lens + page_size - 1) // page_size
-    places = torch.arange(width, device=table.device).expand(rows, width)
-    held = torch.where(places < count[:, None], table[:, :width], pool_pages)  # else: a spare
-    logical = table.new_full((rows, pool_pages + 1), -1).scatter_(1, held, places)
-    indices = table.new_zeros(rows, pool_pages)  # a row's pages, then blocks never visited
+    last = table.gather(1, (count - 1)[:, None])[:, 0]
+    last_len = lens - (count - 1) * page_size
+    indices = table.new_zeros(rows, pool_pages, dtype=torch.int32)  # then unvisited blocks
     indices[:, :width] = table[:, :width]
 
     def real_key(b, h, q_idx, kv_idx):
-        place = logical[b, kv_idx // page_size]
-        return (place >= 0) & (place * page_size + kv_idx % page_size < lens[b])
+        return (kv_idx // page_size != last[b]) | (kv_idx % page_size < last_len[b])
 
     return BlockMask.from_kv_blocks(
         count.view(rows, 1, 1).to(torch.int32),
-        indices.view(rows, 1, 1, pool_pages).to(torch.int32),
+        indices.view(rows, 1, 1, pool_pages),
         BLOCK_SIZE=(Q_BLOCK, page_size),
         mask_mod=real_key,
         seq_lengths=(1, pool_pages * page_size),
@@ -74,23 +77,28 @@ def paged_decode(
         )
     keys = k_pool.flatten(0, 1).transpose(0, 1)[None]  # [1, kv_heads, pool tokens, d]
     values = v_pool.flatten(0, 1).transpose(0, 1)[None]
-    out = _flex(q.device.type)(
+    gqa = q.shape[1] != keys.shape[1]
+    if q.device.type != "cuda":
+        out = masked_reference(q[:, :, None], keys, values, plan.decode_block_mask, scale, gqa)
+        return out[:, :, 0]
+    tile = {"BLOCK_N": math.gcd(cache.page_size, 64)}  # key tiles must fill a block (a page)
+    mask = plan.decode_block_mask
+    out = _compiled()(
         q[:, :, None],
         keys,
         values,
-        block_mask=plan.decode_block_mask,
+        block_mask=mask,
         scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[1],
+        enable_gqa=gqa,
+        kernel_options=tile,
     )
     return out[:, :, 0]
 
 
 @functools.cache
-def _flex(device_type: str):
-    """FlexAttention compiled on a GPU; on a CPU, ``masked_reference``."""
-    if device_type == "cuda":
-        return torch.compile(flex_attention, dynamic=True)
-    return masked_reference
+def _compiled():
+    """FlexAttention compiled (Triton), once per process."""
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def masked_reference(
@@ -103,7 +111,7 @@ def masked_reference(
 ) -> torch.Tensor:
     """What the compiled kernel computes, as one SDPA over the whole pool: each row sees the
     keys of the blocks it visits that ``mask_mod`` keeps (FlexAttention's own unfused run
-    applies the mod alone, and costs seconds to start)."""
+    applies the mod alone, where this mask needs the blocks, and costs seconds to start)."""
     rows, kv_len = q.shape[0], k.shape[2]
     visited = block_mask.to_dense()[:, 0, 0]  # [rows, kv blocks]
     blocks = torch.arange(kv_len, device=q.device) // block_mask.BLOCK_SIZE[1]
