@@ -182,6 +182,13 @@ def test_a_hugging_face_config_given_to_config_names_the_new_flag(capsys):
     assert f"--hf-config {CONFIG}" in err and "YAML file of flags" in err
 
 
+def test_a_config_path_given_to_the_llm_names_the_keyword_that_takes_one():
+    with pytest.raises(
+        ConfigError, match="must be a ModelConfig; for a config.json give hf_config"
+    ):
+        LLM(config=CONFIG)
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [("- a\n- b\n", "must be a YAML mapping"), ("a: [\n", "is not valid YAML")],

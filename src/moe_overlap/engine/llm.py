@@ -80,6 +80,11 @@ class LLM(ExpertRecorder):
             settings["timeout"] = timeout_s
         args = EngineArgs.from_kwargs(model=None if model is None else str(model), **settings)
         if config is not None:
+            if not isinstance(config, ModelConfig):
+                raise ConfigError(
+                    f"config={config!r} must be a ModelConfig; for a config.json give "
+                    "hf_config=PATH (seeded weights) or config=ModelConfig.from_hf(PATH)"
+                )
             if model is not None or args.hf_config is not None:
                 raise ConfigError(
                     "give exactly one of a model directory or config=ModelConfig(...)"
