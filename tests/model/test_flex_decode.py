@@ -14,6 +14,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.kv_cache import KVCache
+from moe_overlap.core.step import PageOps
 from moe_overlap.engine.layout_checks import _check_attention_backend
 from moe_overlap.model.flex_decode import paged_decode
 from moe_overlap.model.layers import decode_attention
@@ -27,9 +28,9 @@ def filled_cache(lens: list[int]) -> KVCache:
     prefix cache hit attaches it."""
     cache = KVCache(1, len(lens), 64, {"k": (KV_HEADS, DIM), "v": (KV_HEADS, DIM)}, page_size=PAGE)
     cache.reserve([0], [lens[0]])
-    cache.block_table[1, 0] = cache.block_table[0, 0]
-    cache.held[1].append(int(cache.block_table[0, 0]))
+    cache.apply(PageOps(publish=[(0, 0, 7)], attach=[(1, [7])]))  # a prefix cache hit
     cache.reserve(range(len(lens)), lens)
+    assert cache.block_table[1, 0] == cache.block_table[0, 0]
     gen = torch.Generator().manual_seed(0)
     for slot, n in enumerate(lens):
         start = PAGE if slot == 1 else 0  # the shared page is slot 0's to write
