@@ -9,8 +9,8 @@ Usage: python scripts/paged_decode_bench.py HF_CONFIG [BATCH] [PROMPT] [NEW_TOKE
 Each layout gets its own engine (bf16, seeded random weights, so both hold the same model) with
 ``--max-model-len`` PROMPT + NEW_TOKENS rounded up to a power of two, graphs up to BATCH. Decode
 time is a run of NEW_TOKENS new tokens less a run of one (the prefill and the first token), best
-of REPEATS after a warm-up that captures the graphs. The last line says whether both layouts
-gave the same greedy tokens. Every engine's pool holds what the batch needs at most
+of REPEATS after a warm-up that captures the graphs. The last lines compare each variant with
+pages of 16 gathered, and say whether it gave the same greedy tokens. Every engine's pool holds what the batch needs at most
 (``--max-total-tokens`` BATCH x context): FlexAttention's block mask spans the whole pool.
 """
 
@@ -66,7 +66,7 @@ def main() -> None:
     results = {}
     for label, page_size, backend in variants:
         try:
-            results[label] = run(cfg, prompts, new_tokens, page_size, backend)
+            results[label] = run(cfg, prompts, new_tokens, context, page_size, backend)
         except Exception as exc:  # one variant's failure (a kernel not here) ends only it
             print(f"{label:>18s}: failed ({type(exc).__name__}: {str(exc)[:300]})")
             continue
@@ -87,7 +87,9 @@ def main() -> None:
             )
 
 
-def run(cfg: ModelConfig, prompts: list, new_tokens: int, page_size: int, backend: str):
+def run(
+    cfg: ModelConfig, prompts: list, new_tokens: int, context: int, page_size: int, backend: str
+):
     """(decode seconds, greedy tokens, graphs captured) of one engine."""
     batch = len(prompts)
     with LLM(
@@ -98,7 +100,7 @@ def run(cfg: ModelConfig, prompts: list, new_tokens: int, page_size: int, backen
         enable_prefix_caching=False,
         max_num_seqs=batch,
         cuda_graph_max_bs=batch,
-        max_model_len=(context := 1 << (len(prompts[0]) + new_tokens - 1).bit_length()),
+        max_model_len=context,
         max_total_tokens=batch * context,  # the pool the batch needs (flex reads all of it)
         page_size=page_size,
         attention_backend=backend,

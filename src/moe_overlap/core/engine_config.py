@@ -93,9 +93,8 @@ class EngineSpec:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs={self.max_num_seqs} must be >= 1")
         if self.num_pages < pages_for(self.max_len, self.page_size):
-            capped = self.max_total_tokens is not None and self.max_total_tokens < (
-                self.kv_cache_bytes // max(self.token_bytes, 1)
-            )
+            cap = self.max_total_tokens  # what bounds the pool, as _pages applies it
+            capped = cap is not None and self.num_pages == cap // self.page_size
             budget = (
                 f"--max-total-tokens={self.max_total_tokens}"
                 if capped

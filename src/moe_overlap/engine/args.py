@@ -196,8 +196,8 @@ class LayoutArgs:
         "how decode attention reads the paged KV cache: torch_native gathers each sequence's "
         "keys into a contiguous tensor, then runs SDPA; flex_attention reads the pages where "
         "they lie (FlexAttention over the pool, compiled on a GPU, with a block mask of each "
-        "sequence's pages; not yet run on a GPU; on CPU unfused and slow: a check of "
-        "exactness). Sliding-window layers, sinks and MLA read as torch_native",
+        "sequence's pages; not yet run on a GPU; on CPU one SDPA over the pool with the "
+        "kernel's mask, slower: a check of exactness). Sliding-window layers, sinks and MLA read as torch_native",
         choices=ATTENTION_BACKENDS,
         group="device",
     )

@@ -113,17 +113,16 @@ class LLM(ExpertRecorder):
     ) -> None:
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         args = _settled_dtype(args, device, model)
-        max_len = cfg.max_len(args.max_model_len)
-        self.args, self.config, self.seed, self.max_len = args, cfg, args.seed, max_len
+        self.args, self.config, self.seed = args, cfg, args.seed
         self._load_tokenizer(tokenizer or model, args.chat_template)
         spec = engine_spec(args, cfg, model, overlap, par, device, emulate_peers)
-        self.spec, self.parallel = spec, par
+        self.spec, self.parallel, self.max_len = spec, par, spec.max_len
         self.executor = start_executor(spec, link_spec, float(args.timeout))
         self.eplb = OnlineEplb.of(args, self.executor, spec.placement)  # --enable-eplb
         self.scheduler = Scheduler(  # one queue per attention-DP group, as many slots as its cache
             self.executor.num_dp,
             spec.num_slots,
-            max_len,
+            spec.max_len,
             args.max_num_batched_tokens,
             cfg.eos_token_id,
             args.load_balance_method,
