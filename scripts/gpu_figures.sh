@@ -147,7 +147,7 @@ step_prefill() {
 # 2b. an FP8 checkpoint (Hub layout, 128x128 blocks) of the same shape, 2 layers (make-model
 #     stays cheap): decode-64 and prefill-3072 against bf16 random weights of that shape, ep=1,
 #     then the same checkpoint dequantized at each use (--fp8-dequant-on-the-fly: no W8A8, the
-#     reference the W8A8 linears and per-expert GEMMs are judged against); the bench's header
+#     reference the W8A8 linears and grouped expert kernel are judged against); the bench's header
 #     says which FP8 path ran (W8A8 or dequantized) and the resident bytes
 step_fp8() {
   cfg2="$logs/qwen3-30b-a3b-2l.json"

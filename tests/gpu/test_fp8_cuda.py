@@ -1,7 +1,8 @@
 """FP8 on a GPU: the weights stay resident in FP8 (at most 0.55x their bf16 bytes with the
 scales), and the W8A8 path (F.scaled_mm, 1x128 activations, 128x128 weights) gives the
 logits of the dequantized path within FP8's activation rounding, on the linears and, where
-their widths are multiples of 128, on the routed experts (one scaled GEMM per expert)."""
+their widths are multiples of 128, on the routed experts (one Triton launch per projection,
+``model/fp8_grouped.py``, which a decode graph holds)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
+from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works, reference
+from moe_overlap.model.fp8_scale_layout import pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Linear, w8a8_available
-from moe_overlap.model.fp8_weights import resident_bytes
+from moe_overlap.model.fp8_weights import quantize, resident_bytes
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.model.moe import ExpertBank
 from tests.gpu.common import needs_gpu
@@ -76,9 +79,44 @@ def test_w8a8_experts_match_the_dequantized_path(fp8_experts_128):
         banks = [m for m in model.modules() if isinstance(m, ExpertBank) and m.w8a8]
         w8a8 = llm.generate(PROMPTS, ONE, return_logits=True)
         assert banks and not any(b.w8a8.failed for b in banks), "the expert GEMM fell back"
+        assert all(b.w8a8.grouped for b in banks), "the grouped FP8 kernel fell back"
     with LLM(fp8_experts_128, fp8_dequant_on_the_fly=True, **kw) as llm:
         dequantized = llm.generate(PROMPTS, ONE, return_logits=True)
     for a, b in zip(w8a8, dequantized, strict=True):
         cos = torch.nn.functional.cosine_similarity(a.prompt_logits, b.prompt_logits, dim=-1)
         print(f"W8A8 experts vs dequantized: min cosine {cos.min().item():.5f}")
         assert cos.min().item() > 0.99
+
+
+def test_the_grouped_kernel_matches_its_reference_at_qwen3_30b_shapes():
+    """Eight experts of Qwen3-30B-A3B's gate/up projection (N 1536, K 2048): uneven rows, one
+    expert empty, bf16 out; a row's bits the same alone as beside others."""
+    assert grouped_works(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(0)
+    pairs = [quantize(torch.randn(1536, 2048, generator=gen) / 45, (128, 128)) for _ in range(8)]
+    q = torch.stack([p[0] for p in pairs]).cuda()
+    grid = torch.stack([p[1] for p in pairs]).cuda()
+    counts = [1, 0, 3, 130, 7, 64, 65, 2]
+    ends = torch.tensor(counts).cumsum(0).int().cuda()
+    x = torch.randn(sum(counts), 2048, generator=gen).to("cuda", torch.bfloat16)
+    y = grouped_fp8(x, ends, q, pad_grid(grid))
+    expected = reference(x, ends.tolist(), q, grid)
+    error = ((y.float() - expected).norm() / expected.norm()).item()
+    print(f"grouped FP8 kernel: relative error {error:.2e} against the fp32 reference")
+    assert error < 0.01
+    alone = grouped_fp8(x[-2:], torch.tensor([0] * 7 + [2]).int().cuda(), q, pad_grid(grid))
+    assert torch.equal(alone, y[-2:])
+
+
+def test_fp8_experts_decode_from_cuda_graphs(fp8_experts_128):
+    """The grouped kernel reads its row ends on the device, so a decode graph holds it: the
+    graphed engine captures and gives the eager engine's greedy tokens."""
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    tokens = {}
+    for graphs in (True, False):
+        kw = dict(device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs)
+        with LLM(fp8_experts_128, **kw) as llm:
+            tokens[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            used = llm.executor.runner.graphs
+            assert (used is not None and bool(used.graphs)) == graphs
+    assert tokens[True] == tokens[False]

@@ -54,8 +54,9 @@ def fp8_path(quant: Fp8Config | None, device: torch.device | str, on_the_fly: bo
         return "FP8 weights dequantized once at load (CPU has no FP8 matmul)"
     if not on_the_fly and w8a8_available(device) and quant.block == W8A8_BLOCK:
         return (
-            "FP8 weights resident; W8A8 block FP8 (F.scaled_mm) on the linears and expert "
-            "banks that fit (the experts one GEMM per expert), the rest dequantized at each use"
+            "FP8 weights resident; W8A8 block FP8 on the linears (F.scaled_mm) and expert banks "
+            "that fit (a Triton launch per projection where Triton runs, else F.scaled_mm per "
+            "expert), the rest dequantized at each use"
         )
     return "FP8 weights resident, dequantized at each use (no W8A8 here)"
 
@@ -80,7 +81,10 @@ def settle_fp8(
         held, bf16 = resident_bytes(model)
         how = "kept in FP8 and dequantized at each use"
         if scaled:
-            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized)"
+            how = (
+                f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized; "
+                f"{expert_kernels(model)})"
+            )
     if report:
         log.info(
             "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "
@@ -174,6 +178,16 @@ def keep_resident(
     if scaled:  # the GEMM checked now, never inside a CUDA graph's capture
         gemm_works(next(iter(resident.values())).q.device)
     return scaled
+
+
+def expert_kernels(model: nn.Module) -> str:
+    """How the W8A8 expert banks run, as the load log and the bench's header say it."""
+    banks = [m.w8a8 for m in model.modules() if isinstance(m, ExpertBank) and m.w8a8]
+    grouped = sum(1 for b in banks if b.grouped and not b.failed)
+    return (
+        f"{grouped} of {len(banks)} W8A8 expert banks as one Triton launch per projection, "
+        "the rest one F.scaled_mm per expert"
+    )
 
 
 def _w8a8_experts(model: MoeForCausalLM, resident: dict[str, ResidentFp8]) -> int:

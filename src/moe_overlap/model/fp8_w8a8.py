@@ -4,8 +4,8 @@ with block scales (the input 1x128, the weight 128x128; cuBLAS on sm90 and later
 
 Taken only on CUDA with compute capability 9.0 or more, a torch that has ``F.scaled_mm``, a
 checkpoint in 128x128 blocks, and a shard that starts on a block; a routed expert bank whose
-hidden and intermediate sizes are multiples of 128 runs the same GEMM per expert
-(``W8A8Experts``). The scales are laid out as this GPU's cuBLAS takes them
+hidden and intermediate sizes are multiples of 128 runs as one Triton launch per projection
+(``fp8_grouped.py``), or where Triton is absent the same GEMM per expert (``W8A8Experts``). The scales are laid out as this GPU's cuBLAS takes them
 (``fp8_scale_layout.py``: ``F.scaled_mm`` with the recipes named, the rows and the weight
 grid's column blocks padded). Everything else (CPU always, the MLA's plain ``nn.Linear``
 down-projections) runs the dequantized weight. A GEMM that raises at its first call falls back
@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moe_overlap.core.transfer import to_device
+from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works
 from moe_overlap.model.fp8_scale_layout import gemm_works, pad_grid, scaled_mm
 
 W8A8_BLOCK = (128, 128)
@@ -72,16 +74,40 @@ def _check_gemm(device: torch.device) -> None:
 
 
 class W8A8Experts:
-    """A routed expert bank's two projections as W8A8, one scaled GEMM per expert and
-    projection (``q [E, N, K]``, ``grid [E, N / 128, K / 128]`` each). ``run`` returns False
-    (and the bank runs its dequantized path, now and after) where a GEMM raises."""
+    """A routed expert bank's two projections as W8A8 (``q [E, N, K]``, ``grid [E, N / 128,
+    K / 128]`` each): one Triton launch per projection over the whole bank where Triton runs
+    and checks out (``fp8_grouped.py``; ``grouped``), else one scaled GEMM per expert and
+    projection. ``run`` returns False (and the bank runs its dequantized path, now and after)
+    where a GEMM raises."""
 
     def __init__(
         self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor]
     ):
         # the FP8 tensors are the bank's own; the grids' column blocks padded to 4
         self.gate_up, self.down = ((q, pad_grid(grid)) for q, grid in (gate_up, down))
+        self.grouped = grouped_works(gate_up[0].device)
         self.failed = False
+
+    def run_grouped(
+        self,
+        x: torch.Tensor,
+        ends: torch.Tensor,
+        experts: range,
+        act: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """The outputs of ``experts``' rows ``x`` (expert ``experts[i]``'s end at ``ends[i]``,
+        int32 on the device), two launches and no host read; None (and the per-expert GEMMs
+        from now on) where the kernel raises."""
+        if not self.grouped:
+            return None
+        block = slice(experts.start, experts.stop)
+        try:
+            h = grouped_fp8(x, ends, self.gate_up[0][block], self.gate_up[1][block])
+            return grouped_fp8(act(h), ends, self.down[0][block], self.down[1][block])
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel not here
+            self.grouped = False
+            log.warning("grouped FP8 expert kernel unavailable (%s); one GEMM per expert", exc)
+            return None
 
     def run(
         self,
@@ -95,6 +121,14 @@ class W8A8Experts:
         ``out``; False, with nothing promised in ``out``, where the GEMM is not available."""
         if self.failed:
             return False
+        rows = slice(ends[experts.start], ends[experts.stop])
+        if self.grouped:
+            local = [end - rows.start for end in ends[experts.start + 1 : experts.stop + 1]]
+            offs = to_device(torch.tensor(local, dtype=torch.int32), x.device)
+            y = self.run_grouped(x[rows], offs, experts, act)
+            if y is not None:
+                out[rows] = y
+                return True
         try:
             _check_gemm(x.device)
             for e in experts:

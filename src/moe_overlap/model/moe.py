@@ -81,10 +81,10 @@ class ExpertBank(nn.Module):
             out = torch.empty_like(x)
             self.run_block(d, out, range(self.count))
             return out
-        w8a8 = self.w8a8 is not None and not self.w8a8.failed  # per expert, on host counts
-        if d.tokens_per_expert is None and d.counts is not None and self.grouped(x) and not w8a8:
-            offs = d.counts.cumsum(0, dtype=torch.int32)
-            return self._grouped(x, offs, range(self.count))
+        if d.tokens_per_expert is None and d.counts is not None and self.on_device(x):
+            y = self._on_device(x, d.counts.cumsum(0, dtype=torch.int32), range(self.count))
+            if y is not None:
+                return y
         return self.forward(x, host_counts(d))
 
     def run_block(self, d: DispatchState, out: torch.Tensor, experts: range) -> None:
@@ -104,17 +104,25 @@ class ExpertBank(nn.Module):
     ) -> None:
         """The low-latency layout: ``x`` and ``out`` are ``[ep, local, capacity, hidden]``, and
         of the rows rank p sent local expert e the first ``counts[p, e]`` (on the device) are
-        real. As one grouped GEMM over the real rows gathered expert by expert (bf16 on sm90+;
-        rows past the last offset are ignored), else one batched matmul over every padded row
-        (padding is zeros, and its outputs are never read)."""
-        ep, local, cap, hidden = x.shape
+        real. As one launch per projection over the real rows gathered expert by expert
+        (``on_device``: the grouped FP8 kernel, or bf16 grouped GEMM on sm90+; rows past the
+        last offset are ignored), else one batched matmul over every padded row (padding is
+        zeros, and its outputs are never read)."""
+        block = slice(experts.start, experts.stop)
+        if not (self.on_device(x) and self._capacity_on_device(x, counts, out, experts)):
+            ep, _, cap, hidden = x.shape
+            rows = x[:, block].transpose(0, 1).reshape(len(experts), ep * cap, hidden)
+            y = self._padded(rows.reshape(-1, hidden), [ep * cap] * len(experts), ep * cap, experts)
+            out[:, block] = y.view(len(experts), ep, cap, hidden).transpose(0, 1)
+
+    def _capacity_on_device(
+        self, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, experts: range
+    ) -> bool:
+        """``run_capacity``'s real rows gathered expert by expert, one launch per projection
+        (``_on_device``); False, with nothing written, where that could not run."""
+        ep, _, cap, _ = x.shape
         block = slice(experts.start, experts.stop)
         n = len(experts)
-        if not self.grouped(x):
-            rows = x[:, block].transpose(0, 1).reshape(n, ep * cap, hidden)
-            y = self._padded(rows.reshape(-1, hidden), [ep * cap] * n, ep * cap, experts)
-            out[:, block] = y.view(n, ep, cap, hidden).transpose(0, 1)
-            return
         per_group = counts[:, block].T.reshape(-1)  # rows of (expert, source), expert-major
         starts = per_group.cumsum(0) - per_group
         row = torch.arange(n * ep * cap, device=x.device)
@@ -123,13 +131,34 @@ class ExpertBank(nn.Module):
         source, expert = group % ep, group // ep + experts.start
         gathered = x[source, expert, index]  # x may be a strided view of what arrived
         offs = counts[:, block].sum(0).cumsum(0, dtype=torch.int32)
-        y = self._grouped(gathered, offs, experts)
+        y = self._on_device(gathered, offs, experts)
+        if y is None:
+            return False
         # each padded place's row among the gathered ones (a padding place reads any row)
         place = starts.view(n, ep).T[..., None] + torch.arange(cap, device=x.device)
         out[:, block] = y[place.clamp_(max=n * ep * cap - 1)]
+        return True
 
     def grouped(self, x: torch.Tensor) -> bool:
         return grouped_fits(x.device, x.dtype, (x.shape[-1], self.intermediate))
+
+    def on_device(self, x: torch.Tensor) -> bool:
+        """Whether the experts run on the device's row ends, one launch per projection: a W8A8
+        bank through the grouped FP8 kernel, any other through the bf16 grouped GEMM."""
+        if self.w8a8 is not None and not self.w8a8.failed:
+            return self.w8a8.grouped
+        return self.grouped(x)
+
+    def _on_device(
+        self, x: torch.Tensor, offs: torch.Tensor, experts: range
+    ) -> torch.Tensor | None:
+        """``experts``' rows ``x`` (ends ``offs``, int32 on the device) as ``on_device`` says;
+        None where the FP8 kernel gave up and no bf16 grouped GEMM runs here."""
+        if self.w8a8 is not None and not self.w8a8.failed:
+            y = self.w8a8.run_grouped(x, offs, experts, self._act)
+            if y is not None or not self.grouped(x):
+                return y
+        return self._grouped(x, offs, experts)
 
     def run_experts(
         self, x: torch.Tensor, tokens_per_expert: list[int], out: torch.Tensor, experts: range

@@ -27,7 +27,7 @@ from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_mode
 from moe_overlap.engine.engine_args import EngineArgs, OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
-from moe_overlap.model.fp8_resident import fp8_path
+from moe_overlap.model.fp8_resident import expert_kernels, fp8_path
 from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.planner.inputs import ModelSpec, make_layout
 from moe_overlap.planner.stage_bound import stage_order_bound
@@ -46,15 +46,8 @@ from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
-PROBE_LAYOUT = (
-    "ep",
-    "timeout",
-    "link",
-    "device",
-    "dtype",
-    "cuda_graph_max_bs",
-    "disable_cuda_graph",
-)
+PROBE_LAYOUT: tuple[str, ...] = ("ep", "timeout", "link", "device", "dtype")
+PROBE_LAYOUT += ("cuda_graph_max_bs", "disable_cuda_graph")
 
 
 def cmd_probe_link(args: argparse.Namespace) -> int:
@@ -155,27 +148,31 @@ def bench_engines(
             llms[dtype] = stack.enter_context(LLM(**engine, emulate_peers=args.emulate_peers))
             overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
             arms[dtype] = Arm(llms[dtype].executor, overrides)
-        on_gpu = next(iter(llms.values())).spec.device == "cuda"
+        llm = next(iter(llms.values()))
+        on_gpu = llm.spec.device == "cuda"
         reports = run_arms(arms, workload, args.repeat, vocab, args.seed, on_gpu=on_gpu)
         for dtype, report in reports.items():
             console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
             graphs = getattr(getattr(llms[dtype].executor, "runner", None), "graphs", None)
             if graphs is not None:  # one process on CUDA: say whether decode replayed
                 console.print(
-                    f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} failed to "
-                    "capture (their steps ran eagerly)"
+                    f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} "
+                    "failed to capture (their steps ran eagerly)"
                 )
-        fp8 = fp8_line(engine_args(args), next(iter(llms.values())).spec)
+        fp8 = fp8_line(engine_args(args), llm.spec, getattr(llm.executor, "runner", None))
         if fp8 is not None:  # which path the FP8 weights ran: W8A8 or dequantized
             console.print(fp8)
     return reports
 
 
-def fp8_line(settings: EngineArgs, spec: EngineSpec) -> str | None:
-    """Which path an FP8 checkpoint's weights ran (None: not an FP8 checkpoint)."""
+def fp8_line(settings: EngineArgs, spec: EngineSpec, runner: object = None) -> str | None:
+    """Which path an FP8 checkpoint's weights ran (None: not an FP8 checkpoint); with the
+    one-process ``runner``, which kernels its W8A8 expert banks ran."""
     weights = settings.model_source()[0]
     quant = quant_config_of(read_json(weights), weights) if weights else None
-    return fp8_path(quant, spec.device, spec.fp8_on_the_fly)
+    path = fp8_path(quant, spec.device, spec.fp8_on_the_fly)
+    model = getattr(runner, "model", None)
+    return path if path is None or model is None else f"{path}\n{expert_kernels(model)}"
 
 
 def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:

@@ -1,0 +1,131 @@
+"""The grouped FP8 expert kernel (``model/fp8_grouped.py``), its Triton body run on CPU in
+Triton's interpreter: the product it computes, the tile map that feeds it, and an expert bank
+that runs it on the device's counts (the local dispatch's, the low-latency blocks') with the
+bits of the host-counts path, whole and in SBO blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.model import fp8_w8a8
+from moe_overlap.model.fp8_grouped import (
+    BLOCK_M,
+    grouped_fp8,
+    grouped_works,
+    kernel_matches,
+    reference,
+    tile_map,
+)
+from moe_overlap.model.fp8_scale_layout import pad_grid
+from moe_overlap.model.fp8_w8a8 import W8A8Experts
+from moe_overlap.model.fp8_weights import quantize
+from moe_overlap.model.moe import ExpertBank
+
+EXPERTS, HIDDEN, INTER = 4, 128, 128
+
+
+def fp8_experts(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``EXPERTS`` random ``[n, k]`` weights in FP8 with 128x128 grids (``[E, n/128, k/128]``)."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs = [
+        quantize(torch.randn(n, k, generator=gen) / k**0.5, (128, 128)) for _ in range(EXPERTS)
+    ]
+    return torch.stack([q for q, _ in pairs]), torch.stack([g for _, g in pairs])
+
+
+def ends_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 70, 1], [0, 0, 0, 129], [64, 64, 1, 0], [0, 0, 0, 0]])
+def test_the_kernel_computes_the_dequantized_product_of_the_quantized_rows(counts):
+    q, grid = fp8_experts(256, 384, seed=0)  # K = 384: three scale groups, the grid padded to 4
+    x = torch.randn(sum(counts), 384, generator=torch.Generator().manual_seed(1))
+    y = grouped_fp8(x, ends_of(counts), q, pad_grid(grid))
+    expected = reference(x, ends_of(counts).tolist(), q, grid)
+    assert y.shape == (sum(counts), 256)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+    # a row's bits do not depend on the rows beside it (micro-batches, SBO blocks)
+    last = counts[-1]
+    if last:
+        alone = grouped_fp8(x[-last:], ends_of([0, 0, 0, last]), q, pad_grid(grid))
+        assert torch.equal(alone, y[-last:])
+
+
+def test_the_check_passes_here_and_a_wrong_layout_is_refused():
+    assert kernel_matches(torch.device("cpu"))  # interpreted
+    assert not grouped_works(torch.device("cpu"))  # the engine's CPU path dequantizes
+    q, grid = fp8_experts(128, 128, seed=2)
+    with pytest.raises(ValueError, match="row-major"):
+        grouped_fp8(torch.randn(2, 128), ends_of([2, 2, 2, 2]), q.transpose(1, 2), grid)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3 * BLOCK_M), min_size=1, max_size=9))
+def test_the_tile_map_covers_every_row_once(counts):
+    ends = ends_of(counts)
+    tiles = -(-sum(counts) // BLOCK_M) + len(counts)
+    expert, first = tile_map(ends, tiles)
+    covered = []
+    for e, row in zip(expert.tolist(), first.tolist(), strict=True):
+        if e < len(counts):
+            covered += range(row, min(row + BLOCK_M, ends[e].item()))
+            assert ends[e].item() - counts[e] <= row < ends[e].item()
+    assert sorted(covered) == list(range(sum(counts)))
+
+
+@pytest.fixture
+def fp8_bank(monkeypatch) -> ExpertBank:
+    """A W8A8 bank whose experts run the kernel on CPU (interpreted), as on a GPU."""
+    monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
+    bank = ExpertBank(HIDDEN, INTER, first=0, count=EXPERTS)
+    bank.w8a8 = W8A8Experts(fp8_experts(2 * INTER, HIDDEN, 3), fp8_experts(HIDDEN, INTER, 4))
+    assert bank.w8a8.grouped, "the interpreted kernel failed its check"
+    return bank
+
+
+def test_a_w8a8_bank_runs_the_kernel_on_host_and_device_counts_alike(fp8_bank):
+    bank = fp8_bank
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(9, HIDDEN, generator=gen)
+    ids = torch.randint(EXPERTS, (9, 2), generator=gen)
+    state = LocalDispatcher(EXPERTS).dispatch_a(hidden, ids, torch.rand(9, 2, generator=gen))
+    on_device = bank.run_dispatched(state)
+    assert state.tokens_per_expert is None  # the device's counts were enough: nothing read
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
+    x = state.expert_inputs
+    assert torch.equal(on_device, bank(x, counts))
+    gate, up = reference(x, ends_of(counts).tolist(), *bank.w8a8.gate_up).chunk(2, dim=-1)
+    expected = reference(
+        torch.nn.functional.silu(gate) * up, ends_of(counts).tolist(), *bank.w8a8.down
+    )
+    torch.testing.assert_close(on_device, expected, rtol=1e-4, atol=1e-4)
+    for cut in range(1, EXPERTS):  # SBO's blocks: the same bits
+        blocks = torch.full_like(x, float("nan"))
+        bank.run_experts(x, counts, blocks, range(0, cut))
+        bank.run_experts(x, counts, blocks, range(cut, EXPERTS))
+        assert torch.equal(blocks, on_device)
+
+
+def test_the_low_latency_blocks_run_the_kernel_over_their_real_rows_only(fp8_bank):
+    bank, ep, cap = fp8_bank, 2, 5
+    counts = torch.tensor([[2, 0, 5, 1], [0, 3, 1, 0]])
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(ep, EXPERTS, cap, HIDDEN, generator=gen)
+    out = torch.full_like(x, float("nan"))
+    bank.run_capacity(x, counts, out, range(EXPERTS))
+    # the same rows, grouped by expert on the host
+    rows = [x[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
+    flat = bank(torch.cat(rows), counts.sum(0).tolist())
+    assert torch.equal(
+        torch.cat([out[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]), flat
+    )
+    halves = torch.full_like(x, float("nan"))
+    bank.run_capacity(x, counts, halves, range(0, 2))
+    bank.run_capacity(x, counts, halves, range(2, EXPERTS))
+    real = torch.arange(cap)[None, None] < counts[..., None]
+    assert torch.equal(halves[real], out[real])
