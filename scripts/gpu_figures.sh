@@ -3,8 +3,8 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,paged,prefill,fp8,gpu-check,spec-graphs,
-#          profile,device-ops (default all, in that order); they run in the order given, so a
+#   STEPS: a comma list of emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,
+#          spec-graphs,profile,device-ops (default all, in that order); they run in the order given, so a
 #          lent session puts first what it most needs (decode-ll runs within decode)
 #
 # By default the emulated runs come first (they are what the overlap criteria judge), then the
@@ -20,11 +20,12 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-order=${2:-emulated,decode,decode-ll,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
+order=${2:-emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
 steps=",$order,"
 for s in ${order//,/ }; do
   case $s in
-  emulated | decode | decode-ll | paged | prefill | fp8 | gpu-check | spec-graphs | profile | device-ops) ;;
+  emulated | decode | decode-ll | decode-wait | paged | prefill | fp8 | gpu-check | spec-graphs | \
+    profile | device-ops) ;;
   *)
     echo "gpu_figures.sh: unknown step '$s'" >&2
     exit 2
@@ -79,10 +80,10 @@ table() { grep -E "^[│┃┏┡└]|T_comp|limit|marked|refused" "$logs/$1.txt
 #    makes T_comm ~ T_comp (one calibration run per workload, then the modes); decode-256 per
 #    rank with the normal dispatch, then with the low-latency one (CUDA graphs where it can)
 emulated=("${cli[@]}" bench --hf-config "$cfg" --device "$device" --dtype bfloat16 --emulate-peers 8)
-# calibrate NAME WORKLOAD: sets $bw, the modelled link's rate at which T_comm ~ T_comp
+# calibrate NAME WORKLOAD [,WAIT]: sets $bw, the modelled link's rate at which T_comm ~ T_comp
 calibrate() {
   run "$1-probe" 90 "${emulated[@]}" --workload "$2" --modes none --repeat 3 \
-    --link model:400gbit,20us --json "$logs/$1-probe.json" || {
+    --link "model:400gbit,20us${3:-}" --json "$logs/$1-probe.json" || {
     note "link calibration for $2 failed: aborting (logs.tgz: $1-probe.txt)"
     exit 1
   }
@@ -126,6 +127,22 @@ step_decode() {
     table decode-ll-128
     grep "CUDA graphs" "$logs/decode-ll-128.txt" >> "$summary"
   fi
+}
+
+# 1a. why TBO loses at decode-256 where DBO pays: capacity 128 again, with the link's holds as a
+#     kernel spinning on the GPU clock (no host-function wake-up per transfer, which TBO's and
+#     DBO's twice as many transfers pay twice), then with no link (what the two micro-batches
+#     cost by themselves)
+step_decode_wait() {
+  local ll=(--workload decode:256:512 --repeat 10 --modes none,tbo,dbo --a2a-mode auto
+    --num-max-dispatch-tokens-per-rank 128 --cuda-graph-max-bs 256)
+  calibrate decode-spin decode:256:512 ,globaltimer
+  note "== emulated ep=8, decode:256:512, auto, capacity 128, link model:$bw,20us,globaltimer"
+  run decode-ll-128-spin 120 "${emulated[@]}" "${ll[@]}" --link "model:$bw,20us,globaltimer"
+  table decode-ll-128-spin
+  note "== the same, no link"
+  run decode-ll-128-nolink 120 "${emulated[@]}" "${ll[@]}" --link none
+  table decode-ll-128-nolink
 }
 
 # 1b. decode-256 from CUDA graphs on KV pages of 16 against one page per sequence (the

@@ -79,6 +79,10 @@ def tcp_transfer(link: NetnsLink, size: int) -> float:
         ("model:1GBps,2ms", LinkSpec("model", 1e9, 2e-3, spec="model:1GBps,2ms")),
         ("model:10mbit,0.5s", LinkSpec("model", 10e6 / 8, 0.5, spec="model:10mbit,0.5s")),
         ("model:10mbit,0us", LinkSpec("model", 10e6 / 8, 0.0, spec="model:10mbit,0us")),
+        (
+            "model:2gbit,50us,globaltimer",
+            LinkSpec("model", 2e9 / 8, 50e-6, "model:2gbit,50us,globaltimer", "globaltimer"),
+        ),
     ],
 )
 def test_parse_link_accepts(spec: str, expected: LinkSpec) -> None:
@@ -108,6 +112,8 @@ def test_parse_link_accepts(spec: str, expected: LinkSpec) -> None:
         "model:2gbit,50ns",
         "model:50us,2gbit",
         "model:2gbit,50us,1ms",
+        "model:2gbit,50us,spin",
+        "model:2gbit,50us,host,sleep",
         "model:0mbit,1ms",
         "model:2gbit,-1ms",
     ],

@@ -153,7 +153,8 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
             if self.comm.on_gpu:  # the stream, not the host, waits for the rows and the link
                 handle.wait()
                 if link is not None:
-                    self.comm.delay(link.latency_s + off_rank / link.bytes_per_s)
+                    seconds = link.latency_s + off_rank / link.bytes_per_s
+                    self.comm.delay(seconds, link.gpu_wait)
                 link, done = None, self.comm.done(timing=timed)
         out_mb, in_mb = sent * row_bytes / 1e6, received * row_bytes / 1e6
         label = f"{kind} {off_rank / 1e6:.2f} MB ({owner}; {out_mb:.2f} out, {in_mb:.2f} in)"

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from moe_overlap.distributed.link import GPU_WAITS
+
 _SLEEP_PROBE_CYCLES = 20_000_000
 _SLEEP_WARM_CYCLES = 100_000_000  # an idle GPU's clock is low: boost it before the probe
 _cycles_per_s: dict[int, float] = {}  # per device: torch.cuda._sleep's cycles per second
@@ -36,7 +38,7 @@ def _spin_kernel():
     return spin
 
 
-WAYS = ("host", "globaltimer", "sleep")
+WAYS = GPU_WAITS  # what `--link model:BANDWIDTH,LATENCY,WAIT` names
 _USLEEP_MAX_US = 900_000  # usleep may refuse a second or more: longer waits are queued in parts
 
 

@@ -2,7 +2,11 @@
 
 `--link none` is plain loopback; `--link netns:RATE` puts each rank in its own network namespace
 on a private bridge shaped by `tc tbf`; `--link model:BANDWIDTH,LATENCY` adds a modelled delay to
-each collective where namespaces are not permitted (modelled_link.py, netns.py).
+each collective where namespaces are not permitted (modelled_link.py, netns.py). On a GPU a
+modelled transfer holds the communication stream; `model:BANDWIDTH,LATENCY,WAIT` says how
+(`distributed/gpu_wait.py`): `host` (the default: a host function sleeping, no SM held, but
+0.3-0.5 ms of wake-up per transfer), `globaltimer` (a one-warp kernel spinning on the GPU's
+clock: no wake-up, one SM slot held) or `sleep`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ for _i, _p in enumerate("kmgt", start=1):
     _RATE_BITS |= {f"{_p}bps": 8 * 1000.0**_i, f"{_p}ibps": 8 * 1024.0**_i}
 _TIME_S = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
 _NUMBER_UNIT = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([a-z]+)")
-_FORMS = "none | netns:RATE (e.g. netns:2gbit) | model:BANDWIDTH,LATENCY (e.g. model:2gbit,50us)"
+_FORMS = (
+    "none | netns:RATE (e.g. netns:2gbit) | model:BANDWIDTH,LATENCY[,WAIT] (e.g. "
+    "model:2gbit,50us; WAIT, how a GPU holds the stream: host, globaltimer or sleep)"
+)
+GPU_WAITS = ("host", "globaltimer", "sleep")  # the ways of gpu_wait.hold_stream
 _RATE_EXAMPLES = "2gbit, 500mbit, 100kbit, 100mbps (tc units: bit/s, or bps = bytes/s)"
 
 
@@ -48,6 +56,7 @@ class LinkSpec:
     bytes_per_s: float | None = None
     latency_s: float = 0.0
     spec: str = ""  # the text as given, for reports that must say which link ran
+    gpu_wait: str = "host"  # how a GPU holds its stream for a modelled transfer
 
     @property
     def shaped(self) -> bool:
@@ -60,6 +69,8 @@ class LinkSpec:
         rate_ok = self.bytes_per_s is None if self.kind == "none" else (self.bytes_per_s or 0) > 0
         if not rate_ok or self.latency_s < 0:
             raise ValueError(f"{self.kind} link needs a rate > 0 (none: no rate), latency >= 0")
+        if self.gpu_wait not in GPU_WAITS:
+            raise ValueError(f"unknown wait {self.gpu_wait!r}: one of {', '.join(GPU_WAITS)}")
 
 
 def parse_link(spec: str) -> LinkSpec:
@@ -72,9 +83,10 @@ def parse_link(spec: str) -> LinkSpec:
             return LinkSpec("none", spec=spec)
         if kind == "netns" and arg:
             return LinkSpec("netns", parse_rate(arg), spec=spec)
-        if kind == "model" and arg.count(",") == 1:
-            bandwidth, latency = arg.split(",")
-            return LinkSpec("model", parse_rate(bandwidth), parse_latency(latency), spec=spec)
+        if kind == "model" and arg.count(",") in (1, 2):
+            bandwidth, latency, *wait = arg.split(",")
+            rate, delay = parse_rate(bandwidth), parse_latency(latency)
+            return LinkSpec("model", rate, delay, spec=spec, gpu_wait=(wait or ["host"])[0])
     except ValueError as error:
         raise ValueError(f"bad --link {spec!r}: {error}; accepted: {_FORMS}") from None
     raise ValueError(f"bad --link {spec!r}; accepted: {_FORMS}")

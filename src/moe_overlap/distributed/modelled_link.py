@@ -16,12 +16,13 @@ class ModelledLink:
 
     bytes_per_s: float
     latency_s: float = 0.0
+    gpu_wait: str = "host"  # how a GPU holds its communication stream (gpu_wait.WAYS)
 
     @classmethod
     def from_spec(cls, spec: LinkSpec) -> ModelledLink:
         if spec.kind != "model" or spec.bytes_per_s is None:
             raise ValueError(f"not a model link: {spec.spec!r}")
-        return cls(spec.bytes_per_s, spec.latency_s)
+        return cls(spec.bytes_per_s, spec.latency_s, spec.gpu_wait)
 
     def __post_init__(self) -> None:
         self._free_at = 0.0  # when this rank's link finishes what is already queued on it

@@ -55,17 +55,18 @@ class CommStream:
         if self.stream is not None and tensor.is_cuda:
             tensor.record_stream(self.stream)
 
-    def delay(self, seconds: float) -> None:
+    def delay(self, seconds: float, how: str = "host") -> None:
         """A modelled link's transfer time: the communication stream goes on no sooner than
         ``seconds`` of wall-clock time after this launch's rows were ready, and after the
         link's earlier transfers (its own stream, in order). The hold runs beside a real
         transfer queued in the block, so the later of the two ends it, as on CPU, not their
-        sum. Neither the host nor the compute stream waits. Call inside ``launch``."""
+        sum. Neither the host nor the compute stream waits. ``how``: the hold's way
+        (``gpu_wait.WAYS``). Call inside ``launch``."""
         if self.stream is None or self.link is None or self._ready is None:
             return
         self.link.wait_event(self._ready)
         with torch.cuda.stream(self.link):
-            hold_stream(seconds, self.device)
+            hold_stream(seconds, self.device, how)
         self.stream.wait_stream(self.link)
 
     def done(self, timing: bool = False) -> torch.cuda.Event | None:

@@ -204,8 +204,10 @@ class LayoutArgs:
     link: str = setting(
         "none",
         "how ranks talk: none (loopback), netns:RATE (each rank in a network namespace, links "
-        "shaped by tc tbf, e.g. netns:2gbit; needs root), or model:BANDWIDTH,LATENCY (a "
-        "modelled delay, e.g. model:2gbit,50us)",
+        "shaped by tc tbf, e.g. netns:2gbit; needs root), or model:BANDWIDTH,LATENCY[,WAIT] (a "
+        "modelled delay, e.g. model:2gbit,50us; on a GPU WAIT says how the communication stream "
+        "is held: host, the default, a sleeping host function with 0.3-0.5 ms of wake-up per "
+        "transfer; globaltimer, a one-warp kernel spinning on the GPU clock; or sleep)",
         metavar="SPEC",
         group="device",
     )
