@@ -51,12 +51,15 @@ def test_a_decode_layer_stays_within_its_operation_budget(family):
 
 def test_a_chunk_after_a_prefix_builds_its_causal_masks_once_per_forward():
     """TBO cuts one 1024-token prompt into two chunks; the second attends after a 512-token
-    prefix in two query blocks of 256, each with its own mask, built by the first layer only."""
+    prefix with one mask, built by the first layer only, in one SDPA call per layer (a GPU's
+    kernels take the whole chunk; only CPU cuts it into query blocks of 256)."""
     runner = meta_runner(MODELS["qwen3_moe"]())
     prompt = ForwardBatch(torch.arange(1024), [0], [0], [1024])
     ops = count_forward(runner, prompt, OverlapConfig("tbo", tbo_min_tokens=1))
-    assert runner.model.cfg.num_hidden_layers > 1
-    assert ops["tril"] == 2
+    layers = runner.model.cfg.num_hidden_layers
+    assert layers > 1
+    assert ops["tril"] == 1
+    assert ops["scaled_dot_product_attention"] == 2 * layers  # each chunk once per layer
 
 
 def test_the_counter_counts_kernels_only():

@@ -74,15 +74,16 @@ def causal_attention(
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
     causal mask aligned to the lower right. With no prefix that is SDPA's own causal path; after
     a prefix, a boolean mask (what torch's ``CausalBias`` materialises on CPU anyway, without
-    importing its dynamo machinery into every rank), over blocks of at most ``QUERY_BLOCK``
-    queries; ``masks`` keeps each block's mask for the next layer (``AttentionPlan
-    .causal_masks``). GQA's shared KV heads are broadcast by SDPA (``enable_gqa``), never
-    copied.
+    importing its dynamo machinery into every rank), on CPU over blocks of at most
+    ``QUERY_BLOCK`` queries (its SDPA materialises every block's scores; a GPU's kernels do not,
+    so there the chunk is one call: TBO's second chunk of a 3072-token prompt took 6 per layer);
+    ``masks`` keeps each block's mask for the next layer (``AttentionPlan.causal_masks``). GQA's
+    shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
     """
     masks = {} if masks is None else masks
     new, length = q.shape[1], k.shape[1]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
-    if not prefix_len or new <= QUERY_BLOCK:
+    if not prefix_len or new <= QUERY_BLOCK or q.device.type != "cpu":
         return _attend(q, k, v, prefix_len, scale, masks)
     parts = -(-new // QUERY_BLOCK)  # near-equal blocks of at most QUERY_BLOCK queries
     bounds = [new * i // parts for i in range(parts + 1)]
