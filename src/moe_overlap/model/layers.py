@@ -57,7 +57,8 @@ def attention_plan(ctx: ForwardContext) -> AttentionPlan:
     return ctx.attention_plan
 
 
-QUERY_BLOCK = 256
+QUERY_BLOCK = 256  # queries per masked SDPA call on CPU
+GPU_QUERY_BLOCK = 4096  # elsewhere: a mask of 4096 x keys, e.g. 256 MiB as bf16 at 32k keys
 
 
 def causal_attention(
@@ -74,18 +75,21 @@ def causal_attention(
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
     causal mask aligned to the lower right. With no prefix that is SDPA's own causal path; after
     a prefix, a boolean mask (what torch's ``CausalBias`` materialises on CPU anyway, without
-    importing its dynamo machinery into every rank), on CPU over blocks of at most
-    ``QUERY_BLOCK`` queries (its SDPA materialises every block's scores; a GPU's kernels do not,
-    so there the chunk is one call: TBO's second chunk of a 3072-token prompt took 6 per layer);
-    ``masks`` keeps each block's mask for the next layer (``AttentionPlan.causal_masks``). GQA's
-    shared KV heads are broadcast by SDPA (``enable_gqa``), never copied.
+    importing its dynamo machinery into every rank), over blocks of at most ``QUERY_BLOCK``
+    queries on CPU (its SDPA materialises each block's scores) and ``GPU_QUERY_BLOCK``
+    elsewhere (a GPU's kernels do not, but take the mask as a bias of the run dtype: blocks
+    bound that copy; TBO's second chunk of a 3072-token prompt took 6 calls per layer in blocks
+    of 256, 1 now); ``masks`` keeps each block's mask for the next layer
+    (``AttentionPlan.causal_masks``). GQA's shared KV heads are broadcast by SDPA
+    (``enable_gqa``), never copied.
     """
     masks = {} if masks is None else masks
     new, length = q.shape[1], k.shape[1]
     assert length == prefix_len + new, "keys must cover exactly the prefix and the new tokens"
-    if not prefix_len or new <= QUERY_BLOCK or q.device.type != "cpu":
+    block = QUERY_BLOCK if q.device.type == "cpu" else GPU_QUERY_BLOCK
+    if not prefix_len or new <= block:
         return _attend(q, k, v, prefix_len, scale, masks)
-    parts = -(-new // QUERY_BLOCK)  # near-equal blocks of at most QUERY_BLOCK queries
+    parts = -(-new // block)  # near-equal blocks of at most ``block`` queries
     bounds = [new * i // parts for i in range(parts + 1)]
     blocks = [
         _attend(
