@@ -5,13 +5,18 @@ bits of the host-counts path, whole and in SBO blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.dispatch.local import LocalDispatcher
-from moe_overlap.model import fp8_w8a8
+from moe_overlap.model import fp8_resident, fp8_w8a8, loader
+from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_grouped import (
     BLOCK_M,
     grouped_fp8,
@@ -23,9 +28,11 @@ from moe_overlap.model.fp8_grouped import (
 from moe_overlap.model.fp8_scale_layout import pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
 from moe_overlap.model.fp8_weights import quantize
+from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.model.moe import ExpertBank
 
 EXPERTS, HIDDEN, INTER = 4, 128, 128
+TINY_CONFIG = "configs/qwen3-moe-tiny.json"  # hidden 128: its layers fit 128x128 blocks
 
 
 def fp8_experts(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,3 +136,31 @@ def test_the_low_latency_blocks_run_the_kernel_over_their_real_rows_only(fp8_ban
     bank.run_capacity(x, counts, halves, range(2, EXPERTS))
     real = torch.arange(cap)[None, None] < counts[..., None]
     assert torch.equal(halves[real], out[real])
+
+
+MODES = ["none", "tbo", "tbo+two-chunk", "sbo"]
+
+
+def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(tmp_path, monkeypatch):
+    """The whole engine, its FP8 experts forced onto the kernel as on a GPU (interpreted here;
+    the linears fall back to their dequantized weights, as CPU has no block-scaled GEMM): TBO,
+    its two-chunk cut and SBO's blocks give no overlap's logits and tokens, as the kernel's rows
+    never depend on the rows beside them."""
+    monkeypatch.setattr(loader, "keeps_fp8", lambda device, on_the_fly: True)
+    monkeypatch.setattr(fp8_resident, "w8a8_available", lambda device: True)
+    monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
+    cfg = dataclasses.replace(ModelConfig.from_hf(TINY_CONFIG), moe_intermediate_size=128)
+    save_checkpoint(build_model(cfg), tmp_path)
+    quantize_checkpoint(tmp_path, (128, 128))
+    prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (21, 5, 13)]
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    runs = {}
+    for mode in MODES:
+        with LLM(tmp_path, overlap=dataclasses.replace(mode_config(mode), tbo_min_tokens=1)) as llm:
+            banks = [m for m in llm.executor.runner.model.modules() if isinstance(m, ExpertBank)]
+            runs[mode] = llm.generate(prompts, params, return_logits=True)
+            assert banks and all(b.w8a8 and b.w8a8.grouped and not b.w8a8.failed for b in banks)
+    for mode in MODES[1:]:
+        for a, b in zip(runs["none"], runs[mode], strict=True):
+            assert a.token_ids == b.token_ids, mode
+            assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4, mode
