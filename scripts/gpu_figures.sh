@@ -93,7 +93,7 @@ print("%.1fgbit" % (400 * r["t_comm_s"] / r["t_comp_s"]))' "$logs/$1-probe.json"
     exit 1
   }
 }
-bw=400gbit profile_bw=400gbit
+bw=400gbit profile_bw=400gbit decode_bw=50gbit
 step_emulated() {
   for w in ${EMULATE_WORKLOADS:-single-long:3072 single-long:8192}; do
     name=emulate-${w//:/-}
@@ -107,6 +107,7 @@ step_emulated() {
 }
 step_decode() {
   calibrate decode decode:256:512
+  decode_bw=$bw
   note "== emulated ep=8, decode:256:512, link model:$bw,20us, normal dispatch"
   run decode 120 "${emulated[@]}" --workload decode:256:512 --link "model:$bw,20us" --repeat 10 \
     --modes none,tbo,sbo,dbo --a2a-mode normal
@@ -216,6 +217,12 @@ step_profile() {
     "model:$profile_bw,20us" none,tbo+two-chunk,dbo,sbo
   grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" \
     "$logs/emulate-profile.txt" >> "$summary"
+  # decode-256 at capacity 128 from graphs: whether TBO's two micro-batches cost more kernel
+  # time than one batch of 256 (latency-bound kernels), where DBO's streams run them at once
+  run emulate-profile-decode 120 "$py" scripts/emulate_profile.py "$cfg" decode:256:512 \
+    "model:$decode_bw,20us" none,tbo,dbo --a2a-mode auto --capacity 128 --cuda-graph-max-bs 256
+  grep -E "^==|cuda(StreamSynchronize|MemcpyAsync|EventSynchronize)" \
+    "$logs/emulate-profile-decode.txt" >> "$summary"
 }
 step_device_ops() {
   run device-ops 60 "$py" scripts/device_ops.py "$cfg" --emulate-peers 8 --prefill 3072
