@@ -1,12 +1,15 @@
 """``--attention-backend flex_attention`` on a GPU: compiled FlexAttention reading the KV pages
 in place gives the default backend's greedy tokens and log-probabilities (fp32), decoding
-eagerly and from CUDA graphs, with a prefix-cache hit in the second wave."""
+eagerly and from CUDA graphs, with a prefix-cache hit in the second wave; with the block list
+the block table's width (the engine's) and as long as the pool (FlexAttention's own layout),
+so that a failure says which."""
 
 from __future__ import annotations
 
 import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.model import flex_decode
 from tests.gpu.common import needs_gpu
 
 pytestmark = needs_gpu
@@ -21,8 +24,10 @@ def both_waves(**kw) -> list:
         return [out for wave in WAVES for out in llm.generate(wave, GREEDY)]
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_flex_attention_reads_pages_as_the_gather_does(graphs):
+def test_flex_attention_reads_pages_as_the_gather_does(graphs, wide, monkeypatch):
+    monkeypatch.setattr(flex_decode, "WIDE", wide)
     kw = dict(page_size=16, disable_cuda_graph=not graphs)
     base = both_waves(**kw)
     flex = both_waves(attention_backend="flex_attention", **kw)

@@ -4,12 +4,13 @@ mask whose KV blocks are each sequence's own pages, one block per page, straight
 table. No sequence's keys are copied into a contiguous tensor first, as the default
 (``torch_native``: ``KVCache.gather`` then SDPA) does.
 
-The mask is built once per forward and read by every layer. Its block list is ``[rows, pool
-pages]`` int32 (FlexAttention's layout: a row of indices as long as the keys have blocks, as
-torch's own paged FlexAttention has): over a large pool that is what a forward pays to build,
-so cap the pool (``--max-total-tokens``) near what the batch needs. Only the last page of a
-row can be partly written, so ``mask_mod`` needs two numbers per row; a page shared by prefix
-caching is full, and sits in every row that holds it.
+The mask is built once per forward and read by every layer. Its block list is the block
+table itself, ``[rows, pages per sequence + 1]`` int32 (the kernel reads a row's indices only
+up to its count, and one past it as the next block's: hence the spare column), not a row as
+long as the pool has pages, which FlexAttention's own layout (and torch's paged FlexAttention)
+would build each forward over the whole pool; ``wide`` builds that one, for the GPU test that
+compares the two. Only the last page of a row can be partly written, so ``mask_mod`` needs two
+numbers per row; a page shared by prefix caching is full, and sits in every row that holds it.
 
 On a GPU the kernel is ``torch.compile``'d FlexAttention (Triton), its key tile the largest
 power of two up to 64 that divides a page (pages of a multiple of 16 tokens, so a tile is 16
@@ -33,6 +34,9 @@ from moe_overlap.core.kv_cache import KVCache
 Q_BLOCK = 128  # one block of queries: a decode row's one query
 
 
+WIDE = False  # the block list as long as the pool (tests/gpu compares it with the table's)
+
+
 def decode_block_mask(
     table: torch.Tensor, lens: torch.Tensor, page_size: int, pool_pages: int
 ) -> BlockMask:
@@ -45,7 +49,8 @@ def decode_block_mask(
     count = (lens + page_size - 1) // page_size
     last = table.gather(1, (count - 1)[:, None])[:, 0]
     last_len = lens - (count - 1) * page_size
-    indices = table.new_zeros(rows, pool_pages, dtype=torch.int32)  # then unvisited blocks
+    columns = pool_pages if WIDE else width + 1  # the spare: the kernel reads one past a row
+    indices = table.new_zeros(rows, columns, dtype=torch.int32)  # then unvisited blocks
     indices[:, :width] = table[:, :width]
 
     def real_key(b, h, q_idx, kv_idx):
@@ -53,7 +58,7 @@ def decode_block_mask(
 
     return BlockMask.from_kv_blocks(
         count.view(rows, 1, 1).to(torch.int32),
-        indices.view(rows, 1, 1, pool_pages),
+        indices.view(rows, 1, 1, columns),
         BLOCK_SIZE=(Q_BLOCK, page_size),
         mask_mod=real_key,
         seq_lengths=(1, pool_pages * page_size),
@@ -113,8 +118,9 @@ def masked_reference(
     keys of the blocks it visits that ``mask_mod`` keeps (FlexAttention's own unfused run
     applies the mod alone, where this mask needs the blocks, and costs seconds to start)."""
     rows, kv_len = q.shape[0], k.shape[2]
-    visited = block_mask.to_dense()[:, 0, 0]  # [rows, kv blocks]
-    blocks = torch.arange(kv_len, device=q.device) // block_mask.BLOCK_SIZE[1]
+    page = block_mask.BLOCK_SIZE[1]
+    visited = _visited(block_mask, kv_len // page)  # [rows, kv blocks]
+    blocks = torch.arange(kv_len, device=q.device) // page
     b = torch.arange(rows, device=q.device)[:, None]
     kv = torch.arange(kv_len, device=q.device)[None]
     zero = torch.zeros((), dtype=torch.long, device=q.device)
@@ -122,3 +128,13 @@ def masked_reference(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=seen[:, None, None], scale=scale, enable_gqa=enable_gqa
     )
+
+
+def _visited(block_mask: BlockMask, pool_pages: int) -> torch.Tensor:
+    """``[rows, pool_pages]``: which pool pages each row's first ``kv_num_blocks`` indices name
+    (``to_dense`` would take the block list's length for the pool's)."""
+    indices = block_mask.kv_indices[:, 0, 0].long()
+    count = block_mask.kv_num_blocks[:, 0, 0]
+    taken = torch.arange(indices.shape[1], device=indices.device) < count[:, None]
+    visited = torch.zeros(indices.shape[0], pool_pages, dtype=torch.long, device=indices.device)
+    return visited.scatter_reduce_(1, indices.clamp(0, pool_pages - 1), taken.long(), "amax")
