@@ -14,26 +14,15 @@ only, so a row gets the same bits whichever micro-batch or SBO block it runs in.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import torch
 
-from moe_overlap.model.fp8_scale_layout import quantize_activations
+from moe_overlap.model.fp8_scale_layout import kernels, quantize_activations
 from moe_overlap.model.fp8_weights import dequantize
 
 BLOCK_M = 64  # rows per tile, fixed: a row's bits must not depend on how many rows came
 BLOCK_N = 128  # output columns per tile: one weight scale block
 GROUP_K = 128  # the scales' group along K
-
-
-@functools.cache
-def kernel_module() -> ModuleType | None:
-    """``fp8_grouped_kernel``, imported on first use; None without Triton."""
-    try:
-        import moe_overlap.model.fp8_grouped_kernel as kernel
-    except ImportError:
-        return None
-    return kernel
 
 
 def tile_map(ends: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +44,7 @@ def grouped_fp8(
     """``x [M, K]`` (rows grouped by expert; expert e's end at ``ends[e]``, int32 on the
     device) times each expert's ``(q * grid)^T``: ``q [E, N, K]`` FP8, ``grid [E, N / 128,
     >= K / 128]``; ``[M, N]`` in x's dtype. Raises where Triton is absent."""
-    module = kernel_module()
+    module = kernels()
     if module is None:
         raise NotImplementedError("Triton is not installed: no grouped FP8 kernel")
     m, k = x.shape
@@ -68,8 +57,7 @@ def grouped_fp8(
     xq, scale = quantize_activations(x)
     tiles = -(-m // BLOCK_M) + experts
     tile_expert, tile_row = tile_map(ends, tiles)
-    kernel = module.compiled if x.device.type == "cuda" else module.interpreted()
-    kernel[(tiles, -(-n // BLOCK_N))](
+    module.grouped[(tiles, -(-n // BLOCK_N))](
         xq,
         scale,
         q,
@@ -113,7 +101,7 @@ def reference(
 def grouped_works(device: torch.device) -> bool:
     """Whether the engine runs its FP8 experts through ``grouped_fp8`` on ``device``: a GPU
     where the kernel checks out (``kernel_matches``), checked once; never on CPU, where the
-    kernel runs only in Triton's interpreter, for the tests."""
+    kernel runs only in Triton's interpreter (``TRITON_INTERPRET=1``), for the tests."""
     return device.type == "cuda" and kernel_matches(device)
 
 
