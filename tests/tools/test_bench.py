@@ -10,6 +10,8 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.workloads import WorkloadError, check_fits, parse_workload
 from moe_overlap.tools.cli import main
+from moe_overlap.tools.cli_args import bench_engine_kwargs
+from moe_overlap.tools.commands import build_parser
 
 
 def test_workloads_parse_and_seeds_reproduce():
@@ -200,3 +202,15 @@ def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path,
     assert report["modes"]["none"]["zero_host_bound_s"] == pytest.approx(total)
     assert report["modes"]["tbo"]["zero_host_bound_s"] == pytest.approx(total)  # nothing split
     assert report["modes"]["tbo+two-chunk"]["zero_host_bound_s"] < total
+
+
+def test_bench_takes_the_kv_pools_flags_and_hands_them_to_its_engine():
+    """The pool's page size and budget (what --compare-dispatch-dtype's help asks a GPU user to
+    halve) reach the bench's engine; the sequences and their length stay sized by the workload."""
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--workload", "decode:8:32"]
+    argv += ["--page-size", "4", "--mem-fraction-static", "0.4", "--max-total-tokens", "512"]
+    args = build_parser().parse_args(argv)
+    workload = parse_workload(args.workload, 1, seed=0)
+    engine = bench_engine_kwargs(args, workload)
+    assert (engine["page_size"], engine["mem_fraction_static"]) == (4, 0.4)
+    assert engine["max_total_tokens"] == 512 and engine["max_num_seqs"] == 8

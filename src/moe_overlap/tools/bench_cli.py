@@ -24,7 +24,7 @@ from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
-from moe_overlap.engine.engine_args import EngineArgs, OverlapArgs
+from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.model.fp8_resident import expert_kernels, fp8_path
@@ -48,6 +48,7 @@ from moe_overlap.tools.trace import write_outputs
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
 PROBE_LAYOUT: tuple[str, ...] = ("ep", "timeout", "link", "device", "dtype")
 PROBE_LAYOUT += ("cuda_graph_max_bs", "disable_cuda_graph")
+BENCH_MEMORY = ("page_size", "mem_fraction_static", "max_total_tokens", "kv_cache_memory")
 
 
 def cmd_probe_link(args: argparse.Namespace) -> int:
@@ -292,5 +293,6 @@ def _add_bench_command(sub) -> None:
         ),
     )
     add_fields(bench, BenchArgs)
+    add_fields(bench, CapacityArgs, only=BENCH_MEMORY)  # the KV pool; the rest is sized
     add_fields(bench, EplbArgs)  # redundant experts, their placement, and --expert-skew
     bench.set_defaults(func=cmd_bench)
