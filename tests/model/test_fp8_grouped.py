@@ -179,7 +179,7 @@ def test_the_one_pass_quantization_gives_the_torch_operations_bits():
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(37, 256, generator=gen) * torch.logspace(-4, 4, 37)[:, None]
     x[5] = 0
-    x[6, :128] = 1e-30  # a group below the scale's floor
+    x[6, :128] = 1e-30  # a group of tiny values: its scale is tiny too, not floored
     # scale 1 (amax 448): every tie between neighbouring FP8 values, subnormals included,
     # and a little either side of each, each sign
     grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448

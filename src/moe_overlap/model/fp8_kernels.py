@@ -33,16 +33,17 @@ def quantize(
     BLOCK_M: tl.constexpr,
     GROUP_K: tl.constexpr,
 ):
-    """One ``BLOCK_M x 128`` block of rows: ``scale = max(amax, 1e-12) / 448`` per row and
-    group, ``q = clamp(x / scale, +-448)``, both divisions rounded as torch's are (``div_rn``)
-    so the bits are ``fp8_scale_layout.quantize_activations``'s."""
+    """One ``BLOCK_M x 128`` block of rows: ``scale = amax / 448`` per row and group (0 for
+    an all-zero group, whose values stay 0), ``q = clamp(x / scale, +-448)``, both divisions
+    rounded as torch's are (``div_rn``) so the bits are ``fp8_rows.quantize``'s."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * GROUP_K + tl.arange(0, GROUP_K)
     ok = rows < m_out
     where = rows.to(tl.int64)[:, None] * k + cols[None, :]
     v = tl.load(x + where, mask=(rows < m)[:, None], other=0.0).to(tl.float32)
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12), 448.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, s[:, None]), -448.0), 448.0)
+    s = tl.math.div_rn(tl.max(tl.abs(v), axis=1), 448.0)
+    safe = tl.where(s > 0, s, 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(v, safe[:, None]), -448.0), 448.0)
     tl.store(q + where, _on_e4m3_grid(y).to(q.dtype.element_ty), mask=ok[:, None])
     tl.store(scale + rows * stride_s_m + tl.program_id(1) * stride_s_k, s, mask=ok)
 

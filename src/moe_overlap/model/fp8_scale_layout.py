@@ -25,7 +25,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from moe_overlap.model.fp8_weights import FP8_DTYPE, FP8_MAX, dequantize, quantize
+from moe_overlap.dispatch.fp8_rows import quantize as quantize_rows
+from moe_overlap.model.fp8_weights import FP8_DTYPE, dequantize, quantize
 
 log = logging.getLogger(__name__)
 ROW_MULTIPLE = 4  # activation rows per GEMM: a multiple of this
@@ -63,11 +64,9 @@ def quantize_activations(
 
 
 def _quantize_torch(x: torch.Tensor, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple))
-    m, k = x.shape
-    groups = x.float().view(m, k // 128, 128)
-    scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, k)
+    """The FP8 dispatch's 1x128 quantization (``fp8_rows.quantize``: an all-zero group's
+    scale is 0), its rows padded and its scales laid out for cuBLAS."""
+    q, scale = quantize_rows(F.pad(x, (0, 0, 0, -x.shape[0] % row_multiple)), 128)
     return q, scale.t().contiguous().t()
 
 
