@@ -194,7 +194,7 @@ json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
 
 # 3. the GPU checks (tests/gpu), before the diagnostics
 step_gpu_check() {
-  run gpu-check 240 "$py" -m pytest tests/gpu -q -rs
+  run gpu-check 300 "$py" -m pytest tests/gpu -q -rs
   tail -40 "$logs/gpu-check.txt" > "$out/gpu-check.txt"
 }
 
