@@ -58,7 +58,7 @@ def _on_e4m3_grid(y):
     bits = mag.to(tl.int32, bitcast=True)
     kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576: 0xFFF00000
     normal = kept.to(tl.float32, bitcast=True)
-    small = ((mag * 512.0 + 8388608.0) - 8388608.0) / 512.0
+    small = ((mag * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # x 2^-9, exact
     r = tl.where(mag >= 0.015625, normal, small)
     return tl.where(y < 0, -r, r)
 
