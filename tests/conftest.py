@@ -15,7 +15,7 @@ import torch
 from moe_overlap.distributed.netns import LinkUnavailable, NetnsLink
 
 if not torch.cuda.is_available():  # before any import of Triton: its kernels run interpreted
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # on CPU tensors (model/fp8_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # on CPU tensors (the FP8 kernels)
 from tests.helpers import deepseek_hf_config, qwen3_hf_config, save_hf_model
 
 

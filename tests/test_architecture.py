@@ -19,7 +19,8 @@ LAZY_OK = {
     "moe_overlap.server.observability",
     "moe_overlap.server.run",
     "moe_overlap.distributed.gpu_spin",  # Triton: a quarter of a second, on CUDA only
-    "moe_overlap.model.fp8_kernels",  # Triton too, for FP8 on a GPU only
+    "moe_overlap.model.fp8_grouped_kernel",  # Triton too, for FP8 on a GPU only
+    "moe_overlap.dispatch.fp8_wire_kernels",
     "moe_overlap.engine.grammar",  # xgrammar: seconds, only for structured outputs
     # the command line starts the rank fork server before either imports torch (seconds)
     "moe_overlap.tools.commands",

@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.dispatch.fp8_rows import Fp8Rows, one_pass
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works, reference
-from moe_overlap.model.fp8_scale_layout import (
-    _quantize_in_one_pass,
-    _quantize_torch,
-    pad_grid,
-    quantize_works,
-)
+from moe_overlap.model.fp8_scale_layout import _quantize_in_one_pass, _quantize_torch, pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Linear, w8a8_available
 from moe_overlap.model.fp8_weights import quantize, resident_bytes
 from moe_overlap.model.loader import build_model, save_checkpoint
@@ -127,12 +123,17 @@ def test_fp8_experts_decode_from_cuda_graphs(fp8_experts_128):
     assert tokens[True] == tokens[False]
 
 
-def test_the_one_pass_quantization_gives_the_torch_operations_bits_on_the_gpu():
-    """``fp8_kernels.quantize`` on the GPU, checked once at first use, and again here on
-    prefill-sized rows of bf16 (the experts' input at Qwen3-30B-A3B's width)."""
-    assert quantize_works(torch.device("cuda"))
+def test_the_one_pass_kernels_give_the_torch_operations_bits_on_the_gpu():
+    """``fp8_wire_kernels`` on the GPU, checked once at first use, and again here on
+    prefill-sized rows of bf16 at Qwen3-30B-A3B's width: W8A8's activations, and the FP8
+    dispatch's encode and decode."""
+    assert one_pass(torch.device("cuda"))
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(3001, 2048, generator=gen) * 4).to("cuda", torch.bfloat16)
     ours, theirs = _quantize_in_one_pass(x, 4), _quantize_torch(x, 4)
     assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8))
     assert torch.equal(ours[1], theirs[1]) and ours[1].stride() == theirs[1].stride()
+    rows = Fp8Rows(2048, torch.bfloat16)
+    wire = rows.encode_in_one_pass(x)
+    assert torch.equal(wire.cpu(), rows.encode(x.cpu()))  # the torch operations, on CPU
+    assert torch.equal(rows.decode_in_one_pass(wire).cpu(), rows.decode(wire.cpu()))

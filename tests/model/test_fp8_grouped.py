@@ -1,8 +1,8 @@
-"""The FP8 Triton kernels (``model/fp8_kernels.py``), run on CPU in Triton's interpreter
-(``tests/conftest.py`` sets ``TRITON_INTERPRET=1``): the grouped expert GEMM's product, the tile
-map that feeds it, an expert bank that runs it on the device's counts (the local dispatch's,
-the low-latency blocks') with the bits of the host-counts path, whole and in SBO blocks, a
-whole engine on it in every overlap mode, and the one-pass quantization's bits."""
+"""The grouped FP8 expert kernel (``model/fp8_grouped_kernel.py``), run on CPU in Triton's
+interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``): its product, the tile map
+that feeds it, an expert bank that runs it on the device's counts (the local dispatch's, the
+low-latency blocks') with the bits of the host-counts path, whole and in SBO blocks, and a
+whole engine on it in every overlap mode."""
 
 from __future__ import annotations
 
@@ -26,12 +26,7 @@ from moe_overlap.model.fp8_grouped import (
     reference,
     tile_map,
 )
-from moe_overlap.model.fp8_scale_layout import (
-    _quantize_in_one_pass,
-    _quantize_torch,
-    pad_grid,
-    quantize_works,
-)
+from moe_overlap.model.fp8_scale_layout import pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
 from moe_overlap.model.fp8_weights import quantize
 from moe_overlap.model.loader import build_model, save_checkpoint
@@ -170,25 +165,3 @@ def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(tmp_path, monkeypa
         for a, b in zip(runs["none"], runs[mode], strict=True):
             assert a.token_ids == b.token_ids, mode
             assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4, mode
-
-
-def test_the_one_pass_quantization_gives_the_torch_operations_bits():
-    """``fp8_kernels.quantize`` (interpreted here) against the torch operations it replaces on
-    a GPU: the same FP8 bytes and scales, rows padded to 4 included."""
-    assert quantize_works(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(37, 256, generator=gen) * torch.logspace(-4, 4, 37)[:, None]
-    x[5] = 0
-    x[6, :128] = 1e-30  # a group of tiny values: its scale is tiny too, not floored
-    # scale 1 (amax 448): every tie between neighbouring FP8 values, subnormals included,
-    # and a little either side of each, each sign
-    grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
-    ties = (grid[1:] + grid[:-1]) / 2
-    for row, values in enumerate((ties, ties * (1 + 1e-6), ties * (1 - 1e-6), -ties), 7):
-        x[row, :128] = torch.cat((torch.tensor([448.0]), values, torch.zeros(2)))[:128]
-    for row_multiple in (1, 4):
-        ours = _quantize_in_one_pass(x, row_multiple)
-        theirs = _quantize_torch(x, row_multiple)
-        assert ours[0].shape == theirs[0].shape and ours[1].stride() == theirs[1].stride()
-        assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8))
-        assert torch.equal(ours[1], theirs[1])

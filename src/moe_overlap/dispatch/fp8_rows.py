@@ -13,11 +13,18 @@ The experts get the rows dequantized to the run dtype on arrival (``decode``): t
 FP8 GEMM. The combine sends the experts' outputs in the run dtype. The one-process run
 quantizes and dequantizes at the same point (``round_trip``), so every layout and overlap mode
 sees the same expert inputs as it.
+
+On a GPU, rows of whole 128-wide groups encode and decode in one Triton pass each, straight
+into and out of the wire's bytes (``fp8_wire_kernels.py``), with the torch operations' bits;
+``one_pass`` checks those bits once per device and keeps the torch operations where they differ.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 GROUP = 128  # columns per scale (DeepSeek-V3's and the references' 1x128)
 SCALE_BYTES = 4  # a float32 scale
+ROWS_PER_PROGRAM = 32  # rows per program of the one-pass kernels
+log = logging.getLogger(__name__)
 
 
 class PlainRows:
@@ -62,6 +71,8 @@ class Fp8Rows(PlainRows):
 
     def encode(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` in any float dtype -> ``[n, width]`` uint8."""
+        if self._one_pass(hidden):
+            return self.encode_in_one_pass(hidden)
         q, scales = quantize(hidden, self.group)
         n = hidden.shape[0]
         out = hidden.new_zeros((n, self.width), dtype=torch.uint8)
@@ -74,10 +85,34 @@ class Fp8Rows(PlainRows):
         """``[..., width]`` uint8 -> ``[..., hidden]`` in the run dtype."""
         lead = rows.shape[:-1]
         flat = rows.reshape(-1, self.width)
+        if self._one_pass(flat):
+            return self.decode_in_one_pass(flat).view(*lead, self.hidden)
         q = flat[:, : self.hidden].contiguous().view(FP8)
         end = self.hidden + SCALE_BYTES * self.groups
         scales = flat[:, self.hidden : end].reshape(-1).view(torch.float32).view(-1, self.groups)
         return dequantize(q, scales, self.group).to(self.dtype).view(*lead, self.hidden)
+
+    def _one_pass(self, t: torch.Tensor) -> bool:
+        whole = self.group == GROUP and self.hidden % GROUP == 0
+        return whole and t.is_cuda and one_pass(t.device)
+
+    def _parts(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 values and scales of ``[n, width]`` wire rows, as views of their bytes."""
+        end = self.hidden + SCALE_BYTES * self.groups
+        return wire[:, : self.hidden].view(FP8), wire[:, self.hidden : end].view(torch.float32)
+
+    def encode_in_one_pass(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``encode`` as one kernel writing the wire's bytes (whole 128-wide groups)."""
+        out = hidden.new_empty((hidden.shape[0], self.width), dtype=torch.uint8)
+        out[:, self.hidden + SCALE_BYTES * self.groups :] = 0  # the padding to whole words
+        quantize_into(hidden, *self._parts(out))
+        return out
+
+    def decode_in_one_pass(self, wire: torch.Tensor) -> torch.Tensor:
+        """``decode`` of ``[n, width]`` rows as one kernel (whole 128-wide groups)."""
+        out = wire.new_empty((wire.shape[0], self.hidden), dtype=self.dtype)
+        dequantize_into(*self._parts(wire), out)
+        return out
 
     def round_trip(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the experts of a dispatched row get: encoded, then decoded."""
@@ -104,6 +139,88 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tenso
     groups = scales.shape[1]
     padded = F.pad(q.float(), (0, groups * group - hidden)).view(n, groups, group)
     return (padded * scales.unsqueeze(-1)).view(n, groups * group)[:, :hidden]
+
+
+@functools.cache
+def wire_kernels() -> ModuleType | None:
+    """``fp8_wire_kernels`` (Triton), imported on first use; None without Triton."""
+    try:
+        import moe_overlap.dispatch.fp8_wire_kernels as module
+    except ImportError:
+        return None
+    return module
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """``quantize(x, 128)`` as one kernel, into ``q`` ``[M', K]`` (FP8, rows any distance
+    apart; rows past x's are zeros) and ``scale`` ``[M', K / 128]`` (any strides)."""
+    module = wire_kernels()
+    if module is None:
+        raise NotImplementedError("Triton is not installed: no one-pass FP8 quantization")
+    m, k = x.shape
+    rows = q.shape[0]
+    module.quantize[(-(-rows // ROWS_PER_PROGRAM), k // GROUP)](
+        x.contiguous(),
+        q,
+        scale,
+        m,
+        rows,
+        k,
+        q.stride(0),
+        *scale.stride(),
+        BLOCK_M=ROWS_PER_PROGRAM,
+        GROUP_K=GROUP,
+    )
+
+
+def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``dequantize(q, scale, 128)`` cast to ``out``'s dtype (contiguous), as one kernel."""
+    module = wire_kernels()
+    if module is None:
+        raise NotImplementedError("Triton is not installed: no one-pass FP8 dequantization")
+    m, k = q.shape
+    module.dequantize[(-(-m // ROWS_PER_PROGRAM), k // GROUP)](
+        q,
+        scale,
+        out,
+        m,
+        k,
+        q.stride(0),
+        *scale.stride(),
+        BLOCK_M=ROWS_PER_PROGRAM,
+        GROUP_K=GROUP,
+        TO_BF16=out.dtype == torch.bfloat16,
+    )
+
+
+@functools.cache
+def one_pass(device: torch.device) -> bool:
+    """Whether the one-pass kernels run on ``device`` (a GPU) with the torch operations' bits,
+    checked once (``kernels_match``)."""
+    return device.type == "cuda" and kernels_match(device)
+
+
+def kernels_match(device: torch.device) -> bool:
+    """Whether ``quantize_into`` and ``dequantize_into`` give ``quantize``'s and
+    ``dequantize``'s bits on ``device``: rows across twelve orders of magnitude, one all
+    zeros, in bf16 and float32."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(7, 384, generator=gen) * torch.logspace(-6, 6, 7)[:, None]
+    x[3] = 0
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            rows = Fp8Rows(384, dtype)
+            wire = rows.encode_in_one_pass(x.to(device, dtype))
+            theirs = Fp8Rows.encode(rows, x.to(dtype)).to(device)  # the torch path, on CPU
+            decoded = rows.decode_in_one_pass(wire)
+            expected = dequantize(*quantize(x.to(dtype), GROUP), GROUP).to(dtype).to(device)
+            if not (torch.equal(wire, theirs) and torch.equal(decoded, expected)):
+                log.warning("the one-pass FP8 kernels differ from torch's on %s", device)
+                return False
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        log.warning("the one-pass FP8 kernels are unavailable on %s (%s)", device, exc)
+        return False
+    return True
 
 
 def dispatch_rows(dispatch_dtype: str, hidden: int, dtype: torch.dtype) -> PlainRows:

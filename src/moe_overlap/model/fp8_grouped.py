@@ -14,11 +14,23 @@ only, so a row gets the same bits whichever micro-batch or SBO block it runs in.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 
-from moe_overlap.model.fp8_scale_layout import kernels, quantize_activations
+from moe_overlap.model.fp8_scale_layout import quantize_activations
 from moe_overlap.model.fp8_weights import dequantize
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """``fp8_grouped_kernel`` (Triton), imported on first use; None without Triton."""
+    try:
+        import moe_overlap.model.fp8_grouped_kernel as module
+    except ImportError:
+        return None
+    return module
+
 
 BLOCK_M = 64  # rows per tile, fixed: a row's bits must not depend on how many rows came
 BLOCK_N = 128  # output columns per tile: one weight scale block
@@ -44,7 +56,7 @@ def grouped_fp8(
     """``x [M, K]`` (rows grouped by expert; expert e's end at ``ends[e]``, int32 on the
     device) times each expert's ``(q * grid)^T``: ``q [E, N, K]`` FP8, ``grid [E, N / 128,
     >= K / 128]``; ``[M, N]`` in x's dtype. Raises where Triton is absent."""
-    module = kernels()
+    module = kernel()
     if module is None:
         raise NotImplementedError("Triton is not installed: no grouped FP8 kernel")
     m, k = x.shape

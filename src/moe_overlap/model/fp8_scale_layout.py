@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from moe_overlap.dispatch.fp8_rows import one_pass, quantize_into
 from moe_overlap.dispatch.fp8_rows import quantize as quantize_rows
 from moe_overlap.model.fp8_weights import FP8_DTYPE, dequantize, quantize
 
 log = logging.getLogger(__name__)
 ROW_MULTIPLE = 4  # activation rows per GEMM: a multiple of this
-QUANT_ROWS = 32  # rows per program of the one-pass quantization
 K_BLOCK_MULTIPLE = 4  # the weight grid's column blocks, padded in memory
 
 
@@ -40,25 +39,14 @@ def pad_grid(grid: torch.Tensor) -> torch.Tensor:
     return F.pad(grid, (0, -grid.shape[-1] % K_BLOCK_MULTIPLE), value=1.0).contiguous()
 
 
-@functools.cache
-def kernels() -> ModuleType | None:
-    """``fp8_kernels`` (Triton), imported on first use; None without Triton."""
-    try:
-        import moe_overlap.model.fp8_kernels as module
-    except ImportError:
-        return None
-    return module
-
-
 def quantize_activations(
     x: torch.Tensor, row_multiple: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (K a multiple of 128), its rows padded with zeros to a multiple of
     ``row_multiple``, as FP8 and its scales ``[M', K / 128]``, laid out column-major as
-    cuBLAS's 1x128 scaling reads them. On a GPU where ``quantize_works``, one Triton pass
-    (``fp8_kernels.quantize``) with the same bits; else these torch operations (about seven
-    passes over the rows)."""
-    if x.is_cuda and quantize_works(x.device):
+    cuBLAS's 1x128 scaling reads them. On a GPU where ``fp8_rows.one_pass`` holds, one Triton
+    pass with the same bits; else the torch operations (about seven passes over the rows)."""
+    if x.is_cuda and one_pass(x.device):
         return _quantize_in_one_pass(x, row_multiple)
     return _quantize_torch(x, row_multiple)
 
@@ -71,45 +59,14 @@ def _quantize_torch(x: torch.Tensor, row_multiple: int) -> tuple[torch.Tensor, t
 
 
 def _quantize_in_one_pass(x: torch.Tensor, row_multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_activations`` as one Triton launch (``kernels()`` present; the interpreter
-    off a GPU, as the tests run it)."""
-    module = kernels()
-    assert module is not None, "quantize_works chose a kernel this machine lacks"
+    """``quantize_activations`` as one Triton launch (``fp8_rows.quantize_into``; the
+    interpreter off a GPU, as the tests run it)."""
     m, k = x.shape
     rows = m + -m % row_multiple
     q = torch.empty(rows, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device).t()
-    grid = (-(-rows // QUANT_ROWS), k // 128)
-    module.quantize[grid](
-        x.contiguous(), q, scale, m, rows, k, *scale.stride(), BLOCK_M=QUANT_ROWS, GROUP_K=128
-    )
+    quantize_into(x, q, scale)
     return q, scale
-
-
-@functools.cache
-def quantize_works(device: torch.device) -> bool:
-    """Whether the one-pass quantization gives the torch operations' bits on ``device``
-    (a row of zeros, a row past the rows, large and small values), checked once."""
-    if kernels() is None:
-        return False
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(6, 384, generator=gen) * torch.logspace(-3, 3, 6)[:, None]
-    x[2] = 0
-    x = x.to(device, torch.bfloat16)
-    try:
-        ours = _quantize_in_one_pass(x, ROW_MULTIPLE)
-    except (RuntimeError, ValueError, NotImplementedError) as exc:
-        log.warning("the one-pass FP8 quantization is unavailable on %s (%s)", device, exc)
-        return False
-    theirs = _quantize_torch(x, ROW_MULTIPLE)
-    same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, theirs, strict=True))
-    if not same:
-        log.warning("the one-pass FP8 quantization differs from torch's on %s", device)
-    return same
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 def scaled_mm(
