@@ -196,7 +196,9 @@ def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
 @functools.cache
 def one_pass(device: torch.device) -> bool:
     """Whether the one-pass kernels run on ``device`` (a GPU) with the torch operations' bits,
-    checked once (``kernels_match``)."""
+    checked once (``kernels_match``, which reads the device): at W8A8's load (``gemm_works``)
+    or at the first FP8 encode, an eager forward's (a decode graph's warm-up runs eagerly
+    before its capture)."""
     return device.type == "cuda" and kernels_match(device)
 
 
