@@ -97,6 +97,11 @@ def test_max_num_seqs_below_one_is_refused(value):
         ("--max-num-seqs", "-1", "--max-num-seqs=-1 must be an integer >= 1"),
         ("--max-num-seqs", "0", "--max-num-seqs=0 must be an integer >= 1"),
         ("--max-num-batched-tokens", "0", "--max-num-batched-tokens=0 must be an integer >= 1"),
+        # a GPU's share, refused on CPU too rather than ignored there
+        ("--mem-fraction-static", "1.5", "--mem-fraction-static=1.5 must be a share in (0, 1]"),
+        ("--mem-fraction-static", "0", "--mem-fraction-static=0.0 must be a share in (0, 1]"),
+        ("--max-total-tokens", "0", "--max-total-tokens=0 must be an integer >= 1"),
+        ("--kv-cache-memory", "-5", "--kv-cache-memory=-5 must be an integer >= 1"),
     ],
 )
 def test_engine_flags_exit_2_with_one_line_before_any_rank_starts(capsys, flag, value, message):

@@ -34,8 +34,10 @@ def check_settings(
         ("cuda_graph_max_bs", 1),
     ):
         _check_int(name, getattr(args, name), minimum)
-    if args.max_model_len is not None:
-        _check_int("max_model_len", args.max_model_len, minimum=1)
+    for name in ("max_model_len", "max_total_tokens", "kv_cache_memory"):
+        if getattr(args, name) is not None:
+            _check_int(name, getattr(args, name), minimum=1)
+    _check_fraction("mem_fraction_static", args.mem_fraction_static)
     timeout = args.timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise ConfigError(f"--timeout={timeout!r} must be a number of seconds")
@@ -64,6 +66,12 @@ def check_settings(
             "(low-latency for decode steps only)"
         )
     return par, link, device
+
+
+def _check_fraction(name: str, value: object) -> None:
+    """Refuse a share outside (0, 1] on every device, not only where a GPU would read it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be a share in (0, 1]")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
