@@ -66,8 +66,8 @@ class Fp8Rows(PlainRows):
         self.hidden, self.dtype = hidden, dtype
         self.group = min(GROUP, hidden)
         self.groups = math.ceil(hidden / self.group)
-        raw = hidden + SCALE_BYTES * self.groups
-        self.width = -(-raw // SCALE_BYTES) * SCALE_BYTES  # bytes per row on the wire
+        self.scales_end = hidden + SCALE_BYTES * self.groups  # a row's bytes before padding
+        self.width = -(-self.scales_end // SCALE_BYTES) * SCALE_BYTES  # bytes per row on the wire
 
     def encode(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` in any float dtype -> ``[n, width]`` uint8."""
@@ -77,7 +77,7 @@ class Fp8Rows(PlainRows):
         n = hidden.shape[0]
         out = hidden.new_zeros((n, self.width), dtype=torch.uint8)
         out[:, : self.hidden] = q.view(torch.uint8)
-        end = self.hidden + SCALE_BYTES * self.groups
+        end = self.scales_end
         out[:, self.hidden : end] = scales.reshape(-1).view(torch.uint8).view(n, end - self.hidden)
         return out
 
@@ -88,8 +88,12 @@ class Fp8Rows(PlainRows):
         if self._one_pass(flat):
             return self.decode_in_one_pass(flat).view(*lead, self.hidden)
         q = flat[:, : self.hidden].contiguous().view(FP8)
-        end = self.hidden + SCALE_BYTES * self.groups
-        scales = flat[:, self.hidden : end].reshape(-1).view(torch.float32).view(-1, self.groups)
+        scales = (
+            flat[:, self.hidden : self.scales_end]
+            .reshape(-1)
+            .view(torch.float32)
+            .view(-1, self.groups)
+        )
         return dequantize(q, scales, self.group).to(self.dtype).view(*lead, self.hidden)
 
     def _one_pass(self, t: torch.Tensor) -> bool:
@@ -98,13 +102,13 @@ class Fp8Rows(PlainRows):
 
     def _parts(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The FP8 values and scales of ``[n, width]`` wire rows, as views of their bytes."""
-        end = self.hidden + SCALE_BYTES * self.groups
-        return wire[:, : self.hidden].view(FP8), wire[:, self.hidden : end].view(torch.float32)
+        scales = wire[:, self.hidden : self.scales_end]
+        return wire[:, : self.hidden].view(FP8), scales.view(torch.float32)
 
     def encode_in_one_pass(self, hidden: torch.Tensor) -> torch.Tensor:
         """``encode`` as one kernel writing the wire's bytes (whole 128-wide groups)."""
         out = hidden.new_empty((hidden.shape[0], self.width), dtype=torch.uint8)
-        out[:, self.hidden + SCALE_BYTES * self.groups :] = 0  # the padding to whole words
+        out[:, self.scales_end :] = 0  # the padding to whole words
         quantize_into(hidden, *self._parts(out))
         return out
 
@@ -213,10 +217,10 @@ def kernels_match(device: torch.device) -> bool:
         for dtype in (torch.bfloat16, torch.float32):
             rows = Fp8Rows(384, dtype)
             wire = rows.encode_in_one_pass(x.to(device, dtype))
-            theirs = Fp8Rows.encode(rows, x.to(dtype)).to(device)  # the torch path, on CPU
+            theirs = rows.encode(x.to(dtype))  # on CPU: the torch operations
             decoded = rows.decode_in_one_pass(wire)
-            expected = dequantize(*quantize(x.to(dtype), GROUP), GROUP).to(dtype).to(device)
-            if not (torch.equal(wire, theirs) and torch.equal(decoded, expected)):
+            expected = rows.decode(theirs).to(device)
+            if not (torch.equal(wire, theirs.to(device)) and torch.equal(decoded, expected)):
                 log.warning("the one-pass FP8 kernels differ from torch's on %s", device)
                 return False
     except (RuntimeError, ValueError, NotImplementedError) as exc:

@@ -21,8 +21,6 @@ import functools
 
 import torch
 
-from moe_overlap.distributed.link import GPU_WAITS
-
 _SLEEP_PROBE_CYCLES = 20_000_000
 _SLEEP_WARM_CYCLES = 100_000_000  # an idle GPU's clock is low: boost it before the probe
 _cycles_per_s: dict[int, float] = {}  # per device: torch.cuda._sleep's cycles per second
@@ -38,14 +36,13 @@ def _spin_kernel():
     return spin
 
 
-WAYS = GPU_WAITS  # what `--link model:BANDWIDTH,LATENCY,WAIT` names
 _USLEEP_MAX_US = 900_000  # usleep may refuse a second or more: longer waits are queued in parts
 
 
 def hold_stream(seconds: float, device: torch.device, how: str = "host") -> None:
     """Queue on ``device``'s current stream a wait of ``seconds`` of wall-clock time, counted
     from when the stream reaches it; neither the host nor other streams wait. ``how``: one of
-    ``WAYS`` (see above); a way this machine lacks falls back to ``sleep``. Checked on a GPU
+    ``GPU_WAITS`` (see above; what ``--link model:BANDWIDTH,LATENCY,WAIT`` names); a way this machine lacks falls back to ``sleep``. Checked on a GPU
     by ``tests/gpu/test_stream_wait.py``."""
     if seconds <= 0:
         return

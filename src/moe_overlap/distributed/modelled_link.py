@@ -16,7 +16,7 @@ class ModelledLink:
 
     bytes_per_s: float
     latency_s: float = 0.0
-    gpu_wait: str = "host"  # how a GPU holds its communication stream (gpu_wait.WAYS)
+    gpu_wait: str = "host"  # how a GPU holds its communication stream (link.GPU_WAITS)
 
     @classmethod
     def from_spec(cls, spec: LinkSpec) -> ModelledLink:

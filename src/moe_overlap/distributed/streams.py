@@ -61,7 +61,7 @@ class CommStream:
         link's earlier transfers (its own stream, in order). The hold runs beside a real
         transfer queued in the block, so the later of the two ends it, as on CPU, not their
         sum. Neither the host nor the compute stream waits. ``how``: the hold's way
-        (``gpu_wait.WAYS``). Call inside ``launch``."""
+        (``link.GPU_WAITS``). Call inside ``launch``."""
         if self.stream is None or self.link is None or self._ready is None:
             return
         self.link.wait_event(self._ready)

@@ -5,8 +5,9 @@ table. No sequence's keys are copied into a contiguous tensor first, as the defa
 (``torch_native``: ``KVCache.gather`` then SDPA) does.
 
 The mask is built once per forward and read by every layer. Its block list is the block
-table itself, ``[rows, pages per sequence + 1]`` int32 (the kernel reads a row's indices only
-up to its count, and one past it as the next block's: hence the spare column), not a row as
+table itself, ``[rows, pages per sequence + 1]`` int32 (torch 2.13's decode template reads a
+row's indices only below its count; the spare column guards a next-block read one past it,
+not confirmed in the source), not a row as
 long as the pool has pages, which FlexAttention's own layout (and torch's paged FlexAttention)
 would build each forward over the whole pool; ``wide`` builds that one, for the GPU test that
 compares the two. Only the last page of a row can be partly written, so ``mask_mod`` needs two
@@ -49,7 +50,7 @@ def decode_block_mask(
     count = (lens + page_size - 1) // page_size
     last = table.gather(1, (count - 1)[:, None])[:, 0]
     last_len = lens - (count - 1) * page_size
-    columns = pool_pages if WIDE else width + 1  # the spare: the kernel reads one past a row
+    columns = pool_pages if WIDE else width + 1  # the spare: a read one past a row lands here
     indices = table.new_zeros(rows, columns, dtype=torch.int32)  # then unvisited blocks
     indices[:, :width] = table[:, :width]
 

@@ -4,7 +4,8 @@ vLLM's fused MoE run block FP8), in place of one ``F.scaled_mm`` per expert.
 torch has no grouped GEMM with 128x128 block scales (``F.scaled_grouped_mm`` takes tensor- and
 row-wise scales on sm90), and a GEMM per expert is sized on the host: a launch and a host
 count per expert, and no CUDA graph. This one reads the experts' row ends on the device, so the
-low-latency dispatch and the decode graphs keep it, and reads each FP8 weight once.
+low-latency dispatch and the decode graphs keep it, and reads an expert's FP8 weights once per
+64-row tile of its rows (once, at decode's few rows per expert).
 
 The activations are quantized per token in groups of 128 (``scale = amax / 448``, the linears'
 W8A8 rule, ``fp8_scale_layout.quantize_activations``); each output row depends on its own row
@@ -18,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from moe_overlap.dispatch.fp8_rows import dequantize as dequantize_rows
 from moe_overlap.model.fp8_scale_layout import quantize_activations
 from moe_overlap.model.fp8_weights import dequantize
 
@@ -37,9 +39,11 @@ BLOCK_N = 128  # output columns per tile: one weight scale block
 GROUP_K = 128  # the scales' group along K
 
 
-def tile_map(ends: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each of ``tiles`` tiles (at least every expert's ``ceil(rows / BLOCK_M)``), its
-    expert (``len(ends)`` past the last) and first row, from the device's row ends."""
+def tile_map(ends: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each tile of ``rows`` rows grouped by expert (``ceil(rows / BLOCK_M)`` plus one
+    per expert: at least every expert's ``ceil(its rows / BLOCK_M)``), its expert
+    (``len(ends)`` past the last) and first row, from the device's row ends."""
+    tiles = -(-rows // BLOCK_M) + len(ends)
     counts = torch.diff(ends.long(), prepend=ends.new_zeros(1, dtype=torch.long))
     per_expert = (counts + BLOCK_M - 1) // BLOCK_M
     last = per_expert.cumsum(0)
@@ -51,11 +55,16 @@ def tile_map(ends: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def grouped_fp8(
-    x: torch.Tensor, ends: torch.Tensor, q: torch.Tensor, grid: torch.Tensor
+    x: torch.Tensor,
+    ends: torch.Tensor,
+    q: torch.Tensor,
+    grid: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x [M, K]`` (rows grouped by expert; expert e's end at ``ends[e]``, int32 on the
     device) times each expert's ``(q * grid)^T``: ``q [E, N, K]`` FP8, ``grid [E, N / 128,
-    >= K / 128]``; ``[M, N]`` in x's dtype. Raises where Triton is absent."""
+    >= K / 128]``; ``[M, N]`` in x's dtype. ``tiles``: ``tile_map(ends, M)`` where the caller
+    has it (a bank's two projections share it). Raises where Triton is absent."""
     module = kernel()
     if module is None:
         raise NotImplementedError("Triton is not installed: no grouped FP8 kernel")
@@ -67,9 +76,8 @@ def grouped_fp8(
     if m == 0:
         return out
     xq, scale = quantize_activations(x)
-    tiles = -(-m // BLOCK_M) + experts
-    tile_expert, tile_row = tile_map(ends, tiles)
-    module.grouped[(tiles, -(-n // BLOCK_N))](
+    tile_expert, tile_row = tile_map(ends, m) if tiles is None else tiles
+    module.grouped[(tile_expert.numel(), -(-n // BLOCK_N))](
         xq,
         scale,
         q,
@@ -98,8 +106,7 @@ def reference(
 ) -> torch.Tensor:
     """What ``grouped_fp8`` computes, in torch: the quantized activations, dequantized, times
     each expert's dequantized weight (fp32); for the checks and the tests."""
-    xq, scale = quantize_activations(x)
-    rows = xq.float() * scale.repeat_interleave(GROUP_K, dim=1)
+    rows = dequantize_rows(*quantize_activations(x), GROUP_K)
     out = torch.zeros(x.shape[0], q.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, end in enumerate(ends):

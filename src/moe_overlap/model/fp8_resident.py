@@ -186,7 +186,7 @@ def expert_kernels(model: nn.Module) -> str:
     grouped = sum(1 for b in banks if b.grouped and not b.failed)
     return (
         f"{grouped} of {len(banks)} W8A8 expert banks as one Triton launch per projection, "
-        "the rest one F.scaled_mm per expert"
+        "the rest one F.scaled_mm per expert (dequantized where that failed)"
     )
 
 

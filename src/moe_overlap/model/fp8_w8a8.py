@@ -19,8 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_overlap.core.transfer import to_device
-from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works
+from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works, tile_map
 from moe_overlap.model.fp8_scale_layout import gemm_works, pad_grid, scaled_mm
 
 W8A8_BLOCK = (128, 128)
@@ -102,8 +101,9 @@ class W8A8Experts:
             return None
         block = slice(experts.start, experts.stop)
         try:
-            h = grouped_fp8(x, ends, self.gate_up[0][block], self.gate_up[1][block])
-            return grouped_fp8(act(h), ends, self.down[0][block], self.down[1][block])
+            tiles = tile_map(ends, x.shape[0])  # both projections' rows: one map
+            h = grouped_fp8(x, ends, self.gate_up[0][block], self.gate_up[1][block], tiles)
+            return grouped_fp8(act(h), ends, self.down[0][block], self.down[1][block], tiles)
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel not here
             self.grouped = False
             log.warning("grouped FP8 expert kernel unavailable (%s); one GEMM per expert", exc)
@@ -118,17 +118,10 @@ class W8A8Experts:
         act: Callable[[torch.Tensor], torch.Tensor],
     ) -> bool:
         """Write the rows of ``experts`` (expert e's rows are ``ends[e]:ends[e + 1]``) into
-        ``out``; False, with nothing promised in ``out``, where the GEMM is not available."""
+        ``out``, one scaled GEMM per expert and projection (where ``run_grouped`` does not
+        run); False, with nothing promised in ``out``, where the GEMM is not available."""
         if self.failed:
             return False
-        rows = slice(ends[experts.start], ends[experts.stop])
-        if self.grouped:
-            local = [end - rows.start for end in ends[experts.start + 1 : experts.stop + 1]]
-            offs = to_device(torch.tensor(local, dtype=torch.int32), x.device)
-            y = self.run_grouped(x[rows], offs, experts, act)
-            if y is not None:
-                out[rows] = y
-                return True
         try:
             _check_gemm(x.device)
             for e in experts:

@@ -153,11 +153,9 @@ class ExpertBank(nn.Module):
         self, x: torch.Tensor, offs: torch.Tensor, experts: range
     ) -> torch.Tensor | None:
         """``experts``' rows ``x`` (ends ``offs``, int32 on the device) as ``on_device`` says;
-        None where the FP8 kernel gave up and no bf16 grouped GEMM runs here."""
+        None where the FP8 kernel gave up (the per-expert GEMMs run from then on)."""
         if self.w8a8 is not None and not self.w8a8.failed:
-            y = self.w8a8.run_grouped(x, offs, experts, self._act)
-            if y is not None or not self.grouped(x):
-                return y
+            return self.w8a8.run_grouped(x, offs, experts, self._act)
         return self._grouped(x, offs, experts)
 
     def run_experts(
@@ -173,12 +171,14 @@ class ExpertBank(nn.Module):
         rows = slice(ends[experts.start], ends[experts.stop])
         if rows.start == rows.stop:
             return
-        if self.w8a8 is not None and self.w8a8.run(x, ends, out, experts, self._act):
-            return
-        if self.grouped(x):
+        if self.on_device(x):
             counts = tokens_per_expert[experts.start : experts.stop]
             offs = to_device(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)
-            out[rows] = self._grouped(x[rows], offs, experts)
+            y = self._on_device(x[rows], offs, experts)
+            if y is not None:
+                out[rows] = y
+                return
+        if self.w8a8 is not None and self.w8a8.run(x, ends, out, experts, self._act):
             return
         height = max(tokens_per_expert)
         if _batched_pays(tokens_per_expert, height):
