@@ -12,6 +12,7 @@ import pytest
 from moe_overlap import LLM, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.server.settings import ServerSettings
@@ -20,6 +21,7 @@ from moe_overlap.tools.cli import main
 from moe_overlap.tools.cli_args import engine_args
 from moe_overlap.tools.commands import build_parser
 from moe_overlap.tools.flags import expand_config, field_help, flag_name
+from tests.helpers import TINY
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 SETTINGS = {
@@ -164,6 +166,20 @@ def test_llm_keyword_names_and_their_aliases_are_the_flags_names():
         EngineArgs.from_kwargs(tp=2, tp_size=2)
     with pytest.raises(ConfigError, match="--load-format='safetensor' must be one of auto, dummy"):
         EngineArgs.from_kwargs(load_format="safetensor")
+
+
+def test_an_overlap_setting_beside_a_whole_overlap_config_is_refused_not_ignored():
+    """``LLM(overlap=OverlapConfig(...))`` holds every overlap setting: one given beside it
+    (by its name, an alias or a scheme's switch) would be silently dropped, so it is refused
+    before any rank starts."""
+    whole = OverlapConfig("tbo")
+    for kwargs, named in [
+        (dict(moe_dispatch_dtype="fp8"), "moe_dispatch_dtype"),
+        (dict(deepep_mode="low_latency"), "a2a_mode"),  # SGLang's alias
+        (dict(enable_two_batch_overlap=True), "enable_two_batch_overlap"),
+    ]:
+        with pytest.raises(ConfigError, match=f"so {named} beside it would be ignored"):
+            LLM(config=ModelConfig(**TINY["qwen3_moe"]), overlap=whole, **kwargs)
 
 
 def test_a_yaml_config_of_flags_and_the_command_line_overriding_it(tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.dispatch.fp8_rows import Fp8Rows, one_pass
+from moe_overlap.model import fp8_w8a8
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works, reference
 from moe_overlap.model.fp8_scale_layout import _quantize_in_one_pass, _quantize_torch, pad_grid
@@ -137,3 +138,22 @@ def test_the_one_pass_kernels_give_the_torch_operations_bits_on_the_gpu():
     wire = rows.encode_in_one_pass(x)
     assert torch.equal(wire.cpu(), rows.encode(x.cpu()))  # the torch operations, on CPU
     assert torch.equal(rows.decode_in_one_pass(wire).cpu(), rows.decode(wire.cpu()))
+
+
+def test_fp8_dispatch_rows_feed_the_kernel_eager_and_from_graphs(fp8_experts_128, monkeypatch):
+    """``--moe-dispatch-dtype fp8`` on W8A8 experts: the rows go into the grouped kernel as
+    they arrived (counted; never decoded), and graphed decode gives eager's greedy tokens."""
+    fed = []
+    real = fp8_w8a8.grouped_fp8_rows
+    monkeypatch.setattr(
+        fp8_w8a8, "grouped_fp8_rows", lambda *a, **kw: fed.append(1) or real(*a, **kw)
+    )
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    tokens = {}
+    for graphs in (True, False):
+        kw = dict(device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs)
+        with LLM(fp8_experts_128, moe_dispatch_dtype="fp8", **kw) as llm:
+            fed.clear()
+            tokens[graphs] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+            assert fed, "the FP8 rows did not reach the grouped kernel"
+    assert tokens[True] == tokens[False]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moe_overlap.model import moe
-from moe_overlap.model.moe import ExpertBank, grouped_fits
+from moe_overlap.model.expert_paths import grouped_fits
+from moe_overlap.model.moe import ExpertBank
 from tests.gpu.common import needs_gpu
 
 pytestmark = needs_gpu

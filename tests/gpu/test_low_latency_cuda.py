@@ -16,7 +16,8 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.model import moe
-from moe_overlap.model.moe import ExpertBank, grouped_fits
+from moe_overlap.model.expert_paths import grouped_fits
+from moe_overlap.model.moe import ExpertBank
 from moe_overlap.runtime.rank import build_rank_runner
 from tests.gpu.common import needs_gpu
 from tests.helpers import TINY

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_overlap.model.moe import ExpertBank, _batched_pays, _padded_positions
+from moe_overlap.model.expert_paths import batched_pays, padded_positions
+from moe_overlap.model.moe import ExpertBank
 
 EXPERTS, HIDDEN, INTER = 6, 48, 32
 
@@ -66,11 +67,11 @@ def test_no_rows_leaves_the_output_untouched():
 
 
 def test_padded_positions_place_each_expert_rows_at_its_own_block():
-    assert _padded_positions([2, 0, 3], 3, torch.device("cpu")).tolist() == [0, 1, 6, 7, 8]
+    assert padded_positions([2, 0, 3], 3, torch.device("cpu")).tolist() == [0, 1, 6, 7, 8]
 
 
 def test_batching_is_chosen_for_small_or_even_loads_only():
-    assert _batched_pays([8, 3, 0, 1], height=8)  # small: padding is cheap
-    assert _batched_pays([120, 128, 110, 125], height=128)  # even enough
-    assert not _batched_pays([128, 2, 2, 2], height=128)  # mostly padding
-    assert not _batched_pays([256] * 4, height=256)  # large: a matmul per expert is faster
+    assert batched_pays([8, 3, 0, 1], height=8)  # small: padding is cheap
+    assert batched_pays([120, 128, 110, 125], height=128)  # even enough
+    assert not batched_pays([128, 2, 2, 2], height=128)  # mostly padding
+    assert not batched_pays([256] * 4, height=256)  # large: a matmul per expert is faster

@@ -9,8 +9,9 @@ import torch
 
 from moe_overlap.core.dispatcher import host_counts
 from moe_overlap.dispatch.local import LocalDispatcher
-from moe_overlap.model import moe
-from moe_overlap.model.moe import ExpertBank, grouped_fits
+from moe_overlap.model import expert_paths, moe
+from moe_overlap.model.expert_paths import grouped_fits
+from moe_overlap.model.moe import ExpertBank
 from tests.model.test_experts import BANK, EXPERTS, HIDDEN, per_expert
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
@@ -31,13 +32,13 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
 def test_grouped_gemm_is_chosen_for_bf16_on_sm90_and_aligned_rows_only(
     device, dtype, capability, dims, chosen, monkeypatch
 ):
-    monkeypatch.setattr(moe, "_capability", lambda device: capability)
+    monkeypatch.setattr(expert_paths, "_capability", lambda device: capability)
     assert grouped_fits(device, dtype, dims) is chosen
 
 
 def test_no_grouped_gemm_in_this_torch_means_the_fallback(monkeypatch):
-    monkeypatch.setattr(moe, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(moe, "GROUPED_MM", None)
+    monkeypatch.setattr(expert_paths, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(expert_paths, "GROUPED_MM", None)
     assert not grouped_fits(CUDA, torch.bfloat16, (2048, 768))
 
 

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -40,15 +40,31 @@ class Ready(Pending):
         return self.rows
 
 
+class WireForm(Protocol):
+    """The form a dispatch's rows travel in (``dispatch/fp8_rows.py``): the run dtype's rows
+    as they are, or FP8 rows with their scales, decoded where the experts need the run dtype."""
+
+    fp8: bool
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def empty_decoded(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class DispatchState:
-    """One micro-batch's routing layout in one MoE layer, and its communication in flight."""
+    """One micro-batch's routing layout in one MoE layer, and its communication in flight.
+
+    The rows that arrived for this rank's experts are ``arrived``, in the form they travelled
+    (``wire``, where that is FP8): ``expert_inputs`` decodes them to the run dtype on first
+    use, and an FP8 expert kernel may take them as they came (``model/moe.py``)."""
 
     num_tokens: int
     topk_weights: torch.Tensor  # [T, k]
     order: torch.Tensor  # (token, slot) pairs sorted by destination expert
     owner: str = tracks.FIRST  # the micro-batch this belongs to, for the timeline
-    expert_inputs: torch.Tensor | None = None  # rows grouped by local expert
+    arrived: torch.Tensor | None = None  # rows grouped by local expert, as they travelled
+    wire: WireForm | None = None  # FP8 rows: how to decode ``arrived`` (None: run dtype)
     # rows per local expert on the host; None while only the device has them (``counts``)
     tokens_per_expert: list[int] | None = None
     counts: torch.Tensor | None = None  # the same, on the device (the local backend)
@@ -60,6 +76,25 @@ class DispatchState:
     # ``[ep, local]`` on the device says how many of each are real
     capacity: int = 0
     blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
+
+    def arrive(self, rows: torch.Tensor, wire: WireForm) -> None:
+        """The dispatch delivered ``rows`` (grouped by local expert) in the form ``wire``."""
+        self.arrived, self.wire = rows, wire if wire.fp8 else None
+
+    @property
+    def expert_inputs(self) -> torch.Tensor | None:
+        """The arrived rows in the run dtype, decoded once, at the first call."""
+        if self.wire is not None and self.arrived is not None:
+            self.arrived, self.wire = self.wire.decode(self.arrived), None
+        return self.arrived
+
+    def empty_outputs(self) -> torch.Tensor:
+        """Room for the experts' outputs: the arrived rows' layout, in the run dtype."""
+        if self.arrived is None:
+            raise RuntimeError(f"{self.owner}: the experts ran before the dispatch delivered")
+        if self.wire is None:
+            return torch.empty_like(self.arrived)
+        return self.wire.empty_decoded(self.arrived)
 
 
 def host_counts(state: DispatchState) -> list[int]:

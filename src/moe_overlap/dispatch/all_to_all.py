@@ -220,7 +220,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         both = to_device(torch.stack((self.expert_major, recv_counts.reshape(-1))), received.device)
         by_expert = both[0].repeat_interleave(both[1], output_size=received.shape[0])
         state.perm = torch.argsort(by_expert, stable=True)
-        state.expert_inputs = self.wire.decode(received[state.perm])
+        state.arrive(received[state.perm], self.wire)
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
     def combine_a(self, state: AllToAllState) -> None:

@@ -9,10 +9,12 @@ FP8 bytes, then its scales' bytes, padded to whole 4-byte words (the low-latency
 casts its header row to int32), so a row's scales cannot part from it in any split of the
 rows, and the all-to-all's byte count (what a modelled link charges) is that buffer's.
 
-The experts get the rows dequantized to the run dtype on arrival (``decode``): the CPU has no
-FP8 GEMM. The combine sends the experts' outputs in the run dtype. The one-process run
-quantizes and dequantizes at the same point (``round_trip``), so every layout and overlap mode
-sees the same expert inputs as it.
+The experts read the rows as they arrived: W8A8 experts on a GPU take the FP8 values and
+scales straight into their grouped kernel (``model/fp8_grouped.py``, as DeepEP's rows feed
+DeepGEMM: no decode, no second quantization), every other path decodes them to the run dtype
+(``decode``; the CPU has no FP8 GEMM). The combine sends the experts' outputs in the run dtype.
+The one-process run encodes the rows where they would be sent (``dispatch/local.py``), so every
+layout and overlap mode gives its experts the same bytes.
 
 On a GPU, rows of whole 128-wide groups encode and decode in one Triton pass each, straight
 into and out of the wire's bytes (``fp8_wire_kernels.py``), with the torch operations' bits;
@@ -51,8 +53,8 @@ class PlainRows:
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
-    def round_trip(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
+    def empty_decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(rows)
 
 
 class Fp8Rows(PlainRows):
@@ -96,12 +98,17 @@ class Fp8Rows(PlainRows):
         )
         return dequantize(q, scales, self.group).to(self.dtype).view(*lead, self.hidden)
 
+    def empty_decoded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Room for ``decode(rows)``."""
+        return rows.new_empty((*rows.shape[:-1], self.hidden), dtype=self.dtype)
+
     def _one_pass(self, t: torch.Tensor) -> bool:
         whole = self.group == GROUP and self.hidden % GROUP == 0
         return whole and t.is_cuda and one_pass(t.device)
 
-    def _parts(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The FP8 values and scales of ``[n, width]`` wire rows, as views of their bytes."""
+    def parts(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 values ``[n, hidden]`` and float32 scales ``[n, groups]`` of ``[n, width]``
+        wire rows, as views of their bytes (rows ``width`` bytes apart)."""
         scales = wire[:, self.hidden : self.scales_end]
         return wire[:, : self.hidden].view(FP8), scales.view(torch.float32)
 
@@ -109,19 +116,14 @@ class Fp8Rows(PlainRows):
         """``encode`` as one kernel writing the wire's bytes (whole 128-wide groups)."""
         out = hidden.new_empty((hidden.shape[0], self.width), dtype=torch.uint8)
         out[:, self.scales_end :] = 0  # the padding to whole words
-        quantize_into(hidden, *self._parts(out))
+        quantize_into(hidden, *self.parts(out))
         return out
 
     def decode_in_one_pass(self, wire: torch.Tensor) -> torch.Tensor:
         """``decode`` of ``[n, width]`` rows as one kernel (whole 128-wide groups)."""
         out = wire.new_empty((wire.shape[0], self.hidden), dtype=self.dtype)
-        dequantize_into(*self._parts(wire), out)
+        dequantize_into(*self.parts(wire), out)
         return out
-
-    def round_trip(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the experts of a dispatched row get: encoded, then decoded."""
-        q, scales = quantize(hidden, self.group)
-        return dequantize(q, scales, self.group).to(self.dtype)
 
 
 def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,7 +147,7 @@ class GatherDispatcher(Dispatcher[GatherState]):
         state.tokens_per_expert = read_counts(counts[:-1], key.numel()).tolist()
         state.order = torch.argsort(key, stable=True)[: sum(state.tokens_per_expert)]
         state.all_weights = weights
-        state.expert_inputs = self.wire.decode(hidden[state.order // k])
+        state.arrive(hidden[state.order // k], self.wire)
 
     def _partial(self, state: GatherState, rows: slice) -> Pending:
         """Start summing the weighted outputs of ``rows`` of ``expert_outputs`` over the world."""

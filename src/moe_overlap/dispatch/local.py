@@ -25,12 +25,12 @@ class LocalDispatcher(Dispatcher[DispatchState]):
         owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> DispatchState:
-        hidden = self.wire.round_trip(hidden)  # what the experts of a dispatched row get
-        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
+        # the rows in the form they would travel in (FP8: quantized where they would be sent)
+        order, rows, counts = sort_by_expert(self.wire.encode(hidden), topk_ids, self.num_experts)
         state = DispatchState(hidden.shape[0], topk_weights, order, owner, counts=counts)
         # the counts stay on the device: a grouped GEMM takes them there (no read, and a
         # CUDA graph can hold the step); other paths read them once (``host_counts``)
-        state.expert_inputs = rows
+        state.arrive(rows, self.wire)
         state.pending = Ready(rows)
         return state
 

@@ -114,7 +114,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         width = received.shape[-1]
         state.counts = received[:, 0].view(torch.int32)[:, : self.local].long()
         blocks = received[:, 1:].view(self.ep, self.local, self.capacity, width)
-        state.expert_inputs = self.wire.decode(blocks)
+        state.arrive(blocks, self.wire)
 
     def combine_a(self, state: LowLatencyState) -> None:
         rows = outputs(state).reshape(self.ep * self.local * self.capacity, -1)

@@ -245,6 +245,11 @@ class EngineArgs(SpeculativeArgs, EplbArgs, OverlapArgs, CapacityArgs, LayoutArg
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Build from keyword arguments, accepting SGLang's and vLLM's names as aliases
         (``tensor_parallel_size``, ``context_length``, ...)."""
+        return cls(**cls.resolve(kwargs))
+
+    @classmethod
+    def resolve(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` by the settings' own names (aliases and negations resolved)."""
         names = {f.name for f in dataclasses.fields(cls)}
         aliases = {
             alias.lstrip("-").replace("-", "_"): f.name
@@ -266,4 +271,4 @@ class EngineArgs(SpeculativeArgs, EplbArgs, OverlapArgs, CapacityArgs, LayoutArg
             if name in resolved:
                 raise ConfigError(f"{key!r} and {name!r} name the same setting; give one")
             resolved[name] = value
-        return cls(**resolved)
+        return resolved

@@ -14,6 +14,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import MODES
 from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
@@ -73,6 +74,7 @@ class LLM(ExpertRecorder):
     ):
         overlap = settings.pop("overlap", None)
         if isinstance(overlap, OverlapConfig):  # a whole config: the overlap knobs are its own
+            _refuse_knobs_beside(settings)
             settings["overlap"] = None
         elif overlap is not None:
             settings["overlap"] = overlap
@@ -276,3 +278,17 @@ def _pick(params: SamplingParams, outs: list[RequestOutput]) -> RequestOutput:
         for out in picked:
             out.logprobs = out.cumulative_logprob = None
     return dataclasses.replace(picked[0], outputs=picked)
+
+
+def _refuse_knobs_beside(settings: dict[str, Any]) -> None:
+    """``LLM(overlap=OverlapConfig(...), moe_dispatch_dtype=...)``: the config holds every
+    overlap setting, so one given beside it would be ignored; refuse it, naming the fix."""
+    knobs = {f.name for f in dataclasses.fields(OverlapConfig)}
+    knobs |= {m.enable_field for m in MODES.values() if m.enable_field}
+    clash = sorted(knobs & set(EngineArgs.resolve(settings)))
+    if clash:
+        raise ConfigError(
+            f"overlap=OverlapConfig(...) holds every overlap setting, so {', '.join(clash)} "
+            "beside it would be ignored: set them in the config "
+            f"(dataclasses.replace(config, {clash[0]}=...)), or give overlap as a mode name"
+        )

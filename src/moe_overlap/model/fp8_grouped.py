@@ -8,7 +8,8 @@ low-latency dispatch and the decode graphs keep it, and reads an expert's FP8 we
 64-row tile of its rows (once, at decode's few rows per expert).
 
 The activations are quantized per token in groups of 128 (``scale = amax / 448``, the linears'
-W8A8 rule, ``fp8_scale_layout.quantize_activations``); each output row depends on its own row
+W8A8 rule, ``fp8_scale_layout.quantize_activations``), or come quantized so already: the FP8
+dispatch's rows, as they arrived (``grouped_fp8_rows``). Each output row depends on its own row
 only, so a row gets the same bits whichever micro-batch or SBO block it runs in.
 """
 
@@ -65,17 +66,36 @@ def grouped_fp8(
     device) times each expert's ``(q * grid)^T``: ``q [E, N, K]`` FP8, ``grid [E, N / 128,
     >= K / 128]``; ``[M, N]`` in x's dtype. ``tiles``: ``tile_map(ends, M)`` where the caller
     has it (a bank's two projections share it). Raises where Triton is absent."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, q.shape[1])
+    return grouped_fp8_rows(*quantize_activations(x), x.dtype, ends, q, grid, tiles)
+
+
+def grouped_fp8_rows(
+    xq: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    ends: torch.Tensor,
+    q: torch.Tensor,
+    grid: torch.Tensor,
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``grouped_fp8`` of rows already quantized: ``xq [M, K]`` FP8 (each row's values
+    contiguous, rows any distance apart) and its scales ``scale [M, K / 128]`` (any strides),
+    such as the FP8 dispatch's rows as they arrived; the output in ``dtype``."""
     module = kernel()
     if module is None:
         raise NotImplementedError("Triton is not installed: no grouped FP8 kernel")
-    m, k = x.shape
+    m, k = xq.shape
     experts, n, _ = q.shape
-    if q.stride(-1) != 1 or q.stride(-2) != k or k % GROUP_K:
-        raise ValueError(f"FP8 experts {tuple(q.shape)} must be row-major with K % 128 == 0")
-    out = x.new_empty(m, n)
+    if q.stride(-1) != 1 or q.stride(-2) != k or k % GROUP_K or xq.stride(-1) != 1:
+        raise ValueError(
+            f"FP8 experts {tuple(q.shape)} and rows {tuple(xq.shape)} must be row-major, "
+            "with K % 128 == 0"
+        )
+    out = xq.new_empty((m, n), dtype=dtype)
     if m == 0:
         return out
-    xq, scale = quantize_activations(x)
     tile_expert, tile_row = tile_map(ends, m) if tiles is None else tiles
     module.grouped[(tile_expert.numel(), -(-n // BLOCK_N))](
         xq,
@@ -88,6 +108,7 @@ def grouped_fp8(
         ends,
         n,
         k,
+        xq.stride(0),
         scale.stride(0),
         scale.stride(1),
         q.stride(0),

@@ -20,7 +20,7 @@ import triton.language as tl
 
 @triton.jit
 def grouped(
-    x,  # [M, K] FP8 rows, grouped by expert
+    x,  # [M, K] FP8 rows, grouped by expert (rows stride_xm apart)
     x_scale,  # [M, K / 128] fp32, any strides
     w,  # [E, N, K] FP8
     w_scale,  # [E, N / 128, >= K / 128] fp32
@@ -30,6 +30,7 @@ def grouped(
     ends,  # [E] int32: where each expert's rows end
     n,
     k,
+    stride_xm,
     stride_xs_m,
     stride_xs_k,
     stride_we,
@@ -48,7 +49,7 @@ def grouped(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n
         ks = tl.arange(0, GROUP_K)
-        a_at = x + rows[:, None] * k + ks[None, :]
+        a_at = x + rows[:, None] * stride_xm + ks[None, :]
         b_at = w + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * k + ks[:, None]
         sa_at = x_scale + rows * stride_xs_m
         sb_at = w_scale + expert.to(tl.int64) * stride_wse + (cols // GROUP_K) * stride_wsn

@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_works, tile_map
+from moe_overlap.dispatch.fp8_rows import Fp8Rows
+from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_fp8_rows, grouped_works, tile_map
 from moe_overlap.model.fp8_scale_layout import gemm_works, pad_grid, scaled_mm
 
 W8A8_BLOCK = (128, 128)
@@ -93,17 +94,24 @@ class W8A8Experts:
         ends: torch.Tensor,
         experts: range,
         act: Callable[[torch.Tensor], torch.Tensor],
+        wire: Fp8Rows | None = None,
     ) -> torch.Tensor | None:
         """The outputs of ``experts``' rows ``x`` (expert ``experts[i]``'s end at ``ends[i]``,
         int32 on the device), two launches and no host read; None (and the per-expert GEMMs
-        from now on) where the kernel raises."""
+        from now on) where the kernel raises. ``wire``: ``x`` holds the FP8 dispatch's rows
+        as they arrived, whose values and scales the first projection takes as they are."""
         if not self.grouped:
             return None
         block = slice(experts.start, experts.stop)
+        gate_up = self.gate_up[0][block], self.gate_up[1][block]
+        down = self.down[0][block], self.down[1][block]
         try:
             tiles = tile_map(ends, x.shape[0])  # both projections' rows: one map
-            h = grouped_fp8(x, ends, self.gate_up[0][block], self.gate_up[1][block], tiles)
-            return grouped_fp8(act(h), ends, self.down[0][block], self.down[1][block], tiles)
+            if wire is None:
+                h = grouped_fp8(x, ends, *gate_up, tiles)
+            else:
+                h = grouped_fp8_rows(*wire.parts(x), wire.dtype, ends, *gate_up, tiles)
+            return grouped_fp8(act(h), ends, *down, tiles)
         except (RuntimeError, ValueError, NotImplementedError) as exc:  # a kernel not here
             self.grouped = False
             log.warning("grouped FP8 expert kernel unavailable (%s); one GEMM per expert", exc)

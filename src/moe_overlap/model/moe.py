@@ -10,6 +10,8 @@ from torch import nn
 
 from moe_overlap.core.dispatcher import DispatchState, host_counts
 from moe_overlap.core.transfer import to_device
+from moe_overlap.dispatch.fp8_rows import Fp8Rows
+from moe_overlap.model.expert_paths import GROUPED_MM, batched_pays, grouped_fits, padded_positions
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
 
 
@@ -75,48 +77,73 @@ class ExpertBank(nn.Module):
         """The experts over a dispatch's rows: on the device's counts where they run as one
         grouped GEMM and the host has not read them (no read of the device at all), else on
         the host's."""
-        x = d.expert_inputs
-        assert x is not None, "the experts ran before the dispatch delivered their rows"
         if d.capacity:
-            out = torch.empty_like(x)
+            out = d.empty_outputs()
             self.run_block(d, out, range(self.count))
             return out
+        x, wire = self._inputs(d)
         if d.tokens_per_expert is None and d.counts is not None and self.on_device(x):
-            y = self._on_device(x, d.counts.cumsum(0, dtype=torch.int32), range(self.count))
+            ends = d.counts.cumsum(0, dtype=torch.int32)
+            y = self._on_device(x, ends, range(self.count), wire)
             if y is not None:
                 return y
-        return self.forward(x, host_counts(d))
+        out = d.empty_outputs()
+        self.run_experts(x, host_counts(d), out, range(self.count), wire)
+        return out
+
+    def _inputs(self, d: DispatchState) -> tuple[torch.Tensor, Fp8Rows | None]:
+        """The rows as the experts read them: the FP8 dispatch's rows as they arrived, with
+        their form, where the grouped FP8 kernel takes them (no decode, no second
+        quantization); else in the run dtype, with None."""
+        w8a8 = self.w8a8
+        if isinstance(d.wire, Fp8Rows) and w8a8 is not None and w8a8.grouped and not w8a8.failed:
+            assert d.arrived is not None
+            return d.arrived, d.wire
+        x = d.expert_inputs
+        assert x is not None, "the experts ran before the dispatch delivered their rows"
+        return x, None
 
     def run_block(self, d: DispatchState, out: torch.Tensor, experts: range) -> None:
         """Write the outputs of local experts ``experts`` (SBO's block, or all) into ``out``,
         which is laid out as ``d.expert_inputs``."""
-        x = d.expert_inputs
-        assert x is not None, "the experts ran before the dispatch delivered their rows"
+        x, wire = self._inputs(d)
         if not d.capacity:
-            self.run_experts(x, host_counts(d), out, experts)
+            self.run_experts(x, host_counts(d), out, experts, wire)
         elif d.counts is None:
             raise RuntimeError(f"{d.owner}: a low-latency dispatch delivered rows without counts")
         else:
-            self.run_capacity(x, d.counts, out, experts)
+            self.run_capacity(x, d.counts, out, experts, wire)
 
     def run_capacity(
-        self, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, experts: range
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        experts: range,
+        wire: Fp8Rows | None = None,
     ) -> None:
         """The low-latency layout: ``x`` and ``out`` are ``[ep, local, capacity, hidden]``, and
         of the rows rank p sent local expert e the first ``counts[p, e]`` (on the device) are
         real. As one launch per projection over the real rows gathered expert by expert
         (``on_device``: the grouped FP8 kernel, or bf16 grouped GEMM on sm90+; rows past the
         last offset are ignored), else one batched matmul over every padded row (padding is
-        zeros, and its outputs are never read)."""
+        zeros, and its outputs are never read). ``wire``: ``x`` is the FP8 dispatch's blocks as
+        they arrived (``_inputs``)."""
         block = slice(experts.start, experts.stop)
-        if not (self.on_device(x) and self._capacity_on_device(x, counts, out, experts)):
+        if not (self.on_device(x) and self._capacity_on_device(x, counts, out, experts, wire)):
+            x = x if wire is None else wire.decode(x)  # the kernel gave up: the run dtype
             ep, _, cap, hidden = x.shape
             rows = x[:, block].transpose(0, 1).reshape(len(experts), ep * cap, hidden)
             y = self._padded(rows.reshape(-1, hidden), [ep * cap] * len(experts), ep * cap, experts)
             out[:, block] = y.view(len(experts), ep, cap, hidden).transpose(0, 1)
 
     def _capacity_on_device(
-        self, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, experts: range
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        experts: range,
+        wire: Fp8Rows | None,
     ) -> bool:
         """``run_capacity``'s real rows gathered expert by expert, one launch per projection
         (``_on_device``); False, with nothing written, where that could not run."""
@@ -131,7 +158,7 @@ class ExpertBank(nn.Module):
         source, expert = group % ep, group // ep + experts.start
         gathered = x[source, expert, index]  # x may be a strided view of what arrived
         offs = counts[:, block].sum(0).cumsum(0, dtype=torch.int32)
-        y = self._on_device(gathered, offs, experts)
+        y = self._on_device(gathered, offs, experts, wire)
         if y is None:
             return False
         # each padded place's row among the gathered ones (a padding place reads any row)
@@ -150,16 +177,22 @@ class ExpertBank(nn.Module):
         return self.grouped(x)
 
     def _on_device(
-        self, x: torch.Tensor, offs: torch.Tensor, experts: range
+        self, x: torch.Tensor, offs: torch.Tensor, experts: range, wire: Fp8Rows | None = None
     ) -> torch.Tensor | None:
-        """``experts``' rows ``x`` (ends ``offs``, int32 on the device) as ``on_device`` says;
-        None where the FP8 kernel gave up (the per-expert GEMMs run from then on)."""
+        """``experts``' rows ``x`` (ends ``offs``, int32 on the device; FP8 wire rows where
+        ``wire``) as ``on_device`` says; None where the FP8 kernel gave up (the per-expert
+        GEMMs run from then on)."""
         if self.w8a8 is not None and not self.w8a8.failed:
-            return self.w8a8.run_grouped(x, offs, experts, self._act)
+            return self.w8a8.run_grouped(x, offs, experts, self._act, wire)
         return self._grouped(x, offs, experts)
 
     def run_experts(
-        self, x: torch.Tensor, tokens_per_expert: list[int], out: torch.Tensor, experts: range
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: list[int],
+        out: torch.Tensor,
+        experts: range,
+        wire: Fp8Rows | None = None,
     ) -> None:
         """Write the rows of local experts ``experts`` (a contiguous range) into ``out``.
 
@@ -174,14 +207,15 @@ class ExpertBank(nn.Module):
         if self.on_device(x):
             counts = tokens_per_expert[experts.start : experts.stop]
             offs = to_device(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)
-            y = self._on_device(x[rows], offs, experts)
+            y = self._on_device(x[rows], offs, experts, wire)
             if y is not None:
                 out[rows] = y
                 return
+        x = x if wire is None else wire.decode(x)  # the kernel gave up: the run dtype
         if self.w8a8 is not None and self.w8a8.run(x, ends, out, experts, self._act):
             return
         height = max(tokens_per_expert)
-        if _batched_pays(tokens_per_expert, height):
+        if batched_pays(tokens_per_expert, height):
             counts = tokens_per_expert[experts.start : experts.stop]
             out[rows] = self._padded(x[rows], counts, height, experts)
             return
@@ -221,7 +255,7 @@ class ExpertBank(nn.Module):
         if all(c == height for c in counts):
             padded, where = x, None
         else:
-            where = _padded_positions(counts, height, x.device)
+            where = padded_positions(counts, height, x.device)
             padded = x.new_zeros(n * height, x.shape[1]).index_copy_(0, where, x)
         block = slice(experts.start, experts.stop)
         rows = padded.view(n, height, -1)
@@ -238,49 +272,3 @@ class ExpertBank(nn.Module):
             y = y + down_b[block][:, None].expand(y.shape[0], 1, -1)
         y = y[:n].flatten(0, 1)
         return y if where is None else y[where]
-
-
-# When one batched matmul over every expert (each padded to the fullest) beats a matmul per
-# expert: always for few rows per expert, where the loop's per-call overhead dominates; above
-# that only while the padding stays small (the measurements behind the bounds: docs/tuning.md).
-_BATCHED_ANY_ROWS = 64
-_BATCHED_EVEN_ROWS = 192
-_BATCHED_MAX_PADDING = 1.25
-
-
-# torch's grouped GEMM: F.grouped_mm where this torch has it, else torch._grouped_mm (bf16 on
-# CUDA): the experts run as one kernel per projection instead of one matmul per expert
-GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def grouped_fits(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
-    """Whether the experts run as a grouped GEMM: torch has one, the rows are bf16 on an sm90+
-    GPU (its kernel's target), and every row is 16-byte aligned (dims multiples of 8).
-    Elsewhere, fp32 on CPU included, the padded batched matmul or the per-expert loop runs,
-    unchanged. bf16 on ``meta`` (a dry run that counts a GPU's kernels, ``tools/device_ops.py``)
-    takes the GPU's path."""
-    if GROUPED_MM is None or device.type not in ("cuda", "meta") or dtype != torch.bfloat16:
-        return False
-    gpu = device.type == "meta" or _capability(device) >= (9, 0)
-    return gpu and all(d % 8 == 0 for d in dims)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _batched_pays(counts: list[int], height: int) -> bool:
-    """Pad and batch when every expert is small, or evenly loaded and not large."""
-    if height <= _BATCHED_ANY_ROWS:
-        return True
-    padded = height * len(counts)
-    return height <= _BATCHED_EVEN_ROWS and padded <= _BATCHED_MAX_PADDING * sum(counts)
-
-
-def _padded_positions(counts: list[int], height: int, device: torch.device) -> torch.Tensor:
-    """Row i of expert e (in ``counts``' order) goes to padded row ``e * height + i`` (worked
-    out on the host from the host's counts, then sent: no read of the device)."""
-    sizes = torch.tensor(counts)
-    expert = torch.repeat_interleave(torch.arange(len(counts)), sizes)
-    first = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return to_device(expert * height + torch.arange(expert.numel()) - first, device)

@@ -87,7 +87,7 @@ class ExpertsThenCombine:
 
     def __call__(self, ctx: ForwardContext) -> None:
         d = ctx.state.get("dispatch")
-        d.expert_outputs = torch.empty_like(d.expert_inputs)
+        d.expert_outputs = d.empty_outputs()
         blocks = ctx.dispatcher.combine_blocks(d, self.num_blocks)  # by crossing rows
 
         def run_block(i: int) -> None:

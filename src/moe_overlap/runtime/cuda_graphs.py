@@ -56,7 +56,8 @@ from moe_overlap.core.overlap_modes import MODES, NONE
 from moe_overlap.core.stage_io import ForwardOutputs
 from moe_overlap.core.transfer import copy_to
 from moe_overlap.model.causal_lm import MoeForCausalLM
-from moe_overlap.model.moe import ExpertBank, grouped_fits
+from moe_overlap.model.expert_paths import grouped_fits
+from moe_overlap.model.moe import ExpertBank
 from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.runtime.graph_buckets import (
     Bucket,

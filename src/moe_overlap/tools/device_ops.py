@@ -9,7 +9,7 @@ The forward runs under ``inference_mode``, as the engine's does, so a composite 
 (``rms_norm``, ``linear``, ``scaled_dot_product_attention``) counts once, as the fused call it
 is on CUDA (one kernel, or two for the norm), not as the steps its CPU fallback takes.
 
-In bf16 the experts run as the grouped GEMM an sm90+ GPU runs (``model/moe.py: grouped_fits``
+In bf16 the experts run as the grouped GEMM an sm90+ GPU runs (``model/expert_paths.py: grouped_fits``
 takes ``meta`` for such a GPU); in fp32 as the padded batched matmul or the loop of other
 devices. Only the calling thread's operations are counted: DBO's micro-batches run on threads
 of their own.
