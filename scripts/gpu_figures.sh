@@ -189,6 +189,16 @@ json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
       --repeat 10 --workload "$w" --modes none
     table "fp8-dequant-${w//:/-}"
   done
+  # the references' scenario: FP8 experts and FP8 dispatch at decode (the dispatch's rows go
+  # into the W8A8 kernel as they arrived), against the run dtype's dispatch, in one bench
+  note "== emulated ep=8, FP8 checkpoint, decode:256:512, auto/capacity 128, FP8 dispatch" \
+    "against the run dtype's, link model:$decode_bw,20us"
+  run fp8-dispatch 150 "${cli[@]}" bench --model "$logs/fp8-model" --device "$device" \
+    --dtype bfloat16 --emulate-peers 8 --workload decode:256:512 --link "model:$decode_bw,20us" \
+    --repeat 5 --modes none,tbo,dbo --a2a-mode auto --num-max-dispatch-tokens-per-rank 128 \
+    --cuda-graph-max-bs 128 --moe-dispatch-dtype fp8 --compare-dispatch-dtype
+  table fp8-dispatch
+  grep -iE "w8a8|dispatch fp8" "$logs/fp8-dispatch.txt" >> "$summary"
   rm -rf "$logs/fp8-model"
 }
 

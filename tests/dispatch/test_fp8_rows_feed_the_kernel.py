@@ -43,8 +43,8 @@ def fp8_weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bank_of(experts: range) -> ExpertBank:
-    """The W8A8 bank of ``experts`` (of one seeded set), on the interpreted kernel."""
-    fp8_w8a8.grouped_works = kernel_matches  # as on a GPU (this process's module only)
+    """The W8A8 bank of ``experts`` (of one seeded set), on the interpreted kernel (the caller
+    makes ``fp8_w8a8.grouped_works`` say so)."""
     bank = ExpertBank(HIDDEN, INTER, first=experts.start, count=len(experts))
     block = slice(experts.start, experts.stop)
     gate_up, down = fp8_weights(2 * INTER, HIDDEN, 1), fp8_weights(HIDDEN, INTER, 2)
@@ -77,7 +77,8 @@ def never_decoded(self, rows):
 
 def rank_worker(rank: int, world: int, port: int, low_latency: bool) -> torch.Tensor:
     init_gloo(rank, world, port)
-    Fp8Rows.decode = never_decoded  # this rank process's class only
+    Fp8Rows.decode = never_decoded  # this rank process's own modules only
+    fp8_w8a8.grouped_works = kernel_matches  # the interpreted kernel, as on a GPU
     group = init_process_groups(layout_for(ParallelConfig(ep=world)), rank, "gloo")["ep"]
     dispatcher = AllToAllDispatcher(group, EXPERTS, wire=WIRE)
     if low_latency:
@@ -89,6 +90,7 @@ def rank_worker(rank: int, world: int, port: int, low_latency: bool) -> torch.Te
 @pytest.mark.parametrize("low_latency", [False, True], ids=["normal", "low-latency"])
 def test_each_rank_gives_the_one_process_bits_without_decoding(low_latency, monkeypatch):
     monkeypatch.setattr(Fp8Rows, "decode", never_decoded)
+    monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
     bank = bank_of(range(EXPERTS))
     one_process = [moe_layer(LocalDispatcher(EXPERTS, WIRE), bank, rank) for rank in range(2)]
     ranks = run_workers(rank_worker, 2, low_latency, timeout=120)

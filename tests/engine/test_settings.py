@@ -18,7 +18,7 @@ from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools import command_flags
 from moe_overlap.tools.cli import main
-from moe_overlap.tools.cli_args import engine_args
+from moe_overlap.tools.cli_args import engine_args, mode_configs
 from moe_overlap.tools.commands import build_parser
 from moe_overlap.tools.flags import expand_config, field_help, flag_name
 from tests.helpers import TINY
@@ -243,3 +243,30 @@ def test_prefix_caching_is_on_by_default_and_each_engines_spelling_turns_it_off(
         assert parse("serve", "--model", CONFIG, off).enable_prefix_caching is False, off
     assert EngineArgs.from_kwargs(disable_radix_cache=True).enable_prefix_caching is False
     assert EngineArgs.from_kwargs(enable_prefix_caching=False).enable_prefix_caching is False
+
+
+def test_the_benches_modes_carry_the_overlap_flags_given():
+    """``bench`` and ``bench-serve`` start each mode from its label; every other overlap flag
+    given is that mode's too (bench-serve dropped them all before)."""
+    flags = ["--moe-dispatch-dtype", "fp8", "--a2a-mode", "low_latency"]
+    flags += ["--num-max-dispatch-tokens-per-rank", "64"]
+    serve_only = [
+        "--tbo-min-tokens",
+        "3",
+        "--sbo-combine-blocks",
+        "2",
+        "--moe-a2a-backend",
+        "torch",
+    ]
+    for command, extra in (("bench", []), ("bench-serve", serve_only)):
+        args = parse(command, "--hf-config", CONFIG, *flags, *extra)
+        configs = mode_configs(args, ["none", "tbo3+time-split", "auto"])
+        assert [c.mode for c in configs.values()] == ["none", "tbo", "auto"]
+        assert configs["tbo3+time-split"].num_micro_batches == 3
+        assert configs["tbo3+time-split"].tbo_split_policy == "time"
+        for config in configs.values():
+            assert config.moe_dispatch_dtype == "fp8" and config.a2a_mode == "low_latency"
+            assert config.num_max_dispatch_tokens_per_rank == 64
+            if extra:
+                assert (config.tbo_min_tokens, config.sbo_combine_blocks) == (3, 2)
+                assert config.moe_a2a_backend == "torch"

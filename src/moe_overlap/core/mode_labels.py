@@ -56,6 +56,18 @@ def mode_config(label: str) -> OverlapConfig:
     )
 
 
+# the fields a label sets; every other knob of a labelled mode is the flags'
+LABEL_FIELDS = ("mode", "num_micro_batches", "tbo_split_policy", "tbo_token_distribution_threshold")
+
+
+def labelled(label: str, base: OverlapConfig) -> OverlapConfig:
+    """The mode ``label`` names (its scheme, micro-batches and cut), with ``base``'s other
+    knobs: a bench's modes with the overlap flags it was given (the dispatch's form and
+    capacity, SBO's blocks, TBO's and DBO's thresholds, ...)."""
+    named = mode_config(label)
+    return dataclasses.replace(base, **{f: getattr(named, f) for f in LABEL_FIELDS})
+
+
 def auto_choice_config(base: OverlapConfig, label: str) -> OverlapConfig:
     """The config ``auto`` runs its choice ``label`` as: ``base``'s knobs with the choice's."""
     mode, choice = MODES.auto_choices()[label]

@@ -272,3 +272,14 @@ class EngineArgs(SpeculativeArgs, EplbArgs, OverlapArgs, CapacityArgs, LayoutArg
                 raise ConfigError(f"{key!r} and {name!r} name the same setting; give one")
             resolved[name] = value
         return resolved
+
+
+def overlap_knobs() -> frozenset[str]:
+    """The settings a whole ``OverlapConfig`` holds: its fields and the schemes' switches."""
+    knobs = {f.name for f in dataclasses.fields(OverlapConfig)}
+    return frozenset(knobs | {m.enable_field for m in MODES.values() if m.enable_field})
+
+
+def without_overlap_knobs(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` less ``overlap_knobs``: to start an ``LLM`` with a whole config."""
+    return {k: v for k, v in settings.items() if k not in overlap_knobs()}

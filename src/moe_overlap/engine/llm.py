@@ -14,12 +14,11 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.overlap_modes import MODES
 from moe_overlap.core.step import StepReply, StepRequest
 from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
-from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.engine_args import EngineArgs, overlap_knobs
 from moe_overlap.engine.engine_spec import engine_spec
 from moe_overlap.engine.errors import token_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
@@ -283,9 +282,7 @@ def _pick(params: SamplingParams, outs: list[RequestOutput]) -> RequestOutput:
 def _refuse_knobs_beside(settings: dict[str, Any]) -> None:
     """``LLM(overlap=OverlapConfig(...), moe_dispatch_dtype=...)``: the config holds every
     overlap setting, so one given beside it would be ignored; refuse it, naming the fix."""
-    knobs = {f.name for f in dataclasses.fields(OverlapConfig)}
-    knobs |= {m.enable_field for m in MODES.values() if m.enable_field}
-    clash = sorted(knobs & set(EngineArgs.resolve(settings)))
+    clash = sorted(overlap_knobs() & set(EngineArgs.resolve(settings)))
     if clash:
         raise ConfigError(
             f"overlap=OverlapConfig(...) holds every overlap setting, so {', '.join(clash)} "

@@ -11,7 +11,7 @@ from statistics import median
 
 from rich.console import Console
 
-from moe_overlap.core.a2a_mode import DispatchDtype, parse_a2a_mode, step_a2a_mode
+from moe_overlap.core.a2a_mode import DispatchDtype, step_a2a_mode
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
@@ -19,12 +19,17 @@ from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.overlap_modes import AUTO, NONE
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
-from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
+from moe_overlap.engine.engine_args import (
+    CapacityArgs,
+    EngineArgs,
+    OverlapArgs,
+    without_overlap_knobs,
+)
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.model.fp8_resident import expert_kernels, fp8_path
@@ -38,6 +43,7 @@ from moe_overlap.tools.cli_args import (
     bench_engine_kwargs,
     engine_args,
     engine_kwargs,
+    mode_configs,
     model_path,
 )
 from moe_overlap.tools.command_flags import BenchFlags, ProbeFlags
@@ -145,7 +151,8 @@ def bench_engines(
     with ExitStack() as stack:
         arms, llms = {}, {}
         for dtype in dispatch_dtypes(args):
-            engine = sized | {"overlap": OverlapConfig(moe_dispatch_dtype=dtype)}
+            overlap = OverlapConfig(moe_dispatch_dtype=dtype)  # each mode's comes per step
+            engine = without_overlap_knobs(sized) | {"overlap": overlap}
             llms[dtype] = stack.enter_context(LLM(**engine, emulate_peers=args.emulate_peers))
             overrides = {m: replace(c, moe_dispatch_dtype=dtype) for m, c in configs.items()}
             arms[dtype] = Arm(llms[dtype].executor, overrides)
@@ -174,16 +181,6 @@ def fp8_line(settings: EngineArgs, spec: EngineSpec, runner: object = None) -> s
     path = fp8_path(quant, spec.device, spec.fp8_on_the_fly)
     model = getattr(runner, "model", None)
     return path if path is None or model is None else f"{path}\n{expert_kernels(model)}"
-
-
-def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:
-    """Each mode's overlap settings, with the dispatch's: ``--a2a-mode`` and its capacity."""
-    dispatch = {
-        "a2a_mode": parse_a2a_mode(args.a2a_mode),
-        "num_max_dispatch_tokens_per_rank": args.num_max_dispatch_tokens_per_rank,
-    }
-    auto = OverlapConfig(AUTO.name, log_overlap_decisions=args.log_overlap_decisions)
-    return {m: replace(auto if m == AUTO.name else mode_config(m), **dispatch) for m in modes}
 
 
 def zero_host_bounds(

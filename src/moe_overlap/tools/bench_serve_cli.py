@@ -14,10 +14,11 @@ from pathlib import Path
 from rich.console import Console
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.mode_labels import SERVE_LABELS, mode_config
+from moe_overlap.core.mode_labels import SERVE_LABELS
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.workloads import check_fits
 from moe_overlap.engine.args import parse_modes
+from moe_overlap.engine.engine_args import without_overlap_knobs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools.bench_datasets import (
@@ -35,7 +36,13 @@ from moe_overlap.tools.bench_serve_report import (
     prefix_caching_note,
     speculative_note,
 )
-from moe_overlap.tools.cli_args import add_engine_args, add_model_args, engine_args, engine_kwargs
+from moe_overlap.tools.cli_args import (
+    add_engine_args,
+    add_model_args,
+    engine_args,
+    engine_kwargs,
+    mode_configs,
+)
 from moe_overlap.tools.command_flags import LOAD_DEFAULTS, LoadFlags
 from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.serving_metrics import parse_metrics, parse_percentiles, result_block
@@ -118,7 +125,7 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[float], tuple]:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     modes, rates, metrics = _check(args)
-    overlaps = {} if args.base_url else {m: mode_config(m) for m in modes}  # bad names fail now
+    overlaps = {} if args.base_url else mode_configs(args, modes)  # bad names fail now
     cfg = _model_config(args)
     prompts = bench_requests(args, cfg.vocab_size if cfg else args.vocab_size)
     if cfg is not None:
@@ -253,7 +260,7 @@ def _target(
     if args.base_url:
         yield Target(args.base_url, args.api_key, args.served_model_name)
         return
-    kwargs = {**engine_kwargs(args), "overlap": overlap, **variant}
+    kwargs = {**without_overlap_knobs(engine_kwargs(args)), "overlap": overlap, **variant}
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve
 
     llm = LLM(**kwargs)

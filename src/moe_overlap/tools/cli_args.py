@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moe_overlap.core.mode_labels import labelled
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.workloads import Workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
@@ -57,3 +59,10 @@ def bench_engine_kwargs(args: argparse.Namespace, workload: Workload) -> dict[st
 
 def build_llm(args: argparse.Namespace) -> LLM:
     return LLM(**engine_kwargs(args))
+
+
+def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, OverlapConfig]:
+    """Each mode's overlap settings (a bench's): its label's, with the overlap flags given
+    (``--a2a-mode`` and its capacity, ``--moe-a2a-backend``, ``--moe-dispatch-dtype``, ...)."""
+    base = engine_args(args).overlap_config()
+    return {m: labelled(m, base) for m in modes}
