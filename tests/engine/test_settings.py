@@ -270,3 +270,9 @@ def test_the_benches_modes_carry_the_overlap_flags_given():
             if extra:
                 assert (config.tbo_min_tokens, config.sbo_combine_blocks) == (3, 2)
                 assert config.moe_a2a_backend == "torch"
+    for given in (["--overlap", "dbo"], ["--enable-two-batch-overlap"]):
+        args = parse("bench-serve", "--hf-config", CONFIG, *given)
+        with pytest.raises(
+            ConfigError, match="would be ignored: a bench runs each mode of --modes"
+        ):
+            mode_configs(args, ["none", "tbo"])

@@ -160,6 +160,10 @@ def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(tmp_path, monkeypa
             banks = [m for m in llm.executor.runner.model.modules() if isinstance(m, ExpertBank)]
             runs[mode] = llm.generate(prompts, params, return_logits=True)
             assert banks and all(b.w8a8 and b.w8a8.grouped and not b.w8a8.failed for b in banks)
+            said = fp8_resident.expert_kernels(llm.executor.runner.model)
+            assert said.startswith(f"{len(banks)} of {len(banks)} W8A8 expert banks as one Triton")
+    with LLM(tmp_path, fp8_dequant_on_the_fly=True) as llm:  # no bank W8A8: nothing to say
+        assert fp8_resident.expert_kernels(llm.executor.runner.model) is None
     for mode in MODES[1:]:
         for a, b in zip(runs["none"], runs[mode], strict=True):
             assert a.token_ids == b.token_ids, mode

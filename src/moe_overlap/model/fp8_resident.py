@@ -81,9 +81,9 @@ def settle_fp8(
         held, bf16 = resident_bytes(model)
         how = "kept in FP8 and dequantized at each use"
         if scaled:
-            how = (
-                f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized; "
-                f"{expert_kernels(model)})"
+            kernels = expert_kernels(model)
+            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized" + (
+                f"; {kernels})" if kernels else ")"
             )
     if report:
         log.info(
@@ -180,9 +180,12 @@ def keep_resident(
     return scaled
 
 
-def expert_kernels(model: nn.Module) -> str:
-    """How the W8A8 expert banks run, as the load log and the bench's header say it."""
+def expert_kernels(model: nn.Module) -> str | None:
+    """How the W8A8 expert banks run, as the load log and the bench's header say it (None
+    where no bank runs W8A8: the CPU, or FP8 linears only)."""
     banks = [m.w8a8 for m in model.modules() if isinstance(m, ExpertBank) and m.w8a8]
+    if not banks:
+        return None
     grouped = sum(1 for b in banks if b.grouped and not b.failed)
     return (
         f"{grouped} of {len(banks)} W8A8 expert banks as one Triton launch per projection, "

@@ -180,7 +180,8 @@ def fp8_line(settings: EngineArgs, spec: EngineSpec, runner: object = None) -> s
     quant = quant_config_of(read_json(weights), weights) if weights else None
     path = fp8_path(quant, spec.device, spec.fp8_on_the_fly)
     model = getattr(runner, "model", None)
-    return path if path is None or model is None else f"{path}\n{expert_kernels(model)}"
+    kernels = None if path is None or model is None else expert_kernels(model)
+    return path if kernels is None else f"{path}\n{kernels}"
 
 
 def zero_host_bounds(

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import labelled
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.workloads import Workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
 from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
@@ -65,4 +67,9 @@ def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, Overla
     """Each mode's overlap settings (a bench's): its label's, with the overlap flags given
     (``--a2a-mode`` and its capacity, ``--moe-a2a-backend``, ``--moe-dispatch-dtype``, ...)."""
     base = engine_args(args).overlap_config()
+    if base.mode != NONE.name:  # --overlap or an --enable flag: the labels would override it
+        raise ConfigError(
+            f"--overlap {base.mode} (or its --enable flag) would be ignored: a bench runs each "
+            f"mode of --modes; give --modes {base.mode} (or none,{base.mode})"
+        )
     return {m: labelled(m, base) for m in modes}
