@@ -6,13 +6,9 @@ all-to-all."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.fp8_rows import Fp8Rows
@@ -20,13 +16,11 @@ from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
 from moe_overlap.distributed.groups import init_process_groups
 from moe_overlap.distributed.layout import layout_for
-from moe_overlap.model import fp8_grouped, fp8_resident, fp8_w8a8, loader
-from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
+from moe_overlap.model import fp8_w8a8
 from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_fp8_rows, kernel_matches
 from moe_overlap.model.fp8_scale_layout import pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
 from moe_overlap.model.fp8_weights import quantize
-from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.model.moe import ExpertBank
 from tests.dist_utils import init_gloo, run_workers
 
@@ -110,40 +104,3 @@ def test_the_arrived_rows_give_the_product_of_what_they_decode_to():
     ends = torch.tensor([3, 3, 50, 70], dtype=torch.int32)
     fed = grouped_fp8_rows(*WIRE.parts(wire), torch.float32, ends, q, pad_grid(grid))
     assert torch.equal(fed, grouped_fp8(WIRE.decode(wire), ends, q, pad_grid(grid)))
-
-
-MODES = ["none", "tbo", "tbo+two-chunk", "sbo"]
-
-
-def test_an_fp8_engine_with_fp8_dispatch_feeds_the_kernel_in_every_mode(tmp_path, monkeypatch):
-    """One process, every overlap mode: the experts take the dispatch's FP8 rows into the
-    kernel (counted), none decodes them, and every mode gives no overlap's logits."""
-    monkeypatch.setattr(loader, "keeps_fp8", lambda device, on_the_fly: True)
-    monkeypatch.setattr(fp8_resident, "w8a8_available", lambda device: True)
-    monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
-    monkeypatch.setattr(Fp8Rows, "decode", never_decoded)
-    fed = []
-    counted = fp8_grouped.grouped_fp8_rows
-
-    def counting(*args, **kwargs):
-        fed.append(args[0].shape[0])
-        return counted(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_w8a8, "grouped_fp8_rows", counting)
-    config = ModelConfig.from_hf("configs/qwen3-moe-tiny.json")
-    cfg = dataclasses.replace(config, moe_intermediate_size=128)
-    save_checkpoint(build_model(cfg), tmp_path)
-    quantize_checkpoint(tmp_path, (128, 128))
-    prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (21, 5, 13)]
-    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
-    runs = {}
-    for mode in MODES:
-        fp8 = dict(tbo_min_tokens=1, moe_dispatch_dtype="fp8")
-        with LLM(tmp_path, overlap=dataclasses.replace(mode_config(mode), **fp8)) as llm:
-            fed.clear()
-            runs[mode] = llm.generate(prompts, params, return_logits=True)
-            assert fed and sum(fed) > 0, mode
-    for mode in MODES[1:]:
-        for a, b in zip(runs["none"], runs[mode], strict=True):
-            assert a.token_ids == b.token_ids, mode
-            assert (a.prompt_logits - b.prompt_logits).abs().max().item() <= 1e-4, mode

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.mode_labels import mode_config
+from moe_overlap.dispatch.fp8_rows import Fp8Rows
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model import fp8_resident, fp8_w8a8, loader
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
@@ -31,6 +32,7 @@ from moe_overlap.model.fp8_w8a8 import W8A8Experts
 from moe_overlap.model.fp8_weights import quantize
 from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.model.moe import ExpertBank
+from tests.dispatch.test_fp8_rows_feed_the_kernel import never_decoded
 
 EXPERTS, HIDDEN, INTER = 4, 128, 128
 TINY_CONFIG = "configs/qwen3-moe-tiny.json"  # hidden 128: its layers fit 128x128 blocks
@@ -141,14 +143,21 @@ def test_the_low_latency_blocks_run_the_kernel_over_their_real_rows_only(fp8_ban
 MODES = ["none", "tbo", "tbo+two-chunk", "sbo"]
 
 
-def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dispatch", ["auto", "fp8"])
+def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(dispatch, tmp_path, monkeypatch):
     """The whole engine, its FP8 experts forced onto the kernel as on a GPU (interpreted here;
     the linears fall back to their dequantized weights, as CPU has no block-scaled GEMM): TBO,
     its two-chunk cut and SBO's blocks give no overlap's logits and tokens, as the kernel's rows
-    never depend on the rows beside them."""
+    never depend on the rows beside them. Under ``--moe-dispatch-dtype fp8`` the dispatch's
+    rows go into the kernel as they arrived (counted), never decoded."""
     monkeypatch.setattr(loader, "keeps_fp8", lambda device, on_the_fly: True)
     monkeypatch.setattr(fp8_resident, "w8a8_available", lambda device: True)
     monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
+    fed = []
+    if dispatch == "fp8":
+        monkeypatch.setattr(Fp8Rows, "decode", never_decoded)
+        feed = fp8_w8a8.grouped_fp8_rows
+        monkeypatch.setattr(fp8_w8a8, "grouped_fp8_rows", lambda *a: fed.append(1) or feed(*a))
     cfg = dataclasses.replace(ModelConfig.from_hf(TINY_CONFIG), moe_intermediate_size=128)
     save_checkpoint(build_model(cfg), tmp_path)
     quantize_checkpoint(tmp_path, (128, 128))
@@ -156,9 +165,14 @@ def test_an_fp8_engine_on_the_kernel_gives_every_modes_logits(tmp_path, monkeypa
     params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     runs = {}
     for mode in MODES:
-        with LLM(tmp_path, overlap=dataclasses.replace(mode_config(mode), tbo_min_tokens=1)) as llm:
+        overlap = dataclasses.replace(
+            mode_config(mode), tbo_min_tokens=1, moe_dispatch_dtype=dispatch
+        )
+        with LLM(tmp_path, overlap=overlap) as llm:
             banks = [m for m in llm.executor.runner.model.modules() if isinstance(m, ExpertBank)]
+            fed.clear()
             runs[mode] = llm.generate(prompts, params, return_logits=True)
+            assert bool(fed) == (dispatch == "fp8"), mode
             assert banks and all(b.w8a8 and b.w8a8.grouped and not b.w8a8.failed for b in banks)
             said = fp8_resident.expert_kernels(llm.executor.runner.model)
             assert said.startswith(f"{len(banks)} of {len(banks)} W8A8 expert banks as one Triton")
