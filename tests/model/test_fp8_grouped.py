@@ -138,6 +138,12 @@ def test_the_low_latency_blocks_run_the_kernel_over_their_real_rows_only(fp8_ban
     bank.run_capacity(x, counts, halves, range(2, EXPERTS))
     real = torch.arange(cap)[None, None] < counts[..., None]
     assert torch.equal(halves[real], out[real])
+    # each token picks 2 experts: at most ep x cap x 2 real rows, so only those are gathered
+    gathered, run = [], bank._on_device
+    bank._on_device = lambda rows, *a: gathered.append(rows.shape[0]) or run(rows, *a)
+    bounded = torch.full_like(x, float("nan"))
+    bank.run_capacity(x, counts, bounded, range(EXPERTS), top_k=2)
+    assert gathered == [ep * cap * 2] and torch.equal(bounded[real], out[real])
 
 
 MODES = ["none", "tbo", "tbo+two-chunk", "sbo"]

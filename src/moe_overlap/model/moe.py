@@ -112,7 +112,7 @@ class ExpertBank(nn.Module):
         elif d.counts is None:
             raise RuntimeError(f"{d.owner}: a low-latency dispatch delivered rows without counts")
         else:
-            self.run_capacity(x, d.counts, out, experts, wire)
+            self.run_capacity(x, d.counts, out, experts, wire, d.topk_weights.shape[1])
 
     def run_capacity(
         self,
@@ -121,6 +121,7 @@ class ExpertBank(nn.Module):
         out: torch.Tensor,
         experts: range,
         wire: Fp8Rows | None = None,
+        top_k: int | None = None,
     ) -> None:
         """The low-latency layout: ``x`` and ``out`` are ``[ep, local, capacity, hidden]``, and
         of the rows rank p sent local expert e the first ``counts[p, e]`` (on the device) are
@@ -128,9 +129,14 @@ class ExpertBank(nn.Module):
         (``on_device``: the grouped FP8 kernel, or bf16 grouped GEMM on sm90+; rows past the
         last offset are ignored), else one batched matmul over every padded row (padding is
         zeros, and its outputs are never read). ``wire``: ``x`` is the FP8 dispatch's blocks as
-        they arrived (``_inputs``)."""
+        they arrived (``_inputs``). ``top_k``: the experts a token picks, which bounds the real
+        rows (a source's at most ``capacity`` tokens each reach at most ``min(top_k,
+        len(experts))`` of these experts), so fewer are gathered; None: every padded place."""
         block = slice(experts.start, experts.stop)
-        if not (self.on_device(x) and self._capacity_on_device(x, counts, out, experts, wire)):
+        most = x.shape[0] * x.shape[2] * min(top_k or len(experts), len(experts))
+        if not (
+            self.on_device(x) and self._capacity_on_device(x, counts, out, experts, wire, most)
+        ):
             x = x if wire is None else wire.decode(x)  # the kernel gave up: the run dtype
             ep, _, cap, hidden = x.shape
             rows = x[:, block].transpose(0, 1).reshape(len(experts), ep * cap, hidden)
@@ -144,15 +150,17 @@ class ExpertBank(nn.Module):
         out: torch.Tensor,
         experts: range,
         wire: Fp8Rows | None,
+        most: int,
     ) -> bool:
-        """``run_capacity``'s real rows gathered expert by expert, one launch per projection
-        (``_on_device``); False, with nothing written, where that could not run."""
+        """``run_capacity``'s real rows (at most ``most``) gathered expert by expert, one launch
+        per projection (``_on_device``); False, with nothing written, where that could not
+        run."""
         ep, _, cap, _ = x.shape
         block = slice(experts.start, experts.stop)
         n = len(experts)
         per_group = counts[:, block].T.reshape(-1)  # rows of (expert, source), expert-major
         starts = per_group.cumsum(0) - per_group
-        row = torch.arange(n * ep * cap, device=x.device)
+        row = torch.arange(most, device=x.device)
         group = torch.searchsorted(starts + per_group, row, right=True).clamp_(max=n * ep - 1)
         index = (row - starts[group]).clamp_(0, cap - 1)
         source, expert = group % ep, group // ep + experts.start
@@ -163,7 +171,7 @@ class ExpertBank(nn.Module):
             return False
         # each padded place's row among the gathered ones (a padding place reads any row)
         place = starts.view(n, ep).T[..., None] + torch.arange(cap, device=x.device)
-        out[:, block] = y[place.clamp_(max=n * ep * cap - 1)]
+        out[:, block] = y[place.clamp_(max=most - 1)]
         return True
 
     def grouped(self, x: torch.Tensor) -> bool:
