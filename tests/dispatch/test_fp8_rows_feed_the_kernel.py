@@ -20,7 +20,7 @@ from moe_overlap.model import fp8_w8a8
 from moe_overlap.model.fp8_grouped import grouped_fp8, grouped_fp8_rows, kernel_matches
 from moe_overlap.model.fp8_scale_layout import pad_grid
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
-from moe_overlap.model.fp8_weights import quantize
+from moe_overlap.model.fp8_weights import dequantize, quantize
 from moe_overlap.model.moe import ExpertBank
 from tests.dist_utils import init_gloo, run_workers
 
@@ -104,3 +104,39 @@ def test_the_arrived_rows_give_the_product_of_what_they_decode_to():
     ends = torch.tensor([3, 3, 50, 70], dtype=torch.int32)
     fed = grouped_fp8_rows(*WIRE.parts(wire), torch.float32, ends, q, pad_grid(grid))
     assert torch.equal(fed, grouped_fp8(WIRE.decode(wire), ends, q, pad_grid(grid)))
+
+
+def test_a_kernel_that_gives_up_falls_back_to_the_decoded_rows(monkeypatch):
+    """Where the kernel raises on the arrived rows (a GPU without it), the bank decodes them
+    and runs its dequantized weights, from then on: the same product up to FP8's rounding of
+    the second projection's input, in the local and the low-latency layouts."""
+    monkeypatch.setattr(fp8_w8a8, "grouped_works", kernel_matches)
+    expected = moe_layer(LocalDispatcher(EXPERTS, WIRE), bank_of(range(EXPERTS)), 0)
+
+    def gives_up(*args):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(fp8_w8a8, "grouped_fp8_rows", gives_up)
+    bank = bank_of(range(EXPERTS))
+    for weights, (q, grid) in (
+        (bank.gate_up_proj, bank.w8a8.gate_up),
+        (bank.down_proj, bank.w8a8.down),
+    ):
+        k = q.shape[2] // 128
+        weights.data = torch.stack(
+            [dequantize(q[e], grid[e, :, :k], (128, 128)) for e in range(EXPERTS)]
+        )
+    got = moe_layer(LocalDispatcher(EXPERTS, WIRE), bank, 0)
+    assert not bank.w8a8.grouped and bank.w8a8.failed  # both W8A8 paths gave up on CPU
+    torch.testing.assert_close(got, expected, rtol=0.1, atol=0.05 * expected.abs().max().item())
+    # the low-latency blocks: decoded, then the padded batched matmul
+    ep, cap = 2, 5
+    counts = torch.tensor([[2, 0, 5, 1], [0, 3, 1, 0]])
+    blocks = WIRE.encode(torch.randn(ep * EXPERTS * cap, HIDDEN)).view(ep, EXPERTS, cap, -1)
+    out = torch.full((ep, EXPERTS, cap, HIDDEN), float("nan"))
+    bank.run_capacity(blocks, counts, out, range(EXPERTS), WIRE, top_k=2)
+    # the same rows, decoded and grouped by expert on the host
+    rows = [blocks[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
+    flat = bank(WIRE.decode(torch.cat(rows)), counts.sum(0).tolist())
+    real = [out[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
+    torch.testing.assert_close(torch.cat(real), flat, rtol=1e-5, atol=1e-6)
