@@ -247,7 +247,7 @@ def test_prefix_caching_is_on_by_default_and_each_engines_spelling_turns_it_off(
 
 def test_the_benches_modes_carry_the_overlap_flags_given():
     """``bench`` and ``bench-serve`` start each mode from its label; every other overlap flag
-    given is that mode's too (bench-serve dropped them all before)."""
+    given is that mode's too."""
     flags = ["--moe-dispatch-dtype", "fp8", "--a2a-mode", "low_latency"]
     flags += ["--num-max-dispatch-tokens-per-rank", "64"]
     serve_only = [
