@@ -249,15 +249,9 @@ def test_the_benches_modes_carry_the_overlap_flags_given():
     """``bench`` and ``bench-serve`` start each mode from its label; every other overlap flag
     given is that mode's too."""
     flags = ["--moe-dispatch-dtype", "fp8", "--a2a-mode", "low_latency"]
-    flags += ["--num-max-dispatch-tokens-per-rank", "64"]
-    serve_only = [
-        "--tbo-min-tokens",
-        "3",
-        "--sbo-combine-blocks",
-        "2",
-        "--moe-a2a-backend",
-        "torch",
-    ]
+    flags += ["--num-max-dispatch-tokens-per-rank", "64", "--tbo-min-tokens", "3"]
+    flags += ["--sbo-combine-blocks", "2", "--dbo-decode-token-threshold", "5"]
+    serve_only = ["--moe-a2a-backend", "torch"]  # bench's ranks build the default backend
     for command, extra in (("bench", []), ("bench-serve", serve_only)):
         args = parse(command, "--hf-config", CONFIG, *flags, *extra)
         configs = mode_configs(args, ["none", "tbo3+time-split", "auto"])
@@ -267,8 +261,9 @@ def test_the_benches_modes_carry_the_overlap_flags_given():
         for config in configs.values():
             assert config.moe_dispatch_dtype == "fp8" and config.a2a_mode == "low_latency"
             assert config.num_max_dispatch_tokens_per_rank == 64
+            assert (config.tbo_min_tokens, config.sbo_combine_blocks) == (3, 2)
+            assert config.dbo_decode_token_threshold == 5
             if extra:
-                assert (config.tbo_min_tokens, config.sbo_combine_blocks) == (3, 2)
                 assert config.moe_a2a_backend == "torch"
     for given in (["--overlap", "dbo"], ["--enable-two-batch-overlap"]):
         args = parse("bench-serve", "--hf-config", CONFIG, *given)

@@ -16,7 +16,7 @@ from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
 from moe_overlap.core.layout_rules import check_layout
-from moe_overlap.core.mode_labels import DEFAULT_LABELS, mode_config
+from moe_overlap.core.mode_labels import DEFAULT_LABELS
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE
@@ -34,9 +34,8 @@ from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
 from moe_overlap.model.fp8_resident import expert_kernels, fp8_path
 from moe_overlap.model.quant_config import quant_config_of
-from moe_overlap.planner.inputs import ModelSpec, make_layout
-from moe_overlap.planner.stage_bound import stage_order_bound
 from moe_overlap.tools.bench import Arm, BenchReport, run_arms
+from moe_overlap.tools.bench_bounds import zero_host_bounds
 from moe_overlap.tools.bench_eplb import bench_eplb
 from moe_overlap.tools.cli_args import (
     add_model_args,
@@ -184,46 +183,6 @@ def fp8_line(settings: EngineArgs, spec: EngineSpec, runner: object = None) -> s
     return path if kernels is None else f"{path}\n{kernels}"
 
 
-def zero_host_bounds(
-    report: BenchReport,
-    cfg: ModelConfig,
-    par: ParallelConfig,
-    peers: int,
-    overrides: dict[str, OverlapConfig],
-    seed: int,
-    dispatch_dtype: str = DispatchDtype.AUTO,
-) -> dict[str, float | None]:
-    """Per mode, the planner's zero-host-cost bound from the measured ``T_comp`` and
-    ``T_comm`` (plus the attention-TP collectives, which no mode hides); None for every mode
-    where the planner does not model the layout (pipeline stages, MoE-TP)."""
-    try:
-        if peers:
-            layout = make_layout(None, None, peers, False, cfg)
-        else:
-            tp, dp = (None if par.tp == 1 else par.tp), (None if par.dp == 1 else par.dp)
-            layout = make_layout(tp, dp, par.ep, par.enable_dp_attention, cfg)
-        if par.pp > 1:
-            raise ConfigError("the planner models no pipeline stages")
-    except ConfigError:
-        return {mode: None for mode in report.results}
-    groups = make_batches(report.workload, cfg.vocab_size, seed)
-    batches = [groups[0 if peers else layout.group_of(r)] for r in range(layout.world)]
-    fp8 = dispatch_dtype == DispatchDtype.FP8  # the dispatch's share of the bytes is smaller
-    spec = ModelSpec(cfg, "bench", fp8_weights=False, fp8_dispatch=fp8)
-    return {
-        mode: report.t_tp_comm
-        + stage_order_bound(
-            spec,
-            layout,
-            batches,
-            overrides.get(mode) or mode_config(mode),
-            report.t_comp,
-            report.t_comm,
-        )
-        for mode in report.results
-    }
-
-
 def bench_workload(args: argparse.Namespace, cfg: ModelConfig, ranks: int) -> Workload:
     """Each rank's timed forward (under --emulate-peers N, rank 0's of N), checked against
     the model."""
@@ -283,11 +242,18 @@ def _add_bench_command(sub) -> None:
     add_fields(
         bench,
         OverlapArgs,
-        only=(
+        only=(  # the knobs each mode runs with (the modes themselves are --modes)
             "log_overlap_decisions",
+            "auto_modes",
             "a2a_mode",
             "num_max_dispatch_tokens_per_rank",
             "moe_dispatch_dtype",
+            "tbo_min_tokens",
+            "tbo_mode_mismatch",
+            "sbo_combine_blocks",
+            "sbo_comm_sms",
+            "dbo_decode_token_threshold",
+            "dbo_prefill_token_threshold",
         ),
     )
     add_fields(bench, BenchArgs)
