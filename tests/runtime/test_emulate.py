@@ -132,13 +132,17 @@ def test_the_emulated_bench_prints_every_modes_row(tmp_path, capsys, monkeypatch
     argv += ["--workload", "uniform:20-300:600", "--repeat", "1", "--modes", ",".join(BENCH_MODES)]
     assert main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "rank 0 of ep2" in printed and "logits meaningless" in printed
-    for column in ("tokens/s", "speed-up", "hidden", "of limit", "T_comp", "T_comm", "limit"):
-        assert column in printed
+    words = " ".join(printed.split())  # the title and caption wrap at the table's width
+    assert "rank 0 of ep2" in words and "logits meaningless" in words
+    for column in ("tokens/s", "speed-up", "hidden", "of limit", "of 0-host", "T_comp", "limit"):
+        assert column in words
     rows = {line.split()[1]: line for line in printed.splitlines() if line.startswith("│")}
     assert set(rows) == set(BENCH_MODES)
-    assert all(row.count("%") == 2 for row in rows.values())  # hidden and of limit
+    assert all(row.count("%") == 3 for row in rows.values())  # hidden, of limit, of 0-host
     data = json.loads(out.read_text())
+    for mode, row in rows.items():  # the table's share of the bound is the JSON's
+        share = data["modes"][mode]["zero_host_bound_share"]
+        assert row.split("│")[-2].strip() == f"{share:.0%}"
     assert data["emulate_peers"] == 2 and data["tokens_per_forward"] == 600
     assert data["t_comm_s"] > 0 and set(data["modes"]) == set(BENCH_MODES)
     assert all(m["limit_share"] > 0 for m in data["modes"].values())

@@ -113,14 +113,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.eplb_compare is not None:  # three placements, each on its own ranks
         return bench_eplb(args, workload, modes, configs, console, title)
     reports = bench_engines(args, workload, modes, configs, cfg.vocab_size, console, title)
-    if len(reports) > 1:
-        console.print(dtype_table(reports, title))
     payload = {"model": model_path(args), **settings.layout_kwargs(), "link": args.link}
     payload |= {"emulate_peers": peers} if peers else {}
     results = {}
     for dtype, report in reports.items():
         bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed, dtype)
+        console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}", bounds))
         results[dtype] = {"moe_dispatch_dtype": dtype} | report.to_json(bounds)
+    if len(reports) > 1:
+        console.print(dtype_table(reports, title))
     first = next(iter(reports))
     payload |= results[first] | ({"compared": results} if len(results) > 1 else {})
     write_outputs(console, reports[first].recording, args, payload)
@@ -145,7 +146,7 @@ def bench_engines(
     title: str,
 ) -> dict[str, BenchReport]:
     """One engine per dispatch dtype, all started at once and taking turns repetition by
-    repetition (``run_arms``); each dtype's table printed."""
+    repetition (``run_arms``); each dtype's reports."""
     sized = bench_engine_kwargs(args, workload)
     with ExitStack() as stack:
         arms, llms = {}, {}
@@ -158,13 +159,12 @@ def bench_engines(
         llm = next(iter(llms.values()))
         on_gpu = llm.spec.device == "cuda"
         reports = run_arms(arms, workload, args.repeat, vocab, args.seed, on_gpu=on_gpu)
-        for dtype, report in reports.items():
-            console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}"))
+        for dtype in reports:  # the tables follow, with the planner's bounds
             graphs = getattr(getattr(llms[dtype].executor, "runner", None), "graphs", None)
             if graphs is not None:  # one process on CUDA: say whether decode replayed
                 console.print(
-                    f"CUDA graphs: {len(graphs.graphs)} captured, {graphs.failed} "
-                    "failed to capture (their steps ran eagerly)"
+                    f"CUDA graphs ({dtype} dispatch): {len(graphs.graphs)} captured, "
+                    f"{graphs.failed} failed to capture (their steps ran eagerly)"
                 )
         fp8 = fp8_line(engine_args(args), llm.spec, getattr(llm.executor, "runner", None))
         if fp8 is not None:  # which path the FP8 weights ran: W8A8 or dequantized

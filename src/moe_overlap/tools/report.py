@@ -16,15 +16,21 @@ HIDDEN_GPU = (
 )
 
 
-def bench_table(report: BenchReport, title: str) -> Table:
+def bench_table(
+    report: BenchReport, title: str, bounds: dict[str, float | None] | None = None
+) -> Table:
+    """The modes' figures; ``bounds``: per mode the planner's zero-host-cost bound of its
+    stage order (``tools/bench_bounds.py``), shown as each mode's share of it."""
     table = Table(title=title, title_justify="left")
     table.add_column("mode", no_wrap=True, min_width=max(map(len, report.results)))
-    for name in ("tokens/s", "ms/forward", "min-max ms", "speed-up", "hidden", "of limit"):
+    bounded = bounds is not None and any(b is not None for b in bounds.values())
+    columns = ("tokens/s", "ms/forward", "min-max ms", "speed-up", "hidden", "of limit")
+    for name in columns + (("of 0-host",) if bounded else ()):
         table.add_column(name, justify="right")  # a narrow terminal wraps these, not modes
     marked = [m for m in report.results if report.notes.get(m)]
     for mode, r in report.results.items():
-        hidden = report.hidden(mode)
-        table.add_row(
+        hidden, bound = report.hidden(mode), (bounds or {}).get(mode)
+        row = [
             f"{mode} [{marked.index(mode) + 1}]" if mode in marked else mode,
             f"{report.workload.tokens / r.median:,.0f}",
             f"{r.median * 1e3:.1f}",
@@ -32,7 +38,10 @@ def bench_table(report: BenchReport, title: str) -> Table:
             f"{report.speedup(mode):.2f}x",
             "-" if hidden is None else f"{hidden:.0%}",
             f"{report.limit_share(mode):.0%}",
-        )
+        ]
+        if bounded:
+            row.append("-" if bound is None else f"{bound / r.median:.0%}")
+        table.add_row(*row)
     tp = ""
     if report.t_tp_comm:
         tp = f" + T_tp {report.t_tp_comm * 1e3:.1f} ms (attention-TP all-reduce/all-gather)"
@@ -42,6 +51,11 @@ def bench_table(report: BenchReport, title: str) -> Table:
         f"max(T_comp, T_comm){' + T_tp' if tp else ''} = {report.limit * 1e3:.1f} ms; of "
         f"limit: limit / ms per forward; hidden: {HIDDEN_GPU if report.on_gpu else HIDDEN_CPU}"
     )
+    if bounded:
+        table.caption += (
+            "; of 0-host: the bound the mode's stage order allows with no host cost (the "
+            "planner's, from T_comp and T_comm) / ms per forward"
+        )
     for i, mode in enumerate(marked, start=1):
         table.caption += f"\n[{i}] {mode}: {'; '.join(report.notes[mode])}"
     table.caption_justify = "left"
