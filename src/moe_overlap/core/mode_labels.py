@@ -29,13 +29,19 @@ DEFAULT_LABELS = (
 SERVE_LABELS = (NONE.name, TBO.name + TWO_CHUNK, DBO.name)  # bench-serve: a server per mode
 _SPLIT = re.compile(rf"([a-z_-]+?)(\d*)({re.escape(TWO_CHUNK)}|{re.escape(TIME_SPLIT)})?")
 _DEFAULTS = OverlapConfig()
+# what a label that does not split sets besides its scheme: the split's fields at their defaults
+_UNSPLIT = {
+    f: getattr(_DEFAULTS, f)
+    for f in ("tbo_token_distribution_threshold", "num_micro_batches", "tbo_split_policy")
+}
 
 
-def mode_config(label: str) -> OverlapConfig:
-    """The ``OverlapConfig`` a label names (module docstring), the engine's other knobs at
-    their defaults."""
+def mode_config(label: str, base: OverlapConfig = _DEFAULTS) -> OverlapConfig:
+    """The ``OverlapConfig`` a label names (module docstring): its scheme, micro-batches and
+    cut, every other knob ``base``'s (the defaults; a bench passes the overlap flags it was
+    given: the dispatch's form and capacity, SBO's blocks, TBO's and DBO's thresholds, ...)."""
     if label in MODES and MODES[label].runs is not Runs.SPLIT:
-        return OverlapConfig(label)
+        return dataclasses.replace(base, mode=label, **_UNSPLIT)
     match = _SPLIT.fullmatch(label)
     name = match[1] if match else ""
     if match is None or name not in MODES or MODES[name].runs is not Runs.SPLIT:
@@ -48,24 +54,13 @@ def mode_config(label: str) -> OverlapConfig:
     parts, cut = int(match[2] or MODES[name].micro_batches), match[3] or ""
     if parts < 2:
         raise ConfigError(f"mode {label!r}: a {name} mode needs 2 or more micro-batches")
-    return OverlapConfig(
-        name,
+    return dataclasses.replace(
+        base,
+        mode=name,
         tbo_token_distribution_threshold=DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD if cut else 0.0,
         num_micro_batches=parts,
         tbo_split_policy="time" if cut == TIME_SPLIT else "tokens",
     )
-
-
-# the fields a label sets; every other knob of a labelled mode is the flags'
-LABEL_FIELDS = ("mode", "num_micro_batches", "tbo_split_policy", "tbo_token_distribution_threshold")
-
-
-def labelled(label: str, base: OverlapConfig) -> OverlapConfig:
-    """The mode ``label`` names (its scheme, micro-batches and cut), with ``base``'s other
-    knobs: a bench's modes with the overlap flags it was given (the dispatch's form and
-    capacity, SBO's blocks, TBO's and DBO's thresholds, ...)."""
-    named = mode_config(label)
-    return dataclasses.replace(base, **{f: getattr(named, f) for f in LABEL_FIELDS})
 
 
 def auto_choice_config(base: OverlapConfig, label: str) -> OverlapConfig:

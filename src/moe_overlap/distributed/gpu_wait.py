@@ -42,8 +42,9 @@ _USLEEP_MAX_US = 900_000  # usleep may refuse a second or more: longer waits are
 def hold_stream(seconds: float, device: torch.device, how: str = "host") -> None:
     """Queue on ``device``'s current stream a wait of ``seconds`` of wall-clock time, counted
     from when the stream reaches it; neither the host nor other streams wait. ``how``: one of
-    ``GPU_WAITS`` (see above; what ``--link model:BANDWIDTH,LATENCY,WAIT`` names); a way this machine lacks falls back to ``sleep``. Checked on a GPU
-    by ``tests/gpu/test_stream_wait.py``."""
+    ``link.GPU_WAITS`` (see above; what ``--link model:BANDWIDTH,LATENCY,WAIT`` names); a way
+    this machine lacks falls back to ``sleep``. Checked on a GPU by
+    ``tests/gpu/test_stream_wait.py``."""
     if seconds <= 0:
         return
     if how == "host" and _host_function_wait(seconds, device):

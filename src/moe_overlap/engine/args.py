@@ -197,7 +197,8 @@ class LayoutArgs:
         "keys into a contiguous tensor, then runs SDPA; flex_attention reads the pages where "
         "they lie (FlexAttention over the pool, compiled on a GPU, with a block mask of each "
         "sequence's pages; not yet run on a GPU; on CPU one SDPA over the pool with the "
-        "kernel's mask, slower: a check of exactness). Sliding-window layers, sinks and MLA read as torch_native",
+        "kernel's mask, slower: a check of exactness). Sliding-window layers, sinks and MLA "
+        "read as torch_native",
         choices=ATTENTION_BACKENDS,
         group="device",
     )

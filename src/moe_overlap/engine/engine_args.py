@@ -282,4 +282,5 @@ def overlap_knobs() -> frozenset[str]:
 
 def without_overlap_knobs(settings: dict[str, Any]) -> dict[str, Any]:
     """``settings`` less ``overlap_knobs``: to start an ``LLM`` with a whole config."""
-    return {k: v for k, v in settings.items() if k not in overlap_knobs()}
+    knobs = overlap_knobs()
+    return {k: v for k, v in settings.items() if k not in knobs}

@@ -82,9 +82,8 @@ def settle_fp8(
         how = "kept in FP8 and dequantized at each use"
         if scaled:
             kernels = expert_kernels(model)
-            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized" + (
-                f"; {kernels})" if kernels else ")"
-            )
+            detail = f"; {kernels}" if kernels else ""
+            how = f"kept in FP8 ({scaled} linears and expert banks W8A8, the rest dequantized{detail})"
     if report:
         log.info(
             "FP8 checkpoint: %d quantized weights %s; resident %.2f MiB (weights plus scales), "

@@ -5,9 +5,9 @@ with block scales (the input 1x128, the weight 128x128; cuBLAS on sm90 and later
 Taken only on CUDA with compute capability 9.0 or more, a torch that has ``F.scaled_mm``, a
 checkpoint in 128x128 blocks, and a shard that starts on a block; a routed expert bank whose
 hidden and intermediate sizes are multiples of 128 runs as one Triton launch per projection
-(``fp8_grouped.py``), or where Triton is absent the same GEMM per expert (``W8A8Experts``). The scales are laid out as this GPU's cuBLAS takes them
-(``fp8_scale_layout.py``: ``F.scaled_mm`` with the recipes named, the rows and the weight
-grid's column blocks padded). Everything else (CPU always, the MLA's plain ``nn.Linear``
+(``fp8_grouped.py``), or where Triton is absent the same GEMM per expert (``W8A8Experts``).
+The scales are laid out as this GPU's cuBLAS takes them (``fp8_scale_layout.py``:
+``F.scaled_mm`` with the recipes named, the rows and the weight grid's column blocks padded). Everything else (CPU always, the MLA's plain ``nn.Linear``
 down-projections) runs the dequantized weight. A GEMM that raises at its first call falls back
 to the dequantized weight for good."""
 

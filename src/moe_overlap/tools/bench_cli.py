@@ -51,8 +51,15 @@ from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
-PROBE_LAYOUT: tuple[str, ...] = ("ep", "timeout", "link", "device", "dtype")
-PROBE_LAYOUT += ("cuda_graph_max_bs", "disable_cuda_graph")
+PROBE_LAYOUT = (
+    "ep",
+    "timeout",
+    "link",
+    "device",
+    "dtype",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+)
 BENCH_MEMORY = ("page_size", "mem_fraction_static", "max_total_tokens", "kv_cache_memory")
 
 

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from moe_overlap.core.errors import ConfigError
-from moe_overlap.core.mode_labels import labelled
+from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.workloads import Workload
@@ -72,4 +72,4 @@ def mode_configs(args: argparse.Namespace, modes: list[str]) -> dict[str, Overla
             f"--overlap {base.mode} (or its --enable flag) would be ignored: a bench runs each "
             f"mode of --modes; give --modes {base.mode} (or none,{base.mode})"
         )
-    return {m: labelled(m, base) for m in modes}
+    return {m: mode_config(m, base) for m in modes}
