@@ -52,6 +52,16 @@ def test_pipeline_matches_one_process(case, monkeypatch):
             assert_same(base, llm.generate(PROMPTS, PARAMS, return_logits=True))
 
 
+def test_one_sequence_under_tp_leaves_a_micro_batch_empty():
+    """One sequence decoding under pp=2 leaves a micro-batch with no rows; under TP its logits
+    must keep the whole vocabulary's width (they were one rank's shard, and the merge failed)."""
+    cfg = ModelConfig(**{**TINY["qwen3_moe"], "vocab_size": 79})
+    with LLM(config=cfg, **KW) as llm:
+        base = llm.generate(PROMPTS[:1], PARAMS, return_logits=True)
+    with LLM(config=cfg, tp=2, pp=2, **KW) as llm:
+        assert_same(base, llm.generate(PROMPTS[:1], PARAMS, return_logits=True))
+
+
 def test_pipeline_refusals_name_the_flags():
     cfg = ModelConfig(**TINY["qwen3_moe"])
     with pytest.raises(ConfigError, match="--pp=3 is more stages than the model's 2 layers"):

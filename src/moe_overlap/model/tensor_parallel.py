@@ -168,7 +168,9 @@ class VocabHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.weight)
-        if self.group.size == 1 or not x.shape[0]:  # no rows on any rank of the group
+        if self.group.size == 1:
             return logits[:, : self.vocab]
+        if not x.shape[0]:  # no rows on any rank of the group: nothing to gather, the full width
+            return logits.new_empty(0, self.vocab)
         gathered = self.group.all_gather(logits.t().contiguous())  # [padded vocab, rows]
         return gathered[: self.vocab].t()
