@@ -135,3 +135,12 @@ def test_a_decode_that_would_overflow_preempts_the_newest_sequence_by_recompute(
     assert sched.running[0][0].output_ids == [2]  # no token came from the recompute
     step = sched.schedule()
     assert step.scheduled[0][0][1] == 1 and step.samples()[0][0].draw
+
+
+def test_recurrent_states_that_fill_the_budget_are_named():
+    """A hybrid model's per-sequence states come out of the budget first; when they take all
+    of it the error says so, not a negative page count."""
+    cfg = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
+    with pytest.raises(ConfigError, match=r"recurrent states of --max-num-seqs=256 .*0\.15 MiB"):
+        EngineSpec(cfg, max_len=128, kv_cache_bytes=153_600, max_num_seqs=256)
+    assert EngineSpec(cfg, max_len=128, kv_cache_bytes=400_000, max_num_seqs=2).num_pages >= 8

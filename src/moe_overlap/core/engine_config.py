@@ -93,19 +93,30 @@ class EngineSpec:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs={self.max_num_seqs} must be >= 1")
         if self.num_pages < pages_for(self.max_len, self.page_size):
-            cap = self.max_total_tokens  # what bounds the pool, as _pages applies it
-            capped = cap is not None and self.num_pages == cap // self.page_size
-            budget = (
-                f"--max-total-tokens={self.max_total_tokens}"
-                if capped
-                else f"the KV cache budget of {_gib(self.kv_cache_bytes)}"
-            )
+            self._refuse_budget()
+
+    def _refuse_budget(self) -> None:
+        if self.state_total >= self.kv_cache_bytes:
             raise ConfigError(
-                f"{budget} ({self.num_pages} pages of {self.page_size} tokens) holds no "
-                f"sequence of max_len={self.max_len} tokens ({_gib(self.slot_bytes)} each); "
-                "lower --max-model-len or raise the budget (--kv-cache-memory, "
-                "--mem-fraction-static, --max-total-tokens)"
+                f"the recurrent states of --max-num-seqs={self.max_num_seqs} sequences "
+                f"(and {self.state_snapshots} prefix-cache snapshots) take "
+                f"{_size(self.state_total)}, all of the KV cache budget of "
+                f"{_size(self.kv_cache_bytes)}; lower --max-num-seqs or raise the budget "
+                "(--kv-cache-memory, --mem-fraction-static)"
             )
+        cap = self.max_total_tokens  # what bounds the pool, as _pages applies it
+        capped = cap is not None and self.num_pages == cap // self.page_size
+        budget = (
+            f"--max-total-tokens={self.max_total_tokens}"
+            if capped
+            else f"the KV cache budget of {_size(self.kv_cache_bytes)}"
+        )
+        raise ConfigError(
+            f"{budget} ({self.num_pages} pages of {self.page_size} tokens) holds no "
+            f"sequence of max_len={self.max_len} tokens ({_size(self.slot_bytes)} each); "
+            "lower --max-model-len or raise the budget (--kv-cache-memory, "
+            "--mem-fraction-static, --max-total-tokens)"
+        )
 
     @property
     def slot_bytes(self) -> int:
@@ -150,9 +161,7 @@ class EngineSpec:
         partway into one, a page more for the end of a prefill chunk, and the step's chunks,
         ``max_num_batched_tokens``), and the rest of the budget goes to the full layers'
         pages."""
-        # a hybrid model's recurrent states: one a running sequence, and the kept snapshots
-        states = (self.num_slots + self.state_snapshots) * state_bytes(self.config, self._width)
-        avail, size = self.kv_cache_bytes - states, self.page_size
+        avail, size = self.kv_cache_bytes - self.state_total, self.page_size
         page = self.token_bytes * size
         pages = window = avail // page
         sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True) * size
@@ -164,6 +173,12 @@ class EngineSpec:
         if self.max_total_tokens is not None:
             pages = min(pages, self.max_total_tokens // size)
         return pages, min(window, pages)
+
+    @property
+    def state_total(self) -> int:
+        """Bytes of a hybrid model's recurrent states: one per running sequence, and the
+        snapshots kept for prefix caching (0 without linear-attention layers)."""
+        return (self.num_slots + self.state_snapshots) * state_bytes(self.config, self._width)
 
     @property
     def _width(self) -> int:
@@ -205,7 +220,7 @@ class EngineSpec:
         tokens, short = pages * self.page_size, min(1024, self.max_len)
         return (
             f"KV cache per rank: {pages} pages of {self.page_size} tokens = {tokens} tokens, "
-            f"{_gib(self._pool_bytes())} of {_gib(self.kv_cache_bytes)}; "
+            f"{_size(self._pool_bytes())} of {_size(self.kv_cache_bytes)}; "
             f"at once {self.max_concurrent(self.max_len)} sequences of max_len={self.max_len} "
             f"or {self.max_concurrent(short)} of {short} tokens (max_num_seqs={self.max_num_seqs})"
             + self._snapshot_summary()
@@ -232,9 +247,9 @@ class EngineSpec:
             return ""
         return (
             f"; recurrent states of {each / 2**20:.2f} MiB: {self.num_slots} for the running "
-            f"sequences and {n} snapshots for prefix caching, {_gib((self.num_slots + n) * each)}"
+            f"sequences and {n} snapshots for prefix caching, {_size((self.num_slots + n) * each)}"
         )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"  # small: tests, CPU
