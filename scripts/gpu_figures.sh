@@ -3,8 +3,8 @@
 # with a GPU and torch already installed (nothing is installed; the package is read from src/).
 #
 # Usage: scripts/gpu_figures.sh OUT_DIR [STEPS]
-#   STEPS: a comma list of emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,
-#          spec-graphs,profile,device-ops (default all, in that order); they run in the order given, so a
+#   STEPS: a comma list of attention,emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,
+#          gpu-check,spec-graphs,profile,device-ops (default all, in that order); they run in the order given, so a
 #          lent session puts first what it most needs (decode-ll runs within decode)
 #
 # By default the emulated runs come first (they are what the overlap criteria judge), then the
@@ -20,12 +20,12 @@
 # device call's own limit.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
-order=${2:-emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
+order=${2:-attention,emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
 steps=",$order,"
 for s in ${order//,/ }; do
   case $s in
-  emulated | decode | decode-ll | decode-wait | paged | prefill | fp8 | gpu-check | spec-graphs | \
-    profile | device-ops) ;;
+  attention | emulated | decode | decode-ll | decode-wait | paged | prefill | fp8 | gpu-check | \
+    spec-graphs | profile | device-ops) ;;
   *)
     echo "gpu_figures.sh: unknown step '$s'" >&2
     exit 2
@@ -152,6 +152,13 @@ step_paged() {
   note "== decode-256 on pages against whole-context slots (scripts/paged_decode_bench.py)"
   run paged 240 "$py" scripts/paged_decode_bench.py "$cfg" 256 512 64
   grep -E "^(==|pages|one page| +pages| +one page)" "$logs/paged.txt" >> "$summary"
+}
+
+# 1c. attention after a prefix (TBO's second chunk, chunked prefill, prefix hits, verify steps):
+#     the engine's lower-right causal bias against the boolean mask it passed before, bf16
+step_attention() {
+  run attention 60 "$py" scripts/prefix_attention_bench.py
+  grep -E "^==|x$" "$logs/attention.txt" >> "$summary"
 }
 
 # 2. the one-process forward (ep=1, no link)

@@ -22,6 +22,7 @@ LAZY_OK = {
     "moe_overlap.model.fp8_grouped_kernel",  # Triton too, for FP8 on a GPU only
     "moe_overlap.dispatch.fp8_wire_kernels",
     "moe_overlap.engine.grammar",  # xgrammar: seconds, only for structured outputs
+    "torch.nn.attention.bias",  # imports dynamo (a second), for attention after a prefix on CUDA
     # the command line starts the rank fork server before either imports torch (seconds)
     "moe_overlap.tools.commands",
     "moe_overlap.runtime.worker",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
@@ -58,16 +59,38 @@ def test_tbo_matches_no_overlap(family, case):
 @pytest.mark.parametrize(("prefix", "new", "block"), [(5, 10, 3), (5, 10, 4), (1, 7, 2), (9, 6, 6)])
 def test_query_blocks_attend_like_one_masked_call(prefix, new, block, monkeypatch):
     monkeypatch.setattr(layers, "QUERY_BLOCK", block)
+    q, k, v = _attention_inputs(prefix, new)
+    got = layers.causal_attention(q, k, v, prefix, scale=0.3)
+    want = _written_out(q, k, v, prefix)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_the_gpu_paths_lower_right_bias_is_the_same_mask():
+    """On a GPU a chunk after a prefix passes torch's ``CausalBias`` (a fused kernel's causal
+    mode); here, where torch materialises it, it must mean the same keys per query."""
+    prefix, new = 5, 10
+    q, k, v = _attention_inputs(prefix, new)
+    bias = layers._lower_right_bias(new, prefix + new)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    got = F.scaled_dot_product_attention(qt, kt, vt, bias, scale=0.3, enable_gqa=True)
+    want = _written_out(q, k, v, prefix)
+    assert torch.allclose(got.transpose(1, 2), want, atol=1e-5, rtol=0)
+
+
+def _attention_inputs(prefix: int, new: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, new, 4, 8, generator=gen)
     k, v = (torch.randn(2, prefix + new, 2, 8, generator=gen) for _ in range(2))
-    got = layers.causal_attention(q, k, v, prefix, scale=0.3)
-    # the reference: every query row over its own keys 0 .. prefix + i, written out
+    return q, k, v
+
+
+def _written_out(q, k, v, prefix: int) -> torch.Tensor:
+    """Every query row over its own keys 0 .. prefix + i, two query heads per KV head."""
+    new = q.shape[1]
     scores = torch.einsum("nqhd,nkhd->nhqk", q, k.repeat_interleave(2, dim=2)) * 0.3
     visible = torch.arange(prefix + new)[None, :] <= prefix + torch.arange(new)[:, None]
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    want = torch.einsum("nhqk,nkhd->nqhd", weights, v.repeat_interleave(2, dim=2))
-    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=0)
+    return torch.einsum("nhqk,nkhd->nqhd", weights, v.repeat_interleave(2, dim=2))
 
 
 @pytest.mark.parametrize("family", sorted(TINY))

@@ -74,8 +74,8 @@ def causal_attention(
 
     New token i sits at position ``prefix_len + i`` and sees keys ``0 .. prefix_len + i``: the
     causal mask aligned to the lower right. With no prefix that is SDPA's own causal path; after
-    a prefix, a boolean mask (what torch's ``CausalBias`` materialises on CPU anyway, without
-    importing its dynamo machinery into every rank), over blocks of at most ``QUERY_BLOCK``
+    a prefix, on a GPU torch's ``CausalBias`` (``_lower_right_bias``), elsewhere a boolean mask
+    (what ``CausalBias`` materialises on CPU anyway), over blocks of at most ``QUERY_BLOCK``
     queries on CPU (its SDPA materialises each block's scores) and ``GPU_QUERY_BLOCK``
     elsewhere (a GPU's kernels do not, but take the mask as a bias of the run dtype: blocks
     bound that copy; TBO's second chunk of a 3072-token prompt took 6 calls per layer in blocks
@@ -110,7 +110,9 @@ def _attend(
 ) -> torch.Tensor:
     new, length = q.shape[1], k.shape[1]
     mask = None
-    if prefix_len:
+    if prefix_len and q.device.type == "cuda":
+        mask = _lower_right_bias(new, length)
+    elif prefix_len:
         if (new, length) not in masks:
             masks[new, length] = _lower_right_causal(new, length, q.device)
         mask = masks[new, length]
@@ -128,6 +130,20 @@ def _attend(
 
 def _lower_right_causal(new: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(new, length, dtype=torch.bool, device=device).tril(diagonal=length - new)
+
+
+def _lower_right_bias(new: int, length: int) -> torch.Tensor:
+    """The lower-right causal mask as torch's ``CausalBias``, for a GPU: SDPA runs it as
+    FlashAttention's causal kernel (which aligns to the lower right when there are more keys
+    than queries) or the memory-efficient kernel's lower-right mode, nothing materialised and
+    the masked blocks skipped. With a boolean mask, a chunk after a prefix (TBO's second
+    chunk, chunked prefill, a prefix-cache hit, a verify step) took the memory-efficient
+    kernel, every block computed and the mask read; under GQA not even that, as that kernel
+    cannot broadcast shared KV heads: SDPA fell back to its math kernel, every score
+    materialised. Where neither fused kernel fits (fp32, say) torch materialises the mask."""
+    from torch.nn.attention.bias import causal_lower_right  # imports dynamo: 1 s, GPU only
+
+    return causal_lower_right(new, length)
 
 
 def decode_attention(

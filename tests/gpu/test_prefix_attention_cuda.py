@@ -1,0 +1,61 @@
+"""Attention after a prefix on a GPU (``model/layers.py: causal_attention``, torch's lower-right
+``CausalBias``): in bf16 it is as close to an fp32 reference as SDPA with the boolean mask the
+engine passed before, for GQA's shared KV heads and MLA's unequal head sizes; in fp32 (the GPU
+checks' exactness runs) it gives that path's output within 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_overlap.model.layers import causal_attention
+from tests.gpu.common import needs_gpu
+
+pytestmark = needs_gpu
+# (sequences, new queries, prefix, query heads, KV heads, q/k head size, value head size)
+SHAPES = {
+    "gqa-chunk": (1, 300, 212, 8, 2, 128, 128),
+    "gqa-verify": (6, 3, 40, 8, 2, 64, 64),
+    "mla-chunk": (2, 96, 160, 4, 4, 192, 128),
+}
+
+
+def _masked(q, k, v, scale):
+    new, length = q.shape[1], k.shape[1]
+    mask = torch.ones(new, length, dtype=torch.bool, device=q.device).tril(length - new)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+    out = F.scaled_dot_product_attention(qt, kt, vt, mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def _inputs(shape, dtype):
+    n, new, prefix, heads, kv_heads, d, dv = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    length = new + prefix
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device="cuda").to(dtype)
+
+    q, k = randn(n, new, heads, d), randn(n, length, kv_heads, d)
+    return q, k, randn(n, length, kv_heads, dv), prefix, d**-0.5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@torch.inference_mode()
+def test_bf16_is_as_close_to_fp32_as_the_boolean_mask(shape):
+    q, k, v, prefix, scale = _inputs(SHAPES[shape], torch.float32)
+    ref = _masked(q, k, v, scale)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    got = causal_attention(q, k, v, prefix, scale).float()
+    before = _masked(q, k, v, scale).float()
+    assert (got - ref).abs().max() <= max(2 * (before - ref).abs().max().item(), 1e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@torch.inference_mode()
+def test_fp32_gives_the_boolean_mask_output(shape):
+    q, k, v, prefix, scale = _inputs(SHAPES[shape], torch.float32)
+    got, before = causal_attention(q, k, v, prefix, scale), _masked(q, k, v, scale)
+    torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
