@@ -149,7 +149,7 @@ class VocabEmbedding(nn.Module):
         local = ids - self.rows.start
         outside = (local < 0) | (local >= len(self.rows))
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out[outside] = 0
+        out.masked_fill_(outside.unsqueeze(-1), 0)  # no boolean index: no read back on a GPU
         if out.numel():
             self.group.all_reduce(out)
         return out
