@@ -80,6 +80,24 @@ def test_low_latency_equals_normal_at_ep4():
         _both_ways(llm, [decode])
 
 
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [("qwen3_moe", dict(tp=2, ep=2)), ("deepseek_v3", dict(tp=4, ep=4, dp=2))],
+)
+def test_low_latency_equals_normal_under_attention_tp(family, layout):
+    """Each attention-TP rank sends its share of the group's tokens in fixed blocks and the
+    group gathers the combined rows (SGLang's --tp 8 --ep 8 with DeepEP): tp2 ep2, and two
+    DP-attention groups of attention TP 2 over ep4."""
+    cfg = ModelConfig(**TINY[family])
+    dp = layout.get("dp", 1)
+    with LLM(config=cfg, **layout, enable_dp_attention=dp > 1, seed=0, max_model_len=64) as llm:
+        lengths = [[9, 14], [3, 5, 11]][:dp]
+        llm.executor.run([_prefill(n, seed=g) for g, n in enumerate(lengths)])
+        decode = [_decode(list(range(len(n))), n) for n in lengths]
+        # 40 tokens: over the capacity of 24 for one rank, within it for each one's share
+        _both_ways(llm, [[_prefill([40], first_slot=3, seed=3)] * dp, decode])
+
+
 def test_auto_takes_low_latency_only_for_decode_steps_that_fit():
     decode, prefill = _decode([0, 1], [4, 4]), _prefill([5])
     idle = ForwardBatch.idle()
@@ -96,6 +114,10 @@ def test_a_step_over_the_capacity_is_refused_before_anything_is_sent():
         step_a2a_mode("low_latency", [_prefill([3]), _prefill([5])], 4, True)
     with pytest.raises(ConfigError, match="needs the all-to-all dispatcher"):
         step_a2a_mode("low_latency", [_prefill([3])], 4, False)
+    # under attention TP 2 each rank sends at most 4 of the 7 tokens: they fit
+    assert step_a2a_mode("low_latency", [_prefill([7])], 4, True, share=2) == "low_latency"
+    with pytest.raises(ConfigError, match="a dispatch of 5 tokens"):
+        step_a2a_mode("low_latency", [_prefill([9])], 4, True, share=2)
 
 
 def test_the_capacity_bounds_each_micro_batch_as_deepep_bounds_each_dispatch_call():
@@ -123,8 +145,10 @@ def test_the_capacity_bounds_each_micro_batch_as_deepep_bounds_each_dispatch_cal
 
 def test_engine_settings_that_could_overflow_are_refused():
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    with pytest.raises(ConfigError, match="--max-num-batched-tokens=8192 lets a step hold more"):
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens=8192 lets a step send more"):
         LLM(config=cfg, ep=2, a2a_mode="low_latency")
+    with pytest.raises(ConfigError, match=r"over attention TP 2\); lower it to 256"):
+        LLM(config=cfg, tp=2, ep=2, a2a_mode="low_latency", max_num_batched_tokens=257)
     with pytest.raises(ConfigError, match="needs expert-parallel ranks"):
         LLM(config=cfg, a2a_mode="low_latency", max_num_batched_tokens=64)
     with pytest.raises(ConfigError, match="not the tensor-parallel MoE"):
@@ -140,6 +164,21 @@ def test_sglang_and_vllm_spellings():
         assert args.overlap_config().a2a_mode == ours
     with pytest.raises(ConfigError, match="--a2a-mode='pplx' must be one of auto, normal"):
         EngineArgs.from_kwargs(all2all_backend="pplx").overlap_config()
+    # SGLang's --moe-a2a-backend deepep, and the batch-overlap reference's names with the layout
+    for backend, mode, want in (
+        ("deepep", "low_latency", "low_latency"),
+        ("deepep_low_latency", "auto", "low_latency"),
+        ("deepep_normal", "normal", "normal"),
+    ):
+        args = EngineArgs.from_kwargs(moe_a2a_backend=backend, deepep_mode=mode)
+        assert (args.overlap_config().moe_a2a_backend, args.overlap_config().a2a_mode) == (
+            "torch",
+            want,
+        )
+    with pytest.raises(ConfigError, match="names the low_latency layout but --a2a-mode is normal"):
+        EngineArgs.from_kwargs(
+            moe_a2a_backend="deepep_low_latency", a2a_mode="normal"
+        ).overlap_config()
 
 
 def _deferred_worker(rank, world_size, port):

@@ -55,9 +55,28 @@ VLLM_BACKENDS = {"deepep_low_latency": "low_latency", "deepep_high_throughput": 
 DEFAULT_MAX_DISPATCH_TOKENS = 128  # SGLang's --num-max-dispatch-tokens-per-rank
 
 
+# SGLang's --moe-a2a-backend deepep (its --deepep-mode names the layout) and the batch-overlap
+# reference's deepep_low_latency and deepep_normal (the layout in the name): our all-to-all
+DEEPEP_BACKENDS = {"deepep": None, "deepep_normal": "normal", "deepep_low_latency": "low_latency"}
+
+
 def parse_a2a_mode(text: str) -> str:
     """A flag's value: ours, SGLang's (the same names) or vLLM's DeepEP backend names."""
     return VLLM_BACKENDS.get(text, text)
+
+
+def resolve_deepep(backend: str, mode: str) -> tuple[str, str]:
+    """(backend, a2a mode) for ``--moe-a2a-backend`` and ``--a2a-mode``: a DeepEP name is the
+    all-to-all (``torch``), in the layout its name gives where it gives one."""
+    if backend not in DEEPEP_BACKENDS:
+        return backend, mode
+    named = DEEPEP_BACKENDS[backend]
+    if named is not None and mode not in (A2AMode.AUTO, named):
+        raise ConfigError(
+            f"--moe-a2a-backend {backend} names the {named} layout but --a2a-mode is {mode}; "
+            "drop one of them"
+        )
+    return Backend.TORCH, named or mode
 
 
 def over_capacity(tokens: int, capacity: int) -> ConfigError:
@@ -80,6 +99,7 @@ def step_a2a_mode(
     available: bool,
     on_gpu: bool = True,
     dispatch_rows: Callable[[Sequence[ForwardBatch]], int] = most_tokens,
+    share: int = 1,
 ) -> str:
     """``normal`` or ``low_latency`` for a step whose groups run ``batches``, the same on every
     rank. ``available``: this layout built a low-latency dispatcher (one all-to-all group, no
@@ -87,21 +107,23 @@ def step_a2a_mode(
     there, for decode and target-verify steps whose rows fit). ``dispatch_rows``: the most
     tokens one dispatch carries on any rank (the overlap scheme's largest micro-batch; the
     whole batch without one), which ``capacity`` bounds, as DeepEP's bounds each dispatch
-    call: TBO's decode of 256 sequences fits the default 128. An explicit ``low_latency``
-    over the capacity is refused here, before any rank sends a row."""
+    call: TBO's decode of 256 sequences fits the default 128. ``share``: the attention-TP
+    ranks that cut each dispatch's tokens among them (each sends at most ``ceil(rows /
+    share)``). An explicit ``low_latency`` over the capacity is refused here, before any rank
+    sends a row."""
     if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
         return A2AMode.NORMAL
-    tokens = most_tokens(batches)
+    tokens = -(-most_tokens(batches) // share)
     if tokens > capacity:  # only then can a split matter (a micro-batch is never larger)
-        tokens = dispatch_rows(batches)
+        tokens = -(-dispatch_rows(batches) // share)
     if asked == A2AMode.AUTO:
         # a verify batch is decode with k + 1 rows a sequence: the rows count toward the cap
         decoding = all(b.mode in _DECODING for b in batches)
         return A2AMode.LOW_LATENCY if decoding and 0 < tokens <= capacity else A2AMode.NORMAL
     if not available:
         raise ConfigError(
-            "--a2a-mode low_latency needs the all-to-all dispatcher without attention TP, "
-            "--pp or --enable-pdmux; use --a2a-mode auto or normal"
+            "--a2a-mode low_latency needs the all-to-all dispatcher without --pp or "
+            "--enable-pdmux; use --a2a-mode auto or normal"
         )
     if tokens > capacity:
         raise over_capacity(tokens, capacity)

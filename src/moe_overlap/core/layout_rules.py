@@ -168,16 +168,14 @@ def _check_backend(backend: str, par: ParallelConfig) -> None:
 
 
 def _check_low_latency(par: ParallelConfig, backend: str, pdmux: bool) -> None:
-    """``--a2a-mode low_latency`` runs on the all-to-all dispatcher of whole experts, one
-    attention rank per expert rank, with one forward per step (``auto`` falls back to normal
-    where it cannot)."""
+    """``--a2a-mode low_latency`` runs on the all-to-all dispatcher of whole experts (under
+    attention TP each rank sends its share of the group's tokens), with one forward per step
+    (``auto`` falls back to normal where it cannot)."""
     why = None
     if par.replica_size == 1:
         why = "expert-parallel ranks to send to (--ep 2 or more, or bench --emulate-peers N)"
     elif backend == Backend.NONE or par.moe_tp > 1:
         why = "the all-to-all dispatcher (--ep equal to --tp), not the tensor-parallel MoE"
-    elif par.attn_tp > 1:
-        why = "one attention rank per expert rank (no attention TP: --enable-dp-attention)"
     elif par.pp > 1 or pdmux:
         why = "one forward per step (no --pp, no --enable-pdmux)"
     if why is not None:

@@ -10,6 +10,7 @@ from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
 from moe_overlap.dispatch.fp8_rows import PlainRows
 from moe_overlap.dispatch.gather import GatherDispatcher
 from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
 from moe_overlap.dispatch.scatter import ScatteredDispatcher
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.layout import RankCoords
@@ -56,3 +57,25 @@ def make_dispatcher(
         )
     a2a = AllToAllDispatcher(groups["ep"], num_experts, link, timeline, wire)
     return ScatteredDispatcher(a2a, groups["attn_tp"]) if par.attn_tp > 1 else a2a
+
+
+def has_low_latency_form(dispatcher: Dispatcher) -> bool:
+    """Whether ``dispatcher`` can send fixed-capacity blocks: the all-to-all, alone or with
+    each attention-TP rank sending its share of the group's tokens (``ScatteredDispatcher``)."""
+    inner = dispatcher.inner if isinstance(dispatcher, ScatteredDispatcher) else dispatcher
+    return isinstance(inner, AllToAllDispatcher)
+
+
+def low_latency_form(dispatcher: Dispatcher, capacity: int) -> Dispatcher:
+    """``dispatcher``'s low-latency form (``has_low_latency_form``): the same ranks, group and
+    link, blocks of ``capacity`` rows per expert; under attention TP each rank's share."""
+    if isinstance(dispatcher, ScatteredDispatcher):
+        return ScatteredDispatcher(low_latency_form(dispatcher.inner, capacity), dispatcher.attn_tp)
+    assert isinstance(dispatcher, AllToAllDispatcher), "refused by step_a2a_mode"
+    return LowLatencyDispatcher(dispatcher, capacity)
+
+
+def dispatch_share(dispatcher: Dispatcher) -> int:
+    """The ranks among which each dispatch's tokens are cut: attention TP's size under
+    ``ScatteredDispatcher`` (each sends about 1/share of them), else 1."""
+    return dispatcher.attn_tp.size if isinstance(dispatcher, ScatteredDispatcher) else 1

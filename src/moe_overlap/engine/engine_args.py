@@ -7,7 +7,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from moe_overlap.core.a2a_mode import A2A_MODES, DISPATCH_DTYPES, VLLM_BACKENDS, parse_a2a_mode
+from moe_overlap.core.a2a_mode import (
+    A2A_MODES,
+    DEEPEP_BACKENDS,
+    DISPATCH_DTYPES,
+    VLLM_BACKENDS,
+    parse_a2a_mode,
+    resolve_deepep,
+)
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.kv_budget import CPU_FREE_RAM_SHARE, DEFAULT_MEM_FRACTION, DEFAULT_PAGE_SIZE
 from moe_overlap.core.overlap_config import (
@@ -100,8 +107,10 @@ class OverlapArgs:
         "token dispatcher: torch (all-to-all over the EP ranks; needs --ep equal to the world), "
         "none (SGLang's tensor-parallel MoE: gather the tokens, run the local experts' slices, "
         "all-reduce), local (one process holds every expert), or auto (local on one rank, "
-        "torch when every rank owns whole experts, else none)",
-        choices=A2A_BACKENDS,
+        "torch when every rank owns whole experts, else none); SGLang's deepep, and "
+        "deepep_normal / deepep_low_latency (the layout too, as --a2a-mode), name torch",
+        choices=(*A2A_BACKENDS, *DEEPEP_BACKENDS),
+        parse=str,
     )
     a2a_mode: str = overlap_setting(
         "a2a_mode",
@@ -233,7 +242,9 @@ class OverlapArgs:
             for f in dataclasses.fields(OverlapConfig)
             if f.name != "mode"
         }
-        knobs["a2a_mode"] = parse_a2a_mode(self.a2a_mode)  # LLM(all2all_backend=...) too
+        knobs["moe_a2a_backend"], knobs["a2a_mode"] = resolve_deepep(  # LLM(...) too
+            self.moe_a2a_backend, parse_a2a_mode(self.a2a_mode)
+        )
         return OverlapConfig(mode=chosen[0] if chosen else NONE.name, **knobs)
 
 

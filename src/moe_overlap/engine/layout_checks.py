@@ -57,13 +57,14 @@ def check_settings(
     redundant = args.ep_num_redundant_experts  # EPLB's slots: E + R must divide over --ep
     check_layout(par, cfg, overlap, emulated, args.enable_pdmux, emulate_peers, redundant)
     check_speculation(args.speculative(), cfg, args.enable_pdmux)
-    cap = overlap.num_max_dispatch_tokens_per_rank
-    if overlap.a2a_mode == A2AMode.LOW_LATENCY and args.max_num_batched_tokens > cap:
+    cap, step = overlap.num_max_dispatch_tokens_per_rank, args.max_num_batched_tokens
+    # under attention TP each rank of a group sends its share of the group's tokens
+    if overlap.a2a_mode == A2AMode.LOW_LATENCY and -(-step // par.attn_tp) > cap:
         raise ConfigError(
             f"--a2a-mode low_latency carries at most --num-max-dispatch-tokens-per-rank={cap} "
-            f"tokens per rank, but --max-num-batched-tokens={args.max_num_batched_tokens} lets "
-            f"a step hold more; lower it to {cap}, raise the capacity, or use --a2a-mode auto "
-            "(low-latency for decode steps only)"
+            f"tokens per rank, but --max-num-batched-tokens={step} lets a step send more "
+            f"(over attention TP {par.attn_tp}); lower it to {cap * par.attn_tp}, raise the "
+            "capacity, or use --a2a-mode auto (low-latency for decode steps only)"
         )
     return par, link, device
 

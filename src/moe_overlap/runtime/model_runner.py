@@ -22,8 +22,7 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import MODES, NONE
 from moe_overlap.core.stage_io import ForwardOutputs, StageInputs, op_inputs
 from moe_overlap.core.timeline import Timeline
-from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
-from moe_overlap.dispatch.low_latency import LowLatencyDispatcher
+from moe_overlap.dispatch.factory import dispatch_share, has_low_latency_form, low_latency_form
 from moe_overlap.distributed.groups import Group
 from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.caches import kv_cache_for, state_cache_for
@@ -76,9 +75,9 @@ class ModelRunner:
         self.active = dispatcher  # the one this forward's micro-batches use
         # --a2a-mode low_latency runs on the all-to-all dispatcher, one forward per step
         self.low_latency_fits = (
-            isinstance(dispatcher, AllToAllDispatcher) and pp_group is None and not prefill_lane
+            has_low_latency_form(dispatcher) and pp_group is None and not prefill_lane
         )
-        self._low_latency: dict[int, LowLatencyDispatcher] = {}  # by capacity
+        self._low_latency: dict[int, Dispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
         # --speculative-algorithm EAGLE: the MTP layers draft after each step, on the last
@@ -112,8 +111,10 @@ class ModelRunner:
     ) -> bool:
         """Whether decode replays from CUDA graphs: asked for, and the model and layout allow."""
         device, _ = model_placement(self.model)
+        # attention TP's collectives (and the scatter's gather) have not been captured yet
+        graphed = self.low_latency_fits and dispatch_share(self.dispatcher) == 1
         why_not = DecodeGraphs.supported(
-            self.model, device, self.dispatcher, self.low_latency_fits, pp_group, prefill_lane
+            self.model, device, self.dispatcher, graphed, pp_group, prefill_lane
         )
         if max_bs > 0 and why_not and device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", why_not)
@@ -154,7 +155,8 @@ class ModelRunner:
         cap = cfg.num_max_dispatch_tokens_per_rank
         on_gpu = self.kv_cache.device.type == "cuda"
         rows = functools.partial(self.dispatch_rows, cfg)
-        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu, rows)
+        share = dispatch_share(self.dispatcher)
+        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu, rows, share)
         self.active = self.low_latency(cap) if mode == A2AMode.LOW_LATENCY else self.dispatcher
         return mode == A2AMode.LOW_LATENCY
 
@@ -165,10 +167,9 @@ class ModelRunner:
             return most_tokens(batches)
         return self._scheme(cfg).largest_dispatch(batches)
 
-    def low_latency(self, capacity: int) -> LowLatencyDispatcher:
+    def low_latency(self, capacity: int) -> Dispatcher:
         if capacity not in self._low_latency:
-            assert isinstance(self.dispatcher, AllToAllDispatcher), "refused by step_a2a_mode"
-            self._low_latency[capacity] = LowLatencyDispatcher(self.dispatcher, capacity)
+            self._low_latency[capacity] = low_latency_form(self.dispatcher, capacity)
         return self._low_latency[capacity]
 
     @torch.inference_mode()
