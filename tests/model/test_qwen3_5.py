@@ -110,8 +110,6 @@ def test_a_later_piece_needs_the_earlier_pieces_state():
 
 def test_layouts_refused_with_the_model_and_flag():
     cfg = ModelConfig(**TINY)
-    with pytest.raises(ConfigError, match="qwen3_5_moe.*attention TP size 2 \\(--tp 2"):
-        LLM(config=cfg, tp=2)
     with pytest.raises(ConfigError, match="--enable-pdmux.*qwen3_5_moe"):
         LLM(config=cfg, enable_pdmux=True)
 
@@ -212,13 +210,20 @@ def test_planner_costs_linear_attention_linear_in_context():
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(tp=2, dp=2, enable_dp_attention=True), dict(pp=2)],
-    ids=["dp-attention+moe-tp", "pp2"],
+    [
+        dict(tp=2, dp=2, enable_dp_attention=True),
+        dict(pp=2),
+        dict(tp=2, ep=2),
+        dict(tp=4, dp=2, ep=4, enable_dp_attention=True),
+    ],
+    ids=["dp-attention+moe-tp", "pp2", "attention-tp2", "dp-attention+attention-tp2"],
 )
 def test_other_layouts_match_one_process(ep2, layout):
-    """DP attention (attention TP 1, experts cut by moe-TP) and two pipeline stages (each
+    """DP attention (attention TP 1, experts cut by moe-TP), two pipeline stages (each
     stage's state cache holds its own layers' states; a prompt cut between pipeline
-    micro-batches runs its pieces in order on every stage), under two-chunk TBO."""
+    micro-batches runs its pieces in order on every stage) and attention TP (the reference's
+    --tp 8 --ep 8: the full-attention layers split, the linear-attention ones replicated on
+    every rank of the group), under two-chunk TBO."""
     _, base = ep2
     layout_matches_one_process(ModelConfig(**TINY), layout, base["mixed-batch"])
 

@@ -83,12 +83,6 @@ def _check_model(cfg: ModelConfig, par: ParallelConfig, redundant: int) -> None:
     """SGLang's refusals for a model on a layout (its experts and ``redundant`` extra slots)."""
     heads, a = cfg.num_attention_heads, par.attn_tp
     where = f"attention TP size {a} (--tp {par.tp} / --dp {par.attn_dp})"
-    if cfg.is_hybrid and a > 1:
-        raise ConfigError(
-            f"model_type={cfg.model_type}: its linear-attention layers do not run tensor "
-            f"parallel, so the {where} is refused; use --ep, or --enable-dp-attention with "
-            "--dp equal to --tp"
-        )
     if heads % a:
         raise ConfigError(
             f"num_attention_heads={heads} is not divisible by the {where}; choose --tp/--dp so "

@@ -16,7 +16,6 @@ from torch import nn
 
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
-from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.state_snapshots import StateSnapshots
 from moe_overlap.distributed.groups import Group
@@ -41,17 +40,17 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Parameter names as the checkpoint's ``linear_attn``: ``in_proj_qkv``, ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``."""
+    ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``.
+
+    Under attention TP the layer is replicated, not split: every rank of the group holds its
+    whole weights and state and computes it whole on the group's tokens (the same on every
+    rank), so nothing is reduced. SGLang splits its heads over the group instead; that saves
+    each rank (tp - 1) / tp of this layer's work and state, and is not built yet."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, group: Group | None = None):
+        """``group``: the attention-TP group, over which the layer is replicated."""
         super().__init__()
-        group = group or Group.single()
-        if group.size > 1:
-            raise ConfigError(
-                f"{cfg.model_type}: its linear-attention layers do not run tensor parallel; "
-                f"attention TP {group.size} is refused (use --ep, or --enable-dp-attention "
-                "with --dp equal to --tp)"
-            )
+        whole = Group.single()  # every projection whole on every rank of ``group``
         self.layer_id = layer_id
         h = cfg.hidden_size
         self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -59,16 +58,16 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.channels = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = ColumnLinear.even(h, self.channels, group)
-        self.in_proj_z = ColumnLinear.even(h, self.value_dim, group)
-        self.in_proj_b = ColumnLinear.even(h, self.v_heads, group)
-        self.in_proj_a = ColumnLinear.even(h, self.v_heads, group)
+        self.in_proj_qkv = ColumnLinear.even(h, self.channels, whole)
+        self.in_proj_z = ColumnLinear.even(h, self.value_dim, whole)
+        self.in_proj_b = ColumnLinear.even(h, self.v_heads, whole)
+        self.in_proj_a = ColumnLinear.even(h, self.v_heads, whole)
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [channels, 1, kernel]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.channels, 1, self.kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = RowLinear(self.value_dim, h, group)
+        self.out_proj = RowLinear(self.value_dim, h, whole)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, SSM state) of one sequence."""
