@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_overlap import LLM, ConfigError, ModelConfig
+from moe_overlap import LLM, ConfigError, ModelConfig, SamplingParams
 from moe_overlap.core.a2a_mode import step_a2a_mode
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.engine_config import EngineSpec
@@ -19,7 +19,7 @@ from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.runtime.spawn import RankFailure
 from moe_overlap.runtime.worker import RankSpec, build_rank_runner
 from tests.dist_utils import init_gloo, run_workers
-from tests.helpers import TINY, every_mode
+from tests.helpers import TINY, assert_same, every_mode
 
 FAMILIES = {f: lambda f=f: ModelConfig(**TINY[f]) for f in TINY} | {
     name: lambda name=name: ModelConfig.from_hf(f"configs/{name}-tiny.json")
@@ -96,6 +96,19 @@ def test_low_latency_equals_normal_under_attention_tp(family, layout):
         decode = [_decode(list(range(len(n))), n) for n in lengths]
         # 40 tokens: over the capacity of 24 for one rank, within it for each one's share
         _both_ways(llm, [[_prefill([40], first_slot=3, seed=3)] * dp, decode])
+
+
+def test_the_references_launch_line_runs_qwen3_5():
+    """Reference 000's `--tp 8 --ep 8 --enable-two-batch-overlap --moe-a2a-backend
+    deepep_low_latency` on Qwen3.5, at tp2 ep2: the one-process tokens and logits."""
+    cfg, prompts = FAMILIES["qwen3_5-moe"](), [[5, 9, 2, 40, 7], [3] * 11]
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    with LLM(config=cfg, seed=0, max_model_len=64) as llm:
+        base = llm.generate(prompts, params, return_logits=True)
+    line = dict(tp=2, ep=2, enable_two_batch_overlap=True, moe_a2a_backend="deepep_low_latency")
+    with LLM(config=cfg, seed=0, max_model_len=64, max_num_batched_tokens=256, **line) as llm:
+        assert llm.args.overlap_config().a2a_mode == "low_latency"
+        assert_same(base, llm.generate(prompts, params, return_logits=True))
 
 
 def test_auto_takes_low_latency_only_for_decode_steps_that_fit():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.core.a2a_mode import A2AMode
+from moe_overlap.core.a2a_mode import DEEPEP_BACKENDS, A2AMode
 from moe_overlap.core.attention_plan import ATTENTION_BACKENDS, GPU_PAGE_MULTIPLE
 from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
@@ -60,11 +60,15 @@ def check_settings(
     cap, step = overlap.num_max_dispatch_tokens_per_rank, args.max_num_batched_tokens
     # under attention TP each rank of a group sends its share of the group's tokens
     if overlap.a2a_mode == A2AMode.LOW_LATENCY and -(-step // par.attn_tp) > cap:
+        asked = args.moe_a2a_backend  # the reference's deepep_low_latency names the layout too
+        flag = (
+            f"--moe-a2a-backend {asked}" if asked in DEEPEP_BACKENDS else "--a2a-mode low_latency"
+        )
         raise ConfigError(
-            f"--a2a-mode low_latency carries at most --num-max-dispatch-tokens-per-rank={cap} "
-            f"tokens per rank, but --max-num-batched-tokens={step} lets a step send more "
-            f"(over attention TP {par.attn_tp}); lower it to {cap * par.attn_tp}, raise the "
-            "capacity, or use --a2a-mode auto (low-latency for decode steps only)"
+            f"{flag} carries at most --num-max-dispatch-tokens-per-rank={cap} tokens per rank, "
+            f"but --max-num-batched-tokens={step} lets a step send more (over attention TP "
+            f"{par.attn_tp}); lower it to {cap * par.attn_tp}, raise the capacity, or use "
+            "--a2a-mode auto (low-latency for decode steps only)"
         )
     return par, link, device
 
