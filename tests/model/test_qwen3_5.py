@@ -10,15 +10,19 @@ checked against argmax of a full forward per step.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.engine_config import state_bytes
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.state_cache import StateOrderError
 from moe_overlap.dispatch.local import LocalDispatcher
+from moe_overlap.model.linear_attention import GatedDeltaNet
 from moe_overlap.model.loader import build_model
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
@@ -215,15 +219,22 @@ def test_planner_costs_linear_attention_linear_in_context():
         dict(pp=2),
         dict(tp=2, ep=2),
         dict(tp=4, dp=2, ep=4, enable_dp_attention=True),
+        dict(tp=4, ep=4),
     ],
-    ids=["dp-attention+moe-tp", "pp2", "attention-tp2", "dp-attention+attention-tp2"],
+    ids=[
+        "dp-attention+moe-tp",
+        "pp2",
+        "attention-tp2",
+        "dp-attention+attention-tp2",
+        "attention-tp4-replicated",
+    ],
 )
 def test_other_layouts_match_one_process(ep2, layout):
     """DP attention (attention TP 1, experts cut by moe-TP), two pipeline stages (each
     stage's state cache holds its own layers' states; a prompt cut between pipeline
     micro-batches runs its pieces in order on every stage) and attention TP (the reference's
-    --tp 8 --ep 8: the full-attention layers split, the linear-attention ones replicated on
-    every rank of the group), under two-chunk TBO."""
+    --tp 8 --ep 8: the linear-attention layers' 2 key and 4 value heads split over 2 ranks,
+    and replicated over 4, which they do not divide), under two-chunk TBO."""
     _, base = ep2
     layout_matches_one_process(ModelConfig(**TINY), layout, base["mixed-batch"])
 
@@ -252,3 +263,17 @@ def test_loads_the_hubs_multimodal_layout(tmp_path):
             outs.append(llm.generate(prompt, PARAMS, return_logits=True)[0])
     assert outs[0].token_ids == outs[1].token_ids
     assert max_abs_diff(outs[0].prompt_logits, outs[1].prompt_logits) == 0.0
+
+
+def test_linear_attention_heads_split_where_they_divide():
+    """Each rank of attention TP 2 holds 1 key and 2 value heads: its share of each part of
+    the fused projection and the conv (rank 1: the second query, key and value blocks), and a
+    state half the size; TP 4, which the heads do not divide, replicates the layer."""
+    cfg = ModelConfig(**TINY)
+    layer = GatedDeltaNet(cfg, 0, SimpleNamespace(size=2, rank=1))
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim  # 2 key, 4 value heads in all
+    assert (layer.k_heads, layer.v_heads) == (1, 2)
+    for weight in (layer.in_proj_qkv.weight, layer.conv1d.weight):
+        assert weight.shard.parts == ((dk, dk), (3 * dk, dk), (4 * dk + 2 * dv, 2 * dv))
+    assert GatedDeltaNet(cfg, 0, SimpleNamespace(size=4, rank=3)).k_heads == 2
+    assert state_bytes(cfg, 4, 2) * 2 == state_bytes(cfg, 4, 1) == state_bytes(cfg, 4, 4)

@@ -14,6 +14,7 @@ from moe_overlap.core.kv_budget import (
     pages_for,
 )
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.model_flops import linear_split
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 
@@ -42,14 +43,15 @@ def kv_bytes_per_token(
     return heads * width * dtype_bytes
 
 
-def state_bytes(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """Bytes of one sequence's recurrent state over the linear-attention layers (0 without
-    any): the conv state's last inputs in the run dtype, the SSM state in float32."""
+def state_bytes(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1) -> int:
+    """Bytes of one sequence's recurrent state over the linear-attention layers on one rank
+    (0 without any): the conv state's last inputs in the run dtype, the SSM state in float32,
+    for the rank's share of the heads (``model_flops.linear_split``)."""
     layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
     keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv = (2 * keys + cfg.linear_num_value_heads * values) * (cfg.linear_conv_kernel_dim - 1)
     ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * values
-    return layers * (conv * dtype_bytes + ssm * 4)
+    return layers * (conv * dtype_bytes + ssm * 4) // linear_split(cfg, attn_tp)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,12 @@ class EngineSpec:
     def state_total(self) -> int:
         """Bytes of a hybrid model's recurrent states: one per running sequence, and the
         snapshots kept for prefix caching (0 without linear-attention layers)."""
-        return (self.num_slots + self.state_snapshots) * state_bytes(self.config, self._width)
+        return (self.num_slots + self.state_snapshots) * self._state_each
+
+    @property
+    def _state_each(self) -> int:
+        """One sequence's recurrent state on one rank (``state_bytes``)."""
+        return state_bytes(self.config, self._width, self.parallel.attn_tp)
 
     @property
     def _width(self) -> int:
@@ -189,7 +196,7 @@ class EngineSpec:
         """Recurrent states a hybrid model keeps at cached page boundaries for prefix caching
         (``engine/prefix_states.py``): ``STATE_SNAPSHOT_SHARE`` of the KV budget, at most one
         a page; 0 without linear-attention layers or prefix caching."""
-        each = state_bytes(self.config, self._width)
+        each = self._state_each
         if not (self.prefix_caching and each):
             return 0
         pages = min(  # the most pages the pool could hold: more snapshots would never be used
@@ -242,7 +249,7 @@ class EngineSpec:
         return f"; sliding-window layers: {budget[1]} pages, for windows of {budget[0]} tokens"
 
     def _snapshot_summary(self) -> str:
-        n, each = self.state_snapshots, state_bytes(self.config, self._width)
+        n, each = self.state_snapshots, self._state_each
         if not each:
             return ""
         return (

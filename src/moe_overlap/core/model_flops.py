@@ -46,6 +46,13 @@ class OpSizes:
     top_k: int
 
 
+def linear_split(cfg: ModelConfig, attn_tp: int) -> int:
+    """The ranks a linear-attention layer's heads are split over under attention TP
+    ``attn_tp``: all of them where both head counts divide, else 1 (the layer replicated)."""
+    heads = (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
+    return attn_tp if all(h % attn_tp == 0 for h in heads) else 1
+
+
 def op_sizes(cfg: ModelConfig, tp: int = 1) -> OpSizes:
     h, heads = cfg.hidden_size, cfg.num_attention_heads / tp
     kv: float  # cached elements per key
@@ -68,8 +75,9 @@ def op_sizes(cfg: ModelConfig, tp: int = 1) -> OpSizes:
     layers = cfg.num_hidden_layers
     linear = sum(cfg.is_linear_layer(i) for i in range(layers))
     sliding = sum(cfg.window(i) > 0 for i in range(layers))
-    value_heads = cfg.linear_num_value_heads
-    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    split = linear_split(cfg, int(tp)) if linear else 1  # its heads over attention TP, or none
+    value_heads = cfg.linear_num_value_heads / split
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim / split
     value_dim = value_heads * cfg.linear_value_head_dim
     expert = 3 * h * cfg.moe_intermediate_size
     return OpSizes(

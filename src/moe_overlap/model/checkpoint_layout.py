@@ -13,11 +13,11 @@ from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.fused_experts import FusedExperts
 from moe_overlap.model.moe import ExpertBank
 from moe_overlap.model.mtp import mimo_name, qwen3_5_name
-from moe_overlap.model.tensor_parallel import Shard
+from moe_overlap.model.tensor_parallel import Segments, Shard
 
 _EXPERT_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _FUSED_PARAM = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
-Slice = Shard | FusedExperts | None  # which part of the checkpoint tensor a tensor holds
+Slice = Shard | Segments | FusedExperts | None  # which part of the checkpoint tensor a tensor holds
 
 
 @dataclass

@@ -17,10 +17,11 @@ from torch import nn
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.model_flops import linear_split
 from moe_overlap.core.state_snapshots import StateSnapshots
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model import delta_rule
-from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
+from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear, Segments, set_shard
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,32 +43,49 @@ class GatedDeltaNet(nn.Module):
     """Parameter names as the checkpoint's ``linear_attn``: ``in_proj_qkv``, ``in_proj_z``,
     ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``.
 
-    Under attention TP the layer is replicated, not split: every rank of the group holds its
-    whole weights and state and computes it whole on the group's tokens (the same on every
-    rank), so nothing is reduced. SGLang splits its heads over the group instead; that saves
-    each rank (tp - 1) / tp of this layer's work and state, and is not built yet."""
+    Under attention TP the heads are split over the group, as SGLang splits them: each rank
+    holds its share of the key heads and of the value heads (value heads share a key head in
+    contiguous runs, so a share keeps its own), the fused ``in_proj_qkv`` and the conv taking
+    that share of each of their query, key and value parts, ``out_proj`` all-reducing; each
+    rank's recurrent state is its heads'. Where the heads do not divide over the group the
+    layer is replicated instead: every rank computes it whole, and nothing is reduced."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, group: Group | None = None):
-        """``group``: the attention-TP group, over which the layer is replicated."""
         super().__init__()
-        whole = Group.single()  # every projection whole on every rank of ``group``
+        group = group or Group.single()
+        if linear_split(cfg, group.size) == 1:
+            group = Group.single()  # replicated (above)
+        k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.layer_id = layer_id
-        h = cfg.hidden_size
-        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        h, t, r = cfg.hidden_size, group.size, group.rank
+        self.k_heads, self.v_heads = k_heads // t, v_heads // t  # this rank's
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.channels = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        self.in_proj_qkv = ColumnLinear.even(h, self.channels, whole)
-        self.in_proj_z = ColumnLinear.even(h, self.value_dim, whole)
-        self.in_proj_b = ColumnLinear.even(h, self.v_heads, whole)
-        self.in_proj_a = ColumnLinear.even(h, self.v_heads, whole)
+        full_key = k_heads * self.dk
+        parts = Segments(  # this rank's queries, keys and values of the fused projection
+            0,
+            (
+                (r * self.key_dim, self.key_dim),
+                (full_key + r * self.key_dim, self.key_dim),
+                (2 * full_key + r * self.value_dim, self.value_dim),
+            ),
+            2 * full_key + v_heads * self.dv,
+        )
+        self.in_proj_qkv = ColumnLinear.segments(h, parts.full, parts)
+        self.in_proj_z = ColumnLinear.even(h, v_heads * self.dv, group)
+        self.in_proj_b = ColumnLinear.even(h, v_heads, group)
+        self.in_proj_a = ColumnLinear.even(h, v_heads, group)
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [channels, 1, kernel]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.channels, 1, self.kernel))
+        self.conv1d.weight.shard = parts  # type: ignore[attr-defined]  # its channels likewise
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = RowLinear(self.value_dim, h, whole)
+        for per_head in (self.dt_bias, self.A_log):
+            set_shard(per_head, 0, r * self.v_heads, v_heads)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)  # one weight for every head
+        self.out_proj = RowLinear(v_heads * self.dv, h, group)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, SSM state) of one sequence."""

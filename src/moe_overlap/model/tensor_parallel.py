@@ -42,6 +42,24 @@ class Shard:
         return torch.cat((part, part.new_zeros(pad)), dim=self.dim)
 
 
+@dataclass(frozen=True)
+class Segments:
+    """This tensor is the concatenation along ``dim`` of ``full.narrow(dim, start, length)``
+    for each ``(start, length)`` of ``parts``: a fused projection whose parts are each split
+    by heads (Qwen3.5's ``in_proj_qkv``: this rank's query, key and value heads). An FP8
+    weight cut so is dequantized at load (``fp8_resident.py: column_block``)."""
+
+    dim: int
+    parts: tuple[tuple[int, int], ...]
+    full: int
+
+    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
+        return Shard(self.dim, 0, self.full).full_shape(local)
+
+    def take(self, whole: torch.Tensor, local: torch.Size) -> torch.Tensor:
+        return torch.cat([whole.narrow(self.dim, a, n) for a, n in self.parts], dim=self.dim)
+
+
 def set_shard(param: torch.Tensor, dim: int, start: int, full: int) -> None:
     param.shard = Shard(dim, start, full)  # type: ignore[attr-defined]  # read by the loader
 
@@ -93,6 +111,13 @@ class ColumnLinear(nn.Module):
         if bias:  # GLM-4.5's q/k/v: cut like the rows
             self.bias = nn.Parameter(torch.zeros(len(rows)))
             set_shard(self.bias, 0, rows.start, out_features)
+
+    @classmethod
+    def segments(cls, in_features: int, out_features: int, parts: Segments) -> ColumnLinear:
+        """Output rows ``parts`` of the full weight, each part a range of its rows."""
+        linear = cls(in_features, out_features, range(sum(n for _, n in parts.parts)))
+        linear.weight.shard = parts  # type: ignore[attr-defined]  # read by the loader
+        return linear
 
     @classmethod
     def even(
