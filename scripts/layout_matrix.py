@@ -4,7 +4,8 @@ suite's targeted exactness tests miss (it found TP under PP failing on one decod
 
 Usage: PYTHONPATH=src python scripts/layout_matrix.py CONFIG_JSON [KV_BYTES] [--mtp]
   KV_BYTES: a small --kv-cache-memory for the settings marked so, to force preemption
-  (default: about 165 tokens of the model's KV per rank); --mtp adds MTP drafter settings.
+  (default: about 165 tokens of the model's KV per rank, and a hybrid model's recurrent
+  states); --mtp adds MTP drafter settings.
 
 Each setting prints OK, BAD (with the prompts whose tokens differ) or ERR (a refusal names its
 flag: those are the layouts the model does not run). Four waves of prompts: six sharing a
@@ -19,11 +20,13 @@ import sys
 import time
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
-from moe_overlap.core.engine_config import kv_bytes_per_token
+from moe_overlap.core.engine_config import kv_bytes_per_token, state_bytes
 
 cfg = ModelConfig.from_hf(sys.argv[1])
 args = [a for a in sys.argv[2:] if a != "--mtp"]
-small = dict(kv_cache_memory=int(args[0]) if args else 165 * kv_bytes_per_token(cfg))
+# about 165 tokens of KV a rank, beside the recurrent states of a hybrid model's 8 sequences
+default = 165 * kv_bytes_per_token(cfg) + 8 * state_bytes(cfg)
+small = dict(kv_cache_memory=int(args[0]) if args else default)
 rng = random.Random(1)
 V = cfg.vocab_size
 prefix = [rng.randrange(2, V) for _ in range(40)]

@@ -169,6 +169,16 @@ def test_bench_under_tensor_parallelism_splits_its_communication(tmp_path, capsy
     assert report["limit_s"] >= report["t_tp_comm_s"]
 
 
+def test_bench_takes_the_references_backend_under_attention_tp(capsys):
+    """--moe-a2a-backend deepep_low_latency at tp2 ep2: 64 tokens fit a capacity of 32, as
+    each attention-TP rank sends its half, and the table's title names the dispatch."""
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--ep", "2"]
+    argv += ["--moe-a2a-backend", "deepep_low_latency", "--num-max-dispatch-tokens-per-rank"]
+    argv += ["32", "--workload", "single-long:64", "--repeat", "1", "--modes", "none,tbo"]
+    assert main(argv) == 0
+    assert "--a2a-mode low_latency" in " ".join(capsys.readouterr().out.split())
+
+
 def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path, capsys):
     """Plain tbo on one sequence per rank leaves micro-batch 0 with no rows, and dbo below its
     token threshold runs without overlap: the table footnotes both, the JSON names both."""

@@ -11,7 +11,7 @@ from statistics import median
 
 from rich.console import Console
 
-from moe_overlap.core.a2a_mode import DispatchDtype, step_a2a_mode
+from moe_overlap.core.a2a_mode import A2AMode, DispatchDtype, step_a2a_mode
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
@@ -114,7 +114,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_hf(model_path(args))
     workload = bench_workload(args, cfg, peers or par.attn_dp)
     batches = make_batches(workload, cfg.vocab_size, args.seed)
-    step_a2a_mode(configs[NONE.name].a2a_mode, batches, args.num_max_dispatch_tokens_per_rank, True)
+    a2a, cap = configs[NONE.name].a2a_mode, args.num_max_dispatch_tokens_per_rank
+    step_a2a_mode(a2a, batches, cap, True, share=par.attn_tp)  # a rank sends its group's share
     console = Console(width=max(Console().width, 120))  # the tables are wide, piped too
     title = bench_title(args, par, workload)
     if args.eplb_compare is not None:  # three placements, each on its own ranks
@@ -125,7 +126,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = {}
     for dtype, report in reports.items():
         bounds = zero_host_bounds(report, cfg, par, peers, configs, args.seed, dtype)
-        console.print(bench_table(report, f"{title}, --moe-dispatch-dtype {dtype}", bounds))
+        dispatch = f"--a2a-mode {a2a}, " if a2a != A2AMode.AUTO else ""
+        console.print(
+            bench_table(report, f"{title}, {dispatch}--moe-dispatch-dtype {dtype}", bounds)
+        )
         results[dtype] = {"moe_dispatch_dtype": dtype} | report.to_json(bounds)
     if len(reports) > 1:
         console.print(dtype_table(reports, title))
@@ -252,6 +256,7 @@ def _add_bench_command(sub) -> None:
         only=(  # the knobs each mode runs with (the modes themselves are --modes)
             "log_overlap_decisions",
             "auto_modes",
+            "moe_a2a_backend",
             "a2a_mode",
             "num_max_dispatch_tokens_per_rank",
             "moe_dispatch_dtype",
