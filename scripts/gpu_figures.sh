@@ -158,7 +158,7 @@ step_paged() {
 #     the engine's lower-right causal bias against the boolean mask it passed before, bf16
 step_attention() {
   run attention 60 "$py" scripts/prefix_attention_bench.py
-  grep -E "^==|x$" "$logs/attention.txt" >> "$summary"
+  grep -E "^==|x$|refused" "$logs/attention.txt" >> "$summary"
 }
 
 # 2. the one-process forward (ep=1, no link)

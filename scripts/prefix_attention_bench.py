@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moe_overlap.model import layers
 from moe_overlap.model.layers import causal_attention
 
 DEVICE = os.environ.get("DEVICE", "cuda")
@@ -87,6 +88,8 @@ def main() -> None:
     print(f"== attention after a prefix on {DEVICE}, {dtype}: ms (max |diff| from fp32)")
     for name, shape in SHAPES.items():
         compare(name, shape, gen, dtype)
+    if layers.BIAS_REFUSED:  # the engine fell back to the boolean mask: its times are the mask's
+        print(f"torch refused the lower-right causal bias: {layers.BIAS_REFUSED[0]}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_overlap.model import layers
 from moe_overlap.model.layers import causal_attention
 from tests.gpu.common import needs_gpu
 
@@ -49,6 +50,7 @@ def test_bf16_is_as_close_to_fp32_as_the_boolean_mask(shape):
     ref = _masked(q, k, v, scale)
     q, k, v = (t.bfloat16() for t in (q, k, v))
     got = causal_attention(q, k, v, prefix, scale).float()
+    assert not layers.BIAS_REFUSED, layers.BIAS_REFUSED  # the bias ran, not the fallback
     before = _masked(q, k, v, scale).float()
     assert (got - ref).abs().max() <= max(2 * (before - ref).abs().max().item(), 1e-2)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,8 @@ from moe_overlap.core.attention_plan import AttentionPlan
 from moe_overlap.core.context import ForwardContext
 from moe_overlap.distributed.groups import Group
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +61,7 @@ def attention_plan(ctx: ForwardContext) -> AttentionPlan:
 
 
 QUERY_BLOCK = 256  # queries per masked SDPA call on CPU
+BIAS_REFUSED: list[str] = []  # why torch refused the lower-right causal bias, where it did
 GPU_QUERY_BLOCK = 4096  # elsewhere: a mask of 4096 x keys, e.g. 256 MiB as bf16 at 32k keys
 
 
@@ -109,19 +113,33 @@ def _attend(
     masks: dict[tuple[int, int], torch.Tensor],
 ) -> torch.Tensor:
     new, length = q.shape[1], k.shape[1]
+    if prefix_len and q.device.type == "cuda" and not BIAS_REFUSED:
+        try:
+            return _sdpa(q, k, v, _lower_right_bias(new, length), scale)
+        except RuntimeError as exc:  # not yet run on a GPU: a refusal falls back, said once
+            BIAS_REFUSED.append(str(exc))
+            log.warning(
+                "attention after a prefix takes a boolean mask: torch refused its "
+                "lower-right causal bias here (%s)",
+                exc,
+            )
     mask = None
-    if prefix_len and q.device.type == "cuda":
-        mask = _lower_right_bias(new, length)
-    elif prefix_len:
+    if prefix_len:
         if (new, length) not in masks:
             masks[new, length] = _lower_right_causal(new, length, q.device)
         mask = masks[new, length]
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=not prefix_len,  # no prefix: upper-left and lower-right causal agree
+        is_causal=mask is None,  # no prefix: upper-left and lower-right causal agree
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
     )
