@@ -200,6 +200,11 @@ def test_on_the_fly_keeps_fp8_resident_and_equals_the_default(fp8):
     assert not hasattr(resident.model.layers["1"].mlp.gate, "parametrizations")
     held, bf16 = resident_bytes(resident)
     assert bf16 > 0 and held / bf16 == pytest.approx((1 + 4 / 32) / 2)
+    # Qwen3.5's fused linear-attention projection, one rank's whole: resident too
+    hybrid = fp8["qwen3_5_moe"]
+    kept = build_model(ModelConfig.from_hf(hybrid / "config.json"), hybrid, fp8_on_the_fly=True)
+    qkv = kept.model.layers["0"].linear_attn.in_proj_qkv
+    assert qkv.parametrizations["weight"].original.dtype == torch.float8_e4m3fn
 
 
 def test_a_load_allocates_the_model_once_and_holds_one_checkpoint_tensor(fp8, monkeypatch):

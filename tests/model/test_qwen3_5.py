@@ -24,6 +24,7 @@ from moe_overlap.core.state_cache import StateOrderError
 from moe_overlap.dispatch.local import LocalDispatcher
 from moe_overlap.model.linear_attention import GatedDeltaNet
 from moe_overlap.model.loader import build_model
+from moe_overlap.model.tensor_parallel import Shard
 from moe_overlap.overlap.split import plan_two_batch, split_batch
 from moe_overlap.runtime.model_runner import ModelRunner
 from tests.family_suite import CASES, layout_matches_one_process, made_model_matches_transformers
@@ -275,5 +276,6 @@ def test_linear_attention_heads_split_where_they_divide():
     assert (layer.k_heads, layer.v_heads) == (1, 2)
     for weight in (layer.in_proj_qkv.weight, layer.conv1d.weight):
         assert weight.shard.parts == ((dk, dk), (3 * dk, dk), (4 * dk + 2 * dv, 2 * dv))
-    assert GatedDeltaNet(cfg, 0, SimpleNamespace(size=4, rank=3)).k_heads == 2
+    whole = GatedDeltaNet(cfg, 0, SimpleNamespace(size=4, rank=3))  # replicated: one shard
+    assert whole.k_heads == 2 and whole.in_proj_qkv.weight.shard == Shard(0, 0, 4 * dk + 4 * dv)
     assert state_bytes(cfg, 4, 2) * 2 == state_bytes(cfg, 4, 1) == state_bytes(cfg, 4, 4)

@@ -79,7 +79,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = ColumnLinear.even(h, v_heads, group)
         self.conv1d = nn.Module()  # the checkpoint's conv1d.weight [channels, 1, kernel]
         self.conv1d.weight = nn.Parameter(torch.zeros(self.channels, 1, self.kernel))
-        self.conv1d.weight.shard = parts  # type: ignore[attr-defined]  # its channels likewise
+        self.conv1d.weight.shard = parts.simplest()  # type: ignore[attr-defined]  # likewise
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.v_heads))
         for per_head in (self.dt_bias, self.A_log):

@@ -59,6 +59,14 @@ class Segments:
     def take(self, whole: torch.Tensor, local: torch.Size) -> torch.Tensor:
         return torch.cat([whole.narrow(self.dim, a, n) for a, n in self.parts], dim=self.dim)
 
+    def simplest(self) -> Segments | Shard:
+        """A ``Shard`` where the parts run on one from another (one rank holds them all), so
+        what reads only shards (an FP8 weight kept resident) takes it as any other."""
+        (first, _), ends = self.parts[0], [a + n for a, n in self.parts]
+        if all(a == end for (a, _), end in zip(self.parts[1:], ends, strict=False)):
+            return Shard(self.dim, first, self.full)
+        return self
+
 
 def set_shard(param: torch.Tensor, dim: int, start: int, full: int) -> None:
     param.shard = Shard(dim, start, full)  # type: ignore[attr-defined]  # read by the loader
@@ -116,7 +124,7 @@ class ColumnLinear(nn.Module):
     def segments(cls, in_features: int, out_features: int, parts: Segments) -> ColumnLinear:
         """Output rows ``parts`` of the full weight, each part a range of its rows."""
         linear = cls(in_features, out_features, range(sum(n for _, n in parts.parts)))
-        linear.weight.shard = parts  # type: ignore[attr-defined]  # read by the loader
+        linear.weight.shard = parts.simplest()  # type: ignore[attr-defined]  # the loader's
         return linear
 
     @classmethod
