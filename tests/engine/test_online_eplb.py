@@ -2,7 +2,8 @@
 three steps, experts move mid-generation, and the greedy tokens are those of the run without
 EPLB in every overlap mode (Qwen3-MoE at ep=4 with 6 experts and R = 2, so EP divides only the
 slots; DeepSeek-V3's grouped routing at ep=2 with dynamic dispatch, one layer per step
-boundary, set through vLLM's --eplb-config with a window of the last 2 steps). A peer stuck mid-move is a named timeout that leaves the layer as it was; a rank that
+boundary, set through vLLM's --eplb-config with a window of the last 2 steps; GPT-OSS, whose
+checkpoint fuses each layer's experts, at ep=2 with R = 2). A peer stuck mid-move is a named timeout that leaves the layer as it was; a rank that
 dies mid-move (``MOE_OVERLAP_EPLB_FAULT``) is named by the driver and leaves its peers' layers
 as they were; the refusals."""
 
@@ -50,9 +51,15 @@ def test_experts_move_mid_generation_and_the_tokens_stay():
             | dict(ep_dispatch_algorithm="dynamic", eplb_rebalance_layers_per_chunk=1),
             ("none", "tbo+two-chunk"),
         ),
+        # its checkpoint's experts fused in one tensor per projection, biases too
+        "gpt_oss": (dict(ep=2, ep_num_redundant_experts=2), ("none", "tbo")),
     }
     for family, (settings, modes) in runs.items():
-        cfg = ModelConfig(**TINY[family] | ({"num_experts": 6} if family == "qwen3_moe" else {}))
+        cfg = (
+            ModelConfig.from_hf("configs/gpt-oss-tiny.json")
+            if family == "gpt_oss"
+            else ModelConfig(**TINY[family] | ({"num_experts": 6} if family == "qwen3_moe" else {}))
+        )
         with LLM(config=cfg, **SKEW, **KW) as llm:
             base = _tokens(llm, prompts)
         with LLM(config=cfg, **settings, **ONLINE) as llm:

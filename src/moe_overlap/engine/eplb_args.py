@@ -136,11 +136,11 @@ class EplbArgs:
                 raise ConfigError(
                     f"{flag}={value!r}: want an integer >= 1, or leave it out {unset}"
                 )
-        if self.enable_eplb and (not par.pure_ep or par.pp > 1 or cfg.is_gpt_oss):
+        if self.enable_eplb and (not par.pure_ep or par.pp > 1):
             raise ConfigError(
                 f"--enable-eplb moves whole experts between the ranks of pure expert "
                 f"parallelism: {par.describe()} does not have it (want --ep N >= 2 with --tp 1 "
-                "and --pp 1), or the model is GPT-OSS (its fused experts are not placed yet)"
+                "and --pp 1)"
             )
 
     def expert_placement(
@@ -158,11 +158,6 @@ class EplbArgs:
         redundant = self.ep_num_redundant_experts
         if not is_int(redundant) or redundant < 0:
             raise ConfigError(f"--ep-num-redundant-experts={redundant!r} must be an integer >= 0")
-        if cfg.is_gpt_oss and (redundant or self.init_expert_location != TRIVIAL):
-            raise ConfigError(
-                "EPLB does not yet place GPT-OSS's fused expert tensors; drop "
-                "--ep-num-redundant-experts and --init-expert-location"
-            )
         groups = cfg.n_group if cfg.n_group > 1 else None
         shape = PlacementShape(cfg.num_experts, cfg.num_experts + redundant, ep, 1, groups)
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]

@@ -1,8 +1,9 @@
 """GPT-OSS's checkpoint layout of its experts: each layer's experts in one tensor per
 projection, weights as ``[experts, in, out]``, and the gate and up columns of ``gate_up_proj``
-interleaved (gate, up, gate, up, ...). ``FusedExperts`` cuts this rank's experts and moe-TP
-rows out of such a tensor into the ``ExpertBank`` layout (``[count, out, in]``, gate rows then
-up rows), and puts a whole bank back for saving."""
+interleaved (gate, up, gate, up, ...). ``FusedExperts`` cuts this rank's experts (its slots'
+checkpoint experts, in slot order, replicas included under EPLB) and moe-TP rows out of such a
+tensor into the ``ExpertBank`` layout (``[count, out, in]``, gate rows then up rows), and puts a
+whole bank back for saving."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ class FusedExperts:
     """Where a bank's tensor ``kind`` sits in the checkpoint's fused tensor of ``experts``."""
 
     kind: str
-    first: int
-    count: int
+    logical: tuple[int, ...]  # the checkpoint expert each of the bank's slots holds (EPLB's)
     experts: int
     inter_start: int
     inter: int
@@ -28,18 +28,12 @@ class FusedExperts:
     @classmethod
     def of(cls, kind: str, bank: ExpertBank, experts: int) -> FusedExperts:
         return cls(
-            kind,
-            bank.first,
-            bank.count,
-            experts,
-            bank.inter_start,
-            bank.intermediate,
-            bank.inter_full,
+            kind, bank.logical, experts, bank.inter_start, bank.intermediate, bank.inter_full
         )
 
     @property
     def is_whole(self) -> bool:
-        return self.count == self.experts and self.inter == self.inter_full
+        return self.logical == tuple(range(self.experts)) and self.inter == self.inter_full
 
     def full_shape(self, local: torch.Size) -> tuple[int, ...]:
         e, i = self.experts, self.inter_full
@@ -52,7 +46,11 @@ class FusedExperts:
         return (e, local[1])
 
     def take(self, whole: torch.Tensor, local: torch.Size) -> torch.Tensor:
-        w = whole[self.first : self.first + self.count]
+        first = self.logical[0]
+        if self.logical == tuple(range(first, first + len(self.logical))):
+            w = whole[first : first + len(self.logical)]  # a run of experts: a view
+        else:  # EPLB's slots: any experts, a replica's more than once
+            w = whole[torch.tensor(self.logical)]
         a, b = self.inter_start, self.inter_start + self.inter
         if self.kind == "gate_up_proj":
             w = w[..., 2 * a : 2 * b]
