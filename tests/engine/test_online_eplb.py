@@ -171,12 +171,27 @@ def test_a_rank_that_dies_mid_move_is_named(monkeypatch):
             llm.generate(CASES["mixed-batch"], PARAMS)
 
 
+def test_experts_move_under_attention_tp():
+    """tp2 ep2: each rank holds whole experts (moe-TP 1), so they move as under pure EP, the
+    attention-TP ranks each sending their share of the group's tokens."""
+    cfg, prompts = ModelConfig(**TINY["qwen3_moe"] | {"num_experts": 6}), CASES["mixed-batch"]
+    with LLM(config=cfg, **SKEW, **KW) as llm:
+        base = _tokens(llm, prompts)
+    with LLM(config=cfg, tp=2, ep=2, ep_num_redundant_experts=2, **ONLINE) as llm:
+        assert llm.eplb is not None
+        for mode in ("none", "tbo"):
+            force_overlap(llm, every_mode()[mode])
+            moved = llm.eplb.stats.slots_moved
+            assert _tokens(llm, prompts) == base, mode
+            assert llm.eplb.stats.slots_moved > moved, mode
+
+
 def test_refusals():
     cfg = ModelConfig(**TINY["qwen3_moe"])
-    with pytest.raises(ConfigError, match="pure expert"):
+    with pytest.raises(ConfigError, match="between expert-parallel ranks: one process"):
         LLM(config=cfg, enable_eplb=True)
-    with pytest.raises(ConfigError, match="pure expert"):
-        LLM(config=cfg, tp=2, ep=2, enable_eplb=True)
+    with pytest.raises(ConfigError, match="between expert-parallel ranks: tp2 does not"):
+        LLM(config=cfg, tp=2, enable_eplb=True)  # moe-TP 2: each rank a slice of every expert
     with pytest.raises(ConfigError, match="num-iterations=0"):
         LLM(config=cfg, ep=2, enable_eplb=True, eplb_rebalance_num_iterations=0)
     with pytest.raises(ConfigError, match="layers-per-chunk=0"):

@@ -136,11 +136,11 @@ class EplbArgs:
                 raise ConfigError(
                     f"{flag}={value!r}: want an integer >= 1, or leave it out {unset}"
                 )
-        if self.enable_eplb and (not par.pure_ep or par.pp > 1):
+        if self.enable_eplb and (par.ep < 2 or par.moe_tp > 1 or par.pp > 1 or par.replicas > 1):
             raise ConfigError(
-                f"--enable-eplb moves whole experts between the ranks of pure expert "
-                f"parallelism: {par.describe()} does not have it (want --ep N >= 2 with --tp 1 "
-                "and --pp 1)"
+                f"--enable-eplb moves whole experts between expert-parallel ranks: "
+                f"{par.describe()} does not have them (want --ep N >= 2 equal to --tp or with "
+                "--tp 1, --pp 1 and no DP replicas)"
             )
 
     def expert_placement(
