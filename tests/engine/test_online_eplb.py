@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -184,6 +185,28 @@ def test_experts_move_under_attention_tp():
             moved = llm.eplb.stats.slots_moved
             assert _tokens(llm, prompts) == base, mode
             assert llm.eplb.stats.slots_moved > moved, mode
+
+
+def test_the_mtp_layers_experts_are_placed_and_move_too():
+    """Reference 000's scenario has EPLB and MTP at once: DeepSeek-V3's MTP layer is a MoE
+    layer of the placement (layer 3 after the model's 1 and 2), its experts move with the
+    others', and the speculative greedy tokens are plain greedy decoding's."""
+    cfg, prompts = (
+        replace(ModelConfig(**TINY["deepseek_v3"]), num_nextn_predict_layers=1),
+        [
+            [(7 * i) % 80 for i in range(12)],
+            [3, 4, 5],
+        ],
+    )
+    with LLM(config=cfg, **SKEW, **KW) as llm:
+        base = _tokens(llm, prompts)
+    mtp = dict(speculative_algorithm="EAGLE", ep=2, ep_num_redundant_experts=2)
+    with LLM(config=cfg, **mtp, **ONLINE) as llm:
+        assert llm.spec.placement is not None and llm.spec.placement.moe_layers == (1, 2, 3)
+        before = llm.spec.placement.rows
+        assert _tokens(llm, prompts) == base
+        assert llm.eplb is not None and llm.eplb.stats.slots_moved > 0
+        assert llm.spec.placement.rows != before
 
 
 def test_refusals():

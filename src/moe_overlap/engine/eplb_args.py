@@ -144,23 +144,25 @@ class EplbArgs:
             )
 
     def expert_placement(
-        self, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int = 0
+        self, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int = 0, mtp: bool = False
     ) -> ExpertPlacement | None:
         """The placement these flags ask for over ``par``'s EP ranks (None: E/ep experts
-        each)."""
+        each); ``mtp``: the MTP layers run too, and their MoE layers are placed as the
+        model's."""
         self.check_online(cfg, par)
-        placement = self._placement(cfg, par.ep)
+        placement = self._placement(cfg, par.ep, mtp)
         if placement is not None and emulate_peers:
             raise ConfigError("--emulate-peers runs without EPLB: drop its flags")
         return placement
 
-    def _placement(self, cfg: ModelConfig, ep: int) -> ExpertPlacement | None:
+    def _placement(self, cfg: ModelConfig, ep: int, mtp: bool) -> ExpertPlacement | None:
         redundant = self.ep_num_redundant_experts
         if not is_int(redundant) or redundant < 0:
             raise ConfigError(f"--ep-num-redundant-experts={redundant!r} must be an integer >= 0")
         groups = cfg.n_group if cfg.n_group > 1 else None
         shape = PlacementShape(cfg.num_experts, cfg.num_experts + redundant, ep, 1, groups)
-        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if mtp else 0)
+        moe_layers = [i for i in range(layers) if cfg.is_moe_layer(i)]
         algorithm = cast(Algorithm, self.eplb_algorithm)
         location, dispatch = self.init_expert_location, self.ep_dispatch_algorithm
         return make_placement(moe_layers, shape, location, dispatch, algorithm, self.enable_eplb)

@@ -87,11 +87,9 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def expert_placement(
     args: EngineArgs, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int, mtp: int
 ) -> ExpertPlacement | None:
-    """EPLB's placement of the experts, where the other settings allow one."""
-    placement = args.expert_placement(cfg, par, emulate_peers)
-    if placement is not None and mtp:
-        raise ConfigError("EPLB's placement does not cover the MTP layer: drop its flags")
-    return placement
+    """EPLB's placement of the experts, where the other settings allow one; with ``mtp``
+    drafts, the MTP layers' experts too."""
+    return args.expert_placement(cfg, par, emulate_peers, mtp > 0)
 
 
 def _check_attention_backend(backend: str, page_size: int, device: str) -> None:
