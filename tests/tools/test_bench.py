@@ -179,6 +179,18 @@ def test_bench_takes_the_references_backend_under_attention_tp(capsys):
     assert "--a2a-mode low_latency" in " ".join(capsys.readouterr().out.split())
 
 
+def test_bench_says_which_pipeline_micro_batch_fell_back(tmp_path):
+    """Under --pp each pipeline micro-batch decides for itself: one decoding sequence leaves
+    one of them idle and the other unsplittable, and the note names each."""
+    out = tmp_path / "pp.json"
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--pp", "2"]
+    argv += ["--workload", "decode:1", "--repeat", "1", "--modes", "none,tbo"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["modes"]["tbo"]["notes"] == [
+        "ran without overlap (pp mb0: every rank is idle; pp mb1: a rank cannot split its batch)"
+    ]
+
+
 def test_bench_marks_modes_that_ran_an_empty_micro_batch_or_no_overlap(tmp_path, capsys):
     """Plain tbo on one sequence per rank leaves micro-batch 0 with no rows, and dbo below its
     token threshold runs without overlap: the table footnotes both, the JSON names both."""

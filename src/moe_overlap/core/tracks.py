@@ -43,6 +43,11 @@ def pipeline(i: int) -> str:
     return _PIPELINE + micro_batch(i)
 
 
+def is_pipeline(track: str) -> bool:
+    """A pipeline stage's micro-batch (``pipeline``)."""
+    return track.startswith(_PIPELINE)
+
+
 def is_wait(track: str) -> bool:
     return track.endswith(_WAIT)
 
@@ -65,4 +70,4 @@ def waiter(track: str) -> str:
 def known(track: str) -> bool:
     """Whether ``track`` is one of the tracks above (what the readers recognise)."""
     named = track in (COMM, TP_COMM, SPLIT, DECISION, PREFILL_LANE, wait(PREFILL_LANE))
-    return named or is_micro_batch(track) or track.startswith(_PIPELINE)
+    return named or is_micro_batch(track) or is_pipeline(track)

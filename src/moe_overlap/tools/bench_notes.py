@@ -11,8 +11,8 @@ from __future__ import annotations
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE, TBO
 from moe_overlap.core.step import StepReply
-from moe_overlap.core.timeline import split_rows
-from moe_overlap.core.tracks import DECISION
+from moe_overlap.core.timeline import Span, split_rows
+from moe_overlap.core.tracks import DECISION, is_pipeline
 
 SEQUENCE_SPLIT_HINT = "one sequence cannot be split by sequence; use tbo+two-chunk"
 
@@ -36,10 +36,19 @@ def _fallbacks(reply: StepReply) -> list[str]:
     if all(g.mode != NONE.name for g in reply.groups):
         return []
     reasons = sorted(
-        {s.name for spans in reply.spans if spans for s in spans if s.track == DECISION}
+        {_reason(s, spans) for spans in reply.spans if spans for s in spans if s.track == DECISION}
     )
     why = f" ({'; '.join(reasons)})" if reasons else ""
     return [f"ran without overlap{why}"]
+
+
+def _reason(decision: Span, spans: list[Span]) -> str:
+    """A fallback's reason, under --pp with the pipeline micro-batch it fell back in (each
+    decides for itself: one may hold a sequence, the next none)."""
+    for s in spans:
+        if is_pipeline(s.track) and s.start <= decision.start <= s.end:
+            return f"{s.track}: {decision.name}"
+    return decision.name
 
 
 def _empty_micro_batches(reply: StepReply) -> dict[int, list[int]]:
