@@ -79,6 +79,12 @@ def resolve_deepep(backend: str, mode: str) -> tuple[str, str]:
     return Backend.TORCH, named or mode
 
 
+def rank_share(tokens: int, share: int) -> int:
+    """The most of ``tokens`` one rank sends where ``share`` attention-TP ranks cut them
+    (``dispatch/scatter.py: shares``)."""
+    return -(-tokens // share)
+
+
 def over_capacity(tokens: int, capacity: int) -> ConfigError:
     """The refusal of a step or micro-batch of ``tokens`` tokens on one rank."""
     return ConfigError(
@@ -113,9 +119,9 @@ def step_a2a_mode(
     sends a row."""
     if asked == A2AMode.NORMAL or (asked == A2AMode.AUTO and not (available and on_gpu)):
         return A2AMode.NORMAL
-    tokens = -(-most_tokens(batches) // share)
+    tokens = rank_share(most_tokens(batches), share)
     if tokens > capacity:  # only then can a split matter (a micro-batch is never larger)
-        tokens = -(-dispatch_rows(batches) // share)
+        tokens = rank_share(dispatch_rows(batches), share)
     if asked == A2AMode.AUTO:
         # a verify batch is decode with k + 1 rows a sequence: the rows count toward the cap
         decoding = all(b.mode in _DECODING for b in batches)

@@ -254,7 +254,7 @@ class EngineSpec:
             return ""
         return (
             f"; recurrent states of {each / 2**20:.2f} MiB: {self.num_slots} for the running "
-            f"sequences and {n} snapshots for prefix caching, {_size((self.num_slots + n) * each)}"
+            f"sequences and {n} snapshots for prefix caching, {_size(self.state_total)}"
         )
 
 

@@ -11,7 +11,6 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.engine.kv_memory import kv_cache_bytes
-from moe_overlap.engine.layout_checks import expert_placement
 from moe_overlap.engine.spec_config import mtp_steps
 
 
@@ -45,7 +44,7 @@ def engine_spec(
         page_size=args.page_size,
         attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
-        placement=expert_placement(args, cfg, par, emulate_peers, drafts),
+        placement=args.expert_placement(cfg, par, emulate_peers, mtp=drafts > 0),
         expert_skew=args.skew_exponent(),
         fp8_on_the_fly=args.fp8_dequant_on_the_fly,
         mtp_steps=drafts,

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import math
 
-from moe_overlap.core.a2a_mode import DEEPEP_BACKENDS, A2AMode
+from moe_overlap.core.a2a_mode import DEEPEP_BACKENDS, A2AMode, rank_share
 from moe_overlap.core.attention_plan import ATTENTION_BACKENDS, GPU_PAGE_MULTIPLE
 from moe_overlap.core.device import ranks_on_this_node, resolve_device, resolve_dtype
 from moe_overlap.core.errors import ConfigError, is_int
-from moe_overlap.core.expert_location import ExpertPlacement
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
@@ -59,7 +58,7 @@ def check_settings(
     check_speculation(args.speculative(), cfg, args.enable_pdmux)
     cap, step = overlap.num_max_dispatch_tokens_per_rank, args.max_num_batched_tokens
     # under attention TP each rank of a group sends its share of the group's tokens
-    if overlap.a2a_mode == A2AMode.LOW_LATENCY and -(-step // par.attn_tp) > cap:
+    if overlap.a2a_mode == A2AMode.LOW_LATENCY and rank_share(step, par.attn_tp) > cap:
         asked = args.moe_a2a_backend  # the reference's deepep_low_latency names the layout too
         flag = (
             f"--moe-a2a-backend {asked}" if asked in DEEPEP_BACKENDS else "--a2a-mode low_latency"
@@ -82,14 +81,6 @@ def _check_fraction(name: str, value: object) -> None:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not is_int(value) or value < minimum:
         raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be an integer >= {minimum}")
-
-
-def expert_placement(
-    args: EngineArgs, cfg: ModelConfig, par: ParallelConfig, emulate_peers: int, mtp: int
-) -> ExpertPlacement | None:
-    """EPLB's placement of the experts, where the other settings allow one; with ``mtp``
-    drafts, the MTP layers' experts too."""
-    return args.expert_placement(cfg, par, emulate_peers, mtp > 0)
 
 
 def _check_attention_backend(backend: str, page_size: int, device: str) -> None:

@@ -112,7 +112,7 @@ class ModelRunner:
         """Whether decode replays from CUDA graphs: asked for, and the model and layout allow."""
         device, _ = model_placement(self.model)
         # attention TP's collectives (and the scatter's gather) have not been captured yet
-        graphed = self.low_latency_fits and dispatch_share(self.dispatcher) == 1
+        graphed = self.low_latency_fits and self.share == 1
         why_not = DecodeGraphs.supported(
             self.model, device, self.dispatcher, graphed, pp_group, prefill_lane
         )
@@ -155,8 +155,9 @@ class ModelRunner:
         cap = cfg.num_max_dispatch_tokens_per_rank
         on_gpu = self.kv_cache.device.type == "cuda"
         rows = functools.partial(self.dispatch_rows, cfg)
-        share = dispatch_share(self.dispatcher)
-        mode = step_a2a_mode(cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu, rows, share)
+        mode = step_a2a_mode(
+            cfg.a2a_mode, batches, cap, self.low_latency_fits, on_gpu, rows, self.share
+        )
         self.active = self.low_latency(cap) if mode == A2AMode.LOW_LATENCY else self.dispatcher
         return mode == A2AMode.LOW_LATENCY
 
@@ -166,6 +167,11 @@ class ModelRunner:
         if MODES[cfg.mode].scheme is None:
             return most_tokens(batches)
         return self._scheme(cfg).largest_dispatch(batches)
+
+    @property
+    def share(self) -> int:
+        """The attention-TP ranks that cut each dispatch's tokens among them."""
+        return dispatch_share(self.dispatcher)
 
     def low_latency(self, capacity: int) -> Dispatcher:
         if capacity not in self._low_latency:
