@@ -1,7 +1,9 @@
 """Attention after a prefix on a GPU (``model/layers.py: causal_attention``, torch's lower-right
 ``CausalBias``): in bf16 it is as close to an fp32 reference as SDPA with the boolean mask the
 engine passed before, for GQA's shared KV heads and MLA's unequal head sizes; in fp32 (the GPU
-checks' exactness runs) it gives that path's output within 1e-5."""
+checks' exactness runs) it gives that path's output within 1e-5. A full layer's sink attention
+(``model/window_attention.py: sink_attention``, the sink one more SDPA key) is in bf16 as close
+to the sink written out in fp32 as that written-out path is in bf16."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 from moe_overlap.model import layers
 from moe_overlap.model.layers import causal_attention
+from moe_overlap.model.window_attention import extend_attention, sink_attention
 from tests.gpu.common import needs_gpu
 
 pytestmark = needs_gpu
@@ -61,3 +64,16 @@ def test_fp32_gives_the_boolean_mask_output(shape):
     q, k, v, prefix, scale = _inputs(SHAPES[shape], torch.float32)
     got, before = causal_attention(q, k, v, prefix, scale), _masked(q, k, v, scale)
     torch.testing.assert_close(got, before, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", ["gqa-chunk", "gqa-verify"])
+@torch.inference_mode()
+def test_bf16_sink_attention_is_as_close_to_fp32_as_the_written_out_sink(shape):
+    q, k, v, prefix, scale = _inputs(SHAPES[shape], torch.float32)
+    sinks = torch.linspace(-2.0, 3.0, q.shape[2], device="cuda")
+    ref = extend_attention(q, k, v, prefix, 0, scale, 0, sinks)
+    q, k, v, sinks = (t.bfloat16() for t in (q, k, v, sinks))
+    got = sink_attention(q, k, v, prefix, scale, sinks, {}).float()
+    assert not layers.BIAS_REFUSED, layers.BIAS_REFUSED
+    before = extend_attention(q, k, v, prefix, 0, scale, 0, sinks).float()
+    assert (got - ref).abs().max() <= max(2 * (before - ref).abs().max().item(), 1e-2)

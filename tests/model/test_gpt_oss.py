@@ -130,3 +130,22 @@ def test_planner_caps_sliding_layers_at_the_window():
         return core(65536) - core(1024)
 
     assert 0.45 < growth(cfg) / growth(full) < 0.55
+
+
+@pytest.mark.parametrize("prefix,new", [(0, 7), (5, 10), (40, 300)])
+def test_a_full_layers_sink_as_one_more_sdpa_key_is_the_written_out_softmax(prefix, new):
+    """A full layer's prompt runs as SDPA with the sink as key 0 (``sink_attention``): the same
+    as the sink appended to each row's scores (``extend_attention``, window 0), after a prefix
+    and over more queries than one block (300 > 256), GQA's 4 heads on 2 KV heads."""
+    from moe_overlap.model.window_attention import extend_attention, sink_attention
+
+    gen = torch.Generator().manual_seed(prefix + new)
+    q = torch.randn(2, new, 4, 32, generator=gen)
+    k, v = (torch.randn(2, prefix + new, 2, 32, generator=gen) for _ in range(2))
+    sinks = torch.randn(4, generator=gen) * 3
+    scale = 32**-0.5
+    fused = sink_attention(q, k, v, prefix, scale, sinks, {})
+    written = extend_attention(q, k, v, prefix, 0, scale, 0, sinks)
+    assert max_abs_diff(fused, written) < 1e-5
+    # the sink takes weight: without it the output differs
+    assert max_abs_diff(fused, extend_attention(q, k, v, prefix, 0, scale, 0, None)) > 1e-2

@@ -23,7 +23,7 @@ from moe_overlap.model.layers import (
 from moe_overlap.model.rope import RotaryEmbedding
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear, set_shard
 from moe_overlap.model.window_attention import decode_attention as window_decode
-from moe_overlap.model.window_attention import extend_attention, first_key
+from moe_overlap.model.window_attention import extend_attention, first_key, sink_attention
 
 
 class GQAttention(nn.Module):
@@ -157,9 +157,14 @@ class GQAttention(nn.Module):
             keys = cache.gather(layer, "k", group.slots, group.length, start)
             values = cache.gather(layer, "v", group.slots, group.length, start)
             q_group = q[group.rows].unflatten(0, (-1, group.new))
-            attended = extend_attention(
-                q_group, keys, values, group.prefix, start, scale, window, sinks
-            )
+            if window or sinks is None:
+                attended = extend_attention(
+                    q_group, keys, values, group.prefix, start, scale, window, sinks
+                )
+            else:  # a full layer with sinks: SDPA, the sink one more key
+                attended = sink_attention(
+                    q_group, keys, values, group.prefix, scale, sinks, plan.causal_masks
+                )
             out[group.rows] = attended.flatten(0, 1)
         return out
 

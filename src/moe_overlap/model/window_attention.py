@@ -2,15 +2,17 @@
 
 A query at position p sees the keys at positions ``p - window < pos <= p`` (``window`` 0: every
 key up to p), and its softmax has one more logit per head, the sink, whose weight is dropped:
-``softmax([scores, sink])[:-1] @ V``. SDPA has no sink, so the scores are computed here, over
-blocks of at most ``QUERY_BLOCK`` queries, each over only the keys its window reaches.
+``softmax([scores, sink])[:-1] @ V``. SDPA has no sink, so a windowed layer's scores are
+computed here, over blocks of at most ``QUERY_BLOCK`` queries, each over only the keys its window
+reaches. A full layer's prompt (GPT-OSS: every other layer) runs as SDPA, the sink as one more
+key (``sink_attention``), so a GPU runs it in a fused kernel, never materialising its scores.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_overlap.model.layers import QUERY_BLOCK
+from moe_overlap.model.layers import QUERY_BLOCK, causal_attention
 
 
 def first_key(start: int, window: int) -> int:
@@ -41,6 +43,39 @@ def extend_attention(
         seen = _seen(q_pos[None, :, None], k_pos[None, None, :], window)  # [1, m, keys]
         blocks.append(_attend(q[:, a:b], k[:, lo:hi], v[:, lo:hi], seen, scale, sinks))
     return torch.cat(blocks, dim=1)
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: int,
+    scale: float,
+    sinks: torch.Tensor,
+    masks: dict[tuple[int, int], torch.Tensor],
+) -> torch.Tensor:
+    """Causal attention with a learned sink per query head, as SDPA: ``q [n, new, heads, d]``
+    after ``prefix`` tokens over ``k/v [n, prefix + new, kv_heads, .]``; returns
+    ``[n, new, heads, v_dim]``.
+
+    The sink becomes key 0 of every sequence, seen by every query (the lower-right causal mask
+    over one more key), with a value of zeros: each head's ``q`` gains a column holding its
+    sink, every key a column of 0 there, and the sink key ``1 / scale``, so its score is the
+    sink. Heads are padded to a multiple of 8 (what fused kernels take) and ``v`` to the same
+    width (SDPA's fused kernels want one head size); the pad is dropped from the output.
+    """
+    n, new, heads, d = q.shape
+    length, kv_heads, v_dim = k.shape[1], k.shape[2], v.shape[-1]
+    width = -(-(max(d, v_dim) + 1) // 8) * 8
+    q_ = q.new_zeros(n, new, heads, width)
+    q_[..., :d] = q
+    q_[..., d] = sinks.to(q.dtype)
+    k_ = k.new_zeros(n, 1 + length, kv_heads, width)
+    k_[:, 1:, :, :d] = k
+    k_[:, 0, :, d] = 1 / scale
+    v_ = v.new_zeros(n, 1 + length, kv_heads, width)
+    v_[:, 1:, :, :v_dim] = v
+    return causal_attention(q_, k_, v_, prefix + 1, scale, masks)[..., :v_dim]
 
 
 def decode_attention(
