@@ -57,6 +57,9 @@ SETTINGS = [
     dict(ep=2, overlap="tbo", ep_num_redundant_experts=2, **small),
     dict(ep=2, overlap="sbo", enable_pdmux=True, max_num_batched_tokens=24),
     dict(ep=2, overlap="tbo", page_size=1, **small),
+    dict(ep=2, overlap="dbo", a2a_mode="low_latency", max_num_batched_tokens=128, **small),
+    dict(pp=2, tp=2, ep=2, overlap="dbo", dbo_decode_token_threshold=2, **small),
+    dict(ep=4, overlap="tbo", enable_eplb=True, eplb_window_size=2, a2a_mode="auto"),
 ]
 if "--mtp" in sys.argv:
     SETTINGS += [
