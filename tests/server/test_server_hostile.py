@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -197,9 +198,11 @@ def test_connections_past_the_cap_get_a_json_503(served):
     assert post(served, {"prompt": "hi", "max_tokens": 1})[0] == 200
 
 
-def _serve(model_dir, port: int, *extra: str) -> subprocess.Popen:
+def _serve(model_dir, port: int, *extra: str, group: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-c", SERVE, "serve", "--model", str(model_dir), "--port", str(port)]
-    return subprocess.Popen([*cmd, *extra], stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*cmd, *extra], stderr=subprocess.PIPE, text=True, start_new_session=group
+    )
 
 
 def test_a_port_in_use_is_named_before_the_model_loads(model_dir):
@@ -223,10 +226,13 @@ def test_a_bad_host_is_named_with_its_own_fix():
         assert sock.getsockname()[1] > 0
 
 
-def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir):
+@pytest.mark.parametrize("group", [False, True])
+def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir, group):
     """At ep=2: the server then stops, and its two ranks and their fork server with it. On
-    port 0, it names the port the system chose."""
-    proc = _serve(model_dir, 0, "--shutdown-timeout", "0.3", "--max-num-seqs", "2", "--ep", "2")
+    port 0, it names the port the system chose. ``group``: the SIGTERM reaches the ranks and
+    the fork server too (``timeout``, ``kill -- -PGID``, systemd), which leave it to the server."""
+    args = ("--shutdown-timeout", "0.3", "--max-num-seqs", "2", "--ep", "2")
+    proc = _serve(model_dir, 0, *args, group=group)
     try:
         deadline = time.monotonic() + 60
         while "serving" not in (line := proc.stderr.readline()):
@@ -243,7 +249,10 @@ def test_sigterm_drains_then_ends_streams_and_requests_in_openai_shape(model_dir
         whole = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         whole.request("POST", "/v1/completions", json.dumps(long), JSON)
         time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         late = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         late.request("GET", "/v1/models")

@@ -46,8 +46,11 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
     """Serve ``("step", ...)``, ``("probe", ...)``, ``("experts", action)`` and
     ``("eplb", layers_per_chunk)``, ``("eplb-window",)`` until ``("stop",)`` or the driver
     leaves."""
-    # Ctrl-C in a terminal reaches the whole process group: the driver decides what stops
+    # Ctrl-C in a terminal reaches the whole process group, and so does the SIGTERM of
+    # ``timeout``, ``kill -- -PGID`` or systemd: the driver decides what stops (a server
+    # drains its requests first, which needs its ranks)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(rank.threads)
     _log_to_stderr(rank.rank)
     try:

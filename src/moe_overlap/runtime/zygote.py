@@ -202,7 +202,9 @@ def _reap(pid: int) -> int | None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver to handle
+    # Ctrl-C, and a SIGTERM sent to the whole process group, are for the driver to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # imported here once, so that no forked rank imports torch and the rank code again (and
     # not at the module's top: the driver imports this module for ``zygote()`` alone, which
     # the command line calls before its own import of torch)
