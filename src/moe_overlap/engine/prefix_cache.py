@@ -121,8 +121,9 @@ class PrefixCache:
         self.closed.discard(slot)  # a slot a PD-mux wave's abort freed without ``leave``
         if self.windows is not None:
             self.windows.attach(slot, chain)
-        self.queries += req.total_len
-        self.hits += start
+        if not req.preemptions:  # as vLLM: a victim finding its own pages again is no hit
+            self.queries += req.total_len
+            self.hits += start
         if chain:
             self.ops.attach.append((slot, [page.id for page in chain]))
         if self.states is None or not self.enabled:
