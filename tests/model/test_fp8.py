@@ -285,6 +285,22 @@ def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
             build_model(cfg, path)
 
 
+def test_fp8_weights_without_a_quantization_config_are_refused(fp8, tmp_path):
+    """An FP8 checkpoint whose config.json lost its ``quantization_config`` (or has ``null``
+    or ``{}`` there) is refused, naming the tensor: its FP8 values were read without their
+    scales, and the model ran on wrong weights."""
+    raw = json.loads((fp8["qwen3_moe"] / "config.json").read_text())
+    for case, quant in {"missing": ..., "null": None, "empty": {}}.items():
+        path = tmp_path / case
+        shutil.copytree(fp8["qwen3_moe"], path)
+        config = {k: v for k, v in raw.items() if k != "quantization_config"}
+        if quant is not ...:
+            config["quantization_config"] = quant
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=r"'model\.layers\.0\..*float8_e4m3fn, but "):
+            LLM(path)
+
+
 def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
     """``quant_method: fp8`` without a block size: ``weight_scale`` per tensor or per output
     row; the same tensors as a ``compressed-tensors`` checkpoint. The load log says the weights

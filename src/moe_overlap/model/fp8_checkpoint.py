@@ -117,11 +117,20 @@ def _hub_config(family: str | None, block: tuple[int, int], left: list[str]) -> 
 
 
 def read_fp8(
-    name: str, stored: str, value: torch.Tensor, where: dict[str, Path], quant: Fp8Config
+    name: str, stored: str, value: torch.Tensor, where: dict[str, Path], quant: Fp8Config | None
 ) -> Fp8Tensor | None:
     """Checkpoint tensor ``stored`` (our ``name``), read as ``value``, with its scales when it
     is FP8 (None when it is stored unquantized). A missing scale or a scale grid that does not
-    fit the weight raises ``CheckpointError`` naming both."""
+    fit the weight raises ``CheckpointError`` naming both, as does an 8-bit float tensor in a
+    checkpoint whose config has no ``quantization_config`` (its scales would go unread)."""
+    if quant is None:
+        if value.is_floating_point() and value.element_size() == 1:
+            raise CheckpointError(
+                f"tensor {name!r} is {value.dtype}, but config.json has no quantization_config, "
+                "so its scales would be ignored: restore the checkpoint's quantization_config "
+                '(e.g. {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})'
+            )
+        return None
     scale_name = stored.removesuffix("weight") + quant.scale_suffix
     if scale_name not in where:
         if value.dtype == FP8_DTYPE:

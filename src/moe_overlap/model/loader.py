@@ -119,7 +119,7 @@ def _load_tensor(
             f"tensor {name!r} in {where[stored].name} has shape {tuple(value.shape)}, "
             f"expected {expected} from config.json"
         )
-    fp8 = None if quant is None else read_fp8(name, stored, value, where, quant)
+    fp8 = read_fp8(name, stored, value, where, quant)
     if fp8 is None:
         fill(entry.view, entry.shard, value)
         return
