@@ -125,3 +125,20 @@ def test_a_command_that_forks_ranks_starts_the_fork_server_before_importing_torc
     code = "import sys, moe_overlap.tools.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_an_output_path_that_cannot_be_a_file_is_refused_before_the_run(tmp_path, capsys):
+    """``--json``/``--trace``/``--plot`` naming a directory, or a path under a file, fail as
+    the flags are parsed (exit 2, the path named), not with a traceback after the run."""
+    (tmp_path / "file").write_text("")
+    bench = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--modes", "none"]
+    cases = {
+        ("--json", str(tmp_path)): "is a directory",
+        ("--trace", str(tmp_path / "file" / "t.json")): "cannot be written",
+    }
+    for (flag, path), error in cases.items():
+        for argv in ([*bench, flag, path], ["plan", "--reproduce", flag, path]):
+            with pytest.raises(SystemExit) as exit_:
+                main(argv)
+            assert exit_.value.code == 2
+            assert f"argument {flag}: {path!r} {error}" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
 from moe_overlap.tools.bench_datasets import DATASETS
+from moe_overlap.tools.flags import output_setting
 from moe_overlap.tools.spec_plan_flags import SpeculativePlanFlags
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
@@ -62,19 +63,13 @@ class BenchFlags:
         group="bench",
     )
     repeat: int = setting(5, "timed forwards per mode", group="bench")
-    json: str | None = setting(
-        None, "write every measurement as JSON", metavar="PATH", group="bench"
-    )
-    trace: str | None = setting(
-        None,
+    json: str | None = output_setting("write every measurement as JSON", group="bench")
+    trace: str | None = output_setting(
         "write a Chrome/Perfetto trace: a track per rank and micro-batch, and one per rank for "
         "communication",
-        metavar="PATH",
         group="bench",
     )
-    plot: str | None = setting(
-        None, "draw the timelines of rank 0 as a PNG", metavar="PATH", group="bench"
-    )
+    plot: str | None = output_setting("draw the timelines of rank 0 as a PNG", group="bench")
     compare_dispatch_dtype: bool = setting(
         False,
         "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) "
@@ -104,7 +99,7 @@ class BenchEngineFlags:
     decode_prompt_len: int = setting(16, "decode prompts' tokens")
     new_tokens: int = setting(32, "tokens each decode generates")
     repeats: int = setting(3, "runs per case; the best counts")
-    json: str | None = setting(None, "write the results here", metavar="PATH")
+    json: str | None = output_setting("write the results here")
     cpu_time: bool = setting(
         False,
         "time each run in this process's CPU time, not wall-clock time: on a shared machine "
@@ -224,7 +219,7 @@ class LoadFlags:
     metric_percentiles: str = setting(
         "99", "comma-separated percentiles to report, e.g. 50,90,99", group="load"
     )
-    json: str | None = setting(None, "also write the results here", metavar="PATH", group="load")
+    json: str | None = output_setting("also write the results here", group="load")
 
 
 @dataclass
@@ -283,9 +278,9 @@ class PlanFlags(SpeculativePlanFlags):
         metavar="B")  # fmt: skip
     expert_distribution: str | None = setting(None, 'the routing as recorded, instead: '
         '{"load": [[tokens per expert] per layer]} or the recorder\'s dump', metavar="JSON")  # fmt: skip
-    json: str | None = setting(None, "write the plan in the bench's JSON shape", metavar="PATH")
-    trace: str | None = setting(None, "write the predicted timelines as a trace", metavar="PATH")
-    plot: str | None = setting(None, "draw the predicted timelines of rank 0", metavar="PATH")
+    json: str | None = output_setting("write the plan in the bench's JSON shape")
+    trace: str | None = output_setting("write the predicted timelines as a trace")
+    plot: str | None = output_setting("draw the predicted timelines of rank 0")
 
 
 LOAD_DEFAULTS = {f.name: f.default for f in fields(LoadFlags)}  # a dataset's flags, unmoved

@@ -184,3 +184,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:  # a rank failed, or the link could not be built
         print(f"moe-overlap: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # an output that could not be written after all
+        print(f"moe-overlap: error: {exc}", file=sys.stderr)
+        return 1

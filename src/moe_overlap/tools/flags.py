@@ -11,9 +11,27 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.engine.args import setting
 
 T = TypeVar("T")
 HF_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "architectures")
+
+
+def output_path(text: str) -> str:
+    """A file a command writes (``--json``, ``--trace``, ``--plot``), refused as it is parsed,
+    not after the run: a directory, or a path under a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path in it")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {parent} is a file")
+    return text
+
+
+def output_setting(help: str, **meta: Any) -> Any:
+    """A command's output file: no default, checked by ``output_path``."""
+    return setting(None, help, metavar="PATH", parse=output_path, **meta)
 
 
 def flag_name(name: str) -> str:
