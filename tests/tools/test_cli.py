@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
@@ -142,3 +143,19 @@ def test_an_output_path_that_cannot_be_a_file_is_refused_before_the_run(tmp_path
                 main(argv)
             assert exit_.value.code == 2
             assert f"argument {flag}: {path!r} {error}" in capsys.readouterr().err
+
+
+def test_a_checkpoint_a_rank_refuses_is_one_error_line_at_every_ep(tmp_path, capsys):
+    """A bad checkpoint is refused with exit 2 and the loader's message alone at --ep 2 too,
+    where a rank finds it: not exit 1 with the rank's traceback appended."""
+    assert main(["make-model", "--hf-config", CONFIG, "--out", str(tmp_path)]) == 0
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, str(weights))
+    capsys.readouterr()
+    for ep in ("1", "2"):
+        assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--ep", ep]) == 2
+        err = capsys.readouterr().err
+        assert "'model.layers.1.self_attn.q_proj.weight' is missing from the checkpoint" in err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -36,6 +36,11 @@ class RankFailure(RuntimeError):
     """A rank raised or died; the engine has been stopped."""
 
 
+class RankRefusal(RankFailure, ValueError):
+    """A rank refused its settings or checkpoint (``ConfigError``, ``CheckpointError``): the
+    message names the fault and its fix, so it comes without the rank's traceback."""
+
+
 @contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
     """Hold Ctrl-C until the block ends, so no message is half sent or read and lost."""
@@ -170,7 +175,9 @@ class SpawnedExecutor(Executor):
                         self._fail(self._death(r))
                     if msg[0] == "error":
                         stuck = self._stuck(msg, [p for p in pending if p != r])
-                        self._fail(f"{stuck}rank {msg[1]} raised {msg[2]}\n{msg[3]}")
+                        trace = f"\n{msg[3]}" if msg[3] else ""
+                        why = f"{stuck}rank {msg[1]} raised {msg[2]}{trace}"
+                        self._fail(why, refusal=not msg[3])
                     replies[r] = msg[1]
                 elif self.procs[r].pidfd in ready:
                     self._fail(self._death(r))
@@ -223,7 +230,7 @@ class SpawnedExecutor(Executor):
         shown = "unknown: the fork server died before it" if code == EXIT_UNKNOWN else code
         return f"rank {r} died (exit code {shown})"
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, refusal: bool = False) -> None:
         # a rank that died is the cause; the others' collective errors are its echo, and may
         # arrive while the killed process is still being torn down: look for a second
         deadline = time.monotonic() + (0.0 if "stopped answering" in why else _DEATH_GRACE_S)
@@ -235,7 +242,7 @@ class SpawnedExecutor(Executor):
         if dead and "stopped answering" not in why and not why.startswith(f"rank {dead[0]} "):
             why = f"{self._death(dead[0])}; then {why}"
         self.close()
-        raise RankFailure(why)
+        raise (RankRefusal if refusal else RankFailure)(why)
 
     def close(self) -> None:
         """Stop every rank (politely, then by force) and remove the link."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.core.engine_config import EngineSpec
+from moe_overlap.core.errors import CheckpointError, ConfigError
 from moe_overlap.distributed.comm import CollectiveAborted, CollectiveTimeout
 from moe_overlap.distributed.netns import enter_netns
 from moe_overlap.overlap.baton import DboStall
@@ -83,7 +84,9 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
         pass  # the driver went away; just exit
     except BaseException as exc:  # report anything, then die: the driver stops every rank
         with contextlib.suppress(OSError):
-            conn.send(("error", rank.rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            refusal = isinstance(exc, ConfigError | CheckpointError)  # named: no traceback
+            trace = "" if refusal else traceback.format_exc()
+            conn.send(("error", rank.rank, f"{type(exc).__name__}: {exc}", trace))
         if isinstance(exc, STUCK):  # a thread may still sit in a collective: tearing the
             os._exit(1)  # group down could wait on it, so leave now (reported above)
     finally:
