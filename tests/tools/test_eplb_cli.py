@@ -49,3 +49,17 @@ def test_bad_inputs_are_named(tmp_path):
     bad.write_text(json.dumps({"physical_to_logical": [[0, 0, 1, 2]]}))
     with pytest.raises(ConfigError, match="two replicas of one expert on rank 0"):
         initial_placement(str(bad), PlacementShape(3, 4, 2), 1)
+
+
+def test_a_distribution_with_no_layers_is_refused_by_every_reader(tmp_path, capsys):
+    """``{"load": []}`` is an error naming the file in eplb-placement and plan, not an
+    IndexError or a ZeroDivisionError traceback."""
+    dist = tmp_path / "empty.json"
+    dist.write_text(json.dumps({"load": []}))
+    plan = ["plan", "--hf-config", "configs/qwen3-30b-a3b.json", "--cluster", "1x8-h100"]
+    for argv in (
+        ["eplb-placement", "--distribution", str(dist), "--out", str(tmp_path / "p.json")],
+        [*plan, "--ep", "8", "--workload", "decode:8:128", "--expert-distribution", str(dist)],
+    ):
+        assert main(argv) == 2
+        assert f"EPLB file {dist}: want {{'load'" in capsys.readouterr().err

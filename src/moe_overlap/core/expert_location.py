@@ -24,8 +24,10 @@ def read_json(path: str, key: str) -> list[list]:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"EPLB file {path}: {e}") from None
     rows = data.get(key) if isinstance(data, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, list) and r for r in rows):
-        raise ConfigError(f"EPLB file {path}: want {{{key!r}: [[...] per layer]}}")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
+        raise ConfigError(
+            f"EPLB file {path}: want {{{key!r}: [[...] per layer]}} with at least one layer"
+        )
     return rows
 
 
