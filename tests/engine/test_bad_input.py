@@ -144,6 +144,13 @@ def test_probe_link_arguments_exit_2_with_one_line(capsys, args, message):
     assert run_cli(capsys, "probe-link", *args) == (2, [f"moe-overlap: error: {message}"])
 
 
+def test_probe_link_runs_outside_the_repository(tmp_path, monkeypatch, capsys):
+    """Its default model is the repository's config, found from any directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["probe-link", "--ep", "2", "--mib", "0.01", "--repeat", "1"]) == 0
+    assert "all-to-all of 0.01 MiB per rank over 2 ranks" in capsys.readouterr().out
+
+
 def test_bench_workload_longer_than_the_context_fails_at_once(capsys):
     start = time.monotonic()
     code, err = run_cli(

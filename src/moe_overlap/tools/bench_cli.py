@@ -50,7 +50,8 @@ from moe_overlap.tools.flags import add_fields
 from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
-PROBE_CONFIG = "configs/qwen3-moe-tiny.json"
+PROBE_CONFIG = "configs/qwen3-moe-tiny.json"  # the repository's, wherever the command runs
+REPO = Path(__file__).resolve().parents[3]
 PROBE_LAYOUT = (
     "ep",
     "timeout",
@@ -71,7 +72,9 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
     spec = parse_link(args.link)
-    with LLM(**engine_kwargs(args) | {"hf_config": args.hf_config or PROBE_CONFIG}) as llm:
+    with LLM(
+        **engine_kwargs(args) | {"hf_config": args.hf_config or str(REPO / PROBE_CONFIG)}
+    ) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
         max(ts) for ts in zip(*per_rank, strict=True)
