@@ -12,6 +12,7 @@ from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.distributed import netns
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.tools.bench_serve import free_port
 from moe_overlap.tools.cli import forks_ranks, main
 from moe_overlap.tools.commands import build_parser
 
@@ -159,3 +160,22 @@ def test_a_checkpoint_a_rank_refuses_is_one_error_line_at_every_ep(tmp_path, cap
         err = capsys.readouterr().err
         assert "'model.layers.1.self_attn.q_proj.weight' is missing from the checkpoint" in err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_serve_base_url_is_checked_and_an_unreachable_server_named(capsys):
+    """A --base-url that is no http(s) URL is refused as it is parsed (it connected to
+    127.0.0.1:80 before); a server that cannot be reached is one error line naming it, not a
+    ConnectionRefusedError traceback."""
+    load = ["bench-serve", "--num-requests", "1", "--output-len", "1", "--vocab-size", "100"]
+    for bad in ("notaurl", "ftp://host", "http://127.0.0.1:99999"):
+        with pytest.raises(SystemExit) as exit_:
+            main([*load, "--base-url", bad])
+        assert exit_.value.code == 2
+        assert (
+            f"argument --base-url: {bad!r}: want http(s)://HOST[:PORT]" in capsys.readouterr().err
+        )
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main([*load, "--base-url", url]) == 1
+    err = capsys.readouterr().err
+    assert f"moe-overlap: error: cannot reach the server at {url}: " in err
+    assert "Traceback" not in err

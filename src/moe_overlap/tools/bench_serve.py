@@ -139,13 +139,14 @@ def served_model(target: Target) -> str:
     conn = target.connection(timeout=30)
     try:
         conn.request("GET", target.path("/v1/models"), headers=target.headers())
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            raise ConnectionError(f"{target.base_url}/v1/models: HTTP {resp.status} {body[:200]!r}")
-        return json.loads(body)["data"][0]["id"]
+        status, body = (resp := conn.getresponse()).status, resp.read()
+    except (OSError, http.client.HTTPException) as exc:  # named: not a bare "refused"
+        raise ConnectionError(f"cannot reach the server at {target.base_url}: {exc}") from None
     finally:
         conn.close()
+    if status != 200:
+        raise ConnectionError(f"{target.base_url}/v1/models: HTTP {status} {body[:200]!r}")
+    return json.loads(body)["data"][0]["id"]
 
 
 def cache_hit_rate(target: Target) -> float | None:

@@ -12,7 +12,7 @@ from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
 from moe_overlap.tools.bench_datasets import DATASETS
-from moe_overlap.tools.flags import output_setting
+from moe_overlap.tools.flags import output_setting, server_url
 from moe_overlap.tools.spec_plan_flags import SpeculativePlanFlags
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
@@ -125,6 +125,7 @@ class LoadFlags:
         "ours; the model flags then only give the vocabulary for random prompts",
         metavar="URL",
         group="load",
+        parse=server_url,
     )
     api_key: str | None = setting(None, "sent as a Bearer token", metavar="KEY", group="load")
     served_model_name: str | None = setting(

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.args import setting
@@ -26,6 +27,20 @@ def output_path(text: str) -> str:
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {parent} is a file")
+    return text
+
+
+def server_url(text: str) -> str:
+    """``--base-url``: an http(s) URL with a host (and a valid port, if any)."""
+    try:
+        url = urlsplit(text)
+        ok = url.scheme in ("http", "https") and url.hostname and (url.port or 0) >= 0
+    except ValueError:  # a port out of range, an unclosed IPv6 bracket
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want http(s)://HOST[:PORT], e.g. http://127.0.0.1:8000"
+        )
     return text
 
 
