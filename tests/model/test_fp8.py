@@ -301,6 +301,15 @@ def test_fp8_weights_without_a_quantization_config_are_refused(fp8, tmp_path):
             LLM(path)
 
 
+def test_a_malformed_compressed_tensors_config_is_refused_by_name():
+    """config_groups or a group that is no JSON object is refused with the method's message,
+    not an AttributeError from reading it."""
+    base = {"quant_method": "compressed-tensors", "format": "float-quantized"}
+    for groups in ([1], {"group_0": "x"}, {"group_0": {"weights": "x"}}, "x"):
+        with pytest.raises(ConfigError, match="quant_method='compressed-tensors' with format="):
+            quant_config_of({"quantization_config": base | {"config_groups": groups}}, "ckpt")
+
+
 def test_per_tensor_and_per_channel_scales_load(fp8, tmp_path, caplog):
     """``quant_method: fp8`` without a block size: ``weight_scale`` per tensor or per output
     row; the same tensors as a ``compressed-tensors`` checkpoint. The load log says the weights

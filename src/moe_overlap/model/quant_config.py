@@ -73,8 +73,10 @@ def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
 def _compressed_tensors(quant: dict[str, Any], where: str) -> Fp8Config:
     """llm-compressor's layout: one config group of 8-bit float weights, each ``X.weight``
     beside ``X.weight_scale`` (per tensor, per channel or per block)."""
-    groups = list((quant.get("config_groups") or {}).values())
-    weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+    groups = quant.get("config_groups") or {}
+    groups = list(groups.values()) if isinstance(groups, dict) else [groups]  # any shape: named
+    weights = groups[0].get("weights") if len(groups) == 1 and isinstance(groups[0], dict) else {}
+    weights = weights if isinstance(weights, dict) else {}
     fmt, strategy = quant.get("format"), weights.get("strategy")
     fp8 = weights.get("type") == "float" and weights.get("num_bits") == 8
     if fmt != "float-quantized" or not fp8 or strategy not in ("tensor", "channel", "block"):
