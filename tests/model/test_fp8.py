@@ -264,8 +264,10 @@ def test_bad_checkpoints_get_named_errors(fp8, tmp_path):
         )
         with pytest.raises(ConfigError, match=error):
             LLM(tmp_path / case)
-    with pytest.raises(ConfigError, match="--quantization fp8 needs an FP8 checkpoint"):
+    with pytest.raises(ConfigError, match="needs an FP8 checkpoint, and --hf-config .* seeds"):
         LLM(hf_config="configs/qwen3-moe-tiny.json", quantization="fp8")
+    with pytest.raises(ConfigError, match=r"Load a bf16 checkpoint, or plan"):  # no fix to add
+        LLM(tmp_path / "awq")
     tensors = load_file(str(source / "model.safetensors"))
     scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
     bad = {

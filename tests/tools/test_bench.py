@@ -73,6 +73,7 @@ def test_bad_file_contents(tmp_path):
         ('{"a": 1}', "must hold a non-empty JSON list"),
         ("[1, -3]", "positive"),
         ("[[1], [2], [3]]", "3 per-rank lists for 2 ranks"),
+        ("[100]", "1 lengths cannot be dealt to 2 ranks"),
         ("[1,", "not valid JSON"),
     ):
         path.write_text(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.distributed import netns
 from moe_overlap.engine.engine_args import EngineArgs
 from moe_overlap.tools.bench_serve import free_port
+from moe_overlap.tools.bench_serve_cli import _rates
 from moe_overlap.tools.cli import forks_ranks, main
-from moe_overlap.tools.commands import build_parser
+from moe_overlap.tools.commands import build_parser, parse_ids
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -66,6 +68,11 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "outside the vocabulary" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+    out = str(tmp_path / "m")
+    assert main(["make-model", "--hf-config", CONFIG, "--out", out, "--fp8-block", "32"]) == 2
+    assert "--fp8-block 32,32 needs --quantize fp8" in capsys.readouterr().err
+    assert main(["probe-link", "--ep", "2", "--mib", "1e9"]) == 2  # refused before any rank
+    assert "lower --mib" in capsys.readouterr().err
 
 
 def test_cleanup_says_which_namespaces_it_could_not_remove(tmp_path, monkeypatch, capsys):
@@ -179,3 +186,12 @@ def test_bench_serve_base_url_is_checked_and_an_unreachable_server_named(capsys)
     err = capsys.readouterr().err
     assert f"moe-overlap: error: cannot reach the server at {url}: " in err
     assert "Traceback" not in err
+
+
+def test_an_empty_item_in_a_comma_list_is_refused_not_dropped():
+    assert parse_ids("1, 2,3") == [1, 2, 3]
+    with pytest.raises(argparse.ArgumentTypeError, match="'1,2,,3'"):
+        parse_ids("1,2,,3")
+    assert _rates("1, 4,inf") == [1.0, 4.0, float("inf")]
+    with pytest.raises(ConfigError, match="'1,,2'"):
+        _rates("1,,2")

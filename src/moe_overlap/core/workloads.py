@@ -142,6 +142,11 @@ def _from_file(path: Path, ranks: int, spec: str) -> list[list[int]]:
             raise WorkloadError(f"workload {spec!r}: {len(data)} per-rank lists for {ranks} ranks")
         per_rank = data
     else:
+        if len(data) < ranks:
+            raise WorkloadError(
+                f"workload {spec!r}: {len(data)} lengths cannot be dealt to {ranks} ranks (each "
+                "needs at least one); give one per rank or more, or per-rank lists"
+            )
         per_rank = [[] for _ in range(ranks)]
         for n in data:  # the minimum-tokens DP controller
             min(per_rank, key=sum).append(n)

@@ -97,7 +97,8 @@ class LLM(ExpertRecorder):
             assert source is not None  # model_source gives one of the two
             cfg = ModelConfig.from_hf(source)
             quant = quant_config_of(read_json(model), model) if model is not None else None
-            check_quantization(args.quantization, quant, source)  # before any rank starts
+            # before any rank starts
+            check_quantization(args.quantization, quant, source, seeded=model is None)
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
         self._next_id = 0

@@ -50,12 +50,12 @@ def quant_config_of(raw: dict[str, Any], where: str) -> Fp8Config | None:
     if method == COMPRESSED_TENSORS and isinstance(quant, dict):
         return _compressed_tensors(quant, where)
     if method != FP8 or not isinstance(quant, dict):
-        fix = _FIXES.get(str(method), "use a bf16 checkpoint")
+        fix = f" ({_FIXES[str(method)]})" if str(method) in _FIXES else ""
         raise ConfigError(
             f"{where}: config.json has quantization_config quant_method={method!r}; only "
             f"{FP8!r} (block, per-channel or per-tensor float8_e4m3fn) and "
-            f"{COMPRESSED_TENSORS!r} (float-quantized) are supported. Load a bf16 checkpoint "
-            f"({fix}), or plan with --hf-config and random weights"
+            f"{COMPRESSED_TENSORS!r} (float-quantized) are supported. Load a bf16 checkpoint"
+            f"{fix}, or plan with --hf-config and random weights"
         )
     fmt = quant.get("fmt", "e4m3")
     if fmt not in _FORMATS:
@@ -104,16 +104,22 @@ def _block(block: Any, key: str, where: str) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def check_quantization(asked: str | None, quant: Fp8Config | None, where: str) -> None:
-    """``--quantization``: implied by the checkpoint, and refused where it disagrees."""
+def check_quantization(
+    asked: str | None, quant: Fp8Config | None, where: str, seeded: bool = False
+) -> None:
+    """``--quantization``: implied by the checkpoint, and refused where it disagrees.
+    ``seeded``: ``where`` is a config.json whose weights are seeded (never FP8)."""
     if asked is None or (asked == FP8 and quant is not None):
         return
     if asked not in QUANTIZATIONS:
         raise ConfigError(f"--quantization={asked!r} must be one of {', '.join(QUANTIZATIONS)}")
+    has = (
+        f"--hf-config {where} seeds its weights in the run dtype" if seeded else f"{where} has none"
+    )
     raise ConfigError(
-        f"--quantization {asked} needs an FP8 checkpoint, and {where} has none (online "
-        "quantization of bf16 weights is not implemented): drop --quantization, or write one "
-        "with make-model --quantize fp8"
+        f"--quantization {asked} needs an FP8 checkpoint, and {has} (online quantization of "
+        "bf16 weights is not implemented): drop --quantization, or write an FP8 checkpoint "
+        "with make-model --quantize fp8 and give it as --model"
     )
 
 

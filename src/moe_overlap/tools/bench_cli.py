@@ -15,6 +15,7 @@ from moe_overlap.core.a2a_mode import A2AMode, DispatchDtype, step_a2a_mode
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.hf_config import read_json
+from moe_overlap.core.kv_budget import available_ram
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.mode_labels import DEFAULT_LABELS
 from moe_overlap.core.model_config import ModelConfig
@@ -71,6 +72,12 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
         raise ConfigError(f"--mib={args.mib:g} must be positive")
     if args.repeat < 1:
         raise ConfigError(f"--repeat={args.repeat} must be >= 1")
+    held, free = 2 * args.ep * args.mib * 2**20, available_ram()  # every rank sends, receives
+    if args.device == "cpu" and free is not None and held > free:
+        raise ConfigError(
+            f"--mib={args.mib:g}: {args.ep} ranks' send and receive buffers take "
+            f"{held / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free; lower --mib"
+        )
     spec = parse_link(args.link)
     with LLM(
         **engine_kwargs(args) | {"hf_config": args.hf_config or str(REPO / PROBE_CONFIG)}

@@ -291,7 +291,7 @@ def _title(args: argparse.Namespace) -> str:
 
 def _rates(text: str) -> list[float]:
     try:
-        rates = [float(r) for r in text.split(",") if r.strip()]
+        rates = [float(r) for r in text.split(",")]  # an empty item is refused, not dropped
     except ValueError:
         raise ConfigError(f"--rates {text!r} must be comma-separated numbers, e.g. 1,4") from None
     if not rates or not all(r > 0 for r in rates):

@@ -30,7 +30,7 @@ from moe_overlap.tools.serve_cli import add_serve_commands
 
 def parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return [int(t) for t in text.split(",")]  # an empty item is no id: refused, not dropped
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3"

@@ -18,6 +18,7 @@ from moe_overlap.tools.flags import add_fields
 
 CHECKPOINT_FILES = ("config.json", "tokenizer.json")
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin")
+HUB_BLOCK = "128,128"  # --fp8-block's default, the Hub's
 
 
 def checkpoint_files(out: Path) -> list[str]:
@@ -56,7 +57,7 @@ class MakeModelFlags:
         False, "replace a checkpoint already in --out (else it is refused: nothing is lost)"
     )
     fp8_block: str = setting(
-        "128,128",
+        HUB_BLOCK,
         "with --quantize fp8: rows,cols of one scale block (the Hub's 128,128); a tiny "
         "model's dims are far below 128, so its tests use e.g. 32",
         parse=parse_block,
@@ -65,6 +66,9 @@ class MakeModelFlags:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    if args.quantize != FP8 and args.fp8_block != parse_block(HUB_BLOCK):
+        block = ",".join(map(str, args.fp8_block))
+        raise ConfigError(f"--fp8-block {block} needs --quantize fp8 (without it nothing is cut)")
     held = checkpoint_files(Path(args.out))
     if held and not args.overwrite:
         raise ConfigError(
