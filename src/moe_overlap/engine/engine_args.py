@@ -92,8 +92,9 @@ class CapacityArgs:
         "prefix caching (vLLM's automatic prefix caching, SGLang's radix cache): a request "
         "whose tokens start with full KV pages cached from earlier or running requests reuses "
         "them and prefills only the rest; pages no request holds stay cached until the pool "
-        "needs them (least recently used first). Off for hybrid linear-attention models and "
-        "with --enable-pdmux, with the reason logged. --no-enable-prefix-caching or SGLang's "
+        "needs them (least recently used first). Hybrid linear-attention models keep their "
+        "recurrent state at a few cached page boundaries, where a hit ends (docs/serving.md). "
+        "--no-enable-prefix-caching or SGLang's "
         "--disable-radix-cache turn it off (on by default, as in both)",
         negations=("--disable-radix-cache",),
         group="capacity",

@@ -27,7 +27,8 @@ What the graph holds must never read the device from the host: the dispatch's co
 the device, which the local backend's grouped GEMM allows (bf16 on sm90+, one rank). Every
 other step runs eagerly, as before: prefill and mixed steps, other backends, linear-attention
 layers (their state cache indexes by the host's slots), pipeline stages, PD multiplexing,
-recorded steps, SBO and auto, and a low-latency step whose padded micro-batches would pass
+recorded steps, auto, SBO over the normal dispatch (SBO over the low-latency one is graphed),
+and a low-latency step whose padded micro-batches would pass
 ``--num-max-dispatch-tokens-per-rank``.
 
 TBO's micro-batches run one after the other on the capturing stream. DBO's run on two threads,

@@ -38,7 +38,8 @@ class ServerSettings:
     port: int = setting(8000, "port to listen on", group="server")
     api_key: str | None = setting(
         None,
-        "require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise)",
+        "require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics, /version, "
+        "/docs and /openapi.json (401 otherwise)",
         metavar="KEY",
         group="server",
     )
