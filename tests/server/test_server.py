@@ -182,6 +182,23 @@ def test_stop_strings_reach_the_engine(served):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_token_id_is_in_the_token_ids_but_not_the_text(served, offline):
+    """vLLM's and SGLang's rule, as for EOS: the id that stopped the output is kept in its ids,
+    its text is not in the answer's text, whole or streamed."""
+    client = served.client()
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[4], **GREEDY).choices[0]
+    ids = whole.model_extra["token_ids"]
+    stop_id = next(t for t in ids[2:] if offline.tokenizer.decode([t]).strip())
+    kept = ids[: ids.index(stop_id) + 1]
+    body = dict(model="tiny", prompt=PROMPTS[4], temperature=0, max_tokens=6)
+    extra = {"ignore_eos": True, "stop_token_ids": [stop_id]}
+    cut = client.completions.create(**body, extra_body=extra).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["token_ids"] == kept
+    assert cut.text == offline.tokenizer.decode(kept[:-1])
+    chunks = list(client.completions.create(**body, extra_body=extra, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut.text
+
+
 def test_32_concurrent_requests_equal_offline_generate(served, offline):
     client = served.client()
 

@@ -51,8 +51,9 @@ class FinishRule:
         token = req.output_ids[-1]
         if not req.params.ignore_eos and self.eos is not None and token == self.eos:
             return "eos"
-        stopped = req.text is not None and req.text.push(token)  # every token goes to the text
-        if stopped or token in (req.params.stop_token_ids or []):
+        if token in (req.params.stop_token_ids or []):
+            return "stop"  # kept in the ids, not in the text (as vLLM and SGLang, like EOS)
+        if req.text is not None and req.text.push(token):  # the other tokens go to the text
             return "stop"
         if req.constraint is not None and req.constraint.done:  # its grammar took its stop token
             return "stop"

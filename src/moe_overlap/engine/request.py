@@ -36,7 +36,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] | str | None = None  # strings that end the output (needs a tokenizer)
-    stop_token_ids: list[int] | None = None  # token ids that end the output (kept in it)
+    stop_token_ids: list[int] | None = None  # ids that end the output (in its ids, not its text)
     # log-probabilities of each generated token and of the ``logprobs`` likeliest (0-20)
     logprobs: int | None = None
     # log-probabilities of each prompt token after the first given the ones before it (and of
