@@ -173,6 +173,44 @@ def test_streams_add_up_to_the_whole_answer(served):
     assert content == whole.choices[0].message.content
 
 
+def test_continuous_usage_stats_puts_each_choices_usage_in_every_chunk(served, offline):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage
+    so far; it was silently ignored."""
+    client = served.client()
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [PROMPTS[5], PROMPTS[6][:9]]
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompts, n=2, stream=True, stream_options=options, **GREEDY
+        )
+    )
+    *deltas, last = chunks
+    lengths = [len(offline.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    seen = [0] * 4
+    for c in deltas:
+        (choice,) = c.choices
+        seen[choice.index] += len(choice.model_extra["token_ids"])
+        want = (lengths[choice.index // 2], seen[choice.index])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == want
+        assert c.usage.total_tokens == sum(want)
+    assert seen == [6] * 4 and last.usage.completion_tokens == 24 and not last.choices
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, stream=True, stream_options=options, **GREEDY
+        )
+    )
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3, 4, 5, 6, 6]
+    plain = client.completions.create(
+        model="tiny",
+        prompt=prompts[0],
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    assert [c.usage is None for c in plain] == [True] * 6 + [False]
+
+
 def test_stop_strings_reach_the_engine(served):
     client = served.client()
     whole = client.completions.create(model="tiny", prompt=PROMPTS[3], **GREEDY).choices[0]

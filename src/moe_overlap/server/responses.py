@@ -80,6 +80,7 @@ class Formatter:
         self.token_text = token_text or TokenText(None)
         self._streamed_chars: dict[int, int] = {}  # per choice: its token strings' length
         self.answer: ChatAnswer | None = None  # a chat's reasoning or tool calls, where asked
+        self.continuous_usage = False  # vLLM's continuous_usage_stats: usage in every chunk
 
     def choices(self) -> list[Choice]:
         return [Choice() for _ in range(len(self.prompt_tokens) * self.per_prompt)]
@@ -156,10 +157,21 @@ class Formatter:
             choice_body = {"index": index, "delta": part, "finish_reason": reason}
             logprobs = self._logprobs(entries, offset) if delta else None
             body = {**choice_body, "logprobs": logprobs, "token_ids": ids}
-            return sse(self._envelope("chat.completion.chunk", [body]))
+            return self._chunk_event("chat.completion.chunk", body, choice)
         body = {"index": index, "text": text, "finish_reason": reason, "token_ids": ids}
         logprobs = self._logprobs(entries, offset)
-        return sse(self._envelope("text_completion", [{**body, "logprobs": logprobs}]))
+        return self._chunk_event("text_completion", {**body, "logprobs": logprobs}, choice)
+
+    def _chunk_event(self, name: str, body: dict, choice: Choice | None) -> str:
+        """A chunk of one choice; with ``continuous_usage`` it carries that choice's usage so
+        far (vLLM's: its prompt's tokens and its own generated ones)."""
+        envelope = self._envelope(name, [body])
+        if self.continuous_usage:
+            prompt = self.prompt_tokens[body["index"] // self.per_prompt]
+            completion = len(choice.token_ids) if choice is not None else 0
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+            envelope["usage"] = {**usage, "total_tokens": prompt + completion}
+        return sse(envelope)
 
     def usage_chunk(self, choices: list[Choice]) -> str:
         name = "chat.completion.chunk" if self.chat else "text_completion"

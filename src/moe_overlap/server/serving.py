@@ -82,7 +82,9 @@ async def serve(
     k = fmt.per_prompt
     timed = metrics.request(fmt.id)
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        usage = bool(options and options.include_usage)
+        fmt.continuous_usage = usage and bool(options and options.continuous_usage_stats)
         events = _events(sub, fmt, len(params) * k, usage, request, timed)
         return StreamingResponse(events, media_type="text/event-stream")
     choices = fmt.choices()
