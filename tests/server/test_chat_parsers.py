@@ -73,6 +73,38 @@ def test_streamed_in_any_chunks_the_calls_and_text_are_the_whole_answers(sizes):
     )
 
 
+BROKEN = (
+    'Sure. <tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+    '<tool_call>{"name": oops}</tool_call> then <tool_call>{"name": "now"}</tool_call>'
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=40))
+def test_a_block_that_does_not_parse_after_a_call_is_text_whole_as_streamed(sizes):
+    """The calls before it stay calls and it and all after it are text, as the stream (which
+    sent the first call already) has it; the whole answer made all of it text."""
+    want = ("Sure. " + BROKEN[BROKEN.index("\n") :], [("now", "{}")])
+    assert split_calls(BROKEN) == want
+    assert streamed(HermesStream(), BROKEN, sizes) == want
+
+
+def test_a_call_sent_before_a_broken_block_ends_the_stream_as_tool_calls():
+    """Streamed in one delta, the call counted: finish_reason 'tool_calls' (it was 'stop')."""
+    calling = tool_calling(TOOLS, "auto", parser="hermes")
+    assert calling is not None
+    fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
+    fmt.answer = ChatAnswer(calling)
+    (choice,) = fmt.choices()
+    delta = _delta(BROKEN, "eos")
+    fmt.add(choice, 0, delta)
+    (part,) = json.loads(fmt.chunk(0, delta, choice)[len("data: ") :])["choices"]
+    whole = fmt.whole([choice])["choices"][0]
+    assert part["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    assert [t["function"]["name"] for t in part["delta"]["tool_calls"]] == ["now"]
+    assert [t["function"]["name"] for t in whole["message"]["tool_calls"]] == ["now"]
+
+
 def _delta(text: str, reason: str | None = None) -> Delta:
     return Delta(0, [1], text, prompt_tokens=3, completion_tokens=1, finish_reason=reason)
 

@@ -5,8 +5,9 @@ calls back out of the text, whole and streamed.
 
 Streamed, the text before the first call goes out as it comes (holding back what may be the
 start of ``<tool_call>``), and each call goes out whole once its ``</tool_call>`` arrives (an
-unclosed one at the end, if it parses). A call whose JSON does not parse is text. What follows
-the calls is dropped, as vLLM's parser drops it.
+unclosed one at the end, if it parses). A call whose JSON does not parse is text, and so is
+all after it (the calls before it stay calls, whole as streamed). What follows the calls is
+dropped, as vLLM's parser drops it.
 """
 
 from __future__ import annotations
@@ -46,15 +47,20 @@ def _blocks(text: str, start: int, finished: bool) -> list[tuple[str, int]]:
 
 
 def split_calls(text: str) -> tuple[str, list[Call]] | None:
-    """The text before the calls and the calls (an unclosed last one included), or None when
-    ``text`` holds no call that parses (then all of it is the answer's text)."""
+    """The text beside the calls and the calls (an unclosed last one included), or None when
+    ``text`` opens with no call that parses (then all of it is the answer's text). As a stream
+    sends them: the calls before the first block that does not parse, and that block and all
+    after it as text, following the text before the first call."""
     start = text.find(OPEN)
-    if start < 0:
-        return None
-    calls = [read_call(body) for body, _ in _blocks(text, start, finished=True)]
-    if not calls or any(c is None for c in calls):
-        return None
-    return text[:start], [c for c in calls if c is not None]
+    calls: list[Call] = []
+    end = start
+    for body, block_end in _blocks(text, start, finished=True) if start >= 0 else []:
+        call = read_call(body)
+        if call is None:
+            return (text[:start] + text[end:], calls) if calls else None
+        calls.append(call)
+        end = block_end
+    return (text[:start], calls) if calls else None
 
 
 @dataclass
@@ -78,7 +84,7 @@ class HermesStream:
         for body, end in _blocks(whole, start, finished)[self.calls :]:
             call = read_call(body)
             if call is None:  # not a call after all: the rest is text
-                self.failed = True
+                self.failed, self.calls = True, self.calls + len(calls)
                 rest, self.sent = whole[self.sent :], len(whole)
                 return text + rest, calls
             calls.append(call)
