@@ -105,6 +105,26 @@ def test_six_bad_values_are_400s_naming_the_field(served):
 
 
 @pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_values_the_engine_refuses_name_the_field_in_param(served, extra, field):
+    """The engine's own checks set the error's ``param`` too (it was null, the field named
+    only in the message)."""
+    code, reply = post(served, {"prompt": "hi", "max_tokens": 4, **extra})
+    assert code == 400 and reply["error"]["param"] == field, reply
+    assert field in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize(
     "field, value",
     [
         ("temperature", True),

@@ -17,13 +17,14 @@ def check_candidates(params: SamplingParams) -> int:
     """How many requests the prompt becomes; refuses a bad ``n``/``best_of`` by name."""
     n, best_of = params.n, params.best_of
     if not is_int(n) or n < 1:
-        raise InvalidRequestError(f"n={n!r} must be an integer >= 1")
+        raise InvalidRequestError(f"n={n!r} must be an integer >= 1", "n")
     if best_of is None:
         best_of = n
     if not is_int(best_of) or best_of < n:
-        raise InvalidRequestError(f"best_of={best_of!r} must be an integer >= n={n}")
+        raise InvalidRequestError(f"best_of={best_of!r} must be an integer >= n={n}", "best_of")
     if best_of > MAX_CANDIDATES:
-        raise InvalidRequestError(f"best_of={best_of} (or n) must be at most {MAX_CANDIDATES}")
+        message = f"best_of={best_of} (or n) must be at most {MAX_CANDIDATES}"
+        raise InvalidRequestError(message, "best_of")
     return best_of
 
 

@@ -27,18 +27,19 @@ def listed(name: str, value: object, kind: type) -> list:
     if kind is str and isinstance(value, str):
         return [value]
     if not isinstance(value, list | tuple):
-        raise InvalidRequestError(f"{name}={value!r:.40} must be a list of {kind.__name__}s")
+        raise InvalidRequestError(f"{name}={value!r:.40} must be a list of {kind.__name__}s", name)
     return list(value)
 
 
 def check_integer(name: str, value: object, minimum: int, note: str = "") -> None:
     if not is_int(value) or value < minimum:
-        raise InvalidRequestError(f"{name}={value!r} must be an integer >= {minimum}{note}")
+        message = f"{name}={value!r} must be an integer >= {minimum}{note}"
+        raise InvalidRequestError(message, name.split("[")[0])
 
 
 def check_number(name: str, value: object) -> None:
     if not is_finite_number(value):
-        raise InvalidRequestError(f"{name}={value!r} must be a finite number")
+        raise InvalidRequestError(f"{name}={value!r} must be a finite number", name.split("[")[0])
 
 
 def token_ids(where: str, prompt: object) -> list[int]:

@@ -57,7 +57,8 @@ class SamplingParams:
         self.stop = listed("stop", self.stop, str)
         bad = [s for s in self.stop if not isinstance(s, str) or not s]
         if bad:
-            raise InvalidRequestError(f"stop={bad[0]!r}: stop strings must be non-empty strings")
+            message = f"stop={bad[0]!r}: stop strings must be non-empty strings"
+            raise InvalidRequestError(message, "stop")
         self.stop_token_ids = listed("stop_token_ids", self.stop_token_ids, int)
         for t in self.stop_token_ids:
             check_integer("stop_token_ids", t, minimum=0, note=" (a token id)")
@@ -96,7 +97,7 @@ class SamplingParams:
             value = getattr(self, name)
             check_number(name, value)
             if not -2 <= value <= 2:
-                raise InvalidRequestError(f"{name}={value} must be in [-2, 2]")
+                raise InvalidRequestError(f"{name}={value} must be in [-2, 2]", name)
         check_number("repetition_penalty", self.repetition_penalty)
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
@@ -108,7 +109,8 @@ class SamplingParams:
         check_integer("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_new_tokens:
             raise InvalidRequestError(
-                f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}"
+                f"min_tokens={self.min_tokens} must be at most max_new_tokens={self.max_new_tokens}",
+                "min_tokens",
             )
         bias = self.logit_bias or {}
         if not isinstance(bias, dict):
