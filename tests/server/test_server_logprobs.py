@@ -134,7 +134,11 @@ def test_penalties_and_logit_bias_pass_through(served, offline):
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "without echo"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "logit_bias key 'x' is not a"),
-        ({"prompt": "hi", "presence_penalty": 3}, None, "presence_penalty=3.0 must be in [-2, 2]"),
+        (
+            {"prompt": "hi", "presence_penalty": 3},
+            "presence_penalty",
+            "presence_penalty=3.0 must be in [-2, 2]",
+        ),
     ],
 )
 def test_bad_logprob_requests_are_refused_by_name(served, body, param, words):
