@@ -75,6 +75,8 @@ def test_bad_file_contents(tmp_path):
         ("[[1], [2], [3]]", "3 per-rank lists for 2 ranks"),
         ("[100]", "1 lengths cannot be dealt to 2 ranks"),
         ("[1,", "not valid JSON"),
+        ("[[100, 200], 300, 5]", "positive integer"),  # a list among lengths: no TypeError
+        ('[100, "a", 3]', "positive integer"),
     ):
         path.write_text(text)
         with pytest.raises(WorkloadError, match=match):

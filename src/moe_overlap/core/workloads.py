@@ -142,6 +142,7 @@ def _from_file(path: Path, ranks: int, spec: str) -> list[list[int]]:
             raise WorkloadError(f"workload {spec!r}: {len(data)} per-rank lists for {ranks} ranks")
         per_rank = data
     else:
+        _check_lengths(data, spec)  # before dealing: the deal sums them
         if len(data) < ranks:
             raise WorkloadError(
                 f"workload {spec!r}: {len(data)} lengths cannot be dealt to {ranks} ranks (each "
@@ -151,11 +152,15 @@ def _from_file(path: Path, ranks: int, spec: str) -> list[list[int]]:
         for n in data:  # the minimum-tokens DP controller
             min(per_rank, key=sum).append(n)
     for lengths in per_rank:
-        if not lengths or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths
-        ):
-            raise WorkloadError(
-                f"workload {spec!r}: every rank needs at least one length, and "
-                f"each length must be a positive integer (got {lengths!r})"
-            )
+        _check_lengths(lengths, spec)
     return per_rank
+
+
+def _check_lengths(lengths: list, spec: str) -> None:
+    if not lengths or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths
+    ):
+        raise WorkloadError(
+            f"workload {spec!r}: every rank needs at least one length, and "
+            f"each length must be a positive integer (got {lengths!r})"
+        )
