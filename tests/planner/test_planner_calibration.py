@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -212,6 +213,15 @@ def test_compare_bench_prints_each_modes_error(tmp_path, capsys) -> None:
     assert "bench ran workload 'single-long:3072'" in capsys.readouterr().err
     assert main([*argv, "--compare-bench", str(tmp_path / "plan.json")]) != 0
     assert "that file is a plan" in capsys.readouterr().err
+    same = json.loads(Path(bench).read_text()) | {"ep": 2, "tokens_per_forward": 128}
+    Path(bench).write_text(json.dumps(same))
+    assert main([*argv, "--compare-bench", bench]) == 0  # EP 2: two groups of 64 sequences
+    capsys.readouterr()
+    for key, value, says in (("ep", 4, "the bench's EP: 4, the plan's: 2"),
+                             ("tokens_per_forward", 256, "tokens per forward: 256, the plan's: 128")):  # fmt: skip
+        Path(bench).write_text(json.dumps(same | {key: value}))
+        assert main([*argv, "--compare-bench", bench]) != 0  # a bench of another layout
+        assert says in capsys.readouterr().err
     (tmp_path / "text.json").write_text("median 0.01")
     bad_median = bench_json(tmp_path / "m.json", "decode:64:512", {"none": 0.01, "tbo": -1.0})
     for path, says in (

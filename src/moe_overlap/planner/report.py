@@ -107,9 +107,10 @@ def sweep_table(points: list[SweepPoint], context: int, title: str) -> Table:
     return table
 
 
-def read_bench(path: str, workload: str) -> dict:
+def read_bench(path: str, workload: str, tokens: int | None = None, ep: int | None = None) -> dict:
     """A ``bench --json`` file of ``workload``, checked before anything is planned: each mode
-    with a positive ``median_s`` and a ``speedup``."""
+    with a positive ``median_s`` and a ``speedup``; where the file says them, the same tokens
+    per forward (the same data-parallel groups) and the same ``ep`` as the plan's."""
     where = f"--compare-bench {path}"
     try:
         measured = json.loads(Path(path).read_text())
@@ -127,6 +128,7 @@ def read_bench(path: str, workload: str) -> dict:
             f"{where}: the bench ran workload {measured.get('workload')!r}, the plan "
             f"{workload!r}: plan the same workload"
         )
+    _check_same_layout(measured, where, tokens, ep)
     for mode, row in modes.items():
         ok = isinstance(row, dict) and all(
             is_finite_number(row.get(k)) and row[k] > 0 for k in ("median_s", "speedup")
@@ -134,6 +136,20 @@ def read_bench(path: str, workload: str) -> dict:
         if not ok:
             raise ConfigError(f"{where}: mode {mode!r} needs a positive median_s and speedup")
     return measured
+
+
+def _check_same_layout(measured: dict, where: str, tokens: int | None, ep: int | None) -> None:
+    """The same workload string deals different batches to a different number of groups."""
+    for key, planned, flag in (
+        ("tokens_per_forward", tokens, "tokens per forward"),
+        ("ep", ep, "EP"),
+    ):
+        benched = measured.get(key)
+        if planned is not None and benched is not None and benched != planned:
+            raise ConfigError(
+                f"{where}: the bench's {flag}: {benched}, the plan's: {planned}; plan the bench's "
+                "layout (--ep, --tp, --dp, --enable-dp-attention)"
+            )
 
 
 def compare_table(plans: dict[str, ModePlan], measured: dict, workload: str) -> Table:

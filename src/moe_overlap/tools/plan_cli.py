@@ -112,7 +112,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
     workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
     check_fits(f"--workload {workload_spec}", workload.longest, spec.cfg)
-    measured = read_bench(args.compare_bench, workload.spec) if args.compare_bench else None
+    measured = (
+        read_bench(args.compare_bench, workload.spec, workload.tokens, layout.ep)
+        if args.compare_bench
+        else None
+    )
     cluster, imbalance = plan_cluster(args, spec, layout)
     started = time.perf_counter()  # the planning alone, after any calibration
     spec = with_precision(spec, args.quantization, args.moe_dispatch_dtype)
