@@ -81,3 +81,17 @@ def test_plan_takes_both_flags_and_says_what_it_planned(tmp_path, capsys):
     printed = capsys.readouterr().out.replace("\n", " ")
     assert "BF16 weights, BF16 dispatch" in printed and "FP8 weights, FP8 dispatch" in printed
     assert times["fp8"] < times["bf16"]
+
+
+def test_the_title_names_the_clusters_run_dtype(tmp_path, capsys):
+    """A cluster of float32 rows (``--cluster this``: the engine's CPU dtype, 4 bytes per
+    element) is titled FP32, not BF16; FP8 stays FP8 where asked."""
+    cluster = load_cluster("1x8-h100").to_json() | {"name": "fp32", "activation_bytes": 4}
+    path = tmp_path / "fp32.json"
+    path.write_text(json.dumps(cluster))
+    argv = ["plan", "--hf-config", QWEN, "--cluster", str(path), "--ep", "8",
+            "--workload", "decode:8:128", "--modes", "none"]  # fmt: skip
+    assert main(argv) == 0
+    assert "FP32 weights, FP32 dispatch, FP32 combine" in capsys.readouterr().out.replace("\n", " ")
+    assert main([*argv, "--moe-dispatch-dtype", "fp8"]) == 0
+    assert "FP32 weights, FP8 dispatch, FP32 combine" in capsys.readouterr().out.replace("\n", " ")

@@ -39,11 +39,13 @@ class ModelSpec:
         h = self.cfg.hidden_size
         return 1 + 4 * math.ceil(h / 128) / h
 
-    @property
-    def precision(self) -> str:
-        """What a plan's title says of it: the weights' and the dispatch's dtypes."""
-        weights, dispatch = ("FP8" if f else "BF16" for f in (self.fp8_weights, self.fp8_dispatch))
-        return f"{weights} weights, {dispatch} dispatch, BF16 combine"
+    def precision(self, activation_bytes: int = 2) -> str:
+        """What a plan's title says of it: the weights', the dispatch's and the combine's
+        dtypes; ``activation_bytes``: the cluster's run dtype (4 on ``this``: the engine's
+        float32 on CPU)."""
+        run = "FP32" if activation_bytes == 4 else "BF16"
+        weights, dispatch = ("FP8" if f else run for f in (self.fp8_weights, self.fp8_dispatch))
+        return f"{weights} weights, {dispatch} dispatch, {run} combine"
 
 
 def with_precision(spec: ModelSpec, quantization: str | None, dispatch_dtype: str) -> ModelSpec:

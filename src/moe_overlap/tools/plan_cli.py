@@ -135,7 +135,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     title = (
         f"{spec.name} on {cluster.name} ({gpus}, EP {layout.ep}, attention TP "
         f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
-        f"{spec.precision}"
+        f"{spec.precision(cluster.activation_bytes)}"
     )
     if imbalance is not None:  # every MoE layer at its busiest rank
         console.print(f"expert balancedness {imbalance_text(imbalance)}")
