@@ -101,6 +101,16 @@ def test_none_is_compute_plus_communication_and_tbo_hides_it() -> None:
     # the schedule is the strategy table's: 4 MoE layers x 2 all-to-alls x 2 micro-batches
     comm = [s for s in tbo.spans[0] if s.track == "comm"]
     assert len(comm) == 16 and {s.track for s in tbo.spans[0]} >= {"mb0", "mb1", "comm"}
+    # a per-forward overhead (--cluster this fits one) is compute no mode hides: in T_comp,
+    # as the bench's T_comp = T_none - T_comm, so the limit stays one a mode can reach
+    slow = planner(dataclasses.replace(FLAT, forward_overhead_us=30000.0))
+    for mode in ("none", "tbo"):
+        with_overhead = slow.plan(mode, mode_config(mode), batches)
+        plain = p.plan(mode, mode_config(mode), batches)
+        assert with_overhead.t_comp == pytest.approx(plain.t_comp + 0.03, rel=1e-9)
+        assert with_overhead.limit <= with_overhead.seconds
+    none = slow.plan("none", mode_config("none"), batches)
+    assert none.seconds == pytest.approx(none.t_comp + none.t_comm, rel=1e-9)
 
 
 def test_one_rank_pays_no_communication() -> None:
