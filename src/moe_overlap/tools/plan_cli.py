@@ -20,7 +20,7 @@ from moe_overlap.core.expert_location import read_load
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
-from moe_overlap.core.workloads import check_fits, make_batches, parse_workload
+from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
 from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
@@ -86,6 +86,11 @@ def plan_cluster(
     return cluster, imbalance
 
 
+def compared_bench(path: str | None, workload: Workload, layout: PlanLayout) -> dict | None:
+    """``--compare-bench``'s file, read before planning: of this workload and layout."""
+    return read_bench(path, workload.spec, workload.tokens, layout.ep) if path else None
+
+
 def one_gpu_note(cluster: Cluster) -> str:
     return (
         f"note: planned on 1 GPU of {cluster.name}'s {cluster.world}: nothing crosses GPUs, so "
@@ -112,11 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload_spec, workload_note = speculative_workload(args.workload, speculation is not None)
     workload = parse_workload(workload_spec, layout.dp_groups, args.seed)
     check_fits(f"--workload {workload_spec}", workload.longest, spec.cfg)
-    measured = (
-        read_bench(args.compare_bench, workload.spec, workload.tokens, layout.ep)
-        if args.compare_bench
-        else None
-    )
+    measured = compared_bench(args.compare_bench, workload, layout)
     cluster, imbalance = plan_cluster(args, spec, layout)
     started = time.perf_counter()  # the planning alone, after any calibration
     spec = with_precision(spec, args.quantization, args.moe_dispatch_dtype)
