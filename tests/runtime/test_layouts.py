@@ -15,6 +15,8 @@ from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
+from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.dispatch.factory import resolve_backend
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap
 
 LAYOUTS = {
@@ -114,7 +116,18 @@ REFUSALS = {
         dict(tp=4, ep=2, overlap=OverlapConfig(moe_a2a_backend="torch")),
         "--moe-a2a-backend=torch needs --ep equal to --tp",
     ),
+    "torch-on-one-rank-stages": (
+        dict(pp=2, overlap=OverlapConfig(moe_a2a_backend="torch")),
+        "--moe-a2a-backend=torch needs more than one rank per pipeline stage",
+    ),
 }
+
+
+def test_one_rank_pipeline_stages_dispatch_locally():
+    """--pp 2 --tp 1: each stage's MoE layers hold every expert, so no all-to-all runs (it
+    once ran over a one-rank group, paying the link's latency for nothing)."""
+    assert resolve_backend("auto", ParallelConfig(pp=2)) == "local"
+    assert resolve_backend("auto", ParallelConfig(pp=2, tp=2, ep=2)) == "torch"
 
 
 @pytest.mark.parametrize("case", REFUSALS)

@@ -142,11 +142,11 @@ def _experts_over_ep(experts: int, redundant: int, ep: int) -> str:
 
 def _check_backend(backend: str, par: ParallelConfig) -> None:
     """``--moe-a2a-backend``'s explicit choices against the layout (``auto`` always fits)."""
-    if par.replica_size == 1:  # every replica is one process
+    if par.stage_size == 1:  # every pipeline stage is one process
         if backend in (Backend.TORCH, Backend.NONE):
             raise ConfigError(
-                f"--moe-a2a-backend={backend} needs more than one rank per replica (--tp or "
-                "--ep > 1); use local (or auto)"
+                f"--moe-a2a-backend={backend} needs more than one rank per pipeline stage "
+                "(--tp or --ep > 1); use local (or auto)"
             )
         return
     if backend == Backend.LOCAL:

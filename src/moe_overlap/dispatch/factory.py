@@ -18,11 +18,12 @@ from moe_overlap.distributed.modelled_link import ModelledLink
 
 
 def resolve_backend(backend: str, par: ParallelConfig) -> str:
-    """``auto``: ``local`` on one rank; ``torch`` (all-to-all) when every rank of the TP world
-    owns whole experts (``ep == tp``, moe-TP 1); else ``none``, SGLang's tensor-parallel MoE
-    (gather, partial experts, all-reduce). An explicit choice is taken as given
-    (``core/layout_rules.py`` refused one the layout cannot run)."""
-    if par.replica_size == 1:  # every replica is one process
+    """``auto``: ``local`` where a pipeline stage is one rank (one process, or ``--pp`` with
+    ``--tp 1``: a stage's MoE layers hold every expert); ``torch`` (all-to-all) when every rank
+    of the TP world owns whole experts (``ep == tp``, moe-TP 1); else ``none``, SGLang's
+    tensor-parallel MoE (gather, partial experts, all-reduce). An explicit choice is taken as
+    given (``core/layout_rules.py`` refused one the layout cannot run)."""
+    if par.stage_size == 1:  # no MoE layer spans two processes
         return Backend.LOCAL
     if backend == Backend.AUTO:
         return Backend.TORCH if par.moe_tp == 1 else Backend.NONE

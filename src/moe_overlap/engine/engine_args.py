@@ -107,7 +107,8 @@ class OverlapArgs:
         "moe_a2a_backend",
         "token dispatcher: torch (all-to-all over the EP ranks; needs --ep equal to the world), "
         "none (SGLang's tensor-parallel MoE: gather the tokens, run the local experts' slices, "
-        "all-reduce), local (one process holds every expert), or auto (local on one rank, "
+        "all-reduce), local (one process holds every expert), or auto (local where a pipeline "
+        "stage is one rank, "
         "torch when every rank owns whole experts, else none); SGLang's deepep, and "
         "deepep_normal / deepep_low_latency (the layout too, as --a2a-mode), name torch",
         choices=(*A2A_BACKENDS, *DEEPEP_BACKENDS),
