@@ -9,6 +9,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import openai
 import pytest
 
 from moe_overlap import LLM, SamplingParams
@@ -183,6 +184,27 @@ def test_a_constraint_that_cannot_be_compiled_is_a_400_naming_its_field(served, 
         sampling = {**extra, "max_new_tokens": 4}
         code, reply = post(served, "/generate", {"text": "hi", "sampling_params": sampling})
         assert code == 400 and reply["error"]["param"] == f"sampling_params.{field}", reply
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_what_the_constraint_allows_is_the_clients_400(served, temperature):
+    """guided_choice ["a"] must stop after one token, which min_tokens 5 holds back: no token
+    is left (sampled, torch's own error was a 500; greedy, a grammar error)."""
+    body = {
+        "prompt": "hi", "max_tokens": 10, "min_tokens": 5, "temperature": temperature,
+        "guided_choice": ["a"],
+    }  # fmt: skip
+    code, reply = served.raw("POST", "/v1/completions", json.dumps(body).encode())
+    assert code == 400 and reply["error"]["param"] == "min_tokens", reply
+    assert "no token is allowed" in reply["error"]["message"], reply
+    extra = {"min_tokens": 5, "guided_choice": ["a"]}  # streamed: the same error, as an event
+    stream = served.client().completions.create(
+        model="tiny", prompt="hi", max_tokens=10, temperature=temperature, extra_body=extra,
+        stream=True,
+    )  # fmt: skip
+    with pytest.raises(openai.APIError, match="no token is allowed") as caught:
+        list(stream)
+    assert caught.value.body["param"] == "min_tokens", caught.value.body
 
 
 WEATHER = {

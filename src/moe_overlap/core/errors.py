@@ -21,3 +21,11 @@ def is_finite_number(value: object) -> TypeGuard[int | float]:
 
 class CheckpointError(ValueError):
     """A checkpoint is missing a tensor, holds one of the wrong shape, or is unreadable."""
+
+
+# a request's own settings leave its next token no choice (a sampled row's failure, said by the
+# rank, answered by the server as the client's error, 400, not the server's)
+NOTHING_ALLOWED = (
+    "no token is allowed: the structured output allows only a stop token here, which "
+    "min_tokens holds back (or logit_bias removed what it allows); lower min_tokens"
+)

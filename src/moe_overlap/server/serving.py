@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from moe_overlap.core.errors import NOTHING_ALLOWED
 from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.loop import SHUTTING_DOWN, EngineDead, EngineLoop
 from moe_overlap.engine.request import SamplingParams
@@ -96,8 +97,9 @@ async def serve(
             if delta.error:
                 raise EngineDead(delta.error)
             if delta.failed:
-                message = f"{choice_name(index, k)} failed: {delta.failed}"
-                raise APIError(500, message, "request_failed")
+                raise request_failed(
+                    f"{choice_name(index, k)} failed: {delta.failed}", delta.failed
+                )
             fmt.add(choices[index], index, delta)
     finally:
         sub.close()
@@ -159,7 +161,8 @@ async def _events(
                 break
             if delta.failed:
                 message = f"{choice_name(index, fmt.per_prompt)} failed: {delta.failed}"
-                yield sse(request_failed_body(message))
+                failed = request_failed(message, delta.failed)
+                yield sse(error_body(failed.status, failed.message, failed.code, failed.param))
                 break
             fmt.add(choices[index], index, delta)
             yield fmt.chunk(index, delta, choices[index])
@@ -203,5 +206,9 @@ def stopped_body(why: str) -> dict:
     return error_body(503, f"the engine stopped: {why}", "engine_dead")
 
 
-def request_failed_body(message: str) -> dict:
-    return error_body(500, message, "request_failed")
+def request_failed(message: str, why: str) -> APIError:
+    """A request that failed while it ran: the server's fault (500), but where its own
+    settings left it no token (``NOTHING_ALLOWED``), the client's (400)."""
+    if why == NOTHING_ALLOWED:
+        return APIError(400, message, "invalid_value", "min_tokens")
+    return APIError(500, message, "request_failed")
