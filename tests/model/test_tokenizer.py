@@ -3,13 +3,16 @@ transformers applies, and incremental detokenization with stop strings."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import processors
 from transformers import AutoTokenizer
 
+from moe_overlap import LLM, ModelConfig, SamplingParams
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.detokenize import TextStream, window_decoder
 from moe_overlap.engine.tokenizer import (
@@ -19,7 +22,10 @@ from moe_overlap.engine.tokenizer import (
     with_chat_template,
     write_tokenizer,
 )
+from moe_overlap.model.loader import build_model, save_checkpoint
 from moe_overlap.server.protocol import ChatRequest
+from moe_overlap.server.serving import encode_prompt
+from tests.helpers import TINY
 
 TEXT = "Hello, how are the experts today? Ünïcode and 東京 survive the trip."
 
@@ -199,3 +205,24 @@ def test_tools_earlier_calls_and_template_arguments_reach_the_chat_template(tok_
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     ids = encode_chat(tok, body.conversation(), False, tools=tools, template_kwargs={"thinking": 1})
     assert tok.decode(ids) == "<f>[user] hi[assistant] f7[tool c1] done/think"
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_as_vllm_and_sglang_encode_it(tmp_path):
+    """A tokenizer that adds a BOS (DeepSeek-V3's does): a text prompt to LLM.generate, and to
+    /v1/completions and /generate, starts with it (vLLM's add_special_tokens default, SGLang's
+    encode); completions' add_special_tokens=false leaves it out; chat leaves it to the
+    template."""
+    tok = write_tokenizer(tmp_path, 512)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save_pretrained(str(tmp_path))
+    plain = tok.encode("the experts", add_special_tokens=False)
+    save_checkpoint(build_model(ModelConfig(**{**TINY["qwen3_moe"], "vocab_size": 512})), tmp_path)
+    with LLM(tmp_path) as llm:
+        out = llm.generate(["the experts"], SamplingParams(max_new_tokens=1))[0]
+        assert out.prompt_ids == [bos, *plain]
+        engine = SimpleNamespace(llm=llm)
+        assert encode_prompt(engine, "the experts", "prompt 0") == [bos, *plain]
+        assert encode_prompt(engine, "the experts", "prompt 0", special=False) == plain

@@ -226,7 +226,7 @@ class LLM(ExpertRecorder):
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError(f"{where}: stop strings need a model with a tokenizer")
         if isinstance(prompt, str) and self.tokenizer is not None:
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt = self.tokenizer.encode(prompt)  # its BOS too, as vLLM's LLM encodes it
         ids = token_ids(where, prompt)
         if not ids:
             raise InvalidRequestError(f"{where} is empty; give at least one token id")

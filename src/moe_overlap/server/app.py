@@ -46,7 +46,8 @@ def build_app(engine: EngineLoop, settings: ServerSettings) -> FastAPI:
             raise APIError(400, message, "invalid_value", "max_tokens")
 
         def encode() -> list[list[int]]:
-            return [encode_prompt(engine, p, f"prompt {i}") for i, p in enumerate(texts)]
+            special = body.add_special_tokens
+            return [encode_prompt(engine, p, f"prompt {i}", special) for i, p in enumerate(texts)]
 
         call = (body, encode, texts, body.max_tokens, False, request)
         return await serve(engine, settings, metrics, *call)

@@ -148,6 +148,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
     def candidates(self) -> int | None:
         return self.best_of

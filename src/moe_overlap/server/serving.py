@@ -25,12 +25,17 @@ from moe_overlap.server.submission import Submission, choice_name
 MakeFormatter = Callable[..., Formatter]  # Formatter, or a subclass writing another shape
 
 
-def encode_prompt(engine: EngineLoop, prompt: str | list[int], where: str) -> list[int]:
+def encode_prompt(
+    engine: EngineLoop, prompt: str | list[int], where: str, special: bool = True
+) -> list[int]:
+    """A text prompt's token ids, with the tokenizer's special tokens (a BOS) where
+    ``special``, as vLLM's completions (``add_special_tokens``, default true) and SGLang's
+    ``/generate`` encode it; token ids are taken as given."""
     if not isinstance(prompt, str):
         return prompt
     if engine.llm.tokenizer is None:
         raise APIError(400, f"{where} is text, but the model has no tokenizer; send token ids")
-    return engine.llm.tokenizer.encode(prompt, add_special_tokens=False)
+    return engine.llm.tokenizer.encode(prompt, add_special_tokens=special)
 
 
 def max_new_tokens(

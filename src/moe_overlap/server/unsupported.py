@@ -73,10 +73,6 @@ _BOTH: dict[str, tuple[tuple, str]] = {
 }
 _COMPLETIONS: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "suffix (insertion)"),
-    "add_special_tokens": (
-        OFF,
-        "add_special_tokens=true (prompts are encoded as given: add special tokens to the text)",
-    ),
 }
 _CHAT: dict[str, tuple[tuple, str]] = {
     "functions": ((None, []), "functions"),
