@@ -114,6 +114,7 @@ def test_six_bad_values_are_400s_naming_the_field(served):
         ({"min_tokens": -1}, "min_tokens"),
         ({"n": 3, "best_of": 2}, "best_of"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )
 def test_values_the_engine_refuses_name_the_field_in_param(served, extra, field):

@@ -20,6 +20,9 @@ def check_fields(body: SamplingFields, settings: ServerSettings, chat: bool) -> 
         message = f"{where} holds invalid Unicode (a lone surrogate); send valid UTF-8 text"
         raise APIError(400, message, "invalid_value", where)
     _check_stop(body, settings)
+    if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's rule
+        message = "stream_options is only allowed with stream=true"
+        raise APIError(400, message, "invalid_value", "stream_options")
     if isinstance(body, ChatRequest) and body.top_logprobs is not None and not body.logprobs:
         message = "top_logprobs needs logprobs=true (OpenAI's rule)"
         raise APIError(400, message, "invalid_value", "top_logprobs")
