@@ -481,6 +481,10 @@ def test_online_load_is_served_without_errors_and_timed(served):
     assert summary["total_input_tokens"] == sum(lengths) and summary["output_lens"] == [3] * 12
     assert summary["median_ttft_ms"] <= summary["p99_ttft_ms"]
     assert summary["mean_tpot_ms"] > 0 and len(summary["itls"]) == 12 * 2
+    # a server not below this process (--base-url): its memory is not ours to report
+    remote = Target(target.base_url, KEY, local=False)
+    result = run_load(remote, requests[:2], rate=40.0, seed=0)
+    assert result.errors == 0 and result.to_json()["rss_mib"] == [None, None]
 
 
 def test_percentile_interpolates():

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import random
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +35,7 @@ class Target:
     base_url: str
     api_key: str | None = None
     model: str | None = None  # the request's ``model``; None: the server's only model
+    local: bool = True  # the server runs below this process: its memory is ours to read
 
     def connection(self, timeout: float) -> http.client.HTTPConnection:
         url = urlsplit(self.base_url)
@@ -60,11 +62,7 @@ class SpecCounts:
     accepted_tokens: float = 0.0
 
     def since(self, before: SpecCounts) -> SpecCounts:
-        return SpecCounts(
-            self.verifications - before.verifications,
-            self.draft_tokens - before.draft_tokens,
-            self.accepted_tokens - before.accepted_tokens,
-        )
+        return SpecCounts(*(a - b for a, b in zip(astuple(self), astuple(before), strict=True)))
 
 
 _SPEC_METRICS = {f"moe_overlap_spec_{name}": name for name in SpecCounts.__dataclass_fields__}
@@ -120,7 +118,7 @@ class LoadResult:
             "request_rate": self.rate if self.rate != float("inf") else "inf",
             "max_concurrency": self.max_concurrency,
             **self.summary,
-            "rss_mib": list(self.rss_mib),
+            "rss_mib": [None if math.isnan(m) else m for m in self.rss_mib],  # JSON has no NaN
             "spec_acceptance_length": self.acceptance_length,
             "spec_draft_acceptance": (
                 self.draft_acceptance if self.acceptance_length is not None else None
@@ -196,7 +194,8 @@ def run_load(
     in flight); wait for every answer. ``progress``: a bar of the answers, on a terminal."""
     rng = random.Random(seed)
     model = target.model or served_model(target)
-    rss_before, spec_before = rss_mib(), spec_counts(target)
+    rss = rss_mib if target.local else lambda: float("nan")  # another host's is not ours
+    rss_before, spec_before = rss(), spec_counts(target)
     gate = threading.BoundedSemaphore(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
     start = time.perf_counter()
@@ -223,7 +222,7 @@ def run_load(
         summarize(timings, (max(ends) - start) if ends else 0.0, *metrics),
         (percentile(samples["ttft"], 50), percentile(samples["ttft"], 99)),
         (percentile(samples["itl"], 50), percentile(samples["itl"], 99)),
-        (rss_before, rss_mib()),
+        (rss_before, rss()),
         spec,
     )
 

@@ -170,7 +170,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             "base_url": args.base_url,
             "link": args.link,
         }
-        payload |= {"workload": args.workload, "dataset": _dataset(args)}
+        workload = args.workload if args.dataset_name == "workload" else None  # else unused
+        payload |= {"workload": workload, "dataset": _dataset(args)}
         payload["results"] = [r.to_json() for r in results]
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results: {args.json}")
@@ -258,7 +259,7 @@ def _target(
     """The server at --base-url, or ours with ``overlap`` and the ``variant``'s settings,
     running until the block ends."""
     if args.base_url:
-        yield Target(args.base_url, args.api_key, args.served_model_name)
+        yield Target(args.base_url, args.api_key, args.served_model_name, local=False)
         return
     kwargs = {**without_overlap_knobs(engine_kwargs(args)), "overlap": overlap, **variant}
     from moe_overlap.server.run import Server  # FastAPI loads only when we serve

@@ -4,6 +4,7 @@ without the feature."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from rich.table import Table
@@ -31,7 +32,7 @@ def load_table(results: list[LoadResult], title: str) -> Table:
             f"{r.tokens_per_s:,.0f}",
             *(f"{v:.0f} ms" for v in (*r.ttft_ms, *r.itl_ms)),
             str(r.errors),
-            f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
+            "-" if math.isnan(r.rss_mib[0]) else f"{r.rss_mib[0]:,.0f}->{r.rss_mib[1]:,.0f}",
             *([_acceptance(r)] if speculated else []),
         )
     return table
