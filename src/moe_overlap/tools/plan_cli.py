@@ -132,7 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     if layout.world == 1 < cluster.world:
         console.print(one_gpu_note(cluster))
-    gpus = "1 GPU" if layout.world == 1 else f"{layout.world} GPUs"
+    unit = "rank" if cluster.name == "this" else "GPU"  # this machine's: CPU ranks
+    gpus = f"1 {unit}" if layout.world == 1 else f"{layout.world} {unit}s"
     title = (
         f"{spec.name} on {cluster.name} ({gpus}, EP {layout.ep}, attention TP "
         f"{layout.attn_tp}), workload {workload.spec} ({workload.tokens} tokens per forward), "
