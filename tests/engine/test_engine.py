@@ -195,3 +195,13 @@ def test_attention_plan_groups_extends_by_prefix_and_length():
     assert plan.decode_rows.tolist() == [3] and plan.decode_max_len == 8
     assert plan.decode_lens is None  # one decode length: no mask
     assert not plan.all_decode
+
+
+def test_a_closed_one_process_engine_refuses_to_generate_as_a_spawned_one_does():
+    from moe_overlap.runtime.spawn import RankFailure
+
+    llm = LLM(config=ModelConfig(**TINY["qwen3_moe"]), seed=0)
+    llm.close()
+    llm.close()  # idempotent
+    with pytest.raises(RankFailure, match="the engine was stopped"):
+        llm.generate([[1, 2]], SamplingParams(max_new_tokens=2))
