@@ -124,6 +124,8 @@ def test_engine_flags_exit_2_with_one_line_before_any_rank_starts(capsys, flag, 
         ({"link": "netns:2gbit"}, r"--link netns:2gbit needs more than one rank \(--ep or --tp"),
         ({"timeout_s": "60"}, "--timeout='60' must be a number"),
         ({"seed": -1}, "--seed=-1 must be an integer >= 0"),
+        # a named tokenizer that is not there is refused, not silently dropped (no text)
+        ({"tokenizer": "/nonexistent"}, "tokenizer='/nonexistent' is no directory holding a"),
     ],
 )
 def test_llm_arguments_name_the_fault(kw, match):

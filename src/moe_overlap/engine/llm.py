@@ -116,7 +116,7 @@ class LLM(ExpertRecorder):
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         args = _settled_dtype(args, device, model)
         self.args, self.config, self.seed = args, cfg, args.seed
-        self._load_tokenizer(tokenizer or model, args.chat_template)
+        self._load_tokenizer(tokenizer or model, args.chat_template, named=tokenizer is not None)
         spec = engine_spec(args, cfg, model, overlap, par, device, emulate_peers)
         self.spec, self.parallel, self.max_len = spec, par, spec.max_len
         self.executor = start_executor(spec, link_spec, float(args.timeout))
@@ -140,9 +140,9 @@ class LLM(ExpertRecorder):
         )
         self.last_reply: StepReply | None = None  # the last step's (overlap modes run)
 
-    def _load_tokenizer(self, path: str | Path | None, chat_template: str | None) -> None:
+    def _load_tokenizer(self, path: str | Path | None, chat_template: str | None, named=False):
         cfg = self.config
-        self.tokenizer = load_tokenizer(path, cfg.vocab_size)
+        self.tokenizer = load_tokenizer(path, cfg.vocab_size, named)
         if chat_template is not None:
             with_chat_template(self.tokenizer, chat_template)
         self.constraints = Constraints(self.tokenizer, cfg.vocab_size, cfg.eos_token_id)

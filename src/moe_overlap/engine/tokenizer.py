@@ -57,9 +57,14 @@ def write_tokenizer(
     return fast
 
 
-def load_tokenizer(path: str | Path | None, vocab_size: int) -> PreTrainedTokenizerFast | None:
-    """The tokenizer saved in model directory ``path``, or None when it has none."""
+def load_tokenizer(
+    path: str | Path | None, vocab_size: int, named: bool = False
+) -> PreTrainedTokenizerFast | None:
+    """The tokenizer saved in model directory ``path``, or None when it has none; ``named``
+    (the caller asked for this directory's tokenizer): none there is refused."""
     if path is None or not (Path(path) / "tokenizer.json").is_file():
+        if named:
+            raise ConfigError(f"tokenizer={str(path)!r} is no directory holding a tokenizer.json")
         return None
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(str(path))
