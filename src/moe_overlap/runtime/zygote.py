@@ -86,6 +86,7 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
+        self.asked = 0  # messages sent; each reply names the one it answers
         self.pidfd = os.pidfd_open(self.proc.pid)  # readable once the server has exited
 
     def alive(self) -> bool:
@@ -111,15 +112,22 @@ class Zygote:
         return self._ask(("reap", pid))
 
     def _ask(self, message: tuple, fds: list[int] | None = None):
+        """The server's answer to ``message``. An earlier ask interrupted before its reply was
+        read (Ctrl-C while an engine started) left that reply queued: it is read and dropped
+        here, never taken for this one's (a pid as an exit code, an exit code as a pid)."""
         with self.lock:
+            self.asked += 1
             try:
-                socket.send_fds(self.sock, [pickle.dumps(message)], fds or [])
-                data = self.sock.recv(_MAX_MESSAGE)
+                socket.send_fds(self.sock, [pickle.dumps((self.asked, *message))], fds or [])
+                answered, kind, value = None, "", None
+                while answered != self.asked:
+                    data = self.sock.recv(_MAX_MESSAGE)
+                    if not data:
+                        code = self.proc.poll()
+                        raise ForkServerDied(f"the rank fork server exited (code {code})")
+                    answered, kind, value = pickle.loads(data)
             except OSError as exc:
                 raise ForkServerDied(f"the rank fork server is gone: {exc}") from exc
-        if not data:
-            raise ForkServerDied(f"the rank fork server exited (code {self.proc.poll()})")
-        kind, value = pickle.loads(data)
         if kind == "error":
             raise ZygoteError(value)
         return value
@@ -157,14 +165,15 @@ def _serve(sock: socket.socket, serve_fd: Callable[[int], None]) -> None:
             return
         if not data:
             return  # the driver exited
-        kind, *args = pickle.loads(data)
+        asked, kind, *args = pickle.loads(data)
         try:
-            reply: tuple[str, object] = (
+            reply: tuple[int, str, object] = (
+                asked,
                 "ok",
                 _fork(sock, serve_fd, fds, *args) if kind == "spawn" else _reap(*args),
             )
         except Exception as exc:  # tell the driver; the server keeps serving
-            reply = ("error", f"{type(exc).__name__}: {exc}")
+            reply = (asked, "error", f"{type(exc).__name__}: {exc}")
         finally:
             for fd in fds:
                 os.close(fd)
