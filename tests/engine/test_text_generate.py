@@ -38,6 +38,8 @@ def test_one_text_prompt_alone_is_one_prompt(llm):
     assert alone.token_ids == llm.generate(["The fox counted"], GREEDY)[0].token_ids
     with pytest.raises(InvalidRequestError, match="prompts must be a list of prompts"):
         llm.generate(7, GREEDY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="params must be SamplingParams or a list"):
+        llm.generate(["a"], (p for p in [GREEDY]))  # type: ignore[arg-type]
 
 
 def test_stop_string_cuts_the_text_and_finishes(llm):

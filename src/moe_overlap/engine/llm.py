@@ -167,6 +167,8 @@ class LLM(ExpertRecorder):
             raise InvalidRequestError("prompts must be a list of prompts (text or token ids)")
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
+        if not isinstance(params, Sequence):  # a generator: no length to match the prompts'
+            raise InvalidRequestError("params must be SamplingParams or a list, one per prompt")
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         if not self.executor.is_driver:  # a torchrun rank > 0
