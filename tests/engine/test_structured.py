@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_overlap import LLM, InvalidRequestError, ModelConfig, SamplingParams, StructuredOutputs
+from moe_overlap.core.errors import NOTHING_ALLOWED
 from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.runtime.sampler import masked
 from tests.helpers import TINY
@@ -69,3 +70,20 @@ def test_generate_follows_each_kind_of_constraint_and_refuses_what_cannot_compil
     with LLM(config=ModelConfig(**CFG), seed=0) as llm, pytest.raises(InvalidRequestError) as no:
         llm.generate([[5, 6]], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
     assert "needs a model with a tokenizer" in str(no.value)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_can_only_end_before_min_tokens_fails_saying_why(tmp_path, temperature):
+    """Only EOS follows "yes", and min_tokens holds EOS back: nothing is left to draw, which
+    fails the request naming min_tokens, not with a draw the grammar refuses (token 0) or
+    torch's error on an all -inf row."""
+    write_tokenizer(tmp_path, CFG["vocab_size"])
+    so = StructuredOutputs(choice=["yes"])
+    ask = SamplingParams(
+        max_new_tokens=30, min_tokens=25, temperature=temperature, structured_outputs=so
+    )
+    with LLM(config=ModelConfig(**CFG), seed=0, tokenizer=tmp_path) as llm:
+        (out,) = llm.generate(["Answer:"], ask)
+        assert llm.generate(["Answer:"], SamplingParams(structured_outputs=so))[0].text == "yes"
+    assert out.finish_reason == "error" and out.text == "yes"
+    assert out.error == NOTHING_ALLOWED
