@@ -162,6 +162,7 @@ def test_bad_prompt_is_refused_and_engine_stays_usable(prompt, match):
 def test_bad_sampling_params(kw, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kw)
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "disabled", as the server takes it
 
 
 def test_prompts_of_one_length_attend_in_one_group_and_equal_one_by_one(config):

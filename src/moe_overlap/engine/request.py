@@ -31,7 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = DEFAULT_TEMPERATURE  # 0 is greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    top_k: int = 0  # 0 (or -1, as vLLM spells it) means no top-k cut
     min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the likeliest's probability
     seed: int | None = None
     ignore_eos: bool = False
@@ -65,7 +65,8 @@ class SamplingParams:
         scoring = " (0 needs prompt_logprobs: scoring a prompt)"
         minimum = 0 if self.prompt_logprobs is not None else 1
         check_integer("max_new_tokens", self.max_new_tokens, minimum=minimum, note=scoring)
-        check_integer("top_k", self.top_k, minimum=0, note=" (0 disables it)")
+        check_integer("top_k", self.top_k, minimum=-1, note=" (0 or vLLM's -1 disables it)")
+        self.top_k = max(self.top_k, 0)
         if self.seed is not None:
             check_integer("seed", self.seed, minimum=0)
         check_number("temperature", self.temperature)
