@@ -19,7 +19,7 @@ from moe_overlap.engine.loop import Delta
 from moe_overlap.server.chat_answer import ChatAnswer
 from moe_overlap.server.hermes import HermesStream, split_calls
 from moe_overlap.server.reasoning import ReasoningStream, split_reasoning
-from moe_overlap.server.responses import Formatter
+from moe_overlap.server.responses import Choice, Formatter
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.server.tools import ToolSpec, tool_calling
 
@@ -91,11 +91,7 @@ def test_a_block_that_does_not_parse_after_a_call_is_text_whole_as_streamed(size
 
 def test_a_call_sent_before_a_broken_block_ends_the_stream_as_tool_calls():
     """Streamed in one delta, the call counted: finish_reason 'tool_calls' (it was 'stop')."""
-    calling = tool_calling(TOOLS, "auto", parser="hermes")
-    assert calling is not None
-    fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
-    fmt.answer = ChatAnswer(calling)
-    (choice,) = fmt.choices()
+    fmt, choice = _hermes_answer()
     delta = _delta(BROKEN, "eos")
     fmt.add(choice, 0, delta)
     (part,) = json.loads(fmt.chunk(0, delta, choice)[len("data: ") :])["choices"]
@@ -105,16 +101,22 @@ def test_a_call_sent_before_a_broken_block_ends_the_stream_as_tool_calls():
     assert [t["function"]["name"] for t in whole["message"]["tool_calls"]] == ["now"]
 
 
-def _delta(text: str, reason: str | None = None) -> Delta:
-    return Delta(0, [1], text, prompt_tokens=3, completion_tokens=1, finish_reason=reason)
-
-
-def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
+def _hermes_answer() -> tuple[Formatter, Choice]:
+    """A chat formatter reading hermes calls, and its one choice."""
     calling = tool_calling(TOOLS, "auto", parser="hermes")
     assert calling is not None
     fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
     fmt.answer = ChatAnswer(calling)
     (choice,) = fmt.choices()
+    return fmt, choice
+
+
+def _delta(text: str, reason: str | None = None) -> Delta:
+    return Delta(0, [1], text, prompt_tokens=3, completion_tokens=1, finish_reason=reason)
+
+
+def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
+    fmt, choice = _hermes_answer()
     pieces = [CALLS[i : i + 7] for i in range(0, len(CALLS), 7)]
     chunks = []
     for i, piece in enumerate(pieces):
@@ -132,9 +134,7 @@ def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
     assert whole["message"]["content"] == "Let me look."
     assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "now"]
     # an answer without calls is the text, as it ended
-    fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
-    fmt.answer = ChatAnswer(calling)
-    (plain,) = fmt.choices()
+    fmt, plain = _hermes_answer()
     fmt.add(plain, 0, _delta("just text", "length"))
     message = fmt.whole([plain])["choices"][0]
     assert message["message"] == {"role": "assistant", "content": "just text"}
