@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from moe_overlap import LLM, ModelConfig, SamplingParams
+from moe_overlap.runtime.worker import serve_fd
 from moe_overlap.runtime.zygote import Zygote, zygote
 from tests.helpers import TINY
 
@@ -72,3 +73,11 @@ def test_a_reply_an_interrupted_ask_left_unread_is_not_taken_for_the_next_ones()
         ours.close()
         real.close()
         server.proc.wait(10)
+
+
+def test_a_rank_whose_driver_left_before_sending_its_specs_exits_quietly():
+    """Ctrl-C while an engine starts: the driver goes before a forked rank reads its specs;
+    the rank ends without an EOFError traceback on the shared stderr."""
+    ours, theirs = socket.socketpair()
+    ours.close()
+    serve_fd(theirs.detach())  # returns: nothing raised

@@ -97,7 +97,10 @@ def rank_main(spec: EngineSpec, rank: RankSpec, conn: Connection) -> None:
 def serve_fd(fd: int) -> None:
     """Read this rank's specs from the driver's socket ``fd``, then serve it."""
     conn = Connection(fd)
-    spec, rank = pickle.loads(conn.recv_bytes())
+    try:
+        spec, rank = pickle.loads(conn.recv_bytes())
+    except EOFError:  # the driver went away before it sent them (Ctrl-C while starting)
+        return
     rank_main(spec, rank, conn)
 
 
