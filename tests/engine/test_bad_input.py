@@ -60,11 +60,21 @@ def test_sampling_fields_are_checked(kw, field):
         ([1, torch.tensor(2.0)], r"prompt 1 holds tensor\(2\.\) \(Tensor\)"),
         ([1, np.float32(2)], r"prompt 1 holds .*2\.0.* \(float32\)"),
         (7, "prompt 1 must be a list of token ids, not int"),
+        ({"prompt_token_ids": [1], "multi_modal_data": {}}, "of vLLM's prompt dicts"),
     ],
 )
 def test_non_integer_token_ids_are_refused_with_the_prompt_index(llm, prompt, match):
     with pytest.raises(InvalidRequestError, match=match):
         llm.generate([[1, 2], prompt], SamplingParams(temperature=0, max_new_tokens=2))
+
+
+def test_vllms_prompt_dicts_are_prompts(llm):
+    """vLLM's TokensPrompt and TextPrompt dicts, in a list or alone, are their prompts."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=2)
+    (plain,) = llm.generate([[1, 2]], greedy)
+    dicts = llm.generate([{"prompt_token_ids": [1, 2]}], greedy)
+    assert [o.token_ids for o in dicts] == [plain.token_ids]
+    assert llm.generate({"prompt_token_ids": [1, 2]}, greedy)[0].token_ids == plain.token_ids
 
 
 def test_integer_token_ids_of_any_integer_type_are_accepted(llm):

@@ -52,6 +52,8 @@ def token_ids(where: str, prompt: object) -> list[int]:
         return [int(t) for t in prompt.tolist()]
     if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
         note = " (the model has no tokenizer for text)" if isinstance(prompt, str) else ""
+        if isinstance(prompt, dict):
+            note = " (of vLLM's prompt dicts, {'prompt': text} or {'prompt_token_ids': ids})"
         raise InvalidRequestError(
             f"{where} must be a list of token ids, not {type(prompt).__name__} {prompt!r:.40}"
             + note

@@ -33,6 +33,9 @@ from moe_overlap.engine.tokenizer import load_tokenizer, with_chat_template
 from moe_overlap.model.quant_config import check_quantization, quant_config_of
 from moe_overlap.runtime.launch import start_executor
 
+# text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | Sequence[int] | dict[str, Any]
+
 
 def _settled_dtype(args: EngineArgs, device: str, model: str | None) -> EngineArgs:
     """``args`` with ``--dtype auto`` resolved for ``device`` and the checkpoint in ``model``
@@ -149,20 +152,20 @@ class LLM(ExpertRecorder):
 
     def generate(
         self,
-        prompts: str | Sequence[str | Sequence[int]],
+        prompts: str | dict[str, Any] | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         return_logits: bool = False,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids; a string alone is one
-        prompt); outputs come back in prompt order, with their text when the model has a
-        tokenizer.
+        """Generate for every prompt (text, a list of token ids, or vLLM's prompt dict; a
+        string or a dict alone is one prompt); outputs come back in prompt order, with their
+        text when the model has a tokenizer.
 
         All prompts are checked before anything runs: a bad one raises InvalidRequestError
         naming it. A call that fails or is interrupted (Ctrl-C) drops its requests, so the
         engine is left as it was before the call.
         """
-        prompts = [prompts] if isinstance(prompts, str) else prompts
+        prompts = [prompts] if isinstance(prompts, str | dict) else prompts  # one prompt
         if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
             raise InvalidRequestError("prompts must be a list of prompts (text or token ids)")
         if isinstance(params, SamplingParams) or params is None:
@@ -220,13 +223,15 @@ class LLM(ExpertRecorder):
         return step.sampled  # a prefill wave's requests get their first token with its last range
 
     def make_request(
-        self, where: str, prompt: str | Sequence[int], params: SamplingParams, return_logits=False
+        self, where: str, prompt: Prompt, params: SamplingParams, return_logits=False
     ) -> Request:
         """A checked request, not yet scheduled; InvalidRequestError names ``where`` if bad."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"{where}: params must be SamplingParams, not {params!r}")
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError(f"{where}: stop strings need a model with a tokenizer")
+        if isinstance(prompt, dict) and [*prompt] in (["prompt"], ["prompt_token_ids"]):
+            (prompt,) = prompt.values()  # vLLM's TextPrompt or TokensPrompt
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.encode(prompt)  # its BOS too, as vLLM's LLM encodes it
         ids = token_ids(where, prompt)
