@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
+from moe_overlap.core.errors import NOTHING_ALLOWED
 from moe_overlap.core.step import Penalties, SampleSpec
 from moe_overlap.runtime.draws import probabilities
 from moe_overlap.runtime.mtp_picks import DraftProbs, pick
@@ -103,6 +104,21 @@ def test_penalties_count_the_drafts_accepted_before_each_row():
         1,
         0,
     ]
+
+
+def test_a_verify_row_min_tokens_leaves_no_token_is_the_nothing_allowed_error():
+    """A structured output whose grammar allows only its stop token (3), which min_tokens
+    holds back: a verify step fails it as plain sampling does (``NOTHING_ALLOWED``, the
+    client's 400), at the deciding row and at a row after accepted drafts; it was a grammar
+    error (greedy: the argmax of an all -inf row) or torch's inf error (sampled)."""
+    batch = ForwardBatch(torch.arange(3), [0], [5], [3], [True], [True])
+    only, two = bytes([1 << 3, 0, 0, 0]), bytes([(1 << 3) | (1 << 0), 0, 0, 0])
+    held = Penalties(min_tokens=9, stop_ids=(3,))
+    for temperature in (0.0, 0.7):
+        for allowed in ((only,), (two, only)):  # row 0 itself; row 1, after draft 0 is taken
+            spec = SampleSpec(temperature, drafts=(0, 0), penalties=held, allowed=allowed)
+            got = answer(batch, ROWS, [spec], "none")
+            assert got.token_ids == [None] and got.errors == [NOTHING_ALLOWED], (allowed, got)
 
 
 def test_the_sampling_rank_passes_draft_probabilities_to_verification():

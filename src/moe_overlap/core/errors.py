@@ -29,3 +29,10 @@ NOTHING_ALLOWED = (
     "no token is allowed: the structured output allows only a stop token here, which "
     "min_tokens holds back (or logit_bias removed what it allows); lower min_tokens"
 )
+
+
+class NothingAllowedError(ValueError):
+    """A row its grammar's bitmask and penalties leave without a token (``NOTHING_ALLOWED``)."""
+
+    def __init__(self) -> None:
+        super().__init__(NOTHING_ALLOWED)

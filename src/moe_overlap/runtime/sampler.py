@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from moe_overlap.core.batch import ForwardBatch
-from moe_overlap.core.errors import NOTHING_ALLOWED
+from moe_overlap.core.errors import NOTHING_ALLOWED, NothingAllowedError
 from moe_overlap.core.step import GroupReply, SampleSpec, TokenLogprobs
 from moe_overlap.runtime.draws import draw, draw_seed, probabilities
 from moe_overlap.runtime.penalties import penalised
@@ -132,6 +132,8 @@ def _draw(
             if spec.allowed is not None and bool(torch.isneginf(last).all()):
                 return [], NOTHING_ALLOWED
         return [sample(last, spec)], None
+    except NothingAllowedError:  # a verify row its grammar and min_tokens leave empty
+        return [], NOTHING_ALLOWED
     except Exception as exc:  # this sequence alone fails; the driver says why
         return [], f"{type(exc).__name__}: {exc}".splitlines()[0]
 

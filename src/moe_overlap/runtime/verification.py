@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from moe_overlap.core.errors import NothingAllowedError
 from moe_overlap.core.step import Penalties, SampleSpec
 from moe_overlap.runtime.draws import draw, draw_seed, generator, probabilities
 from moe_overlap.runtime.penalties import penalised
@@ -42,6 +43,8 @@ def verify(
         row = rows[j]
         if spec.penalties is not None:  # the drafts accepted so far count as generated
             row = penalised(row, _with_output(spec.penalties, taken), spec.index + j)
+            if spec.allowed is not None and bool(torch.isneginf(row).all()):
+                raise NothingAllowedError  # as plain sampling says it (``sampler._draw``)
         seed = draw_seed(spec.seed, spec.index + j)
         if spec.temperature == 0.0:
             token = int(torch.argmax(row))
