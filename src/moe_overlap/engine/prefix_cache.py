@@ -23,10 +23,13 @@ from moe_overlap.engine.request import Request
 from moe_overlap.engine.window_pages import WindowPages
 
 
-def may_use(req: Request) -> bool:
+def may_use(req: Request, mtp: bool = False) -> bool:
     """Whether ``req``'s prefill may skip cached pages: not when it returns or scores every
-    prompt position's logits (vLLM skips the cache for prompt logprobs too)."""
-    return not (req.return_logits or req.params.prompt_logprobs is not None)
+    prompt position's logits (vLLM skips the cache for prompt logprobs too), nor where ``mtp``
+    drafts it from q (sampled, no grammar): the drafter's KV cache holds no cached page's
+    entries, so its q, and with it the seeded tokens, would follow what its slot held before."""
+    sampled = mtp and req.params.temperature > 0 and req.constraint is None
+    return not (req.return_logits or req.params.prompt_logprobs is not None or sampled)
 
 
 def token_ids(req: Request, start: int, stop: int) -> list[int]:
@@ -93,9 +96,9 @@ class PrefixCache:
             found.append(page)
         return found
 
-    def cached_tokens(self, req: Request) -> int:
-        """The tokens of ``req`` a lookup would find here now."""
-        return len(self.lookup(token_ids(req, 0, req.total_len), may_use(req))) * self.page_size
+    def cached_tokens(self, req: Request, usable: bool) -> int:
+        """The tokens of ``req`` a lookup would find here now (``usable``: ``may_use``)."""
+        return len(self.lookup(token_ids(req, 0, req.total_len), usable)) * self.page_size
 
     def acquire(self, chain: list[CachedPage]) -> None:
         for page in chain:

@@ -195,7 +195,7 @@ class Scheduler:
             req, cache = self.waiting[0], self.prefix[rank]
             pdmux = self.pdmux is not None
             need = self._longest(req) if pdmux else pages_for(req.total_len, self.page_size)
-            chain = cache.lookup(token_ids(req, 0, req.total_len), may_use(req))
+            chain = cache.lookup(token_ids(req, 0, req.total_len), self._may_use(req))
             cache.acquire(chain)  # before room is made: these are not evicted for it
             if not cache.make_room(need - len(chain)):
                 cache.drop(chain)
@@ -208,6 +208,10 @@ class Scheduler:
             self.pages[rank].hold(need - len(chain))
             cache.admit(req, chain)
             self.running[rank].append(req)
+
+    def _may_use(self, req: Request) -> bool:
+        spec = self.speculation  # an MTP drafter's sampled drafts take no cached pages
+        return may_use(req, spec is not None and spec.config.is_mtp)
 
     def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
         """This rank's sequences and the tokens each feeds: decode tokens first (cheap, and
@@ -288,7 +292,7 @@ class Scheduler:
                 len(running),
                 sum(r.prompt_len - r.num_computed + 1 for r in running) if counts else 0,
                 len(slots),
-                cache.cached_tokens(req) if affinity and req is not None else 0,
+                cache.cached_tokens(req, self._may_use(req)) if affinity and req else 0,
             )
             for running, slots, cache in zip(self.running, self.slots, self.prefix, strict=True)
         ]
