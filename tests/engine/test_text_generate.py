@@ -53,6 +53,19 @@ def test_stop_string_cuts_the_text_and_finishes(llm):
     assert out[0].token_ids == full.token_ids[: len(out[0].token_ids)]
 
 
+def test_a_stop_string_waits_for_min_tokens(llm):
+    """As vLLM and SGLang: a stop string ending within the first min_tokens tokens does not
+    end the output (the text of the first token would have stopped it at once)."""
+    full = llm.generate(["Hello"], GREEDY)[0]
+    first = llm.tokenizer.decode(full.token_ids[:1])
+    assert first
+    ask = dict(temperature=0, max_new_tokens=10, ignore_eos=True, stop=first)
+    assert llm.generate(["Hello"], SamplingParams(**ask))[0].token_ids == full.token_ids[:1]
+    out = llm.generate(["Hello"], SamplingParams(**ask, min_tokens=4))[0]
+    assert len(out.token_ids) > 4 and out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert out.text == full.text[: len(out.text)] and len(out.text) > len(first)
+
+
 def test_stop_token_id_is_kept_and_finishes(llm):
     full = llm.generate(["Hello"], GREEDY)[0]
     stop_id = full.token_ids[3]

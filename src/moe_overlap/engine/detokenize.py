@@ -67,12 +67,13 @@ class TextStream:
     def text(self) -> str:
         return "".join(self._head) + self._tail
 
-    def push(self, token_id: int) -> bool:
+    def push(self, token_id: int, search: bool = True) -> bool:
         """Add a generated token; True when the text now holds a stop string.
 
         Only the new tail is searched: a stop string wholly inside the text already seen would
         have stopped the request then, so a match must end past it (cost per token: the stop
-        strings' lengths, not the output's)."""
+        strings' lengths, not the output's). ``search`` False: not yet (``min_tokens``, as
+        vLLM and SGLang skip stop strings before it), so a match ending here is never found."""
         if self.stopped:
             return True
         self.ids.append(token_id)
@@ -80,7 +81,7 @@ class TextStream:
         tail = decoded if isinstance(decoded, str) else "".join(decoded)  # one id list: a str
         seen = _unchanged(self._tail, tail)
         self._tail = tail
-        cut = self._find_stop(seen)
+        cut = self._find_stop(seen) if search else -1
         if cut >= 0:
             self._cut(cut)
         elif self._window and tail and not tail.endswith(PENDING):

@@ -53,7 +53,8 @@ class FinishRule:
             return "eos"
         if token in (req.params.stop_token_ids or []):
             return "stop"  # kept in the ids, not in the text (as vLLM and SGLang, like EOS)
-        if req.text is not None and req.text.push(token):  # the other tokens go to the text
+        search = len(req.output_ids) > req.params.min_tokens  # stop strings wait for it
+        if req.text is not None and req.text.push(token, search):  # other tokens: the text
             return "stop"
         if req.constraint is not None and req.constraint.done:  # its grammar took its stop token
             return "stop"

@@ -47,7 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], per time a token was generated
     repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of the prompt and output
     logit_bias: dict[int, float] | None = None  # token id -> bias, clamped to [-100, 100]
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output sooner
     n: int = 1  # outputs per prompt
     best_of: int | None = None  # candidates per prompt, the n likeliest returned (>= n)
     # the output follows a JSON schema, regex, choice or grammar (engine/grammar.py)
