@@ -37,7 +37,7 @@ def offline(model_dir):
         params = SamplingParams(
             temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2
         )
-        return llm, ids, llm.generate([ids], params)[0]
+        yield llm, ids, llm.generate([ids], params)[0]  # open while the module's tests use it
 
 
 def _text(llm: LLM, token_id: int) -> str:
