@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 
 import pytest
 
@@ -15,6 +16,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.engine.args import BenchArgs
 from moe_overlap.engine.engine_args import EngineArgs
+from moe_overlap.engine.tokenizer import write_tokenizer
 from moe_overlap.server.settings import ServerSettings
 from moe_overlap.tools import command_flags
 from moe_overlap.tools.cli import main
@@ -235,6 +237,19 @@ def test_load_format_dummy_builds_the_same_random_weights_as_hf_config():
         assert [o.token_ids for o in llm.generate(prompts, params)] == dummy
     with LLM(config=ModelConfig.from_hf(CONFIG), seed=3) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == dummy
+
+
+def test_load_format_dummy_keeps_the_model_directorys_tokenizer(tmp_path):
+    """As in SGLang and vLLM, dummy replaces the weights only: text prompts still work."""
+    shutil.copy(CONFIG, tmp_path / "config.json")
+    write_tokenizer(tmp_path, ModelConfig.from_hf(CONFIG).vocab_size)
+    params = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    with LLM(str(tmp_path), load_format="dummy", random_seed=3) as llm:
+        assert llm.tokenizer is not None
+        dummy = llm.generate(["Hello"], params)[0]
+    assert len(dummy.token_ids) == 2 and isinstance(dummy.text, str)
+    with LLM(hf_config=CONFIG, seed=3) as llm:
+        assert llm.tokenizer is None
 
 
 def test_prefix_caching_is_on_by_default_and_each_engines_spelling_turns_it_off():

@@ -122,6 +122,14 @@ class ModelArgs:
             return None, model
         return model, self.hf_config
 
+    def tokenizer_dir(self) -> str | None:
+        """The directory whose tokenizer the engine loads: --model's, with its weights or, under
+        --load-format dummy, without them (as SGLang and vLLM load dummy's tokenizer)."""
+        if self.model is None:
+            return None
+        model = resolve_model(self.model)
+        return None if model.endswith(".json") else model
+
 
 @dataclass
 class LayoutArgs:
