@@ -188,6 +188,16 @@ def test_vllm_config_is_read_into_the_flags():
     )  # fmt: skip
 
 
+def test_vllm_config_as_a_dict_as_vllms_llm_takes_it():
+    """``LLM(speculative_config={...})`` is vLLM's Python form; it was a TypeError here."""
+    given = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    config = SpeculativeArgs(speculative_config=given).speculative()
+    assert config is not None and (config.algorithm, config.num_drafts) == ("NGRAM", 2)
+    assert config.lookup_max == 3
+    with pytest.raises(ConfigError, match="is not JSON"):
+        SpeculativeArgs(speculative_config=3).speculative()  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "method",
     ["mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mimo_v2_mtp"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.model_config import ModelConfig
@@ -99,11 +99,11 @@ class SpeculativeArgs:
         "NGRAM: the longest suffix matched, tried first (vLLM's prompt_lookup_max)",
         group=_GROUP,
     )
-    speculative_config: str | None = setting(
+    speculative_config: str | dict[str, Any] | None = setting(
         None,
         'vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\'; read into the flags above, '
-        "and refused where it contradicts one given",
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (in Python also a dict, as vLLM\'s '
+        "LLM takes it); read into the flags above, and refused where it contradicts one given",
         metavar="JSON",
         group=_GROUP,
     )
@@ -187,12 +187,13 @@ def _method(given: dict) -> str | None:
     return _METHODS[method]
 
 
-def _vllm_config(text: str | None) -> dict:
+def _vllm_config(text: str | dict[str, Any] | None) -> dict:
+    """The keys of ``--speculative-config``: JSON text, or a dict as vLLM's ``LLM`` takes."""
     if text is None:
         return {}
     try:
-        given = json.loads(text)
-    except json.JSONDecodeError as exc:
+        given = dict(text) if isinstance(text, dict) else json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
         raise ConfigError(f"--speculative-config={text!r} is not JSON: {exc}") from None
     if not isinstance(given, dict):
         raise ConfigError(f"--speculative-config={text!r} must be a JSON object")
