@@ -142,12 +142,18 @@ def test_a_gather_through_the_block_table_reads_what_was_stored_from_any_start()
             assert torch.equal(got[1, : 7 - start, 0], torch.arange(start, 7).float())
 
 
-def test_bench_engine_speculative_against_plain_decoding(capsys):
+def test_bench_engine_speculative_against_plain_decoding(tmp_path, capsys):
     """--speculative-algorithm: each decode batch with and without n-gram drafts in one run,
-    the same tokens, and the acceptance length (contents, not timings)."""
+    the same tokens, and the acceptance length (contents, not timings); --json writes them
+    (it wrote nothing under --speculative-algorithm before)."""
     argv = ["--hf-config", "configs/qwen3-moe-tiny.json", "--speculative-algorithm", "NGRAM"]
     flags = ["--decode-batches", "3", "--decode-prompt-len", "16", "--new-tokens", "12"]
-    assert run_bench_engine([*argv, *flags, "--repeats", "1", "--threads", "1"]) == 0
+    out = tmp_path / "spec.json"
+    flags += ["--repeats", "1", "--threads", "1", "--json", str(out)]
+    assert run_bench_engine([*argv, *flags]) == 0
     table = capsys.readouterr().out
     for column in ("plain tok/s", "spec tok/s", "speed-up", "accept len", "accepted", "3/3"):
         assert column in table
+    [case] = json.loads(out.read_text())["cases"]
+    assert (case["batch"], case["tokens"], case["same_tokens"]) == (3, 36, "3/3")
+    assert case["speedup"] > 0 and case["acceptance_length"] >= 1

@@ -199,7 +199,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         save_checkpoint(build_model(cfg, seed=args.seed, mtp=True), tmp)  # both engines load these
         hf = load_hf(Path(tmp)) if args.compare_hf else None
         if speculative_args(args) is not None:
-            console.print(bench_speculative(Path(tmp), args, cfg.vocab_size))
+            table, report = bench_speculative(Path(tmp), args, cfg.vocab_size)
+            console.print(table)
+            write_report(args.json, report, console)
             return 0
         clock = time.process_time if args.cpu_time else time.perf_counter
         results = [
@@ -223,20 +225,25 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
             if split is not None
         ]
         console.print(breakdown_table(rows, peak, args.repeats))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        report = {
-            "config": args.hf_config,
-            "threads": args.threads,
-            "cpu_time": args.cpu_time,
-            "repeats": args.repeats,
-            "torch": torch.__version__,
-            "matmul_peak_gflops": peak,
-            "cases": [asdict(r) for r in results],
-        }
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        console.print(f"results: {args.json}")
+    report = {
+        "config": args.hf_config,
+        "threads": args.threads,
+        "cpu_time": args.cpu_time,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "matmul_peak_gflops": peak,
+        "cases": [asdict(r) for r in results],
+    }
+    write_report(args.json, report, console)
     return 0
+
+
+def write_report(path: str | None, report: dict, console: Console) -> None:
+    """``--json PATH``: the report written there (nothing without the flag)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))
+        console.print(f"results: {path}")
 
 
 def add_bench_engine_command(sub: argparse._SubParsersAction) -> None:

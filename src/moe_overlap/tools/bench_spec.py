@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -49,15 +50,26 @@ def speculative_args(args: argparse.Namespace) -> dict | None:
     return given if SpeculativeArgs(**given).speculative() is not None else None
 
 
-def bench_speculative(model_dir: Path, args: argparse.Namespace, vocab: int) -> Table:
-    """The table of ``speculative_cases``."""
+def bench_speculative(
+    model_dir: Path, args: argparse.Namespace, vocab: int
+) -> tuple[Table, dict[str, Any]]:
+    """The table of ``speculative_cases`` and their report for ``--json``."""
     title = (
         f"{Path(args.hf_config).stem}: speculative decoding against plain greedy decoding, one "
         f"process, {torch.get_num_threads()} threads, fp32, best of {args.repeats}; prompts of "
         f"{args.decode_prompt_len} tokens repeating a phrase, {args.new_tokens} new tokens each; "
         "accept len: tokens per verification (the bonus included), accepted: drafts accepted"
     )
-    return speculative_table(speculative_cases(model_dir, args, vocab), title)
+    results = speculative_cases(model_dir, args, vocab)
+    report = {
+        "config": args.hf_config,
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "speculative": speculative_args(args),
+        "cases": [asdict(r) | {"speedup": r.speedup} for r in results],
+    }
+    return speculative_table(results, title), report
 
 
 def speculative_cases(model_dir: Path, args: argparse.Namespace, vocab: int) -> list[SpecResult]:
