@@ -119,9 +119,8 @@ class LLM(ExpertRecorder):
         par, link_spec, device = check_settings(args, cfg, overlap, emulate_peers)  # refusals
         args = _settled_dtype(args, device, model)
         self.args, self.config, self.seed = args, cfg, args.seed
-        self._load_tokenizer(
-            tokenizer or args.tokenizer_dir(), args.chat_template, named=tokenizer is not None
-        )
+        named = tokenizer is not None  # a directory the caller named must hold one
+        self._load_tokenizer(tokenizer or args.tokenizer_dir(), args.chat_template, named)
         spec = engine_spec(args, cfg, model, overlap, par, device, emulate_peers)
         self.spec, self.parallel, self.max_len = spec, par, spec.max_len
         self.executor = start_executor(spec, link_spec, float(args.timeout))
