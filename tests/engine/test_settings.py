@@ -192,6 +192,8 @@ def test_a_yaml_config_of_flags_and_the_command_line_overriding_it(tmp_path):
     assert (args.tp, args.ep, args.enable_dbo, args.seed) == (2, 2, True, 5)
     assert args.auto_modes == ("none", "sbo")
     assert args.overlap_config().mode == "dbo"
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert all("--config FILE" in p.format_help() for p in sub.choices.values())  # in --help
 
 
 def test_a_hugging_face_config_given_to_config_names_the_new_flag(capsys):

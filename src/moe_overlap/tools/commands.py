@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_utilities(sub)
     for command in sub.choices.values():  # errors print the command's usage, not the top's
         command.set_defaults(command_parser=command)
+        command.add_argument(  # read before parsing (flags.expand_config); listed for --help
+            "--config",
+            metavar="FILE",
+            help="flags from a YAML file of flag names and values (SGLang's and vLLM's "
+            "--config); flags on the command line win",
+        )
     return parser
 
 
