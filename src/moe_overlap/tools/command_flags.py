@@ -284,4 +284,17 @@ class PlanFlags(SpeculativePlanFlags):
     plot: str | None = output_setting("draw the predicted timelines of rank 0")
 
 
+@dataclass
+class ConfigFileFlag:
+    """Every command's ``--config``: read before parsing (``flags.expand_config``), listed here
+    for ``--help``."""
+
+    config: str | None = setting(
+        None,
+        "flags from a YAML file of flag names and values (SGLang's and vLLM's --config); flags "
+        "on the command line win",
+        metavar="FILE",
+    )
+
+
 LOAD_DEFAULTS = {f.name: f.default for f in fields(LoadFlags)}  # a dataset's flags, unmoved

@@ -21,8 +21,9 @@ from moe_overlap.tools.bench_cli import add_bench_commands
 from moe_overlap.tools.bench_engine import add_bench_engine_command
 from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
+from moe_overlap.tools.command_flags import ConfigFileFlag
 from moe_overlap.tools.eplb_cli import add_eplb_command
-from moe_overlap.tools.flags import expand_config
+from moe_overlap.tools.flags import add_fields, expand_config
 from moe_overlap.tools.make_model import add_make_model_command
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
@@ -84,12 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_utilities(sub)
     for command in sub.choices.values():  # errors print the command's usage, not the top's
         command.set_defaults(command_parser=command)
-        command.add_argument(  # read before parsing (flags.expand_config); listed for --help
-            "--config",
-            metavar="FILE",
-            help="flags from a YAML file of flag names and values (SGLang's and vLLM's "
-            "--config); flags on the command line win",
-        )
+        add_fields(command, ConfigFileFlag)
     return parser
 
 
