@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_overlap.core.errors import NothingAllowedError
 from moe_overlap.core.step import Penalties
 
 
@@ -24,4 +25,13 @@ def penalised(logits: torch.Tensor, pen: Penalties, generated: int) -> torch.Ten
         ids = torch.tensor(pen.output_ids, dtype=torch.long, device=row.device)
         counts = torch.zeros_like(row).scatter_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
         row -= pen.frequency * counts + pen.presence * (counts > 0).to(row.dtype)
+    return row
+
+
+def some_allowed(row: torch.Tensor, constrained: bool) -> torch.Tensor:
+    """``row`` (penalised) as it is; ``NothingAllowedError`` where a ``constrained`` row (a
+    grammar's bitmask applied) is left without a token, which min_tokens can do by holding back
+    the only token the grammar allows. Unconstrained rows are not read back."""
+    if constrained and bool(torch.isneginf(row).all()):
+        raise NothingAllowedError
     return row

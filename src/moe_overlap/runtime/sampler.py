@@ -13,7 +13,7 @@ from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import NOTHING_ALLOWED, NothingAllowedError
 from moe_overlap.core.step import GroupReply, SampleSpec, TokenLogprobs
 from moe_overlap.runtime.draws import draw, draw_seed, probabilities
-from moe_overlap.runtime.penalties import penalised
+from moe_overlap.runtime.penalties import penalised, some_allowed
 from moe_overlap.runtime.verification import verify
 
 
@@ -128,11 +128,11 @@ def _draw(
         if spec.allowed is not None:
             last = masked(last, spec.allowed[:1])
         if spec.penalties is not None:
-            last = penalised(last, spec.penalties, spec.index)
-            if spec.allowed is not None and bool(torch.isneginf(last).all()):
-                return [], NOTHING_ALLOWED
+            last = some_allowed(
+                penalised(last, spec.penalties, spec.index), spec.allowed is not None
+            )
         return [sample(last, spec)], None
-    except NothingAllowedError:  # a verify row its grammar and min_tokens leave empty
+    except NothingAllowedError:  # a row its grammar and min_tokens leave empty
         return [], NOTHING_ALLOWED
     except Exception as exc:  # this sequence alone fails; the driver says why
         return [], f"{type(exc).__name__}: {exc}".splitlines()[0]

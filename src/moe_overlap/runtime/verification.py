@@ -10,10 +10,9 @@ import dataclasses
 
 import torch
 
-from moe_overlap.core.errors import NothingAllowedError
 from moe_overlap.core.step import Penalties, SampleSpec
 from moe_overlap.runtime.draws import draw, draw_seed, generator, probabilities
-from moe_overlap.runtime.penalties import penalised
+from moe_overlap.runtime.penalties import penalised, some_allowed
 
 
 def verify_greedy(rows: torch.Tensor, drafts: tuple[int, ...]) -> list[int]:
@@ -43,8 +42,7 @@ def verify(
         row = rows[j]
         if spec.penalties is not None:  # the drafts accepted so far count as generated
             row = penalised(row, _with_output(spec.penalties, taken), spec.index + j)
-            if spec.allowed is not None and bool(torch.isneginf(row).all()):
-                raise NothingAllowedError  # as plain sampling says it (``sampler._draw``)
+            row = some_allowed(row, spec.allowed is not None)  # as plain sampling checks it
         seed = draw_seed(spec.seed, spec.index + j)
         if spec.temperature == 0.0:
             token = int(torch.argmax(row))
