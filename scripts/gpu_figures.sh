@@ -203,7 +203,7 @@ json.dump(c, open(sys.argv[2], "w"))' "$cfg" "$cfg2"
   run fp8-dispatch 150 "${cli[@]}" bench --model "$logs/fp8-model" --device "$device" \
     --dtype bfloat16 --emulate-peers 8 --workload decode:256:512 --link "model:$decode_bw,20us" \
     --repeat 5 --modes none,tbo,dbo --a2a-mode auto --num-max-dispatch-tokens-per-rank 128 \
-    --cuda-graph-max-bs 128 --moe-dispatch-dtype fp8 --compare-dispatch-dtype
+    --cuda-graph-max-bs 256 --moe-dispatch-dtype fp8 --compare-dispatch-dtype
   table fp8-dispatch
   grep -iE "w8a8|dispatch fp8" "$logs/fp8-dispatch.txt" >> "$summary"
   rm -rf "$logs/fp8-model"

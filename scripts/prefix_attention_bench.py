@@ -7,7 +7,8 @@ with the boolean lower-right mask the engine passed before, in one run: the figu
 Usage: python scripts/prefix_attention_bench.py  (DEVICE=cpu: a smoke test of the script)
 
 Shapes: Qwen3-30B-A3B's attention (32 query heads sharing 4 KV heads, head size 128) and
-DeepSeek-V3's MLA with 16 heads on a rank (query and key heads 192 wide, values 128), bf16.
+DeepSeek-V3's MLA with 16 heads on a rank (query and key heads 192 wide, values 128), bf16;
+MLA takes the boolean mask in the engine too (the bias ran at half its speed on an H200).
 Then GPT-OSS's full layers (64 query heads on 8 KV heads, head size 64, a learned sink per head):
 the engine's ``sink_attention`` (SDPA, the sink one more key) against the sink written out in
 fp32 scores over blocks of 256 queries (``extend_attention``, which ran these layers before).
