@@ -9,9 +9,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.repo_files import CONFIGS
 from moe_overlap.engine.request import InvalidRequestError
 
-CORPUS = Path(__file__).resolve().parents[3] / "configs" / "tokenizer-corpus.txt"
+CORPUS = CONFIGS / "tokenizer-corpus.txt"
 # ids 0, 1, 2 in this order; id 1 is the shipped configs' eos_token_id
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
 EOS_TOKEN = "<|im_end|>"

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from moe_overlap.core.errors import ConfigError, is_finite_number, is_int
+from moe_overlap.core.repo_files import CONFIGS
 from moe_overlap.planner import gpus
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "clusters"
+PRESET_DIR = CONFIGS / "clusters"
 _POSITIVE = (
     "gemm_tflops_bf16",
     "gemm_tflops_fp8",

@@ -20,6 +20,7 @@ from moe_overlap.core.a2a_mode import DispatchDtype
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE, TBO
+from moe_overlap.core.repo_files import REPO_ROOT
 from moe_overlap.planner.cluster import Cluster, load_cluster
 from moe_overlap.planner.imbalance import eplb_imbalance, placement_shape
 from moe_overlap.planner.inputs import (
@@ -127,7 +128,7 @@ ModeConfig = Callable[[str], OverlapConfig]
 def run_case(case: Case, batches_for: BatchesFor, mode_config: ModeConfig) -> Outcome:
     config = Path(case.config)
     if not config.exists():  # run outside the repository: the configs beside the package
-        config = Path(__file__).resolve().parents[3] / case.config
+        config = REPO_ROOT / case.config
     spec = load_model_spec(str(config))
     if case.fp8:
         spec = with_precision(spec, "fp8", DispatchDtype.FP8)

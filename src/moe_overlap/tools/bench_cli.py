@@ -22,6 +22,7 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.repo_files import REPO_ROOT
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
@@ -52,7 +53,6 @@ from moe_overlap.tools.report import bench_table, dtype_table
 from moe_overlap.tools.trace import write_outputs
 
 PROBE_CONFIG = "configs/qwen3-moe-tiny.json"  # the repository's, wherever the command runs
-REPO = Path(__file__).resolve().parents[3]
 PROBE_LAYOUT = (
     "ep",
     "timeout",
@@ -80,7 +80,7 @@ def cmd_probe_link(args: argparse.Namespace) -> int:
         )
     spec = parse_link(args.link)
     with LLM(
-        **engine_kwargs(args) | {"hf_config": args.hf_config or str(REPO / PROBE_CONFIG)}
+        **engine_kwargs(args) | {"hf_config": args.hf_config or str(REPO_ROOT / PROBE_CONFIG)}
     ) as llm:
         per_rank = llm.executor.probe(int(args.mib * 2**20), args.repeat)
     slowest = [
