@@ -26,14 +26,10 @@ from moe_overlap.core.repo_files import REPO_ROOT
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.distributed.link import parse_link
 from moe_overlap.engine.args import BenchArgs, LayoutArgs, ModelArgs, parse_modes
-from moe_overlap.engine.engine_args import (
-    CapacityArgs,
-    EngineArgs,
-    OverlapArgs,
-    without_overlap_knobs,
-)
+from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, without_overlap_knobs
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.overlap_args import OverlapArgs
 from moe_overlap.model.fp8_resident import expert_kernels, fp8_path
 from moe_overlap.model.quant_config import quant_config_of
 from moe_overlap.tools.bench import Arm, BenchReport, run_arms

@@ -12,9 +12,10 @@ from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import NONE
 from moe_overlap.core.workloads import Workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs
-from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs, OverlapArgs
+from moe_overlap.engine.engine_args import CapacityArgs, EngineArgs
 from moe_overlap.engine.eplb_args import EplbArgs
 from moe_overlap.engine.llm import LLM
+from moe_overlap.engine.overlap_args import OverlapArgs
 from moe_overlap.engine.spec_config import SpeculativeArgs
 from moe_overlap.tools.flags import add_fields, from_args
 

@@ -22,8 +22,8 @@ from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
-from moe_overlap.engine.engine_args import OverlapArgs
 from moe_overlap.engine.eplb_args import EplbArgs
+from moe_overlap.engine.overlap_args import OverlapArgs
 from moe_overlap.planner.cluster import Cluster, load_cluster
 from moe_overlap.planner.imbalance import Imbalance, placement_shape, plan_imbalance
 from moe_overlap.planner.inputs import (
