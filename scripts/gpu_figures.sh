@@ -127,6 +127,13 @@ step_decode() {
       --cuda-graph-max-bs 256
     table decode-ll-128
     grep "CUDA graphs" "$logs/decode-ll-128.txt" >> "$summary"
+    # SGLang's staggered decode stages record micro-batch 1's dispatch behind micro-batch 0's
+    # combine wait (2 of 4 transfers a layer exposed, 2.3 of 4.6 ms on 11-28); ours in lockstep
+    note "== the same, --tbo-decode-order lockstep"
+    run decode-ll-128-lockstep 120 "${emulated[@]}" --workload decode:256:512 \
+      --link "model:$bw,20us" --repeat 10 --modes none,tbo --a2a-mode auto \
+      --num-max-dispatch-tokens-per-rank 128 --cuda-graph-max-bs 256 --tbo-decode-order lockstep
+    table decode-ll-128-lockstep
   fi
 }
 

@@ -26,6 +26,7 @@ MODES = {
     "tbo3": OverlapConfig("tbo", num_micro_batches=3),
     "tbo3+time-split": OverlapConfig("tbo", num_micro_batches=3, tbo_split_policy="time"),
     "tbo4": OverlapConfig("tbo", num_micro_batches=4),
+    "tbo+lockstep-decode": OverlapConfig("tbo", tbo_decode_order="lockstep"),
 }
 ENGINE_MODE = "tbo4+time-split"  # the mode the engines are built with
 
@@ -206,3 +207,18 @@ def test_table_batches_have_the_modes_they_claim_and_sglang_is_the_default():
     assert modes == [ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED]
     assert OverlapConfig("tbo").tbo_mode_mismatch == "off"
     assert not tbo_decide(_vote(EXTEND, DECODE)).run
+
+
+def test_ep2_lockstep_decode_micro_batches_and_stays_exact(engine):
+    """A decode step in ``--tbo-decode-order lockstep`` (prefill's stages for decode) on gloo
+    ranks: both micro-batches run, and the logits are the one-batch step's."""
+    llm, _ = engine
+    a, b = list(range(1, 9)), list(range(3, 12))
+    prompts = ForwardBatch(torch.tensor(a + b), [0, 1], [0, 0], [8, 9], [True, True])
+    llm.executor.run([prompts] * 2, OverlapConfig())
+    step = [_decode([4, 6], slots=[0, 1], prefixes=[8, 9])] * 2
+    plain = llm.executor.run(step, OverlapConfig())
+    got = llm.executor.run(step, MODES["tbo+lockstep-decode"], record=True)
+    for r in range(2):
+        assert _same_logits(plain.logits[r], got.logits[r])
+        assert {tracks.micro_batch(0), tracks.micro_batch(1)} <= _tracks(got.spans[r])

@@ -18,6 +18,9 @@ from moe_overlap.core.overlap_modes import MODES, NONE
 
 SPLIT_POLICIES = ("tokens", "time")
 MODE_MISMATCH = ("off", "prefill")  # off: SGLang; prefill: ours
+# TBO decode: staggered (SGLang: five stages a layer, micro-batch 1 two behind), lockstep (ours:
+# the prefill cut, both in step, so each transfer flies under the other micro-batch's stage)
+DECODE_ORDERS = ("staggered", "lockstep")
 AUTO_MODES = tuple(MODES.auto_choices())  # what auto chooses among (ties: the earlier)
 DEFAULT_TBO_TOKEN_DISTRIBUTION_THRESHOLD = 0.48  # SGLang's default
 
@@ -33,6 +36,7 @@ class OverlapConfig:
     # busy ranks in different forward modes: "off" skips TBO this step (SGLang), "prefill" runs
     # the prefill strategy on every rank (ours)
     tbo_mode_mismatch: str = "off"
+    tbo_decode_order: str = "staggered"  # DECODE_ORDERS
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     moe_a2a_backend: str = Backend.AUTO
@@ -51,6 +55,7 @@ class OverlapConfig:
             ("mode", tuple(MODES)),
             ("tbo_split_policy", SPLIT_POLICIES),
             ("tbo_mode_mismatch", MODE_MISMATCH),
+            ("tbo_decode_order", DECODE_ORDERS),
             ("moe_a2a_backend", A2A_BACKENDS),
             ("a2a_mode", A2A_MODES),
             ("moe_dispatch_dtype", DISPATCH_DTYPES),

@@ -127,6 +127,7 @@ _TBO_KNOBS = (
     "tbo_split_policy",
     "tbo_min_tokens",
     "tbo_mode_mismatch",
+    "tbo_decode_order",
 )
 
 NONE = MODES.register(

@@ -19,6 +19,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import (
     A2A_BACKENDS,
     AUTO_MODES,
+    DECODE_ORDERS,
     MODE_MISMATCH,
     SPLIT_POLICIES,
     OverlapConfig,
@@ -123,6 +124,15 @@ class OverlapArgs:
         "when busy ranks run different forward modes (one prefills, one decodes): off runs "
         "that step without TBO (SGLang); prefill runs the prefill strategy on every rank (ours)",
         choices=MODE_MISMATCH,
+    )
+    tbo_decode_order: str = overlap_setting(
+        "tbo_decode_order",
+        "TBO's decode stages: staggered is SGLang's (five stages a layer, the second "
+        "micro-batch two behind); lockstep (ours) runs both micro-batches stage by stage in "
+        "prefill's cut, so each dispatch and combine travels while the other micro-batch "
+        "computes (staggered leaves two transfers a layer exposed where no shared experts fill "
+        "the gap)",
+        choices=DECODE_ORDERS,
     )
     sbo_combine_blocks: int = overlap_setting(
         "sbo_combine_blocks",

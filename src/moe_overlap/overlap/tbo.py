@@ -37,7 +37,11 @@ class TwoBatchOverlap:
     ):
         self.model, self.cfg, self.group = model, cfg, group
         self.cost = ModelFlops.for_model(model.cfg) if cfg.tbo_split_policy == "time" else None
-        self.strategies = {d: strategy_for(model, TBO.name, d, strategies) for d in (False, True)}
+        # lockstep decode: prefill's stages (core/overlap_config.py: DECODE_ORDERS)
+        staggered = cfg.tbo_decode_order == "staggered"
+        self.strategies = {
+            d: strategy_for(model, TBO.name, d and staggered, strategies) for d in (False, True)
+        }
         self.ops = {d: build_operations(model, self.strategies[d]) for d in (False, True)}
 
     def plan(self, batch: ForwardBatch):

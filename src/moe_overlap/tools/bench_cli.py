@@ -268,6 +268,7 @@ def _add_bench_command(sub) -> None:
             "moe_dispatch_dtype",
             "tbo_min_tokens",
             "tbo_mode_mismatch",
+            "tbo_decode_order",
             "sbo_combine_blocks",
             "sbo_comm_sms",
             "dbo_decode_token_threshold",

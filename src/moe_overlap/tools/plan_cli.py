@@ -19,6 +19,7 @@ from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.expert_location import read_load
 from moe_overlap.core.mode_labels import mode_config
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.overlap_config import OverlapConfig
 from moe_overlap.core.overlap_modes import DBO, NONE
 from moe_overlap.core.workloads import Workload, check_fits, make_batches, parse_workload
 from moe_overlap.engine.args import LayoutArgs, ModelArgs, parse_modes
@@ -107,7 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.hf_config)
     layout = plan_layout(args, spec.cfg)
     names = parse_modes(args.modes)
-    configs = {m: mode_config(m) for m in names}
+    base = OverlapConfig(tbo_decode_order=args.tbo_decode_order)
+    configs = {m: mode_config(m, base) for m in names}
     if NONE.name not in configs:
         raise ConfigError(f"--modes {args.modes!r} must include none, the baseline")
     _check_sweep(args.decode_sweep, spec.cfg)
@@ -247,7 +249,7 @@ def add_plan_command(sub) -> None:
     )
     add_fields(plan, ModelArgs, only=("hf_config", "seed"))
     add_fields(plan, LayoutArgs, only=("tp", "dp", "ep", "enable_dp_attention", "link"))
-    add_fields(plan, OverlapArgs, only=("moe_dispatch_dtype",))
+    add_fields(plan, OverlapArgs, only=("moe_dispatch_dtype", "tbo_decode_order"))
     add_fields(plan, PlanFlags)
     add_fields(plan, EplbArgs, only=("enable_eplb", "ep_num_redundant_experts", "eplb_algorithm"))
     plan.set_defaults(func=cmd_plan)
