@@ -33,8 +33,10 @@ from moe_overlap.core.dispatcher import (
     Pending,
     balanced_blocks,
     in_flight,
+    inverse_permutation,
     outputs,
     sort_by_expert,
+    unsort,
 )
 from moe_overlap.core.timeline import Timeline
 from moe_overlap.core.transfer import CountsRead, to_device
@@ -224,9 +226,7 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
         state.tokens_per_expert = recv_counts.sum(0).tolist()
 
     def combine_a(self, state: AllToAllState) -> None:
-        rows = outputs(state)
-        back = torch.empty_like(rows)
-        back[state.perm] = rows  # back to the order they came in
+        back = unsort(outputs(state), state.perm)  # the order they came in
         state.pending = self._start("combine", back, state.recv, state.send, state.owner)
 
     def combine_blocks(self, state: AllToAllState, num_blocks: int) -> list[range]:
@@ -252,9 +252,8 @@ class AllToAllDispatcher(Dispatcher[AllToAllState]):
             outgoing, state.out_cuts = piece_layouts(state.recv_counts, mine, device)
             theirs = [[own[b] for own in state.owner_blocks] for b in blocks]
             state.incoming, state.in_cuts = piece_layouts(state.counts, theirs, device)
-            row_of = torch.empty_like(state.perm)  # each received row's row among the outputs
-            row_of[state.perm] = torch.arange(state.perm.numel(), device=state.perm.device)
-            state.outgoing_rows = row_of[outgoing]
+            # each received row's row among the outputs
+            state.outgoing_rows = inverse_permutation(state.perm)[outgoing]
         (cut, send), (into, recv) = state.out_cuts[block], state.in_cuts[block]
         rows = expert_outputs[state.outgoing_rows[cut]]
         kind = f"combine piece {len(pieces.pieces)}"
