@@ -74,16 +74,22 @@ class ExpertBank(nn.Module):
         return out
 
     def run_dispatched(self, d: DispatchState) -> torch.Tensor:
-        """The experts over a dispatch's rows: on the device's counts where they run as one
-        grouped GEMM and the host has not read them (no read of the device at all), else on
-        the host's."""
+        """The experts over a dispatch's rows. Where they run as one grouped GEMM its output is
+        returned as it is, the row ends taken from the device's counts where the host has not
+        read them (no read of the device at all), else from the host's; else the host's counts
+        drive ``run_experts`` into a buffer."""
         if d.capacity:
             out = d.empty_outputs()
             self.run_block(d, out, range(self.count))
             return out
         x, wire = self._inputs(d)
-        if d.tokens_per_expert is None and d.counts is not None and self.on_device(x):
-            ends = d.counts.cumsum(0, dtype=torch.int32)
+        on_device_counts = d.tokens_per_expert is None and d.counts is not None
+        # the kernel's output is the outputs (no copy into a buffer); no rows: nothing to run
+        if self.on_device(x) and (on_device_counts or x.shape[0]):
+            if on_device_counts:
+                ends = d.counts.cumsum(0, dtype=torch.int32)
+            else:
+                ends = _device_ends(host_counts(d), x.device)
             y = self._on_device(x, ends, range(self.count), wire)
             if y is not None:
                 return y
@@ -213,8 +219,7 @@ class ExpertBank(nn.Module):
         if rows.start == rows.stop:
             return
         if self.on_device(x):
-            counts = tokens_per_expert[experts.start : experts.stop]
-            offs = to_device(torch.tensor(list(accumulate(counts)), dtype=torch.int32), x.device)
+            offs = _device_ends(tokens_per_expert[experts.start : experts.stop], x.device)
             y = self._on_device(x[rows], offs, experts, wire)
             if y is not None:
                 out[rows] = y
@@ -280,3 +285,9 @@ class ExpertBank(nn.Module):
             y = y + down_b[block][:, None].expand(y.shape[0], 1, -1)
         y = y[:n].flatten(0, 1)
         return y if where is None else y[where]
+
+
+def _device_ends(counts: list[int], device: torch.device) -> torch.Tensor:
+    """Each expert's last row + 1 among rows grouped by expert (``counts`` rows each), int32 on
+    ``device``: the offsets a grouped GEMM reads."""
+    return to_device(torch.tensor(list(accumulate(counts)), dtype=torch.int32), device)
