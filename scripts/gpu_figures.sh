@@ -18,6 +18,11 @@
 # BUDGET (seconds, default 480) bounds the whole run: each step's limit is cut to what is left,
 # and a step with under 20 s left is skipped and named, so the logs are always packed before the
 # device call's own limit.
+#
+# Every step took about 760 s on an H200 (11-28), more than one call's 600 s; a lease of 900 s
+# (its start-up about 50 s) holds two: `BUDGET=540 ... OUT
+# gpu-check,emulated,decode,decode-ll,decode-wait,fp8,attention` (timeout_s 600), then at once,
+# while the machine is warm, `BUDGET=230 ... OUT prefill,paged,profile` (timeout_s 260).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_figures.sh OUT_DIR [STEPS]}
 order=${2:-attention,emulated,decode,decode-ll,decode-wait,paged,prefill,fp8,gpu-check,spec-graphs,profile,device-ops}
