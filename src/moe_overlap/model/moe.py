@@ -83,11 +83,11 @@ class ExpertBank(nn.Module):
             self.run_block(d, out, range(self.count))
             return out
         x, wire = self._inputs(d)
-        on_device_counts = d.tokens_per_expert is None and d.counts is not None
+        counts = d.counts if d.tokens_per_expert is None else None  # on the device, unread
         # the kernel's output is the outputs (no copy into a buffer); no rows: nothing to run
-        if self.on_device(x) and (on_device_counts or x.shape[0]):
-            if on_device_counts:
-                ends = d.counts.cumsum(0, dtype=torch.int32)
+        if self.on_device(x) and (counts is not None or x.shape[0]):
+            if counts is not None:
+                ends = counts.cumsum(0, dtype=torch.int32)
             else:
                 ends = _device_ends(host_counts(d), x.device)
             y = self._on_device(x, ends, range(self.count), wire)
