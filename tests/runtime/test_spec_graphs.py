@@ -189,12 +189,7 @@ def test_graphed_speculative_decode_gives_plain_greedy_tokens():
             runner.graphs = eager_graphs(runner, 4)
             if runner.mtp is not None:  # a drafter whose steps run as graphs would
                 runner.mtp = MtpDrafter(
-                    runner.model,
-                    runner.kv_cache.num_slots,
-                    runner.kv_cache.max_len,
-                    2,
-                    graph_max_bs=4,
-                    capture=False,
+                    runner.model, runner.kv_cache, 2, graph_max_bs=4, capture=False
                 )
             got = graphed_and_eager(llm)
         assert got["eager"] == got["plain"], name

@@ -25,17 +25,26 @@ DEFAULT_KV_CACHE_BYTES = CPU_FALLBACK_BYTES
 
 
 def kv_bytes_per_token(
-    cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1, sliding: bool | None = None
+    cfg: ModelConfig,
+    dtype_bytes: int = 4,
+    attn_tp: int = 1,
+    sliding: bool | None = None,
+    mtp: bool = False,
 ) -> int:
     """KV cache bytes one token takes on one rank over all layers (the model's ``kv_entries``:
     MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
     share, at least one; a linear-attention layer none: its state is per sequence);
-    ``sliding`` True: over the sliding-window layers alone, False: over the others."""
+    ``sliding`` True: over the sliding-window layers alone, False: over the others. ``mtp``:
+    the MTP drafter's layers too, which the pool's pages hold beside the model's
+    (``model/caches.py``), each whole-context (a sliding MTP layer's keys in the full pages)."""
     layers = [
         i
         for i in range(cfg.num_hidden_layers)
         if not cfg.is_linear_layer(i) and (sliding is None or (cfg.window(i) > 0) == sliding)
     ]
+    if mtp and not sliding:
+        first = cfg.num_hidden_layers
+        layers += range(first, first + cfg.num_nextn_predict_layers)
     if cfg.is_deepseek:
         return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * len(layers) * dtype_bytes
     width = cfg.head_size + cfg.value_head_size  # one K and one V head
@@ -123,8 +132,7 @@ class EngineSpec:
     @property
     def slot_bytes(self) -> int:
         """KV cache bytes of one sequence at ``max_len`` tokens."""
-        width = torch_dtype(self.dtype).itemsize
-        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp) * self.max_len
+        return self.token_bytes * self.max_len
 
     @property
     def num_slots(self) -> int:
@@ -133,9 +141,10 @@ class EngineSpec:
 
     @property
     def token_bytes(self) -> int:
-        """KV cache bytes of one token on one rank, over all layers."""
-        width = torch_dtype(self.dtype).itemsize
-        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp)
+        """KV cache bytes of one token on one rank, over all layers, the MTP drafter's
+        included where it drafts."""
+        width, mtp = torch_dtype(self.dtype).itemsize, self.mtp_steps > 0
+        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp, mtp=mtp)
 
     @property
     def num_pages(self) -> int:

@@ -26,8 +26,9 @@ from moe_overlap.engine.window_pages import WindowPages
 def may_use(req: Request, mtp: bool = False) -> bool:
     """Whether ``req``'s prefill may skip cached pages: not when it returns or scores every
     prompt position's logits (vLLM skips the cache for prompt logprobs too), nor where ``mtp``
-    drafts it from q (sampled, no grammar): the drafter's KV cache holds no cached page's
-    entries, so its q, and with it the seeded tokens, would follow what its slot held before."""
+    drafts it from q (sampled, no grammar): a cached page's last MTP entry embeds the token its
+    writer had after the page, so its q, and with it the seeded tokens, would follow another
+    request's tokens."""
     sampled = mtp and req.params.temperature > 0 and req.constraint is None
     return not (req.return_logits or req.params.prompt_logprobs is not None or sampled)
 

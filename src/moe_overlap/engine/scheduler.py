@@ -82,6 +82,7 @@ class Scheduler:
         # (rank, request) aborted in a wave, which still writes its pages and reads its hit
         self.deferred: list[tuple[int, Request]] = []
         self.speculation = speculation
+        self.ahead = 0 if speculation is None else speculation.writes_ahead  # MTP rows' pages
 
     def add(self, request: Request) -> None:
         """Queue ``request``; one whose longest run could never fit the pool is refused."""
@@ -246,7 +247,8 @@ class Scheduler:
         return self.speculation.draft_step(seqs, self.budget, self.max_len, self.pages[rank])
 
     def _growth(self, req: Request, fed: int) -> int:
-        return max(0, pages_for(req.num_computed + fed, self.page_size) - req.pages)
+        end = min(self.max_len, req.num_computed + fed + self.ahead)
+        return max(0, pages_for(end, self.page_size) - req.pages)
 
     def _preempt(self, rank: int, req: Request) -> None:
         """Free ``req``'s slot and pages and queue it first, to feed its tokens again."""
@@ -267,8 +269,8 @@ class Scheduler:
         return min(self.max_len, req.prompt_len + req.params.max_new_tokens)
 
     def _longest(self, req: Request) -> int:
-        """The pages of ``req``'s longest run (what a PD-mux wave holds from the start)."""
-        return pages_for(self._tokens_of(req), self.page_size)
+        """The pages of ``req``'s longest run, and of MTP rows past it (a PD-mux wave's)."""
+        return pages_for(min(self.max_len, self._tokens_of(req) + self.ahead), self.page_size)
 
     def _free(self, rank: int, req: Request) -> None:
         """Give back ``req``'s slot and own pages; its computed full pages stay cached."""

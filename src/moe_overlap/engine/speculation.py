@@ -47,6 +47,13 @@ class Speculation:
     def of(cls, config: SpeculativeConfig | None) -> Speculation | None:
         return None if config is None else cls(config)
 
+    @property
+    def writes_ahead(self) -> int:
+        """Positions past a step's computed tokens whose keys and values the ranks write:
+        the MTP drafter's decode steps, one a draft after the first (``runtime/mtp_drafter.py``),
+        in the sequence's own pages, which the scheduler holds for them; n-gram drafts none."""
+        return self.config.num_drafts - 1 if self.config.is_mtp else 0
+
     def draft(self, reqs: list[Request], budget: int, max_len: int) -> list[list[int]] | None:
         """Each request's drafts for a verify step, or None: a plain step."""
         if not reqs or any(req.in_prefill for req in reqs):
@@ -79,9 +86,13 @@ class Speculation:
         drafts = self.draft([req for req, _ in seqs], budget, max_len)
         if drafts is None:
             return [[] for _ in seqs]
-        grow = [
-            max(0, pages_for(req.num_computed + len(tokens) + len(d), pool.page_size) - req.pages)
+        ends = [  # the drafts' rows, and the MTP drafter's decode rows past them
+            min(max_len, req.num_computed + len(tokens) + len(d) + self.writes_ahead)
             for (req, tokens), d in zip(seqs, drafts, strict=True)
+        ]
+        grow = [
+            max(0, pages_for(end, pool.page_size) - req.pages)
+            for (req, _), end in zip(seqs, ends, strict=True)
         ]
         if not pool.fits(sum(grow)):
             return [[] for _ in seqs]

@@ -1,6 +1,11 @@
 """A model's caches on its rank: the paged KV pool and the recurrent-state cache, sized by the
 model's own layers and kept on its device in its dtype. The rank's model runner sizes its
-caches here, and ``auto``'s calibration its scratch ones (``overlap/calibrate.py``)."""
+caches here, and ``auto``'s calibration its scratch ones (``overlap/calibrate.py``).
+
+With the MTP drafter (``runtime/mtp_drafter.py``) the pool holds the MTP layers' entries too,
+as layers ``num_hidden_layers + i`` on the same pages and block table: a sequence's MTP keys
+and values take its pages as it grows and go back with them, inside the engine's budget
+(``core/engine_config.py: kv_bytes_per_token``), and a cached page carries them."""
 
 from __future__ import annotations
 
@@ -19,17 +24,23 @@ def kv_cache_for(
     num_pages: int | None = None,
     padding: int = 0,
     window_pages: int | None = None,
+    mtp: bool = False,
 ) -> KVCache:
     """The KV pool of ``num_slots`` sequences of up to ``max_len`` tokens for ``model``'s layers
     (``num_pages`` of ``page_size`` tokens; None: every slot at ``max_len``), and ``padding``
     more slots and pages for a CUDA graph's padding rows; ``window_pages``: the sliding-window
-    layers' pool (None: as many pages as the full layers')."""
+    layers' pool (None: as many pages as the full layers'); ``mtp``: with the entries of the
+    model's MTP layers (on the stage that holds them), after its own."""
     device, dtype = model_placement(model)
+    entries, layers = model.kv_entries(), model.cfg.num_hidden_layers
+    if mtp and model.mtp_layers:  # on the full pages (MiMo's sliding one reads its window)
+        own = list(entries) if isinstance(entries, list) else [entries] * layers
+        entries = own + [layer.attn.kv_entries() for layer in model.mtp_layers]
     return KVCache(
-        model.cfg.num_hidden_layers,
+        len(entries) if isinstance(entries, list) else layers,
         num_slots + padding,
         max_len,
-        model.kv_entries(),
+        entries,
         dtype,
         device,
         page_size,

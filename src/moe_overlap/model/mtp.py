@@ -22,7 +22,8 @@ MiMo-V2-Flash keeps each MTP layer whole under ``model.mtp.layers.{i}``: ``enorm
 
 Row ``q`` of an MTP forward takes the target's final (normed) hidden state at position ``q``
 and the embedding of the token at ``q + 1``, and its logits predict the token at ``q + 2``;
-its own keys and values sit at position ``q`` in the drafter's KV cache.
+its own keys and values sit at position ``q`` in the rank's paged KV cache, as layer
+``num_hidden_layers + i`` on the sequence's pages (``model/caches.py``).
 """
 
 from __future__ import annotations

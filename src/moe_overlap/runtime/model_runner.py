@@ -80,17 +80,17 @@ class ModelRunner:
         self._low_latency: dict[int, Dispatcher] = {}  # by capacity
         self.group = group or Group.single(name="ep")  # the EP group, for collective decisions
         graphs = self._graphs_fit(cuda_graph_max_bs, pp_group, prefill_lane)
-        # --speculative-algorithm EAGLE: the MTP layers draft after each step, on the last
-        # pipeline stage, which holds them
-        self.mtp = self._drafter(num_slots, max_len, mtp_steps, cuda_graph_max_bs if graphs else 0)
-        self.last_hidden: torch.Tensor | None = (
-            None  # the last forward's, where the model keeps them
-        )
-        # with graphs, one more slot and page: the padding rows'
+        self.last_hidden: torch.Tensor | None = None  # the last forward's, where kept
+        # with graphs, one more slot and page: the padding rows'; with MTP drafts, the MTP
+        # layers' entries on the same pages
+        drafts = bool(mtp_steps and model.mtp_layers)
         self.kv_cache = kv_cache_for(
-            model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages
+            model, num_slots, max_len, page_size, num_pages, int(graphs), window_pages, drafts
         )
         self.kv_cache.read_in_place = attention_backend == "flex_attention"
+        # --speculative-algorithm EAGLE: the MTP layers draft after each step, on the last
+        # pipeline stage, which holds them
+        self.mtp = self._drafter(mtp_steps, cuda_graph_max_bs if graphs else 0)
         self.states = state_cache_for(model, num_slots, state_snapshots)
         self.rollbacks = 0  # slots whose recurrent state the last forward rolled back
         self.ops = build_operations(model, strategy_for(model, NONE.name))
@@ -120,17 +120,15 @@ class ModelRunner:
             log.info("decode runs without CUDA graphs: %s", why_not)
         return max_bs > 0 and why_not is None
 
-    def _drafter(
-        self, num_slots: int, max_len: int, steps: int, graph_max_bs: int
-    ) -> MtpDrafter | None:
-        """The MTP drafter, where asked for and the model has MTP layers; its steps
-        replay from graphs of their own where the target's do and the dispatch is one rank's
-        (the drafter's forwards always take the normal dispatch)."""
+    def _drafter(self, steps: int, graph_max_bs: int) -> MtpDrafter | None:
+        """The MTP drafter over the rank's KV cache, where asked for and the model has MTP
+        layers; its steps replay from graphs of their own where the target's do and the
+        dispatch is one rank's (the drafter's forwards always take the normal dispatch)."""
         if not (steps and self.model.mtp_layers):
             return None
         local = self.dispatcher.name == Backend.LOCAL
         return MtpDrafter(
-            self.model, num_slots, max_len, steps, graph_max_bs=graph_max_bs if local else 0
+            self.model, self.kv_cache, steps, graph_max_bs=graph_max_bs if local else 0
         )
 
     def _decode_graphs(self, max_bs: int) -> DecodeGraphs:

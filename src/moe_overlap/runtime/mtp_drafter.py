@@ -13,10 +13,15 @@ these forwards. A draft is the argmax, or for a sampled request a seeded draw fr
 head's own q, which stays on the rank for the next verification; under attention TP, rank 0
 of the group decides every token and the others follow it (``runtime/mtp_picks.py``).
 
-The MTP layers' keys and values live in a KV cache of their own (every slot's pages at
-``max_len``, never released: a slot's next sequence writes over them from its first
-position). An entry written for a draft past the last accepted token lies past the next
-extend's start, which writes over it; attention reads only ``[0, seq_len)``.
+The MTP layers' keys and values live in the rank's paged KV cache, as layers
+``num_hidden_layers + i`` on the target's pages and block table (``model/caches.py``): the
+extend writes at the positions the target just computed, and decode step ``j`` at
+``end + j - 1`` (``end``: the sequence's computed tokens after the step), up to ``steps - 1``
+positions past it, pages the scheduler holds for it (``engine/speculation.py:
+Speculation.writes_ahead``) and each forward reserves. An entry written for a draft lies past
+the next extend's start, which writes over it; attention reads only ``[0, seq_len)``. So every
+computed position's entry is the extend's, from the target's hidden state there and the token
+after it, and a cached page carries them.
 """
 
 from __future__ import annotations
@@ -58,25 +63,24 @@ class MtpDrafter:
     def __init__(
         self,
         model: MoeForCausalLM,
-        num_slots: int,
-        max_len: int,
+        kv_cache: KVCache,
         steps: int,
         *,
         graph_max_bs: int = 0,
         capture: bool = True,
     ):
-        """``graph_max_bs``: the steps of up to this many sequences replay from CUDA
-        graphs (0: never; ``capture=False`` runs their padded, buffer-fed forward eagerly)."""
-        self.model, self.steps, self.max_len = model, steps, max_len
+        """``kv_cache``: the rank's, built with the MTP layers' entries (``kv_cache_for(...,
+        mtp=True)``; with graphs, its last slot the padding rows'); ``graph_max_bs``: the steps
+        of up to this many sequences replay from CUDA graphs (0: never; ``capture=False`` runs
+        their padded, buffer-fed forward eagerly)."""
+        self.model, self.steps, self.max_len = model, steps, kv_cache.max_len
         self.layers = model.mtp_layers
         if not self.layers:
             raise ValueError("the MTP drafter needs a model built with its MTP layers")
-        device, self.dtype = model_placement(model)
-        first = model.cfg.num_hidden_layers
-        entries: list[dict[str, tuple[int, ...]]] = [{}] * first
-        entries += [layer.attn.kv_entries() for layer in self.layers]
-        slots = num_slots + int(graph_max_bs > 0)  # with graphs, the padding rows' scratch slot
-        self.kv_cache = KVCache(len(entries), slots, max_len, entries, self.dtype, device)
+        if len(kv_cache.layers) <= self.layers[-1].layer_id:
+            raise ValueError("the KV cache holds no entries for the MTP layers")
+        _, self.dtype = model_placement(model)
+        self.kv_cache = kv_cache
         hidden_size = model.cfg.hidden_size
         self.graphs = (
             DraftGraphs(self.kv_cache, hidden_size, graph_max_bs, capture=capture)

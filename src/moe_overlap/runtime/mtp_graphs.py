@@ -6,11 +6,12 @@ the drafter reads each sequence's last kept row. Steps 2 .. ``steps`` are one de
 sequence through one MTP layer, the previous step's hidden state its input.
 
 A step replays the graph of its (batch-size bucket, rows per sequence, key bucket, MTP layer),
-with the target's graphs' rules (``graph_buckets.py``): padding sequences write only the
-drafter cache's scratch slot (its last), the ids, positions and slots are staged into the
-graph's buffers, and the hidden states are copied into the graph's own input buffer. The picks
-(argmax, or a draw from q) stay on the host, outside the graph. A first step after a prefill
-chunk (rows per sequence vary) runs eagerly.
+with the target's graphs' rules (``graph_buckets.py``), over the rank's KV cache, which holds
+the MTP layers' entries: padding sequences write only its scratch slot (its last, the target's
+graphs' too), the ids, positions and slots are staged into the graph's buffers, and the hidden
+states are copied into the graph's own input buffer. The picks (argmax, or a draw from q) stay
+on the host, outside the graph. A first step after a prefill chunk (rows per sequence vary)
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class _DraftGraph:
 
 
 class DraftGraphs:
-    """One drafter's MTP steps, per (bucket, layer). ``kv_cache``: the drafter's,
-    whose last slot is the padding rows' scratch slot."""
+    """One drafter's MTP steps, per (bucket, layer). ``kv_cache``: the rank's, with the MTP
+    layers' entries, whose last slot is the padding rows' scratch slot."""
 
     def __init__(self, kv_cache: KVCache, hidden_size: int, max_bs: int, *, capture: bool = True):
         self.kv_cache, self.hidden_size, self.capture = kv_cache, hidden_size, capture
