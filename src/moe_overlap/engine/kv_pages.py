@@ -52,7 +52,7 @@ class SlotAllocator:
 @dataclass(eq=False)
 class CachedPage:
     id: int  # names the page to the ranks
-    key: tuple[int, tuple[int, ...]]  # the page before it (0: none) and its token ids
+    key: tuple[int, tuple[int, ...]]  # the page before it (0: none), its token ids (page_keys)
     refs: int = 0  # running requests whose table holds it
     listed: bool = True  # found by lookups (False once flushed while in use)
     entry: int | None = None  # hybrid models: the snapshot entry of the state after this page

@@ -7,7 +7,9 @@ tokens start with (leaving at least its last token to compute, whose logits it d
 holds a reference on each and prefills only the rest. A page no request holds stays cached,
 and is evicted least recently used first when the pool needs pages. The key of a page is the
 id of the page before it and its own token ids, compared whole, so two prefixes never share a
-page by a hash collision. The ranks learn every change through ``core/step.py: PageOps``.
+page by a hash collision (``engine/page_keys.py``; with the MTP drafter the token after the
+page too, which its last MTP entry embeds). The ranks learn every change through
+``core/step.py: PageOps``.
 """
 
 from __future__ import annotations
@@ -18,25 +20,10 @@ from functools import partial
 
 from moe_overlap.core.step import PageOps
 from moe_overlap.engine.kv_pages import CachedPage, PageBudget
+from moe_overlap.engine.page_keys import PageKey, page_key, token_ids
 from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.window_pages import WindowPages
-
-
-def may_use(req: Request, mtp: bool = False) -> bool:
-    """Whether ``req``'s prefill may skip cached pages: not when it returns or scores every
-    prompt position's logits (vLLM skips the cache for prompt logprobs too), nor where ``mtp``
-    drafts it from q (sampled, no grammar): a cached page's last MTP entry embeds the token its
-    writer had after the page, so its q, and with it the seeded tokens, would follow another
-    request's tokens."""
-    sampled = mtp and req.params.temperature > 0 and req.constraint is None
-    return not (req.return_logits or req.params.prompt_logprobs is not None or sampled)
-
-
-def token_ids(req: Request, start: int, stop: int) -> list[int]:
-    """``req``'s token ids ``[start, stop)``, prompt then outputs."""
-    n = req.prompt_len
-    return req.prompt_ids[start:stop] + req.output_ids[max(0, start - n) : max(0, stop - n)]
 
 
 class PrefixCache:
@@ -46,7 +33,8 @@ class PrefixCache:
     ``states``: a hybrid model's snapshot entries (``engine/prefix_states.py``): a hit ends
     at a page after which the recurrent state was kept, and restores it. ``windows``: the
     sliding-window layers' pool where it is counted (``engine/window_pages.py``): a hit ends
-    where the window before it is kept."""
+    where the window before it is kept. ``follows``: an MTP drafter's (its key holds the token
+    after a page)."""
 
     def __init__(
         self,
@@ -54,11 +42,12 @@ class PrefixCache:
         enabled: bool = True,
         states: PrefixStates | None = None,
         windows: WindowPages | None = None,
+        follows: bool = False,
     ):
         self.budget, self.enabled, self.page_size = budget, enabled, budget.page_size
-        self.states, self.windows = states, windows
+        self.states, self.windows, self.follows = states, windows, int(follows)
         self.closed: set[int] = set()  # slots that met another's copy of a page: no more cached
-        self.pages: dict[tuple[int, tuple[int, ...]], CachedPage] = {}
+        self.pages: dict[PageKey, CachedPage] = {}
         self.idle: OrderedDict[int, CachedPage] = OrderedDict()  # least recently used first
         # the idle pages that keep a state, in the order they went idle or got one, so a state
         # is taken from one without walking the idle pages that keep none (stale rows: pages
@@ -90,12 +79,15 @@ class PrefixCache:
         """``chain`` and the cached pages after it that ``tokens`` go on with, up to ``pages``."""
         size, found = self.page_size, list(chain)
         for i in range(len(chain), pages):
-            key = (found[-1].id if found else 0, tuple(tokens[i * size : (i + 1) * size]))
-            page = self.pages.get(key)
+            key = self._key(found, tokens[i * size : (i + 1) * size + self.follows])
+            page = None if key is None else self.pages.get(key)
             if page is None:
                 break
             found.append(page)
         return found
+
+    def _key(self, chain: list[CachedPage], run: Sequence[int]) -> PageKey | None:
+        return page_key(chain, run, self.page_size, self.follows)
 
     def cached_tokens(self, req: Request, usable: bool) -> int:
         """The tokens of ``req`` a lookup would find here now (``usable``: ``may_use``)."""
@@ -222,7 +214,9 @@ class PrefixCache:
             return
         size = self.page_size
         for index in range(len(chain), 0 if slot in self.closed else computed // size):
-            key = (chain[-1].id if chain else 0, tuple(tokens(index * size, (index + 1) * size)))
+            key = self._key(chain, tokens(index * size, (index + 1) * size + self.follows))
+            if key is None:  # the token after it is not known yet (or the tokens end)
+                break
             if key in self.pages:  # the same tokens in another page: this one and the rest
                 self.closed.add(slot)  # stay its own (its window may drop them meanwhile)
                 break
@@ -248,7 +242,7 @@ class PrefixCache:
         an entry whose page has a state already, or is not cached, is free again."""
         assert self.states is not None
         reached = self.states.reached(slot, computed)
-        ids = tokens(0, max((b for b, _ in reached), default=0))
+        ids = tokens(0, max((b for b, _ in reached), default=0) + self.follows)
         for boundary, entry in reached:
             index = boundary // self.page_size  # the page ending at the boundary, and those before
             pages = self._walk(ids, chain[:index], index)

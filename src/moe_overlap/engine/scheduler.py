@@ -19,8 +19,9 @@ from moe_overlap.engine.load_balance import (
     check_method,
     choose_group,
 )
+from moe_overlap.engine.page_keys import may_use, token_ids
 from moe_overlap.engine.pdmux import PrefillWaves
-from moe_overlap.engine.prefix_cache import PrefixCache, may_use, token_ids
+from moe_overlap.engine.prefix_cache import PrefixCache
 from moe_overlap.engine.prefix_states import PrefixStates
 from moe_overlap.engine.request import Request
 from moe_overlap.engine.scheduled_step import Step, make_batch
@@ -70,8 +71,11 @@ class Scheduler:
         self.slots = [SlotAllocator(num_slots) for _ in range(num_ranks)]
         pages = num_slots * pages_for(max_len, page_size) if num_pages is None else num_pages
         self.pages = [PageBudget(pages, page_size) for _ in range(num_ranks)]
+        mtp = speculation is not None and speculation.config.is_mtp  # keys hold the next token
         self.prefix = [
-            PrefixCache(b, prefix_caching, _states(state_snapshots), _windows(windows, page_size))
+            PrefixCache(
+                b, prefix_caching, _states(state_snapshots), _windows(windows, page_size), mtp
+            )
             for b in self.pages
         ]
         self.page_size, self.preemptions = page_size, 0
@@ -196,7 +200,7 @@ class Scheduler:
             req, cache = self.waiting[0], self.prefix[rank]
             pdmux = self.pdmux is not None
             need = self._longest(req) if pdmux else pages_for(req.total_len, self.page_size)
-            chain = cache.lookup(token_ids(req, 0, req.total_len), self._may_use(req))
+            chain = cache.lookup(token_ids(req, 0, req.total_len), may_use(req))
             cache.acquire(chain)  # before room is made: these are not evicted for it
             if not cache.make_room(need - len(chain)):
                 cache.drop(chain)
@@ -209,10 +213,6 @@ class Scheduler:
             self.pages[rank].hold(need - len(chain))
             cache.admit(req, chain)
             self.running[rank].append(req)
-
-    def _may_use(self, req: Request) -> bool:
-        spec = self.speculation  # an MTP drafter's sampled drafts take no cached pages
-        return may_use(req, spec is not None and spec.config.is_mtp)
 
     def _plan(self, rank: int) -> list[tuple[Request, list[int]]]:
         """This rank's sequences and the tokens each feeds: decode tokens first (cheap, and
@@ -294,7 +294,7 @@ class Scheduler:
                 len(running),
                 sum(r.prompt_len - r.num_computed + 1 for r in running) if counts else 0,
                 len(slots),
-                cache.cached_tokens(req, self._may_use(req)) if affinity and req else 0,
+                cache.cached_tokens(req, may_use(req)) if affinity and req else 0,
             )
             for running, slots, cache in zip(self.running, self.slots, self.prefix, strict=True)
         ]

@@ -21,7 +21,8 @@ positions past it, pages the scheduler holds for it (``engine/speculation.py:
 Speculation.writes_ahead``) and each forward reserves. An entry written for a draft lies past
 the next extend's start, which writes over it; attention reads only ``[0, seq_len)``. So every
 computed position's entry is the extend's, from the target's hidden state there and the token
-after it, and a cached page carries them.
+after it, and a cached page carries them (``engine/page_keys.py``: with MTP a page's key holds
+that token too).
 """
 
 from __future__ import annotations
