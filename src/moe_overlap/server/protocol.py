@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids
     min_tokens: int | None = None  # vLLM's extension
     n: int = Field(default=1, ge=1)
+    return_token_ids: bool = False  # vLLM's: the prompt's ids too (each choice has token_ids)
     # structured outputs, as OpenAI, vLLM and SGLang spell them (server/structured.py)
     response_format: dict | None = None
     structured_outputs: dict | None = None

@@ -202,6 +202,7 @@ def _formatter(
     name = settings.model_name
     fmt = make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
     fmt.answer = body.chat_answer()
+    fmt.prompt_ids = prompts if getattr(body, "return_token_ids", False) else None
     return fmt
 
 

@@ -46,7 +46,6 @@ _BOTH: dict[str, tuple[tuple, str]] = {
     "data_parallel_rank": (NONE, "choosing the data-parallel rank (the server balances)"),
     "disagg_prefill_dp_rank": (NONE, "disaggregated serving"),
     "return_tokens_as_token_ids": (OFF, "tokens as token ids"),
-    "return_token_ids": (OFF, "token ids in the answer"),
     "return_token_offsets": (OFF, "token offsets"),
     "return_hidden_states": (OFF, "hidden states"),
     "return_routed_experts": (OFF, "the routed experts"),
