@@ -131,7 +131,7 @@ def test_auto_calls_come_back_as_tool_calls_whole_and_streamed():
     assert parts[-1]["finish_reason"] == "tool_calls"
     whole = fmt.whole([choice])["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
-    assert whole["message"]["content"] == "Let me look."
+    assert whole["message"]["content"] == "Let me look.\n"  # as it streamed (vLLM's)
     assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "now"]
     # an answer without calls is the text, as it ended
     fmt, plain = _hermes_answer()
@@ -180,7 +180,7 @@ def test_reasoning_then_calls_come_back_apart_whole_and_streamed():
     answer = ChatAnswer(tool_calling(TOOLS, "auto", parser="hermes"), "qwen3")
     message, reason = answer.message(0, THOUGHT, "stop")
     assert message["reasoning_content"] == "\nThe user wants Oslo's weather.\n"
-    assert message["content"] == "Let me look."
+    assert message["content"] == "Let me look.\n"  # as it streams, below
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "now"]
     assert reason == "tool_calls"
     parts, at = [], 0
@@ -188,7 +188,7 @@ def test_reasoning_then_calls_come_back_apart_whole_and_streamed():
         at = min(len(THOUGHT), at + 5)
         parts.append(answer.delta(1, "", THOUGHT[:at], "stop" if at == len(THOUGHT) else None))
     assert "".join(p.get("reasoning_content", "") for p, _ in parts) == message["reasoning_content"]
-    assert "".join(p.get("content") or "" for p, _ in parts) == "Let me look.\n"
+    assert "".join(p.get("content") or "" for p, _ in parts) == message["content"]
     assert [t["function"]["name"] for p, _ in parts for t in p.get("tool_calls", [])] == [
         "get_weather",
         "now",
@@ -196,3 +196,35 @@ def test_reasoning_then_calls_come_back_apart_whole_and_streamed():
     assert parts[-1][1] == "tool_calls"
     hidden = ChatAnswer(None, "qwen3", show_reasoning=False)
     assert hidden.message(0, THOUGHT, "stop")[0] == {"role": "assistant", "content": CALLS}
+
+
+CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        "Let me look.\n\n" + CALL,  # text before the call
+        "\n " + CALL,  # whitespace alone before it
+        CALL + "\nDone.",  # text after it (dropped, whole and streamed)
+        CALL + CALL,
+        "no call at all, just text",
+        "<tool_call>not json</tool_call> then text",
+    ],
+)
+def test_the_whole_answer_holds_the_content_its_stream_sent(output):
+    """Hermes calls read whole and streamed give the same message text and the same calls,
+    whatever stands around them (in pieces of 5 characters, as tokens would come)."""
+    fmt, streamed = _hermes_answer()
+    pieces = [output[i : i + 5] for i in range(0, len(output), 5)]
+    content, names = "", []
+    for i, piece in enumerate(pieces):
+        delta = _delta(piece, "eos" if i == len(pieces) - 1 else None)
+        fmt.add(streamed, 0, delta)
+        part = json.loads(fmt.chunk(0, delta, streamed)[len("data: ") :])["choices"][0]
+        content += part["delta"].get("content") or ""
+        names += [t["function"]["name"] for t in part["delta"].get("tool_calls") or []]
+    message = fmt.whole([streamed])["choices"][0]["message"]
+    assert (message["content"] or "") == content
+    assert [c["function"]["name"] for c in message.get("tool_calls") or []] == names
+

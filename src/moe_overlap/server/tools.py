@@ -110,7 +110,8 @@ class ToolCalling:
         """The text beside the calls and the calls, or None where ``text`` holds none whole."""
         if self.auto:
             found = split_calls(text)
-            return None if found is None else (found[0].strip() or None, found[1])
+            # the text as it streamed, whitespace kept (vLLM's; SGLang strips the whole one)
+            return None if found is None else (found[0] or None, found[1])
         try:
             parsed = json.loads(text, strict=False)  # xgrammar lets control characters in
         except ValueError:
