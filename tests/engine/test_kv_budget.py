@@ -144,3 +144,15 @@ def test_recurrent_states_that_fill_the_budget_are_named():
     with pytest.raises(ConfigError, match=r"recurrent states of --max-num-seqs=256 .*0\.15 MiB"):
         EngineSpec(cfg, max_len=128, kv_cache_bytes=153_600, max_num_seqs=256)
     assert EngineSpec(cfg, max_len=128, kv_cache_bytes=400_000, max_num_seqs=2).num_pages >= 8
+
+
+def test_the_mtp_drafters_rows_past_a_sequence_count_in_what_the_pages_hold():
+    """With 3 MTP drafts a sequence of 1024 tokens (64 whole pages) writes 2 positions past
+    its end: 65 pages, as the scheduler holds them; each token holds the MTP layers' bytes."""
+    cfg = ModelConfig.from_hf("configs/deepseek-v3-tiny.json")
+    layers, drafters = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    plain = EngineSpec(cfg, max_len=4096, kv_cache_bytes=2**26, dtype="bfloat16")
+    mtp = dataclasses.replace(plain, mtp_steps=3)
+    assert drafters and mtp.token_bytes * layers == plain.token_bytes * (layers + drafters)
+    assert mtp.max_concurrent(1024) == mtp.num_pages // 65 < mtp.num_pages // 64
+    assert plain.max_concurrent(1024) == min(plain.max_num_seqs, plain.num_pages // 64)

@@ -222,8 +222,11 @@ class EngineSpec:
 
     def max_concurrent(self, tokens: int) -> int:
         """Sequences of ``tokens`` tokens the pages hold at once (at most ``max_num_seqs``),
-        each decoding: under ``sliding_budget`` its sliding layers hold its window alone."""
-        need = pages_for(tokens, self.page_size)
+        each decoding: under ``sliding_budget`` its sliding layers hold its window alone. The
+        MTP drafter writes ``mtp_steps - 1`` positions past each, in its pages
+        (``engine/speculation.py: writes_ahead``)."""
+        ahead = max(0, self.mtp_steps - 1)
+        need = pages_for(min(self.max_len, tokens + ahead), self.page_size)
         fits, budget = min(self.max_num_seqs, self.num_pages // need), self.window_budget
         if budget is None:
             return fits
