@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,7 @@ Prompt = str | Sequence[int] | dict[str, Any]
 
 
 def _settled_dtype(args: EngineArgs, device: str, model: str | None) -> EngineArgs:
-    """``args`` with ``--dtype auto`` resolved for ``device`` and the checkpoint in ``model``
-    (or the ``--hf-config`` of seeded weights)."""
+    """``args`` with ``--dtype auto`` resolved for ``device`` and ``model`` (or --hf-config)."""
     source = model if model is not None else args.hf_config
     checkpoint = checkpoint_dtype(read_json(source)) if source is not None else None
     return dataclasses.replace(args, dtype=resolve_dtype(args.dtype, device, checkpoint))
@@ -104,7 +104,7 @@ class LLM(ExpertRecorder):
             check_quantization(args.quantization, quant, source, seeded=model is None)
         if not isinstance(overlap, OverlapConfig):
             overlap = args.overlap_config()
-        self._next_id = 0
+        self._ids = itertools.count(1)  # one next() each: make_request runs on many threads
         self._start(args, cfg, model, overlap, tokenizer, emulate_peers)
 
     def _start(
@@ -247,8 +247,8 @@ class LLM(ExpertRecorder):
             raise InvalidRequestError(
                 f"{where} has {len(ids)} tokens, longer than the model's context of {self.max_len}"
             )
-        seed = params.seed if params.seed is not None else self.seed + self._next_id
-        self._next_id += 1
+        request_id = next(self._ids)  # atomic: two server threads never share an id
+        seed = params.seed if params.seed is not None else self.seed + request_id - 1
         stops = params.stop if isinstance(params.stop, list) else []  # a list once checked
         text = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
         try:
@@ -257,7 +257,7 @@ class LLM(ExpertRecorder):
             raise InvalidRequestError(f"{where}: {exc}", exc.field) from None
         so = params.structured_outputs
         return Request(
-            self._next_id,
+            request_id,
             ids,
             params,
             return_logits,
