@@ -24,7 +24,7 @@ for path in sys.argv[1:]:
                 "comm"
                 if t == "communication"
                 else "wait"
-                if "wait" in t or "blocked" in t
+                if "wait" in t or "block" in t
                 else "compute"
             )
             total[key] += e["dur"] / 1e3

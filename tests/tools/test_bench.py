@@ -172,6 +172,26 @@ def test_bench_under_tensor_parallelism_splits_its_communication(tmp_path, capsy
     assert report["limit_s"] >= report["t_tp_comm_s"]
 
 
+def test_bench_trace_names_the_attention_tp_collectives_as_communication(tmp_path):
+    """Under --tp the trace's ``tp comm`` track (the blocking attention all-reduces, T_tp) was
+    labelled "compute tp comm", so a reader of the trace counted communication as compute."""
+    out = tmp_path / "tp.trace.json"
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--tp", "2", "--ep", "2"]
+    argv += ["--workload", "single-long:32", "--repeat", "1", "--modes", "none"]
+    assert main([*argv, "--trace", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
+    }
+    tp = {
+        threads[e["pid"], e["tid"]]
+        for e in events
+        if e["ph"] == "X" and e["name"].startswith("attn_tp")
+    }
+    assert tp == {"attention-TP collectives (blocking)"}
+    assert not any(name.startswith("compute") and "comm" in name for name in threads.values())
+
+
 def test_bench_takes_the_references_backend_under_attention_tp(capsys):
     """--moe-a2a-backend deepep_low_latency at tp2 ep2: 64 tokens fit a capacity of 32, as
     each attention-TP rank sends its half, and the table's title names the dispatch."""

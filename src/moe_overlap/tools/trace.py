@@ -11,7 +11,16 @@ import json
 from pathlib import Path
 
 from moe_overlap.core.timeline import Span
-from moe_overlap.core.tracks import COMM, DECISION, SPLIT, is_compute, is_wait, wait, waiter
+from moe_overlap.core.tracks import (
+    COMM,
+    DECISION,
+    SPLIT,
+    TP_COMM,
+    is_compute,
+    is_wait,
+    wait,
+    waiter,
+)
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
 
@@ -51,6 +60,7 @@ def write_chrome_trace(recording: Recording, path: str | Path) -> None:
             for tid, track in enumerate(tracks):
                 label = {
                     COMM: "communication",
+                    TP_COMM: "attention-TP collectives (blocking)",
                     DECISION: "overlap decision",
                     SPLIT: "micro-batch rows",
                 }.get(track, f"compute {track}")
