@@ -192,6 +192,27 @@ def test_bench_trace_names_the_attention_tp_collectives_as_communication(tmp_pat
     assert not any(name.startswith("compute") and "comm" in name for name in threads.values())
 
 
+def test_plot_paths_are_checked_before_the_run_and_written_where_named(tmp_path, capsys):
+    """A --plot suffix matplotlib cannot write (``t.txt``) failed only after the whole run, and
+    a path without one was written as ``PATH.png`` while the command printed ``PATH``."""
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--workload", "nope"]
+    with pytest.raises(SystemExit):  # refused as parsed: before the workload's error
+        main([*argv, "--plot", str(tmp_path / "t.txt")])
+    err = capsys.readouterr().err
+    assert "--plot" in err and "'.txt'" in err and ".png" in err and "unknown workload" not in err
+    plan = ["plan", "--hf-config", "configs/qwen3-moe-tiny.json", "--cluster", "1x8-h100"]
+    with pytest.raises(SystemExit):
+        main([*plan, "--ep", "2", "--plot", str(tmp_path / "p.txt")])
+    assert "'.txt'" in capsys.readouterr().err
+    bare, svg = tmp_path / "timeline", tmp_path / "timeline.svg"
+    argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--workload", "single-long:16"]
+    for path in (bare, svg):
+        assert main([*argv, "--modes", "none", "--repeat", "1", "--plot", str(path)]) == 0
+        assert f"timeline: {path}" in " ".join(capsys.readouterr().out.split())
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and b"<svg" in svg.read_bytes()[:400]
+    assert not (tmp_path / "timeline.png").exists()
+
+
 def test_bench_takes_the_references_backend_under_attention_tp(capsys):
     """--moe-a2a-backend deepep_low_latency at tp2 ep2: 64 tokens fit a capacity of 32, as
     each attention-TP rank sends its half, and the table's title names the dispatch."""

@@ -12,7 +12,7 @@ from moe_overlap.core.workloads import DEFAULT_WORKLOAD, WORKLOAD_GRAMMAR
 from moe_overlap.engine.args import setting
 from moe_overlap.planner.cluster import presets
 from moe_overlap.tools.bench_datasets import DATASETS
-from moe_overlap.tools.flags import output_setting, server_url
+from moe_overlap.tools.flags import output_setting, plot_setting, server_url
 from moe_overlap.tools.spec_plan_flags import SpeculativePlanFlags
 
 MODES_HELP = "comma-separated modes: none (the baseline), sbo, dbo, tbo[N][+two-chunk|+time-split]"
@@ -69,7 +69,7 @@ class BenchFlags:
         "communication",
         group="bench",
     )
-    plot: str | None = output_setting("draw the timelines of rank 0 as a PNG", group="bench")
+    plot: str | None = plot_setting("draw rank 0's timelines (.png, .svg, .pdf)", group="bench")
     compare_dispatch_dtype: bool = setting(
         False,
         "also run every mode with the other --moe-dispatch-dtype (fp8 against the run dtype) "
@@ -281,7 +281,7 @@ class PlanFlags(SpeculativePlanFlags):
         '{"load": [[tokens per expert] per layer]} or the recorder\'s dump', metavar="JSON")  # fmt: skip
     json: str | None = output_setting("write the plan in the bench's JSON shape")
     trace: str | None = output_setting("write the predicted timelines as a trace")
-    plot: str | None = output_setting("draw the predicted timelines of rank 0")
+    plot: str | None = plot_setting("draw the predicted timelines of rank 0 (.png, .svg, .pdf)")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.engine.args import setting
+from moe_overlap.tools.trace import PLOT_FORMATS, plot_format
 
 T = TypeVar("T")
 HF_CONFIG_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "architectures")
@@ -27,6 +28,16 @@ def output_path(text: str) -> str:
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} cannot be written: {parent} is a file")
+    return text
+
+
+def plot_path(text: str) -> str:
+    """``--plot``: an output file whose suffix names an image format (none: a PNG)."""
+    if plot_format(output_path(text)) is None:
+        formats = ", ".join(f".{f}" for f in PLOT_FORMATS)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot draw a {Path(text).suffix!r} file; end it in one of {formats}"
+        )
     return text
 
 
@@ -47,6 +58,11 @@ def server_url(text: str) -> str:
 def output_setting(help: str, **meta: Any) -> Any:
     """A command's output file: no default, checked by ``output_path``."""
     return setting(None, help, metavar="PATH", parse=output_path, **meta)
+
+
+def plot_setting(help: str, **meta: Any) -> Any:
+    """A command's ``--plot`` file: no default, checked by ``plot_path``."""
+    return setting(None, help, metavar="PATH", parse=plot_path, **meta)
 
 
 def flag_name(name: str) -> str:

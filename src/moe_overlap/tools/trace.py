@@ -23,6 +23,14 @@ from moe_overlap.core.tracks import (
 )
 
 Recording = dict[str, list[list[Span]]]  # mode -> rank -> spans
+# what ``--plot``'s suffix may be (matplotlib's Agg writers); a path without one is a PNG
+PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
+
+
+def plot_format(path: str | Path) -> str | None:
+    """The image format ``--plot PATH`` names by its suffix (png without one), or None."""
+    suffix = Path(path).suffix.lower().removeprefix(".")
+    return "png" if not suffix else suffix if suffix in PLOT_FORMATS else None
 
 
 _COMPUTE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown")  # never comm's orange
@@ -129,7 +137,7 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
         "comm: each all-to-all from launch to completion"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=plot_format(path))  # at ``path`` itself, suffix or not
     plt.close(fig)
 
 
