@@ -74,7 +74,22 @@ def test_qwen3_errors_name_the_field(change, match):
         ({"kv_lora_rank": None}, "missing the required field 'kv_lora_rank'"),
         ({"qk_rope_head_dim": 3}, "qk_rope_head_dim=3 must be even"),
         ({"first_k_dense_replace": 7}, "first_k_dense_replace=7 must be in"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "only default RoPE"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4}}, "only default RoPE"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4}},
+            "YaRN's original_max_position_embeddings=None must be a positive number",
+        ),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 4,
+                    "original_max_position_embeddings": 8,
+                    "mscale_all_dim": -1,
+                }
+            },
+            "YaRN's mscale_all_dim=-1 must be a number >= 0",
+        ),
         ({"kv_lora_rank": "32"}, "kv_lora_rank='32' must be a positive integer"),
         ({"q_lora_rank": -16}, "q_lora_rank=-16 must be a positive integer"),
         ({"v_head_dim": 0}, "v_head_dim=0 must be a positive integer"),

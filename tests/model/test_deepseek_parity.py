@@ -46,6 +46,26 @@ CASES = {
         "V3",
         dict(q_lora_rank=16, n_shared_experts=1, routed_scaling_factor=2.5, rms_norm_eps=1e-3),
     ),
+    # DeepSeek-V3's checkpoints stretch RoPE with YaRN: the frequencies, cos/sin times mscale's
+    # factor over mscale_all_dim's, and MLA's softmax scale times mscale_all_dim's, squared
+    # (unequal here, so both show; V3's own are 1.0 and 1.0)
+    "v3_yarn": (
+        "V3",
+        dict(
+            q_lora_rank=16,
+            n_shared_experts=1,
+            max_position_embeddings=64,
+            rope_scaling=dict(
+                type="yarn",
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.707,
+            ),
+        ),
+    ),
     "v3_no_q_lora_no_interleave": (
         "V3",
         dict(q_lora_rank=None, n_shared_experts=2, rope_interleave=False, norm_topk_prob=False),

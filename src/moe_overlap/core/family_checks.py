@@ -104,6 +104,10 @@ def _validate_yarn(params: object) -> None:
         value = params.get(key)
         if value is not None and (not is_finite_number(value) or value <= 0):
             raise ConfigError(f"YaRN's {key}={value!r} must be a positive number")
+    for key in ("mscale", "mscale_all_dim"):
+        value = params.get(key)
+        if value is not None and (not is_finite_number(value) or value < 0):
+            raise ConfigError(f"YaRN's {key}={value!r} must be a number >= 0")
 
 
 def validate_mimo(cfg: ModelConfig) -> None:
@@ -122,6 +126,7 @@ def validate_mimo(cfg: ModelConfig) -> None:
 
 
 def validate_deepseek_moe(cfg: ModelConfig) -> None:
+    _validate_yarn(cfg.rope_scaling)  # DeepSeek-V3's checkpoints stretch RoPE with YaRN
     _require_int("n_shared_experts", cfg.n_shared_experts, minimum=0)
     _require_int("first_k_dense_replace", cfg.first_k_dense_replace, minimum=0)
     if cfg.num_experts % cfg.n_group:

@@ -20,6 +20,7 @@ from moe_overlap.core.hf_families import (
     mimo_hf,
     qwen3_5_fields,
     rope_params,
+    yarn_scaling,
 )
 
 SUPPORTED_MODEL_TYPES = (
@@ -214,6 +215,7 @@ def _deepseek_fields(raw: dict[str, Any], reader: Reader, v3: bool) -> dict[str,
         v_head_dim=reader.get("v_head_dim"),
         rope_interleave=raw.get("rope_interleave", True),
         num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0,
+        rope_scaling=yarn_scaling(raw),
     )
 
 
@@ -228,8 +230,8 @@ def hf_from_fields(fields: dict[str, Any]) -> dict[str, Any]:
     if fields["model_type"] == "glm4_moe":
         out["rope_parameters"]["partial_rotary_factor"] = fields["partial_rotary_factor"]
         return out | {"n_routed_experts": fields["num_experts"]} | {k: fields[k] for k in _GLM4}
+    out["rope_parameters"] |= fields.get("rope_scaling") or {}  # YaRN: GPT-OSS's, DeepSeek's
     if fields["model_type"] == "gpt_oss":
-        out["rope_parameters"] |= fields["rope_scaling"]
         out |= {"num_local_experts": fields["num_experts"], "head_dim": fields["head_dim"]}
         del out["moe_intermediate_size"], out["norm_topk_prob"]  # intermediate_size says it
         return out | {k: fields[k] for k in _GPT_OSS}
@@ -253,17 +255,20 @@ def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+YARN_FAMILIES = ("gpt_oss", "deepseek_v3", "deepseek_v2")
+
+
 def _rope_theta(raw: dict[str, Any], model_type: str) -> Any:
     # transformers 5 nests it under rope_parameters; older configs keep it at the top.
     params = raw.get("rope_parameters") or {}
     scaling = rope_params(raw)
     # Qwen3.5's multimodal RoPE (mrope) is plain RoPE for text, where its three position ids
-    # are equal; GPT-OSS's YaRN is computed (model/rope.py), DeepSeek's is not
+    # are equal; GPT-OSS's and DeepSeek's YaRN are computed (model/rope.py)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", None) and not (model_type == "gpt_oss" and kind == "yarn"):
+    if kind not in ("default", None) and not (model_type in YARN_FAMILIES and kind == "yarn"):
         raise ConfigError(
             f"rope scaling {scaling!r} is not supported for {model_type}; only default RoPE"
-            + (" (and YaRN for gpt_oss)" if kind == "yarn" else "")
+            + (f" (and YaRN for {', '.join(YARN_FAMILIES)})" if kind == "yarn" else "")
         )
     if kind == "yarn" and set(scaling) - {"rope_type", "type", "rope_theta", *YARN_KEYS}:
         unknown = sorted(set(scaling) - {"rope_type", "type", "rope_theta", *YARN_KEYS})

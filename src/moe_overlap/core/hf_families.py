@@ -14,6 +14,8 @@ YARN_KEYS = (
     "original_max_position_embeddings",
     "truncate",
     "attention_factor",
+    "mscale",  # DeepSeek's: the attention factor is mscale's over mscale_all_dim's
+    "mscale_all_dim",  # DeepSeek's: MLA's softmax scale times its mscale, squared
 )
 
 _MIMO = (
@@ -59,6 +61,14 @@ def rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise ConfigError(f"rope_scaling={params!r} must be an object")
     return params
+
+
+def yarn_scaling(raw: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters as ``ModelConfig.rope_scaling`` holds them ({} for default RoPE)."""
+    params = rope_params(raw)
+    kind = params.get("rope_type", params.get("type", "default"))
+    known = {k: params[k] for k in YARN_KEYS if params.get(k) is not None}
+    return known | {"rope_type": kind} if kind not in ("default", None) else {}
 
 
 def qwen3_5_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
@@ -108,8 +118,6 @@ def gpt_oss_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
     """GPT-OSS: every layer MoE (``intermediate_size`` is the experts' width), top-k over the
     router's biased logits then softmax over the chosen, YaRN RoPE, sliding layers."""
     width = reader.get("intermediate_size")
-    params = rope_params(raw)
-    kind = params.get("rope_type", params.get("type", "default"))
     return dict(
         num_experts=reader.get_any("num_local_experts", "num_experts"),
         num_experts_per_tok=reader.get_any("num_experts_per_tok", "experts_per_token"),
@@ -121,8 +129,7 @@ def gpt_oss_fields(raw: dict[str, Any], reader: Reader) -> dict[str, Any]:
         sliding_window=raw.get("sliding_window") or 0,
         attention_bias=raw.get("attention_bias", True),
         use_qk_norm=False,
-        rope_scaling={k: params[k] for k in YARN_KEYS if params.get(k) is not None}
-        | ({"rope_type": kind} if kind != "default" else {}),
+        rope_scaling=yarn_scaling(raw),
         swiglu_alpha=raw.get("swiglu_alpha", 1.702),
         swiglu_limit=raw.get("swiglu_limit", 7.0),
     )

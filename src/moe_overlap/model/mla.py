@@ -20,7 +20,7 @@ from moe_overlap.model.layers import (
     causal_attention,
     decode_attention,
 )
-from moe_overlap.model.rope import RotaryEmbedding
+from moe_overlap.model.rope import RotaryEmbedding, mla_softmax_factor
 from moe_overlap.model.tensor_parallel import ColumnLinear, RowLinear
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps.
@@ -57,10 +57,9 @@ class MLAttention(nn.Module):
         )
         self.o_proj = RowLinear(heads * self.v_dim, h, group)
         self.rotary = RotaryEmbedding(
-            self.rope_dim, cfg.rope_theta, interleaved=cfg.rope_interleave
+            self.rope_dim, cfg.rope_theta, cfg.rope_interleave, cfg.rope_scaling
         )
-        # Default RoPE only (config rejects yarn), so no mscale correction of the scale.
-        self.scale = self.qk_dim**-0.5
+        self.scale = self.qk_dim**-0.5 * mla_softmax_factor(cfg.rope_scaling)  # YaRN's
 
     def kv_entries(self) -> dict[str, tuple[int, ...]]:
         return {"latent": (self.kv_rank,), "k_pe": (self.rope_dim,)}

@@ -19,7 +19,7 @@ def rope_frequencies(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[t
     if not scaling:
         return 1.0 / pos_freqs, 1.0
     factor = float(scaling["factor"])
-    attention = scaling.get("attention_factor") or _mscale(factor)
+    attention = scaling.get("attention_factor") or yarn_attention_factor(scaling)
     fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
     original = scaling["original_max_position_embeddings"]
     low, high = _correction_range(fast, slow, dim, theta, original, scaling.get("truncate", True))
@@ -31,8 +31,30 @@ def rope_frequencies(dim: int, theta: float, scaling: dict[str, Any]) -> tuple[t
     return inv_freq, float(attention)
 
 
-def _mscale(factor: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: DeepSeek's ``mscale`` over ``mscale_all_dim`` where
+    both are given (1 for DeepSeek-V3's, whose MLA scales its softmax instead:
+    ``mla_softmax_factor``), else YaRN's own correction (GPT-OSS)."""
+    factor, mscale, all_dim = (
+        scaling["factor"],
+        scaling.get("mscale"),
+        scaling.get("mscale_all_dim"),
+    )
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def mla_softmax_factor(scaling: dict[str, Any]) -> float:
+    """DeepSeek's MLA under YaRN: its softmax scale times ``yarn_mscale(factor,
+    mscale_all_dim)`` squared (1 without YaRN or ``mscale_all_dim``)."""
+    all_dim = scaling.get("mscale_all_dim")
+    return yarn_mscale(scaling["factor"], all_dim) ** 2 if scaling and all_dim else 1.0
 
 
 def _correction_range(
