@@ -227,4 +227,3 @@ def test_the_whole_answer_holds_the_content_its_stream_sent(output):
     message = fmt.whole([streamed])["choices"][0]["message"]
     assert (message["content"] or "") == content
     assert [c["function"]["name"] for c in message.get("tool_calls") or []] == names
-
