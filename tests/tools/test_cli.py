@@ -73,6 +73,11 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "--fp8-block 32,32 needs --quantize fp8" in capsys.readouterr().err
     assert main(["probe-link", "--ep", "2", "--mib", "1e9"]) == 2  # refused before any rank
     assert "lower --mib" in capsys.readouterr().err
+    # a full-size config: refused before a byte is allocated (DeepSeek-V3: 2.5 TB in fp32)
+    assert main(["make-model", "--hf-config", "configs/deepseek-v3.json", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "about 2499.8 GiB in float32" in err and "fewer num_hidden_layers" in err
+    assert not (tmp_path / "m").exists()
 
 
 def test_cleanup_says_which_namespaces_it_could_not_remove(tmp_path, monkeypatch, capsys):

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_overlap.core.errors import ConfigError
+from moe_overlap.core.kv_budget import available_ram
 from moe_overlap.core.model_config import ModelConfig
+from moe_overlap.core.parallel_config import ParallelConfig
 from moe_overlap.engine.args import ModelArgs, setting
+from moe_overlap.engine.kv_memory import weight_bytes
 from moe_overlap.engine.tokenizer import MIN_VOCAB_SIZE, write_tokenizer
 from moe_overlap.model.fp8_checkpoint import quantize_checkpoint
 from moe_overlap.model.loader import build_model, save_checkpoint
@@ -65,6 +68,20 @@ class MakeModelFlags:
     )
 
 
+def check_fits_in_ram(cfg: ModelConfig, source: str, free: int | None) -> None:
+    """Refuse a model whose float32 weights (built whole in memory, then written) would not
+    fit in half of ``free`` bytes (``MemAvailable``; None: not known, not checked), with what
+    to cut, rather than let the machine swap or the kernel kill the process."""
+    need = weight_bytes(cfg, ParallelConfig(), "float32")
+    if free is not None and need > free // 2:
+        raise ConfigError(
+            f"--hf-config {source}: its random weights take about {need / 2**30:.1f} GiB in "
+            f"float32, more than half of the {free / 2**30:.1f} GiB this machine has free; "
+            "write a copy of the config with fewer num_hidden_layers (and experts) for a "
+            "model this machine can hold"
+        )
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     if args.quantize != FP8 and args.fp8_block != parse_block(HUB_BLOCK):
         block = ",".join(map(str, args.fp8_block))
@@ -76,6 +93,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
             "another directory, or add --overwrite to replace it with random weights"
         )
     cfg = ModelConfig.from_hf(args.hf_config)
+    check_fits_in_ram(cfg, args.hf_config, available_ram())
     model = build_model(cfg, seed=args.seed, mtp=True)  # with its MTP layers, if it has any
     save_checkpoint(model, args.out)
     print(f"wrote {args.out}/config.json and {args.out}/model.safetensors")
