@@ -157,8 +157,10 @@ def test_bench_compares_fp8_dispatch_with_the_run_dtypes_in_one_invocation(tmp_p
     argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--emulate-peers", "2"]
     argv += ["--link", "model:10mbit,0us", "--workload", "single-long:8", "--repeat", "1"]
     argv += ["--modes", "none,sbo", "--moe-dispatch-dtype", "fp8", "--compare-dispatch-dtype"]
-    assert main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--json", str(out), "--trace", str(tmp_path / "t.json")]) == 0
     printed = capsys.readouterr().out
+    said = " ".join(printed.split())  # the console wraps long lines
+    assert "(the --moe-dispatch-dtype fp8 run; --json holds every run)" in said  # the trace's
     assert "--moe-dispatch-dtype fp8" in printed and "--moe-dispatch-dtype auto" in printed
     assert "dispatch fp8 against auto" in printed and "T_comm auto / fp8" in printed
     data = json.loads(out.read_text())

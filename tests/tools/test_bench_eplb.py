@@ -13,8 +13,10 @@ def test_eplb_compare_balances_the_recorded_routing(tmp_path, capsys):
     argv = ["bench", "--hf-config", "configs/qwen3-moe-tiny.json", "--ep", "2"]
     argv += ["--expert-skew", "zipf:2", "--ep-dispatch-algorithm", "dynamic", "--modes", "none"]
     argv += ["--workload", "uniform:4-12:48", "--repeat", "1", "--eplb-compare", "2"]
-    assert main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--json", str(out), "--trace", str(tmp_path / "t.json")]) == 0
     printed = capsys.readouterr().out
+    said = " ".join(printed.split())  # the console wraps long lines
+    assert "(the trivial placement's run; --json holds every run)" in said  # the trace's
     assert "eplb+2 redundant" in printed and "vs trivial" in printed
     runs = json.loads(out.read_text())
     assert list(runs) == ["trivial", "eplb", "eplb+2 redundant"]

@@ -141,7 +141,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(dtype_table(reports, title))
     first = next(iter(reports))
     payload |= results[first] | ({"compared": results} if len(results) > 1 else {})
-    write_outputs(console, reports[first].recording, args, payload)
+    holds = f"the --moe-dispatch-dtype {first} run" if len(reports) > 1 else None
+    write_outputs(console, reports[first].recording, args, payload, holds)
     return 0
 
 

@@ -141,5 +141,6 @@ def bench_eplb(
     engine = bench_engine_kwargs(args, workload)
     placed = eplb_compare(engine, workload, modes, configs, args.repeat, args.eplb_compare)
     Console(width=max(console.width, 120)).print(eplb_table(placed, title))
-    write_outputs(console, placed[0].report.recording, args, eplb_json(placed))
+    holds = f"the {placed[0].name} placement's run"
+    write_outputs(console, placed[0].report.recording, args, eplb_json(placed), holds)
     return 0

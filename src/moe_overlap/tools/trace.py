@@ -141,9 +141,12 @@ def plot_timelines(recording: Recording, path: str | Path, rank: int = 0) -> Non
     plt.close(fig)
 
 
-def write_outputs(console, recording: Recording, args, payload: dict) -> None:
+def write_outputs(
+    console, recording: Recording, args, payload: dict, holds: str | None = None
+) -> None:
     """What ``--json``, ``--trace`` and ``--plot`` ask for (the bench's and the plan's), each
-    in its own folder made on demand, then where each went."""
+    in its own folder made on demand, then where each went; ``holds``: which of several runs
+    the trace and the plot draw (the JSON holds them all)."""
     outputs = (("results", args.json), ("trace", args.trace), ("timeline", args.plot))
     for _, path in outputs:
         if path:
@@ -156,4 +159,5 @@ def write_outputs(console, recording: Recording, args, payload: dict) -> None:
         plot_timelines(recording, args.plot)
     for what, path in outputs:
         if path:
-            console.print(f"{what}: {path}")
+            which = f" ({holds}; --json holds every run)" if holds and what != "results" else ""
+            console.print(f"{what}: {path}{which}")
