@@ -5,9 +5,7 @@ log-likelihood requests send."""
 
 from __future__ import annotations
 
-import http.client
 import json
-from typing import Any
 
 import pytest
 
@@ -209,54 +207,3 @@ def test_metrics_count_the_modes_run_and_the_communication_hidden(served):
     )
     assert comm > 0 and 0 <= hidden <= comm  # every step recorded: two ranks all-to-all
     assert 0 <= after["moe_overlap_comm_hidden_share"] <= 1
-
-
-def _raw(served, path: str, body: dict) -> Any:
-    """The JSON answer (streamed: its chunks) of ``body`` posted to ``path``."""
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    conn.request("POST", path, body=json.dumps(body), headers=headers)
-    reply = conn.getresponse()
-    text = reply.read().decode()
-    assert reply.status == 200, text
-    if not body.get("stream"):
-        return json.loads(text)
-    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-    return [json.loads(line) for line in lines if line != "[DONE]"]
-
-
-def test_return_token_ids_gives_each_completion_its_prompt_ids(served, offline):
-    """vLLM's ``return_token_ids``: each completion choice (n of them) carries its prompt's ids
-    beside its own, whole, and on the first chunk of each choice streamed; without it none."""
-    llm, ids, want = offline
-    ask = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "n": 2}
-    ask |= {"ignore_eos": True, "return_token_ids": True}
-    whole = _raw(served, "/v1/completions", ask)
-    for choice in whole["choices"]:
-        assert choice["prompt_token_ids"] == ids
-        assert choice["token_ids"] == want.token_ids
-        assert llm.tokenizer.decode(choice["token_ids"]) == choice["text"]
-    chunks = _raw(served, "/v1/completions", ask | {"stream": True})
-    firsts: dict[int, list[int]] = {}
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            if "prompt_token_ids" in choice:
-                assert choice["index"] not in firsts  # once per choice
-                firsts[choice["index"]] = choice["prompt_token_ids"]
-    assert firsts == {0: ids, 1: ids}
-    plain = _raw(served, "/v1/completions", ask | {"return_token_ids": False})
-    assert all("prompt_token_ids" not in c for c in plain["choices"])
-
-
-def test_return_token_ids_gives_a_chat_its_templated_prompt_ids(served, offline):
-    """A chat's prompt ids (its template applied) on the response, and on a stream's first
-    chunk alone; they are the tokens usage counts and hold the user's words."""
-    ask = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}
-    ask |= {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
-    whole = _raw(served, "/v1/chat/completions", ask)
-    prompt_ids = whole["prompt_token_ids"]
-    assert len(prompt_ids) == whole["usage"]["prompt_tokens"]
-    assert PROMPT in offline[0].tokenizer.decode(prompt_ids)
-    chunks = _raw(served, "/v1/chat/completions", ask | {"stream": True})
-    assert chunks[0]["prompt_token_ids"] == prompt_ids
-    assert all("prompt_token_ids" not in c for c in chunks[1:])

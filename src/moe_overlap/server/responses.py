@@ -2,8 +2,8 @@
 
 Each choice also carries ``token_ids`` (as vLLM's ``return_token_ids`` does), so a client of a
 model without a tokenizer still gets its tokens. With ``return_token_ids`` the prompt's ids come
-too, where vLLM puts them: on each completion choice (a stream's first chunk of each), on the
-chat response (a stream's first chunk)."""
+too, where vLLM puts them: on each completion choice (streamed: the first chunk of each), on the
+chat response (streamed: the first chunk of each choice, its role chunk)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class Formatter:
         self.answer: ChatAnswer | None = None  # a chat's reasoning or tool calls, where asked
         self.continuous_usage = False  # vLLM's continuous_usage_stats: usage in every chunk
         self.prompt_ids: list[list[int]] | None = None  # per prompt, with return_token_ids
-        self._ids_sent: set[int] = set()  # choices (chat: the call) whose stream carried them
+        self._ids_sent: set[int] = set()  # choices whose stream carried them
 
     def choices(self) -> list[Choice]:
         return [Choice() for _ in range(len(self.prompt_tokens) * self.per_prompt)]
@@ -118,6 +118,7 @@ class Formatter:
         return completion_logprobs(entries, self.token_text, offset)
 
     def whole(self, choices: list[Choice]) -> dict:
+        per = len(choices) // len(self.prompt_tokens)  # n per prompt, best_of's already chosen
         body = []
         for i, c in enumerate(choices):
             reason = c.finish_reason
@@ -135,25 +136,21 @@ class Formatter:
                     "finish_reason": reason,
                     "logprobs": self._logprobs(c.entries, 0),
                     "token_ids": c.token_ids,
-                    **self._prompt_ids(i, first=False),
+                    **({} if self.chat else self._prompt_ids(i // per)),
                 }
             )
         name = "chat.completion" if self.chat else "text_completion"
         whole = {**self._envelope(name, body), "usage": self.usage(choices)}
-        return whole | self._prompt_ids(None, first=False)
+        return whole | (self._prompt_ids(0) if self.chat else {})
 
-    def _prompt_ids(self, index: int | None, first: bool) -> dict:
-        """``prompt_token_ids`` where ``return_token_ids`` puts them: on completion choice
-        ``index``, or (``index`` None) on a chat response; ``first``: a stream's, sent once."""
-        if self.prompt_ids is None or (index is None) != self.chat:
+    def _prompt_ids(self, prompt: int, streamed: int | None = None) -> dict:
+        """Prompt ``prompt``'s ``prompt_token_ids`` where ``return_token_ids`` asks for them;
+        ``streamed``: the choice a chunk belongs to, which carries them on its first only."""
+        if self.prompt_ids is None or streamed in self._ids_sent:
             return {}
-        key = -1 if index is None else index
-        if first and key in self._ids_sent:
-            return {}
-        self._ids_sent.add(key)
-        return {
-            "prompt_token_ids": self.prompt_ids[0 if index is None else index // self.per_prompt]
-        }
+        if streamed is not None:
+            self._ids_sent.add(streamed)
+        return {"prompt_token_ids": self.prompt_ids[prompt]}
 
     def chunk(self, index: int, delta: Delta | None, choice: Choice | None = None) -> str:
         """One streamed event: a delta of choice ``index`` (None: the chat's opening role),
@@ -179,13 +176,15 @@ class Formatter:
             return self._chunk_event("chat.completion.chunk", body, choice)
         body = {"index": index, "text": text, "finish_reason": reason, "token_ids": ids}
         logprobs = self._logprobs(entries, offset)
-        body |= {"logprobs": logprobs, **self._prompt_ids(index, first=True)}
+        body |= {"logprobs": logprobs, **self._prompt_ids(index // self.per_prompt, index)}
         return self._chunk_event("text_completion", body, choice)
 
     def _chunk_event(self, name: str, body: dict, choice: Choice | None) -> str:
         """A chunk of one choice; with ``continuous_usage`` it carries that choice's usage so
         far (vLLM's: its prompt's tokens and its own generated ones)."""
-        envelope = self._envelope(name, [body]) | self._prompt_ids(None, first=True)
+        envelope = self._envelope(name, [body])
+        if self.chat:  # on the response, as vLLM's: each choice's first chunk carries them
+            envelope |= self._prompt_ids(0, body["index"])
         if self.continuous_usage:
             prompt = self.prompt_tokens[body["index"] // self.per_prompt]
             completion = len(choice.token_ids) if choice is not None else 0
