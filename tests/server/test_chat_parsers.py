@@ -101,12 +101,13 @@ def test_a_call_sent_before_a_broken_block_ends_the_stream_as_tool_calls():
     assert [t["function"]["name"] for t in whole["message"]["tool_calls"]] == ["now"]
 
 
-def _hermes_answer() -> tuple[Formatter, Choice]:
-    """A chat formatter reading hermes calls, and its one choice."""
+def _hermes_answer(reasoning: str | None = None) -> tuple[Formatter, Choice]:
+    """A chat formatter reading hermes calls (after the reasoning, with a ``reasoning``
+    parser), and its one choice."""
     calling = tool_calling(TOOLS, "auto", parser="hermes")
     assert calling is not None
     fmt = Formatter(chat=True, model="m", prompt_tokens=[3])
-    fmt.answer = ChatAnswer(calling)
+    fmt.answer = ChatAnswer(calling, reasoning)
     (choice,) = fmt.choices()
     return fmt, choice
 
@@ -202,28 +203,39 @@ CALL = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
 
 
 @pytest.mark.parametrize(
-    "output",
+    ("output", "content"),
     [
-        "Let me look.\n\n" + CALL,  # text before the call
-        "\n " + CALL,  # whitespace alone before it
-        CALL + "\nDone.",  # text after it (dropped, whole and streamed)
-        CALL + CALL,
-        "no call at all, just text",
-        "<tool_call>not json</tool_call> then text",
+        ("Let me look.\n\n" + CALL, "Let me look.\n\n"),  # text before the call, as it is
+        ("\n " + CALL, "\n "),  # whitespace alone before it, kept
+        (CALL + "\nDone.", None),  # text after it is dropped
+        (" " + CALL + "\n " + CALL + " ", " "),  # between and after two calls: dropped
+        ("no call at all, just text ", "no call at all, just text "),
+        ("a <tool_c", "a <tool_c"),  # what only began like a call
+        ("<tool_call>not json</tool_call> then text", "<tool_call>not json</tool_call> then text"),
+        (CALL + "\n<tool_call>{bad}</tool_call> x", "\n<tool_call>{bad}</tool_call> x"),
     ],
 )
-def test_the_whole_answer_holds_the_content_its_stream_sent(output):
-    """Hermes calls read whole and streamed give the same message text and the same calls,
-    whatever stands around them (in pieces of 5 characters, as tokens would come)."""
-    fmt, streamed = _hermes_answer()
-    pieces = [output[i : i + 5] for i in range(0, len(output), 5)]
-    content, names = "", []
+@pytest.mark.parametrize("size", [1, 5, 1000])  # characters per delta, as tokens would come
+@pytest.mark.parametrize("reasoning", [None, "qwen3"])
+def test_the_whole_answer_holds_the_content_its_stream_sent(output, content, size, reasoning):
+    """One rule for the text beside Hermes calls, whole and streamed (vLLM's): the text before
+    the first call as the model wrote it, whitespace kept, and none after. The streamed
+    ``content`` adds up to the whole answer's, and the calls are the same, after a reasoning
+    parser too."""
+    if reasoning is not None:  # the answer after it starts at its first line, whole or streamed
+        lead = len(output) - len(output.lstrip("\n"))
+        output = "<think>\nhmm\n</think>\n\n" + output
+        content = content and (content[lead:] or None)
+    fmt, streamed = _hermes_answer(reasoning)
+    pieces = [output[i : i + size] for i in range(0, len(output), size)]
+    sent, names = "", []
     for i, piece in enumerate(pieces):
         delta = _delta(piece, "eos" if i == len(pieces) - 1 else None)
         fmt.add(streamed, 0, delta)
         part = json.loads(fmt.chunk(0, delta, streamed)[len("data: ") :])["choices"][0]
-        content += part["delta"].get("content") or ""
+        sent += part["delta"].get("content") or ""
         names += [t["function"]["name"] for t in part["delta"].get("tool_calls") or []]
     message = fmt.whole([streamed])["choices"][0]["message"]
-    assert (message["content"] or "") == content
+    assert message["content"] == content
+    assert sent == (content or "")
     assert [c["function"]["name"] for c in message.get("tool_calls") or []] == names

@@ -8,6 +8,12 @@ start of ``<tool_call>``), and each call goes out whole once its ``</tool_call>`
 unclosed one at the end, if it parses). A call whose JSON does not parse is text, and so is
 all after it (the calls before it stay calls, whole as streamed). What follows the calls is
 dropped, as vLLM's parser drops it.
+
+One rule for the text, whole and streamed alike (vLLM's): the message's ``content`` is the text
+before the first call as the model wrote it, whitespace kept (a newline before the call, or
+whitespace alone, stays; SGLang strips it), and None where there is none. So a stream's
+``content`` adds up to the whole answer's: ``split_calls`` and ``HermesStream`` cut the text at
+the same places, and neither strips it (nor may ``tools.py``, which builds the message).
 """
 
 from __future__ import annotations
