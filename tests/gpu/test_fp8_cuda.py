@@ -29,7 +29,8 @@ CONFIG = "configs/qwen3-moe-tiny.json"  # hidden 128: the attention linears fit 
 # rounding alone (emulated exactly on CPU: each W8A8 linear's input quantized and dequantized
 # before the dequantized weight) flips experts in this random model and took the logits'
 # cosine to 0.78 at one position, as the H200 measured (0.74); with all 8 the routing is
-# continuous and that emulation stays above 0.996, so the 0.99 below checks the kernels.
+# continuous and that emulation stays above 0.996, so the 0.99 below checks the kernels
+# (scripts/w8a8_rounding_emulation.py [8] prints both).
 EVERY_EXPERT = 8
 PROMPTS = [[(11 * i + 5) % 512 for i in range(n)] for n in (64, 7)]
 ONE = SamplingParams(temperature=0, max_new_tokens=1)

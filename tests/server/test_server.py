@@ -85,6 +85,16 @@ class Running:
         self.thread.join(30)
 
 
+def two_rank_server(model_dir, **settings):
+    """A server on two expert-parallel ranks with TBO (a module fixture's body: ``yield
+    from``), stopped at the end, having raised nothing."""
+    llm = LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20)
+    run = Running(llm, api_key=KEY, **settings)
+    yield run
+    run.stop()
+    assert run.error is None
+
+
 def served_model(tmp_path_factory, name: str):
     """The tiny served model with weights and a tokenizer, in a fresh directory."""
     path = tmp_path_factory.mktemp(name)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_overlap import LLM, SamplingParams
-from tests.server.test_server import KEY, Running, _metrics, served_model
+from tests.server.test_server import _metrics, served_model, two_rank_server
 
 PROMPT = "Question 3: where is the river?"
 
@@ -22,11 +22,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    llm = LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20)
-    run = Running(llm, api_key=KEY, metrics_record_every=1)
-    yield run
-    run.stop()
-    assert run.error is None
+    yield from two_rank_server(model_dir, metrics_record_every=1)
 
 
 @pytest.fixture(scope="module")

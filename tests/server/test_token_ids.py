@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from moe_overlap import LLM, SamplingParams
-from tests.server.test_server import KEY, Running, served_model
+from tests.server.test_server import KEY, served_model, two_rank_server
 
 PROMPTS = ["Question 3: where is the river?", "The fox"]
 MESSAGES = [
@@ -31,10 +31,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    run = Running(LLM(model_dir, ep=2, overlap="tbo", max_num_seqs=4, timeout_s=20), api_key=KEY)
-    yield run
-    run.stop()
-    assert run.error is None
+    yield from two_rank_server(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from moe_overlap.core.kv_budget import (
     CPU_FALLBACK_BYTES,
     DEFAULT_PAGE_SIZE,
     STATE_SNAPSHOT_SHARE,
+    mtp_rows_ahead,
     pages_for,
 )
 from moe_overlap.core.model_config import ModelConfig
@@ -223,9 +224,8 @@ class EngineSpec:
     def max_concurrent(self, tokens: int) -> int:
         """Sequences of ``tokens`` tokens the pages hold at once (at most ``max_num_seqs``),
         each decoding: under ``sliding_budget`` its sliding layers hold its window alone. The
-        MTP drafter writes ``mtp_steps - 1`` positions past each, in its pages
-        (``engine/speculation.py: writes_ahead``)."""
-        ahead = max(0, self.mtp_steps - 1)
+        MTP drafter writes positions past each, in its pages (``mtp_rows_ahead``)."""
+        ahead = mtp_rows_ahead(self.mtp_steps)
         need = pages_for(min(self.max_len, tokens + ahead), self.page_size)
         fits, budget = min(self.max_num_seqs, self.num_pages // need), self.window_budget
         if budget is None:

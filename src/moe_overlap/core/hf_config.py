@@ -19,6 +19,7 @@ from moe_overlap.core.hf_families import (
     mimo_fields,
     mimo_hf,
     qwen3_5_fields,
+    rope_kind,
     rope_params,
     yarn_scaling,
 )
@@ -264,7 +265,7 @@ def _rope_theta(raw: dict[str, Any], model_type: str) -> Any:
     scaling = rope_params(raw)
     # Qwen3.5's multimodal RoPE (mrope) is plain RoPE for text, where its three position ids
     # are equal; GPT-OSS's and DeepSeek's YaRN are computed (model/rope.py)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_kind(scaling)
     if kind not in ("default", None) and not (model_type in YARN_FAMILIES and kind == "yarn"):
         raise ConfigError(
             f"rope scaling {scaling!r} is not supported for {model_type}; only default RoPE"

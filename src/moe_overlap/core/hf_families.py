@@ -63,10 +63,15 @@ def rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def rope_kind(params: dict[str, Any]) -> str | None:
+    """A RoPE parameter dict's kind (transformers 5's ``rope_type``, older configs' ``type``)."""
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def yarn_scaling(raw: dict[str, Any]) -> dict[str, Any]:
     """YaRN's parameters as ``ModelConfig.rope_scaling`` holds them ({} for default RoPE)."""
     params = rope_params(raw)
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = rope_kind(params)
     known = {k: params[k] for k in YARN_KEYS if params.get(k) is not None}
     return known | {"rope_type": kind} if kind not in ("default", None) else {}
 

@@ -46,6 +46,13 @@ def gpu_kv_bytes(total: int, fraction: float, weight_bytes: int) -> int:
     return max(0, int(total * fraction) - weight_bytes)
 
 
+def mtp_rows_ahead(mtp_steps: int) -> int:
+    """Positions past a step's computed tokens whose keys and values the MTP drafter writes,
+    in the sequence's own pages: its decode steps, one a draft after the first
+    (``runtime/mtp_drafter.py``); none without MTP drafts."""
+    return max(0, mtp_steps - 1)
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages a sequence of ``tokens`` tokens takes."""
     return math.ceil(tokens / page_size)

@@ -133,9 +133,10 @@ def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, hidden = x.shape
     groups = math.ceil(hidden / group)
     padded = F.pad(x.float(), (0, groups * group - hidden)).view(n, groups, group)
-    # 448 as a tensor on x's device: CUDA divides by a Python number as a multiply by its
-    # reciprocal (a bit off, at times, from the division CPU and the one-pass kernel round)
-    scales = padded.abs().amax(dim=-1) / padded.new_tensor(FP8_MAX)
+    # 448 as a tensor on x's device (filled there: no copy from the host): CUDA divides by a
+    # Python number as a multiply by its reciprocal, a bit off at times from the division CPU
+    # and the one-pass kernel round
+    scales = padded.abs().amax(dim=-1) / padded.new_full((), FP8_MAX)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = (padded / safe.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(n, groups * group)[:, :hidden], scales

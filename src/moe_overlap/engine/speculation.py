@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_overlap.core.kv_budget import pages_for
+from moe_overlap.core.kv_budget import mtp_rows_ahead, pages_for
 from moe_overlap.engine.kv_pages import PageBudget
 from moe_overlap.engine.ngram import propose
 from moe_overlap.engine.request import Request
@@ -49,10 +49,9 @@ class Speculation:
 
     @property
     def writes_ahead(self) -> int:
-        """Positions past a step's computed tokens whose keys and values the ranks write:
-        the MTP drafter's decode steps, one a draft after the first (``runtime/mtp_drafter.py``),
-        in the sequence's own pages, which the scheduler holds for them; n-gram drafts none."""
-        return self.config.num_drafts - 1 if self.config.is_mtp else 0
+        """Positions past a step's computed tokens the ranks write (``mtp_rows_ahead``), which
+        the scheduler holds pages for; n-gram drafts none."""
+        return mtp_rows_ahead(self.config.num_drafts if self.config.is_mtp else 0)
 
     def draft(self, reqs: list[Request], budget: int, max_len: int) -> list[list[int]] | None:
         """Each request's drafts for a verify step, or None: a plain step."""

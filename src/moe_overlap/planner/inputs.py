@@ -14,6 +14,7 @@ from pathlib import Path
 from moe_overlap.core.a2a_mode import DispatchDtype
 from moe_overlap.core.errors import ConfigError, is_int
 from moe_overlap.core.hf_config import read_json
+from moe_overlap.core.hf_families import rope_kind
 from moe_overlap.core.layout_rules import check_layout
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.parallel_config import ParallelConfig
@@ -63,7 +64,7 @@ def load_model_spec(path: str | Path) -> ModelSpec:
     raw = read_json(path)
     notes = []
     scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    kind = rope_kind(scaling) if isinstance(scaling, dict) else None
     if kind not in (None, "default"):
         raw = {k: v for k, v in raw.items() if k != "rope_scaling"}
         if "rope_parameters" in raw:
