@@ -132,11 +132,13 @@ def test_a_kernel_that_gives_up_falls_back_to_the_decoded_rows(monkeypatch):
     # the low-latency blocks: decoded, then the padded batched matmul
     ep, cap = 2, 5
     counts = torch.tensor([[2, 0, 5, 1], [0, 3, 1, 0]])
-    blocks = WIRE.encode(torch.randn(ep * EXPERTS * cap, HIDDEN)).view(ep, EXPERTS, cap, -1)
-    out = torch.full((ep, EXPERTS, cap, HIDDEN), float("nan"))
+    blocks = WIRE.encode(torch.randn(ep * (1 + EXPERTS * cap), HIDDEN)).view(ep, -1, WIRE.width)
+    out = torch.full((ep, 1 + EXPERTS * cap, HIDDEN), float("nan"))
     bank.run_capacity(blocks, counts, out, range(EXPERTS), WIRE, top_k=2)
-    # the same rows, decoded and grouped by expert on the host
-    rows = [blocks[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
+    # the same rows, decoded and grouped by expert on the host (each block's first is a header)
+    sent = blocks[:, 1:].view(ep, EXPERTS, cap, -1)
+    rows = [sent[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
     flat = bank(WIRE.decode(torch.cat(rows)), counts.sum(0).tolist())
-    real = [out[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
+    outputs = out[:, 1:].view(ep, EXPERTS, cap, HIDDEN)
+    real = [outputs[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
     torch.testing.assert_close(torch.cat(real), flat, rtol=1e-5, atol=1e-6)

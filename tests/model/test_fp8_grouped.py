@@ -124,26 +124,33 @@ def test_the_low_latency_blocks_run_the_kernel_over_their_real_rows_only(fp8_ban
     bank, ep, cap = fp8_bank, 2, 5
     counts = torch.tensor([[2, 0, 5, 1], [0, 3, 1, 0]])
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(ep, EXPERTS, cap, HIDDEN, generator=gen)
-    out = torch.full_like(x, float("nan"))
-    bank.run_capacity(x, counts, out, range(EXPERTS))
+    blocks = torch.randn(ep, 1 + EXPERTS * cap, HIDDEN, generator=gen)  # a header row, then
+
+    def places(full: torch.Tensor) -> torch.Tensor:  # each expert's capacity rows
+        return full[:, 1:].view(ep, EXPERTS, cap, HIDDEN)
+
+    x = places(blocks)
+    out = torch.full_like(blocks, float("nan"))
+    bank.run_capacity(blocks, counts, out, range(EXPERTS))
     # the same rows, grouped by expert on the host
     rows = [x[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]
     flat = bank(torch.cat(rows), counts.sum(0).tolist())
     assert torch.equal(
-        torch.cat([out[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]), flat
+        torch.cat([places(out)[p, e, : counts[p, e]] for e in range(EXPERTS) for p in range(ep)]),
+        flat,
     )
-    halves = torch.full_like(x, float("nan"))
-    bank.run_capacity(x, counts, halves, range(0, 2))
-    bank.run_capacity(x, counts, halves, range(2, EXPERTS))
     real = torch.arange(cap)[None, None] < counts[..., None]
-    assert torch.equal(halves[real], out[real])
+    assert places(out)[~real].isnan().all()  # the padding is neither run nor written
+    halves = torch.full_like(blocks, float("nan"))
+    bank.run_capacity(blocks, counts, halves, range(0, 2))
+    bank.run_capacity(blocks, counts, halves, range(2, EXPERTS))
+    assert torch.equal(places(halves)[real], places(out)[real])
     # each token picks 2 experts: at most ep x cap x 2 real rows, so only those are gathered
     gathered, run = [], bank._on_device
     bank._on_device = lambda rows, *a: gathered.append(rows.shape[0]) or run(rows, *a)
-    bounded = torch.full_like(x, float("nan"))
-    bank.run_capacity(x, counts, bounded, range(EXPERTS), top_k=2)
-    assert gathered == [ep * cap * 2] and torch.equal(bounded[real], out[real])
+    bounded = torch.full_like(blocks, float("nan"))
+    bank.run_capacity(blocks, counts, bounded, range(EXPERTS), top_k=2)
+    assert gathered == [ep * cap * 2] and torch.equal(places(bounded)[real], places(out)[real])
 
 
 MODES = ["none", "tbo", "tbo+two-chunk", "sbo"]

@@ -61,7 +61,8 @@ class DispatchState:
 
     num_tokens: int
     topk_weights: torch.Tensor  # [T, k]
-    order: torch.Tensor  # (token, slot) pairs sorted by destination expert
+    # (token, slot) pairs sorted by destination expert (none where the pairs go out unsorted)
+    order: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     owner: str = tracks.FIRST  # the micro-batch this belongs to, for the timeline
     arrived: torch.Tensor | None = None  # rows grouped by local expert, as they travelled
     wire: WireForm | None = None  # FP8 rows: how to decode ``arrived`` (None: run dtype)
@@ -71,9 +72,9 @@ class DispatchState:
     expert_outputs: torch.Tensor | None = None
     pending: Pending | None = None
     scattered: list[int] | None = None  # rows each attention-TP rank dispatched (scatter.py)
-    # the low-latency layout: > 0 when ``expert_inputs`` is ``[ep, local, capacity, hidden]``
-    # (rows from each source rank to each local expert, padded to ``capacity``) and ``counts``
-    # ``[ep, local]`` on the device says how many of each are real
+    # the low-latency layout: > 0 when ``expert_inputs`` is ``[ep, 1 + local * capacity,
+    # hidden]`` (each source rank's block: a header row, then ``capacity`` rows per local
+    # expert) and ``counts`` ``[ep, local]`` on the device says how many of each are real
     capacity: int = 0
     blocks: list[range] = field(default_factory=list)  # SBO's blocks of local experts
 
@@ -232,8 +233,12 @@ def unsort(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 def weighted_sum(state: DispatchState, sorted_outputs: torch.Tensor) -> torch.Tensor:
     """Undo the sort and sum each token's expert outputs weighted by its router scores."""
-    weights = state.topk_weights
+    return weigh(unsort(sorted_outputs, state.order), state.topk_weights)
+
+
+def weigh(per_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's expert outputs (``per_pair``: its k rows in a row, ``[T * k, hidden]``)
+    summed by its router weights ``[T, k]``, in one order of operations for every backend."""
     t, k = weights.shape
-    per_slot = unsort(sorted_outputs, state.order)
-    per_slot = per_slot.view(t, k, sorted_outputs.shape[-1])
+    per_slot = per_pair.view(t, k, per_pair.shape[-1])
     return (per_slot * weights.to(per_slot.dtype).unsqueeze(-1)).sum(dim=1)

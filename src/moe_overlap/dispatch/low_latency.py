@@ -18,6 +18,7 @@ count, so every step can be captured.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,7 @@ from moe_overlap.core.dispatcher import (
     balanced_blocks,
     in_flight,
     outputs,
-    sort_by_expert,
-    weighted_sum,
+    weigh,
 )
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.dispatch.all_to_all import AllToAllDispatcher
@@ -42,7 +42,7 @@ from moe_overlap.dispatch.in_flight import CombinePieces
 class LowLatencyState(DispatchState):
     """One micro-batch's fixed-capacity layout in one MoE layer."""
 
-    slots: torch.Tensor  # each sorted (token, slot) pair's row in the returned combine buffer
+    slots: torch.Tensor  # each (token, slot) pair's row in the blocks, in pair order
 
 
 class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
@@ -57,6 +57,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         self.num_experts, self.ep, self.local = a2a.num_experts, a2a.ep, a2a.local
         self.link, self.wire = a2a.link, a2a.wire
         self.block_rows = 1 + self.local * capacity  # a peer's block: header, then the rows
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # ``_tables``
 
     def check_fits(self, tokens: int) -> None:
         """Refuse a micro-batch that could overflow a block (before anything is sent)."""
@@ -71,7 +72,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         owner: str = tracks.FIRST,
         extend: bool = True,
     ) -> LowLatencyState:
-        tokens = topk_ids.shape[0]
+        tokens, top_k = topk_ids.shape
         self.check_fits(tokens)
         hidden = self.wire.encode(hidden)  # FP8: each row's bytes and scales
         if self.local * 4 > hidden.shape[1] * hidden.element_size():
@@ -79,26 +80,37 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
                 f"--a2a-mode low_latency: {self.local} local experts' counts do not fit in one "
                 f"row of {hidden.shape[1]} {hidden.dtype} values; use --a2a-mode normal"
             )
-        order, rows, counts = sort_by_expert(hidden, topk_ids, self.num_experts)
-        # each sorted pair's place among its expert's rows, then in the send buffer: expert g
-        # of rank g // local sits after that rank's header row, ``capacity`` rows per expert
-        expert = topk_ids.reshape(-1)[order]
-        index = (
-            torch.arange(order.numel(), device=order.device) - (counts.cumsum(0) - counts)[expert]
-        )
-        slots = expert * self.capacity + index
-        send = hidden.new_zeros(self.ep * self.block_rows, hidden.shape[1])
-        send.index_copy_(0, slots + expert // self.local + 1, rows)
+        # no sort: each (token, slot) pair's place among its expert's rows is how many pairs
+        # up to it chose that expert, so the pairs go out in their own order, in few launches
+        flat = topk_ids.reshape(-1)
+        experts, first_rows = self._tables(flat.device)
+        seen = (flat[:, None] == experts).cumsum(0, dtype=torch.int32)  # [pairs, experts]
+        counts = seen[-1] if tokens else seen.new_zeros(self.num_experts)
+        slots = first_rows[flat] + seen.gather(1, flat[:, None]).view(-1)
+        # the padding is never read (the experts skip it, the combine gathers the real rows)
+        send = hidden.new_empty(self.ep * self.block_rows, hidden.shape[1])
+        send[slots.view(tokens, top_k)] = hidden[:, None].expand(-1, top_k, -1)
         header = send.view(self.ep, self.block_rows, -1)[:, 0]
         header.view(torch.int32)[:, : self.local] = counts.view(self.ep, self.local)
         state = LowLatencyState(
-            tokens, topk_weights, order, owner, capacity=self.capacity, slots=slots
+            tokens, topk_weights, owner=owner, capacity=self.capacity, slots=slots
         )
         splits = [self.block_rows] * self.ep
         state.pending = self.a2a._start(
-            "dispatch", send, splits, splits, owner, self._crossing(order.numel())
+            "dispatch", send, splits, splits, owner, self._crossing(slots.numel())
         )
         return state
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's id, and the row before its first place in the send blocks (expert
+        g's ``capacity`` rows follow rank ``g // local``'s header and the lower experts'), made
+        on the device once (a warm-up forward runs before a CUDA graph's capture)."""
+        if device not in self._on:
+            expert = torch.arange(self.num_experts)
+            owner, rank = expert // self.local, expert % self.local
+            before_first = owner * self.block_rows + rank * self.capacity
+            self._on[device] = (expert.to(device), before_first.to(device))
+        return self._on[device]
 
     def _crossing(self, pairs: int) -> int:
         """Rows a modelled link charges: the real rows, as DeepEP's transport, which writes
@@ -111,17 +123,16 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
     def dispatch_b(self, state: LowLatencyState) -> None:
         received = in_flight(state).wait().view(self.ep, self.block_rows, -1)
         state.pending = None
-        width = received.shape[-1]
-        state.counts = received[:, 0].view(torch.int32)[:, : self.local].long()
-        blocks = received[:, 1:].view(self.ep, self.local, self.capacity, width)
-        state.arrive(blocks, self.wire)
+        state.counts = received[:, 0].view(torch.int32)[:, : self.local]
+        state.arrive(received, self.wire)  # whole blocks: a header, then the experts' rows
 
     def combine_a(self, state: LowLatencyState) -> None:
-        rows = outputs(state).reshape(self.ep * self.local * self.capacity, -1)
-        splits = [self.local * self.capacity] * self.ep
-        pairs = state.order.numel()
+        """The outputs go back in the blocks' layout (``run_capacity`` writes each row where
+        its input arrived), so each source finds its rows where it put them."""
+        rows = outputs(state).view(self.ep * self.block_rows, -1)
+        splits = [self.block_rows] * self.ep
         state.pending = self.a2a._start(
-            "combine", rows, splits, splits, state.owner, self._crossing(pairs)
+            "combine", rows, splits, splits, state.owner, self._crossing(state.slots.numel())
         )
 
     def combine_blocks(self, state: LowLatencyState, num_blocks: int) -> list[range]:
@@ -131,26 +142,38 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         return state.blocks
 
     def combine_a_block(self, state: LowLatencyState, block: int) -> None:
-        expert_outputs = outputs(state)  # [ep, local, capacity, hidden]
+        expert_outputs = outputs(state)  # [ep, block_rows, hidden]
         pieces = state.pending
         if not isinstance(pieces, CombinePieces):
-            rows = self.ep * self.local * self.capacity
+            rows = self.ep * self.block_rows
             state.pending = pieces = CombinePieces(rows, expert_outputs.view(rows, -1))
         experts = state.blocks[block]
-        piece = expert_outputs[:, experts.start : experts.stop].reshape(
-            -1, expert_outputs.shape[-1]
-        )
+        places = slice(1 + experts.start * self.capacity, 1 + experts.stop * self.capacity)
+        piece = expert_outputs[:, places].reshape(-1, expert_outputs.shape[-1])
         splits = [len(experts) * self.capacity] * self.ep
         share = len(experts) / self.local  # of the pairs' rows, by even routing
-        crossing = int(self._crossing(state.order.numel()) * share)
+        crossing = int(self._crossing(state.slots.numel()) * share)
         handle = self.a2a._start(
             f"combine piece {len(pieces.pieces)}", piece, splits, splits, state.owner, crossing
         )
         # where the piece's rows go among the whole combine's: each rank's block of experts
         where = torch.arange(pieces.out.shape[0], device=piece.device)
-        where = where.view(self.ep, self.local, self.capacity)[:, experts.start : experts.stop]
-        pieces.pieces.append((handle, where.reshape(-1)))
+        pieces.pieces.append((handle, where.view(self.ep, self.block_rows)[:, places].reshape(-1)))
 
     def combine_b(self, state: LowLatencyState) -> torch.Tensor:
         returned = in_flight(state).wait()
-        return weighted_sum(state, returned[state.slots])
+        return weigh(returned[state.slots], state.topk_weights)  # the pairs in their order
+
+
+@functools.cache
+def group_places(
+    ep: int, block_rows: int, local: int, experts: range, device: torch.device
+) -> torch.Tensor:
+    """The first place in a rank's received blocks (``[ep, block_rows]``) of each (local
+    expert, source rank) group of ``experts``, expert-major, as the experts gather them
+    (``ExpertBank.run_capacity``); made once per device (a warm-up forward runs before a CUDA
+    graph's capture, so no capture makes it)."""
+    cap = (block_rows - 1) // local
+    group = torch.arange(len(experts) * ep)
+    source, expert = group % ep, group // ep + experts.start
+    return (source * block_rows + 1 + expert * cap).to(device)

@@ -11,6 +11,7 @@ from torch import nn
 from moe_overlap.core.dispatcher import DispatchState, host_counts
 from moe_overlap.core.transfer import to_device
 from moe_overlap.dispatch.fp8_rows import Fp8Rows
+from moe_overlap.dispatch.low_latency import group_places
 from moe_overlap.model.expert_paths import GROUPED_MM, batched_pays, grouped_fits, padded_positions
 from moe_overlap.model.fp8_w8a8 import W8A8Experts
 
@@ -129,25 +130,28 @@ class ExpertBank(nn.Module):
         wire: Fp8Rows | None = None,
         top_k: int | None = None,
     ) -> None:
-        """The low-latency layout: ``x`` and ``out`` are ``[ep, local, capacity, hidden]``, and
-        of the rows rank p sent local expert e the first ``counts[p, e]`` (on the device) are
-        real. As one launch per projection over the real rows gathered expert by expert
-        (``on_device``: the grouped FP8 kernel, or bf16 grouped GEMM on sm90+; rows past the
-        last offset are ignored), else one batched matmul over every padded row (padding is
-        zeros, and its outputs are never read). ``wire``: ``x`` is the FP8 dispatch's blocks as
-        they arrived (``_inputs``). ``top_k``: the experts a token picks, which bounds the real
-        rows (a source's at most ``capacity`` tokens each reach at most ``min(top_k,
-        len(experts))`` of these experts), so fewer are gathered; None: every padded place."""
-        block = slice(experts.start, experts.stop)
-        most = x.shape[0] * x.shape[2] * min(top_k or len(experts), len(experts))
-        if not (
-            self.on_device(x) and self._capacity_on_device(x, counts, out, experts, wire, most)
-        ):
-            x = x if wire is None else wire.decode(x)  # the kernel gave up: the run dtype
-            ep, _, cap, hidden = x.shape
-            rows = x[:, block].transpose(0, 1).reshape(len(experts), ep * cap, hidden)
-            y = self._padded(rows.reshape(-1, hidden), [ep * cap] * len(experts), ep * cap, experts)
-            out[:, block] = y.view(len(experts), ep, cap, hidden).transpose(0, 1)
+        """The low-latency layout: ``x`` and ``out`` are ``[ep, 1 + local * capacity, hidden]``,
+        each source rank's block a spare row (the dispatch's header) then ``capacity`` rows
+        per local expert, of which the first ``counts[p, e]`` (on the device) are real; each
+        output row goes where its input was. As one launch per projection over the real rows
+        gathered expert by expert (``on_device``: the grouped FP8 kernel, or bf16 grouped GEMM
+        on sm90+), else one batched matmul over every padded row (the padding's outputs are
+        never read). ``wire``: ``x`` is the FP8 dispatch's blocks as they arrived
+        (``_inputs``). ``top_k``: the experts a token picks, which bounds the real rows (a
+        source's at most ``capacity`` tokens each reach at most ``min(top_k, len(experts))``
+        of these experts), so fewer are gathered; None: every padded place."""
+        ep, block_rows, _ = x.shape
+        cap, n = (block_rows - 1) // self.count, len(experts)
+        most = ep * cap * min(top_k or n, n)
+        if self.on_device(x) and self._capacity_on_device(x, counts, out, experts, wire, most):
+            return
+        x = x if wire is None else wire.decode(x)  # the kernel gave up: the run dtype
+        hidden = x.shape[-1]
+        padded = x[:, 1:].view(ep, self.count, cap, hidden)[:, experts.start : experts.stop]
+        rows = padded.transpose(0, 1).reshape(n * ep * cap, hidden)
+        y = self._padded(rows, [ep * cap] * n, ep * cap, experts)
+        places = out[:, 1:].view(ep, self.count, cap, hidden)[:, experts.start : experts.stop]
+        places.copy_(y.view(n, ep, cap, hidden).transpose(0, 1))
 
     def _capacity_on_device(
         self,
@@ -159,25 +163,23 @@ class ExpertBank(nn.Module):
         most: int,
     ) -> bool:
         """``run_capacity``'s real rows (at most ``most``) gathered expert by expert, one launch
-        per projection (``_on_device``); False, with nothing written, where that could not
-        run."""
-        ep, _, cap, _ = x.shape
-        block = slice(experts.start, experts.stop)
+        per projection (``_on_device``), and written back to their places; False, with
+        nothing written, where that could not run."""
+        ep, block_rows, _ = x.shape
         n = len(experts)
-        per_group = counts[:, block].T.reshape(-1)  # rows of (expert, source), expert-major
-        starts = per_group.cumsum(0) - per_group
+        per_group = counts[:, experts.start : experts.stop].T.reshape(-1)  # (expert, source)
+        ends = per_group.cumsum(0)
         row = torch.arange(most, device=x.device)
-        group = torch.searchsorted(starts + per_group, row, right=True).clamp_(max=n * ep - 1)
-        index = (row - starts[group]).clamp_(0, cap - 1)
-        source, expert = group % ep, group // ep + experts.start
-        gathered = x[source, expert, index]  # x may be a strided view of what arrived
-        offs = counts[:, block].sum(0).cumsum(0, dtype=torch.int32)
-        y = self._on_device(gathered, offs, experts, wire)
+        group = torch.searchsorted(ends, row, right=True).clamp_(max=n * ep - 1)
+        # each group's first place in the blocks, less its first row among the gathered ones
+        shift = group_places(ep, block_rows, self.count, experts, x.device) - (ends - per_group)
+        # a row past the real ones reads and writes block 0's spare row
+        place = torch.where(row < ends[-1], row + shift[group], 0)
+        offs = ends.view(n, ep)[:, -1].int()  # each expert's last gathered row + 1
+        y = self._on_device(x.view(-1, x.shape[-1])[place], offs, experts, wire)
         if y is None:
             return False
-        # each padded place's row among the gathered ones (a padding place reads any row)
-        place = starts.view(n, ep).T[..., None] + torch.arange(cap, device=x.device)
-        out[:, block] = y[place.clamp_(max=most - 1)]
+        out.view(-1, out.shape[-1])[place] = y
         return True
 
     def grouped(self, x: torch.Tensor) -> bool:
