@@ -10,7 +10,7 @@ from moe_overlap import LLM, ModelConfig
 from moe_overlap.core.batch import ForwardBatch
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.model.tensor_parallel import pp_layers
+from moe_overlap.core.parallel_config import pp_layers
 from tests.helpers import CASES, KW, PARAMS, TINY, assert_same, force_overlap
 
 PROMPTS = [p for prompts in CASES.values() for p in prompts]  # 45 tokens > budget: chunked

@@ -83,8 +83,10 @@ def test_bench_engine_alone_and_bad_flags(tmp_path, capsys):
 @pytest.mark.parametrize("make", [qwen3_hf_config, deepseek_hf_config])
 def test_kv_bytes_per_token_matches_the_models_cache(make):
     cfg = ModelConfig.from_hf(make().to_dict())
-    floats = sum(torch.Size(s).numel() for s in build_model(cfg).kv_entries().values())
-    assert kv_bytes_per_token(cfg) == 4 * floats * cfg.num_hidden_layers
+    entries = build_model(cfg).kv_entries()  # per layer
+    assert len(entries) == cfg.num_hidden_layers
+    floats = sum(torch.Size(s).numel() for layer in entries for s in layer.values())
+    assert kv_bytes_per_token(cfg) == 4 * floats
 
 
 def test_kv_pages_bounded_by_the_budget():

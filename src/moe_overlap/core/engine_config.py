@@ -17,7 +17,7 @@ from moe_overlap.core.kv_budget import (
 from moe_overlap.core.model_config import ModelConfig
 from moe_overlap.core.model_flops import linear_split
 from moe_overlap.core.overlap_config import OverlapConfig
-from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.parallel_config import ParallelConfig, pp_layers
 
 DEFAULT_MAX_NUM_SEQS = 256  # sequences running at once per rank (vLLM's max_num_seqs)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per rank per forward (SGLang's chunked prefill)
@@ -31,19 +31,22 @@ def kv_bytes_per_token(
     attn_tp: int = 1,
     sliding: bool | None = None,
     mtp: bool = False,
+    stage: range | None = None,
 ) -> int:
-    """KV cache bytes one token takes on one rank over all layers (the model's ``kv_entries``:
-    MLA keeps its whole latent and rotated ``k_pe``, GQA the K and V heads of its attention-TP
-    share, at least one; a linear-attention layer none: its state is per sequence);
-    ``sliding`` True: over the sliding-window layers alone, False: over the others. ``mtp``:
-    the MTP drafter's layers too, which the pool's pages hold beside the model's
+    """KV cache bytes one token takes on one rank over its pipeline stage's layers (``stage``;
+    None: all of them), as the model's ``kv_entries`` holds them: MLA keeps its whole latent
+    and rotated ``k_pe``, GQA the K and V heads of its attention-TP share, at least one; a
+    linear-attention layer none: its state is per sequence. ``sliding`` True: over the
+    sliding-window layers alone, False: over the others. ``mtp``: the MTP drafter's layers
+    too, on the last stage, which the pool's pages hold beside the model's
     (``model/caches.py``), each whole-context (a sliding MTP layer's keys in the full pages)."""
+    held = range(cfg.num_hidden_layers) if stage is None else stage
     layers = [
         i
-        for i in range(cfg.num_hidden_layers)
+        for i in held
         if not cfg.is_linear_layer(i) and (sliding is None or (cfg.window(i) > 0) == sliding)
     ]
-    if mtp and not sliding:
+    if mtp and not sliding and held.stop == cfg.num_hidden_layers:
         first = cfg.num_hidden_layers
         layers += range(first, first + cfg.num_nextn_predict_layers)
     if cfg.is_deepseek:
@@ -53,11 +56,15 @@ def kv_bytes_per_token(
     return heads * width * dtype_bytes
 
 
-def state_bytes(cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1) -> int:
+def state_bytes(
+    cfg: ModelConfig, dtype_bytes: int = 4, attn_tp: int = 1, stage: range | None = None
+) -> int:
     """Bytes of one sequence's recurrent state over the linear-attention layers on one rank
-    (0 without any): the conv state's last inputs in the run dtype, the SSM state in float32,
-    for the rank's share of the heads (``model_flops.linear_split``)."""
-    layers = sum(cfg.is_linear_layer(i) for i in range(cfg.num_hidden_layers))
+    of pipeline stage ``stage`` (None: all layers; 0 without any): the conv state's last
+    inputs in the run dtype, the SSM state in float32, for the rank's share of the heads
+    (``model_flops.linear_split``)."""
+    held = range(cfg.num_hidden_layers) if stage is None else stage
+    layers = sum(cfg.is_linear_layer(i) for i in held)
     keys, values = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv = (2 * keys + cfg.linear_num_value_heads * values) * (cfg.linear_conv_kernel_dim - 1)
     ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * values
@@ -142,10 +149,23 @@ class EngineSpec:
 
     @property
     def token_bytes(self) -> int:
-        """KV cache bytes of one token on one rank, over all layers, the MTP drafter's
+        """KV cache bytes of one token on one rank, over its stage's layers, the MTP drafter's
         included where it drafts."""
-        width, mtp = torch_dtype(self.dtype).itemsize, self.mtp_steps > 0
-        return kv_bytes_per_token(self.config, width, self.parallel.attn_tp, mtp=mtp)
+        return self._stage_kv_bytes()
+
+    def _stage_kv_bytes(self, sliding: bool | None = None) -> int:
+        """``kv_bytes_per_token`` on the pipeline stage whose layers take the most: every
+        stage's pool has the same pages (the scheduler's), each holding its own layers."""
+        mtp, tp = self.mtp_steps > 0, self.parallel.attn_tp
+        return max(
+            kv_bytes_per_token(self.config, self._width, tp, sliding, mtp, stage)
+            for stage in self._stages
+        )
+
+    @property
+    def _stages(self) -> list[range]:
+        layers, stages = self.config.num_hidden_layers, self.parallel.pp
+        return [pp_layers(layers, s, stages) for s in range(stages)]
 
     @property
     def num_pages(self) -> int:
@@ -176,7 +196,7 @@ class EngineSpec:
         avail, size = self.kv_cache_bytes - self.state_total, self.page_size
         page = self.token_bytes * size
         pages = window = avail // page
-        sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True) * size
+        sliding = self._stage_kv_bytes(sliding=True) * size
         if self.sliding_budget and 0 < sliding < page:
             span = pages_for(self.config.sliding_window, size) + 2
             chunks = pages_for(min(self.max_num_batched_tokens, self.max_len), size)
@@ -194,8 +214,10 @@ class EngineSpec:
 
     @property
     def _state_each(self) -> int:
-        """One sequence's recurrent state on one rank (``state_bytes``)."""
-        return state_bytes(self.config, self._width, self.parallel.attn_tp)
+        """One sequence's recurrent state on one rank of the stage that holds the most
+        (``state_bytes``)."""
+        tp = self.parallel.attn_tp
+        return max(state_bytes(self.config, self._width, tp, stage) for stage in self._stages)
 
     @property
     def _width(self) -> int:
@@ -248,7 +270,7 @@ class EngineSpec:
 
     def _pool_bytes(self) -> int:
         """Bytes of the pools: every layer's pages, the sliding layers' in their own pool."""
-        sliding = kv_bytes_per_token(self.config, self._width, self.parallel.attn_tp, True)
+        sliding = self._stage_kv_bytes(sliding=True)
         budget = self.window_budget
         window = self.pool_pages if budget is None else budget[1]
         full = self.pool_pages * (self.token_bytes - sliding)

@@ -99,3 +99,13 @@ class ParallelConfig:
             parts.append(f"ep{self.ep}")
         one = " ".join(parts) or "one process"
         return f"{self.replicas} replicas of {one}" if self.replicas > 1 else one
+
+
+def pp_layers(num_layers: int, stage: int, stages: int) -> range:
+    """Stage ``stage``'s contiguous layers (SGLang's ``get_pp_indices``): an even share, the
+    remainder spread over the stages before the last (which also holds the norm and LM head)."""
+    sizes = [num_layers // stages] * stages
+    for i in range(2, num_layers % stages + 2):
+        sizes[-i] += 1
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])

@@ -32,12 +32,11 @@ def kv_cache_for(
     layers' pool (None: as many pages as the full layers'); ``mtp``: with the entries of the
     model's MTP layers (on the stage that holds them), after its own."""
     device, dtype = model_placement(model)
-    entries, layers = model.kv_entries(), model.cfg.num_hidden_layers
+    entries = model.kv_entries()
     if mtp and model.mtp_layers:  # on the full pages (MiMo's sliding one reads its window)
-        own = list(entries) if isinstance(entries, list) else [entries] * layers
-        entries = own + [layer.attn.kv_entries() for layer in model.mtp_layers]
+        entries += [layer.attn.kv_entries() for layer in model.mtp_layers]
     return KVCache(
-        len(entries) if isinstance(entries, list) else layers,
+        len(entries),
         num_slots + padding,
         max_len,
         entries,

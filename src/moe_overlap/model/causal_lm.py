@@ -94,14 +94,11 @@ class MoeForCausalLM(nn.Module):
         """The MTP layers after the last decoder layer (built with ``mtp``, on the last stage)."""
         return [layer for layer in self.model.layers.values() if isinstance(layer, MtpLayer)]
 
-    def kv_entries(self) -> dict[str, tuple[int, ...]] | list[dict[str, tuple[int, ...]]]:
-        """The KV cache's entries per token (of the full-attention layers; linear-attention
-        layers store none, and their buffers stay empty); per global layer when this stage's
-        attention layers differ (MiMo-V2-Flash)."""
+    def kv_entries(self) -> list[dict[str, tuple[int, ...]]]:
+        """The KV cache's entries per token, per global layer: this stage's full-attention
+        layers' (MiMo-V2-Flash's sliding and full layers differ); none for a linear-attention
+        layer or another stage's, so the pool holds no pages for them."""
         full = {x.layer_id: x.attn.kv_entries() for x in self.layers if not x.is_linear}
-        kinds = list(full.values())
-        if all(k == kinds[0] for k in kinds):
-            return kinds[0] if kinds else {}
         return [full.get(i, {}) for i in range(self.cfg.num_hidden_layers)]
 
     def state_shapes(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -78,16 +78,6 @@ def even_part(size: int, rank: int, parts: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def pp_layers(num_layers: int, stage: int, stages: int) -> range:
-    """Stage ``stage``'s contiguous layers (SGLang's ``get_pp_indices``): an even share, the
-    remainder spread over the stages before the last (which also holds the norm and LM head)."""
-    sizes = [num_layers // stages] * stages
-    for i in range(2, num_layers % stages + 2):
-        sizes[-i] += 1
-    start = sum(sizes[:stage])
-    return range(start, start + sizes[stage])
-
-
 @dataclass
 class ModelParallel:
     """What the model needs of the layout: the attention-TP group (attention, dense MLPs, the

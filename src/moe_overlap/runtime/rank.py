@@ -15,7 +15,7 @@ from moe_overlap.core.dispatcher import Dispatcher
 from moe_overlap.core.engine_config import EngineSpec
 from moe_overlap.core.errors import ConfigError
 from moe_overlap.core.overlap_modes import NONE
-from moe_overlap.core.parallel_config import ParallelConfig
+from moe_overlap.core.parallel_config import ParallelConfig, pp_layers
 from moe_overlap.core.step import GroupReply, StepReply, StepRequest
 from moe_overlap.core.timeline import Span, Timeline
 from moe_overlap.dispatch.emulated import EmulatedAllToAllDispatcher
@@ -30,7 +30,7 @@ from moe_overlap.distributed.order import CollectiveOrder
 from moe_overlap.model.causal_lm import MoeForCausalLM
 from moe_overlap.model.loader import build_model
 from moe_overlap.model.moe_block import skew_routing
-from moe_overlap.model.tensor_parallel import ModelParallel, pp_layers
+from moe_overlap.model.tensor_parallel import ModelParallel
 from moe_overlap.runtime.answer_step import answer_and_draft
 from moe_overlap.runtime.model_runner import ModelRunner
 
