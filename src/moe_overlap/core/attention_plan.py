@@ -59,6 +59,8 @@ class AttentionPlan:
     store_places: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False
     )
+    # the pages each read of the cache goes through (``KVCache.gather``): one lookup a forward
+    pages: dict = field(default_factory=dict, init=False, repr=False)
     # the extends' lower-right causal masks, per (queries, keys): built once, like the above
     causal_masks: dict[tuple[int, int], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False

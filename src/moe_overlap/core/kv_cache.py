@@ -211,14 +211,27 @@ class KVCache:
                 buffers[name][pages, offsets] = values
 
     def gather(
-        self, layer: int, name: str, slots: torch.Tensor | slice, length: int, start: int = 0
+        self,
+        layer: int,
+        name: str,
+        slots: torch.Tensor | slice,
+        length: int,
+        start: int = 0,
+        pages: dict | None = None,
     ) -> torch.Tensor:
         """Entries ``[start, length)`` of several sequences, ``[num_slots, length - start,
         ...]`` (a copy through the block table); rows past a sequence's own length hold zeros
-        or stale finite values, to be masked."""
+        or stale finite values, to be masked. ``pages``: one forward's page lookups, filled
+        by the first read of each (slots, table, pages), read by every later one: a layer's
+        keys and values, and every layer after it, read the same pages."""
         first = start // self.page_size  # a window's read starts at its first page
-        table = self.windows.table if self.sliding[layer] else self.block_table
-        table = table[slots, first : pages_for(length, self.page_size)]
+        sliding, last = self.sliding[layer], pages_for(length, self.page_size)
+        pages = {} if pages is None else pages
+        key = (id(slots), sliding, first, last)  # the forward's plan holds ``slots``
+        if key not in pages:
+            table = self.windows.table if sliding else self.block_table
+            pages[key] = table[slots, first:last]
+        table = pages[key]
         buffer = self.layers[layer][name]
         if buffer.device.type == "cpu":  # whole pages as row copies: a CPU's advanced indexing
             # goes element by element, 4-6x slower for a decode batch's history

@@ -115,16 +115,20 @@ class GQAttention(nn.Module):
             if cache.read_in_place and self.v_dim == self.head_dim:
                 dec = paged_decode(q_dec, cache, layer, plan, scale)
             else:
-                keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len)
-                values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len)
+                keys = cache.gather(
+                    layer, "k", plan.decode_slots, plan.decode_max_len, 0, plan.pages
+                )
+                values = cache.gather(
+                    layer, "v", plan.decode_slots, plan.decode_max_len, 0, plan.pages
+                )
                 dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), scale)
             if plan.all_decode:
                 out = dec
             else:
                 out[plan.decode_rows] = dec
         for group in plan.extends:
-            keys = cache.gather(layer, "k", group.slots, group.length)
-            values = cache.gather(layer, "v", group.slots, group.length)
+            keys = cache.gather(layer, "k", group.slots, group.length, 0, plan.pages)
+            values = cache.gather(layer, "v", group.slots, group.length, 0, plan.pages)
             q_group = q[group.rows].unflatten(0, (-1, group.new))
             attended = causal_attention(
                 q_group, keys, values, group.prefix, scale, plan.causal_masks
@@ -145,8 +149,12 @@ class GQAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
             start = first_key(plan.decode_min_len - 1, window)
-            keys = cache.gather(layer, "k", plan.decode_slots, plan.decode_max_len, start)
-            values = cache.gather(layer, "v", plan.decode_slots, plan.decode_max_len, start)
+            keys = cache.gather(
+                layer, "k", plan.decode_slots, plan.decode_max_len, start, plan.pages
+            )
+            values = cache.gather(
+                layer, "v", plan.decode_slots, plan.decode_max_len, start, plan.pages
+            )
             q_dec = q if plan.all_decode else q[plan.decode_rows]
             lens = plan.decode_lens
             dec = window_decode(q_dec, keys, values, lens, start, scale, window, sinks)
@@ -155,8 +163,8 @@ class GQAttention(nn.Module):
             out[plan.decode_rows] = dec
         for group in plan.extends:
             start = first_key(group.prefix, window)
-            keys = cache.gather(layer, "k", group.slots, group.length, start)
-            values = cache.gather(layer, "v", group.slots, group.length, start)
+            keys = cache.gather(layer, "k", group.slots, group.length, start, plan.pages)
+            values = cache.gather(layer, "v", group.slots, group.length, start, plan.pages)
             q_group = q[group.rows].unflatten(0, (-1, group.new))
             if window or sinks is None:
                 attended = extend_attention(

@@ -86,8 +86,10 @@ class MLAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
             keys, values = self._expand(
-                cache.gather(layer, "latent", plan.decode_slots, plan.decode_max_len),
-                cache.gather(layer, "k_pe", plan.decode_slots, plan.decode_max_len),
+                cache.gather(
+                    layer, "latent", plan.decode_slots, plan.decode_max_len, 0, plan.pages
+                ),
+                cache.gather(layer, "k_pe", plan.decode_slots, plan.decode_max_len, 0, plan.pages),
             )
             q_dec = q if plan.all_decode else q[plan.decode_rows]
             dec = decode_attention(q_dec, keys, values, plan.decode_mask(keys.shape[1]), self.scale)
@@ -97,8 +99,8 @@ class MLAttention(nn.Module):
                 out[plan.decode_rows] = dec
         for group in plan.extends:
             keys, values = self._expand(
-                cache.gather(layer, "latent", group.slots, group.length),
-                cache.gather(layer, "k_pe", group.slots, group.length),
+                cache.gather(layer, "latent", group.slots, group.length, 0, plan.pages),
+                cache.gather(layer, "k_pe", group.slots, group.length, 0, plan.pages),
             )
             q_group = q[group.rows].unflatten(0, (-1, group.new))
             attended = causal_attention(
