@@ -164,22 +164,27 @@ class ExpertBank(nn.Module):
     ) -> bool:
         """``run_capacity``'s real rows (at most ``most``) gathered expert by expert, one launch
         per projection (``_on_device``), and written back to their places; False, with
-        nothing written, where that could not run."""
-        ep, block_rows, _ = x.shape
-        n = len(experts)
+        nothing written, where that could not run. Both ways are gathers: on a GPU an indexed
+        store runs CUDA's element-by-element index kernel, a gather of whole rows vectorized."""
+        ep, block_rows, width = x.shape
+        n, cap = len(experts), (block_rows - 1) // self.count
         per_group = counts[:, experts.start : experts.stop].T.reshape(-1)  # (expert, source)
         ends = per_group.cumsum(0)
+        starts = ends - per_group
         row = torch.arange(most, device=x.device)
         group = torch.searchsorted(ends, row, right=True).clamp_(max=n * ep - 1)
-        # each group's first place in the blocks, less its first row among the gathered ones
-        shift = group_places(ep, block_rows, self.count, experts, x.device) - (ends - per_group)
-        # a row past the real ones reads and writes block 0's spare row
-        place = torch.where(row < ends[-1], row + shift[group], 0)
+        # each gathered row's place in the blocks (past the real rows: a place never read back)
+        shift = group_places(ep, block_rows, self.count, experts, x.device) - starts
+        place = (row + shift[group]).clamp_(max=ep * block_rows - 1)
         offs = ends.view(n, ep)[:, -1].int()  # each expert's last gathered row + 1
-        y = self._on_device(x.view(-1, x.shape[-1])[place], offs, experts, wire)
+        y = self._on_device(x.view(-1, width)[place], offs, experts, wire)
         if y is None:
             return False
-        out.view(-1, out.shape[-1])[place] = y
+        # each of these experts' places in the blocks, the gathered row it holds (a padding
+        # place: any row; its output is never read)
+        back = starts.view(n, ep).T[..., None] + torch.arange(cap, device=x.device)
+        places = out[:, 1 + experts.start * cap : 1 + experts.stop * cap]
+        places.view(ep, n, cap, -1).copy_(y[back.clamp_(max=most - 1)])
         return True
 
     def grouped(self, x: torch.Tensor) -> bool:
