@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Literal
+import types
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
 from moe_overlap.engine.request import (
     DEFAULT_TEMPERATURE,
@@ -27,14 +28,31 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer is no vocabulary's token id
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
-class StreamOptions(BaseModel):
+class NullIsDefault(BaseModel):
+    """A body where ``null`` is a field's default, as OpenAI's API and vLLM read it (OpenAI's
+    clients send ``temperature=None`` as null); a field that takes null itself keeps it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or types.NoneType in get_args(fields[k].annotation)
+        }
+
+
+class StreamOptions(NullIsDefault):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullIsDefault):
     # strict: true is not a number and "yes" not a boolean (an int is still a float)
     model_config = ConfigDict(extra="allow", strict=True)
 
