@@ -75,3 +75,20 @@ def test_null_fields_are_their_defaults(served, path):
         assert code == 200, (name, reply)
         got = [c["token_ids"] for c in reply["choices"]]
         assert got == [c["token_ids"] for c in want["choices"]], name
+
+
+def test_tokenize_returns_token_strings_when_asked(served):
+    """vLLM's ``/tokenize`` takes ``return_token_strs`` (default false) and then answers the
+    tokenizer's string of each id in ``token_strs``; it was refused as an unknown field, even
+    at false, and ``token_strs`` was always null."""
+    code, plain = post(
+        served, {"prompt": "where is the fox", "return_token_strs": False}, "/tokenize"
+    )
+    assert code == 200 and plain["token_strs"] is None, plain
+    code, reply = post(
+        served, {"prompt": "where is the fox", "return_token_strs": True}, "/tokenize"
+    )
+    assert code == 200 and reply["tokens"] == plain["tokens"], reply
+    tok = served.server.engine.llm.tokenizer
+    assert reply["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+    assert "".join(reply["token_strs"]) == "where\u0120is\u0120the\u0120fox"  # byte-level spaces

@@ -154,6 +154,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # vLLM: true for a prompt, false for messages
+    return_token_strs: bool = False  # vLLM's: each id's token string too, in token_strs
     # with messages, the chat route's template inputs, so the count is the one chat sees
     add_generation_prompt: bool = True
     continue_final_message: bool = False

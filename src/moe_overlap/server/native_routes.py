@@ -146,7 +146,8 @@ def _install_tokens(app: FastAPI, engine: EngineLoop, settings: ServerSettings) 
             ids = chat_prompt_ids(tok, body.chat())
             if body.add_special_tokens:  # vLLM's default for messages is false
                 ids = tok.build_inputs_with_special_tokens(ids)
-        return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": None}
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
