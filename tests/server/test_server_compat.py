@@ -92,3 +92,18 @@ def test_tokenize_returns_token_strings_when_asked(served):
     tok = served.server.engine.llm.tokenizer
     assert reply["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
     assert "".join(reply["token_strs"]) == "where\u0120is\u0120the\u0120fox"  # byte-level spaces
+
+
+def test_echo_of_max_tokens_0_without_logprobs_returns_none(served):
+    """``echo`` with ``max_tokens`` 0 and no ``logprobs`` answers the prompt's text with
+    ``logprobs`` null, as vLLM does (OpenAI's: only returned when asked); the prompt's
+    log-probabilities the engine computes to run it were returned unasked, whole and streamed."""
+    body = {"prompt": ["where is", "the fox"], "max_tokens": 0, "echo": True}
+    code, reply = post(served, body)
+    assert code == 200, reply
+    assert [c["text"] for c in reply["choices"]] == ["where is", "the fox"]
+    assert [c["logprobs"] for c in reply["choices"]] == [None, None]
+    chunks = served.client().completions.create(model="tiny", stream=True, **body)
+    assert [c.logprobs for chunk in chunks for c in chunk.choices] == [None, None]
+    asked = post(served, {**body, "logprobs": 0})[1]["choices"][0]["logprobs"]
+    assert asked["tokens"] and asked["token_logprobs"][0] is None  # asked: still scored

@@ -197,7 +197,8 @@ def _formatter(
         decode = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
         shown = [t if isinstance(t, str) else decode(t) for t in texts]
         echo = [e for e in zip(prompts, shown, strict=True) for _ in range(per_prompt)]
-    asked = body.token_logprobs() is not None or body.prompt_logprobs() is not None
+    # echo's prompt log-probabilities come with the output's, where logprobs asks for them
+    asked = body.token_logprobs() is not None
     lengths = [len(ids) for ids in prompts]
     name = settings.model_name
     fmt = make(chat, name, lengths, echo, asked, TokenText(tok), per_prompt)
