@@ -107,3 +107,19 @@ def test_echo_of_max_tokens_0_without_logprobs_returns_none(served):
     assert [c.logprobs for chunk in chunks for c in chunk.choices] == [None, None]
     asked = post(served, {**body, "logprobs": 0})[1]["choices"][0]["logprobs"]
     assert asked["tokens"] and asked["token_logprobs"][0] is None  # asked: still scored
+
+
+def test_greedy_tokens_are_the_likeliest_in_top_logprobs(served):
+    """``top_logprobs`` is keyed by token strings, and byte-level tokens that are no whole
+    UTF-8 (most of a random model's) all read "\\ufffd": the key kept the value of the last
+    such alternative, the least likely, so a greedy token could show a value below its own
+    and below another key (lm-eval's ``is_greedy`` then says no). A key now holds the most
+    likely value of the tokens that read as it."""
+    body = {"prompt": "The river", "max_tokens": 24, "temperature": 0, "logprobs": 5}
+    lp = post(served, {**body, "ignore_eos": True})[1]["choices"][0]["logprobs"]
+    collided = 0
+    columns = lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+    for token, value, top in zip(*columns, strict=True):
+        assert top[token] == value == max(top.values()), (token, value, top)
+        collided += len(top) < 5
+    assert collided, "no two alternatives read the same: the case is not exercised"

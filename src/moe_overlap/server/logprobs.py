@@ -50,9 +50,11 @@ def completion_logprobs(entries: Sequence[Entry], text: TokenText, offset: int) 
 
 def _top_dict(lp: TokenLogprobs, text: TokenText) -> dict[str, float]:
     """The chosen token and the top alternatives, keyed by their strings (OpenAI includes the
-    chosen one even when it is not among the top k)."""
-    top = {text(t): value for t, value in lp.top}
-    top.setdefault(text(lp.token_id), lp.logprob)
+    chosen one even when it is not among the top k). Tokens that read the same (bytes of no
+    whole character all read "\ufffd") share a key, which holds the likeliest one's value."""
+    top: dict[str, float] = {}
+    for t, value in [*lp.top, (lp.token_id, lp.logprob)]:
+        top[text(t)] = max(value, top.get(text(t), value))
     return top
 
 
