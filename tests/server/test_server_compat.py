@@ -123,3 +123,22 @@ def test_greedy_tokens_are_the_likeliest_in_top_logprobs(served):
         assert top[token] == value == max(top.values()), (token, value, top)
         collided += len(top) < 5
     assert collided, "no two alternatives read the same: the case is not exercised"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
+        ("/v1/completions", {"prompt": [5, 999999]}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * 1024}, "prompt"),  # the context is 1024
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1023}, "prompt"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 1020}, "messages"),
+    ],
+)
+def test_a_prompt_that_cannot_run_is_a_400_naming_it(served, path, body, param):
+    """An empty prompt, token ids outside the vocabulary, a prompt past the context or one
+    that leaves no room for max_tokens: each named the prompt in the message only, ``param``
+    null; OpenAI's context_length_exceeded names ``messages``."""
+    code, reply = post(served, body, path)
+    assert code == 400 and reply["error"]["param"] == param, reply

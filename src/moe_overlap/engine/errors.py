@@ -66,6 +66,22 @@ def token_ids(where: str, prompt: object) -> list[int]:
     return [int(t) for t in prompt]
 
 
+def prompt_ids(where: str, prompt: object, vocab: int, context: int) -> list[int]:
+    """A prompt's ids, refused (naming the field ``prompt``) when empty, outside the
+    vocabulary or longer than the context."""
+    ids = token_ids(where, prompt)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if not ids:
+        trouble = "is empty; give at least one token id"
+    elif bad:
+        trouble = f"has token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+    elif len(ids) > context:
+        trouble = f"has {len(ids)} tokens, longer than the model's context of {context}"
+    else:
+        return ids
+    raise InvalidRequestError(f"{where} {trouble}", "prompt")
+
+
 def _integer_dtype(dtype: torch.dtype | np.dtype) -> bool:
     if isinstance(dtype, torch.dtype):
         return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)

@@ -21,7 +21,7 @@ from moe_overlap.engine.candidates import candidates, chosen
 from moe_overlap.engine.detokenize import TextStream
 from moe_overlap.engine.engine_args import EngineArgs, overlap_knobs
 from moe_overlap.engine.engine_spec import engine_spec
-from moe_overlap.engine.errors import token_ids
+from moe_overlap.engine.errors import prompt_ids
 from moe_overlap.engine.expert_distribution import ExpertRecorder
 from moe_overlap.engine.layout_checks import check_settings
 from moe_overlap.engine.online_eplb import OnlineEplb
@@ -230,23 +230,14 @@ class LLM(ExpertRecorder):
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"{where}: params must be SamplingParams, not {params!r}")
         if self.tokenizer is None and params.stop:
-            raise InvalidRequestError(f"{where}: stop strings need a model with a tokenizer")
+            raise InvalidRequestError(
+                f"{where}: stop strings need a model with a tokenizer", "stop"
+            )
         if isinstance(prompt, dict) and [*prompt] in (["prompt"], ["prompt_token_ids"]):
             (prompt,) = prompt.values()  # vLLM's TextPrompt or TokensPrompt
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.encode(prompt)  # its BOS too, as vLLM's LLM encodes it
-        ids = token_ids(where, prompt)
-        if not ids:
-            raise InvalidRequestError(f"{where} is empty; give at least one token id")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"{where} has token ids {bad[:5]} outside the vocabulary [0, {self.config.vocab_size})"
-            )
-        if len(ids) > self.max_len:
-            raise InvalidRequestError(
-                f"{where} has {len(ids)} tokens, longer than the model's context of {self.max_len}"
-            )
+        ids = prompt_ids(where, prompt, self.config.vocab_size, self.max_len)
         request_id = next(self._ids)  # atomic: two server threads never share an id
         seed = params.seed if params.seed is not None else self.seed + request_id - 1
         stops = params.stop if isinstance(params.stop, list) else []  # a list once checked

@@ -39,8 +39,14 @@ def encode_prompt(
 
 
 def max_new_tokens(
-    engine: EngineLoop, settings: ServerSettings, ids: list[int], limit: int | None
+    engine: EngineLoop,
+    settings: ServerSettings,
+    ids: list[int],
+    limit: int | None,
+    field: str = "prompt",
 ) -> int:
+    """The tokens a prompt may generate; a 400 naming ``field`` (chat's ``messages``, as
+    OpenAI's context_length_exceeded does) where it leaves no room for them."""
     context = engine.llm.max_len
     most = settings.max_prompt_tokens or context - 1
     if len(ids) > most:
@@ -48,6 +54,7 @@ def max_new_tokens(
             400,
             f"the prompt has {len(ids)} tokens, more than the {most} this server accepts",
             "prompt_too_long",
+            field,
         )
     if limit is not None and len(ids) + limit > context:
         raise APIError(
@@ -55,6 +62,7 @@ def max_new_tokens(
             f"this model's maximum context length is {context} tokens, but {len(ids)} prompt "
             f"tokens and max_tokens={limit} were asked for",
             "context_length_exceeded",
+            field,
         )
     return limit if limit is not None else context - len(ids)
 
@@ -126,7 +134,8 @@ def _queue(
     """On a worker thread: the prompts' tokens, each prompt's parameters (checked against the
     vocabulary), every choice queued on ``sub``, and the call's formatter."""
     prompts = encode()
-    params = [body.params(max_new_tokens(engine, settings, ids, limit)) for ids in prompts]
+    field = "messages" if chat else "prompt"
+    params = [body.params(max_new_tokens(engine, settings, ids, limit, field)) for ids in prompts]
     params[0].check_vocabulary(engine.llm.config.vocab_size)  # the prompts share these ids
     asked = [candidates(sp) for sp in params]  # n or best_of requests per prompt
     k = len(asked[0])
