@@ -318,6 +318,14 @@ def test_a_request_failing_in_a_step_gets_500_and_the_others_are_served(served, 
     )
     with pytest.raises(openai.APIError, match="injected sampling fault"):
         list(stream)
+    # with include_usage: the error event, then [DONE] alone (no usage after an error: vLLM's)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/completions", json.dumps({**bad, **usage}), headers)
+    events = [ln for ln in conn.getresponse().read().decode().splitlines() if ln]
+    assert events[-1] == "data: [DONE]" and '"request_failed"' in events[-2], events
+    assert not any('"usage"' in e for e in events), events
     assert served.raw("GET", "/health")[0] == 200
     assert client.completions.create(model="tiny", prompt="ok", **GREEDY).choices
 

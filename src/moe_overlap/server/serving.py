@@ -161,8 +161,9 @@ def _best(params: list[SamplingParams], choices: list[Choice], k: int) -> list[C
 async def _events(
     sub: Submission, fmt: Formatter, n: int, usage: bool, request: Request, timed: RequestMetrics
 ) -> AsyncIterator[str]:
-    """The stream: deltas as they come, then usage if asked, then [DONE]. A client that goes
-    away cancels this generator, and ``close`` aborts what it had asked for."""
+    """The stream: deltas as they come, then usage if asked, then [DONE]; after an error
+    event, [DONE] alone (vLLM's). A client that goes away cancels this generator, and
+    ``close`` aborts what it had asked for."""
     choices = fmt.choices()
     try:
         if fmt.chat:
@@ -172,11 +173,13 @@ async def _events(
             timed.delta(index, delta)
             if delta.error:
                 yield sse(stopped_body(delta.error))
+                usage = False
                 break
             if delta.failed:
                 message = f"{choice_name(index, fmt.per_prompt)} failed: {delta.failed}"
                 failed = request_failed(message, delta.failed)
                 yield sse(error_body(failed.status, failed.message, failed.code, failed.param))
+                usage = False
                 break
             fmt.add(choices[index], index, delta)
             yield fmt.chunk(index, delta, choices[index])
