@@ -57,7 +57,7 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         self.num_experts, self.ep, self.local = a2a.num_experts, a2a.ep, a2a.local
         self.link, self.wire = a2a.link, a2a.wire
         self.block_rows = 1 + self.local * capacity  # a peer's block: header, then the rows
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # ``_tables``
+        self._tables_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check_fits(self, tokens: int) -> None:
         """Refuse a micro-batch that could overflow a block (before anything is sent)."""
@@ -105,12 +105,12 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         """Every expert's id, and the row before its first place in the send blocks (expert
         g's ``capacity`` rows follow rank ``g // local``'s header and the lower experts'), made
         on the device once (a warm-up forward runs before a CUDA graph's capture)."""
-        if device not in self._on:
+        if device not in self._tables_on:
             expert = torch.arange(self.num_experts)
             owner, rank = expert // self.local, expert % self.local
             before_first = owner * self.block_rows + rank * self.capacity
-            self._on[device] = (expert.to(device), before_first.to(device))
-        return self._on[device]
+            self._tables_on[device] = (expert.to(device), before_first.to(device))
+        return self._tables_on[device]
 
     def _crossing(self, pairs: int) -> int:
         """Rows a modelled link charges: the real rows, as DeepEP's transport, which writes
