@@ -110,8 +110,8 @@ class Scheduler:
                 else:
                     self._free(rank, req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(self.running)
+    def has_work(self) -> bool:  # ``deferred``: aborted in a PD-mux wave, freed as it ends
+        return bool(self.waiting or self.deferred) or any(self.running)
 
     def schedule(self) -> Step:
         for cache, running in zip(self.prefix, self.running, strict=True):
