@@ -6,6 +6,8 @@ tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,30 @@ def test_each_pipeline_stage_budgets_and_holds_its_own_layers(family, pp, mtp):
         assert held <= BUDGET + most * staged.page_size  # the budget, and the null page
     # a stage that holds every layer's pages would take more than the budget
     assert _pool_bytes(cfg, staged) > BUDGET
+
+
+def test_each_stage_holds_its_full_pages_and_sliding_windows_within_the_budget():
+    """GPT-OSS's layers alternate sliding and full; six of them over two stages give one stage
+    two sliding layers and the other two full ones. The full pages were bought at the most
+    sliding bytes any stage has and the most bytes a token any stage has, which is no stage's
+    split: the stage with more full layers grew past the budget (GPT-OSS-120B at --pp 4 on
+    16 GiB: 19.8 GiB). Each stage now fits its own full pages and sliding windows, and the
+    start-up line gives the largest stage's bytes."""
+    hf = json.loads(Path("configs/gpt-oss-tiny.json").read_text())
+    hf |= dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3)
+    cfg = ModelConfig.from_hf(hf)
+    budget = 4 * 10**6
+    spec = EngineSpec(cfg, max_num_seqs=8, max_len=1024, kv_cache_bytes=budget,
+                      parallel=ParallelConfig(pp=2), sliding_budget=True)  # fmt: skip
+    assert spec.window_budget is not None
+    window = spec.window_budget[1]
+    held = []
+    for stage in (pp_layers(6, s, 2) for s in range(2)):
+        model = build_model(cfg, None, 0, ModelParallel(Group.single(name="attn_tp"), layers=stage))
+        kv = kv_cache_for(model, spec.num_slots, spec.max_len, spec.page_size, spec.pool_pages,
+                          window_pages=window)  # fmt: skip
+        kv.allocate_all()
+        null = kv_bytes_per_token(cfg, stage=stage) * spec.page_size  # page 0 of each table
+        held.append(kv.allocated_bytes() - null)
+    assert max(held) <= budget
+    assert f"{max(held) / 2**20:.2f} MiB of" in spec.kv_cache_summary()

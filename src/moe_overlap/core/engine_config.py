@@ -149,18 +149,20 @@ class EngineSpec:
 
     @property
     def token_bytes(self) -> int:
-        """KV cache bytes of one token on one rank, over its stage's layers, the MTP drafter's
-        included where it drafts."""
-        return self._stage_kv_bytes()
+        """KV cache bytes of one token on one rank of the pipeline stage whose layers take the
+        most (every stage's pool has the same pages, the scheduler's, each holding its own
+        layers), the MTP drafter's included where it drafts."""
+        return max(full + sliding for full, sliding in self._stage_bytes())
 
-    def _stage_kv_bytes(self, sliding: bool | None = None) -> int:
-        """``kv_bytes_per_token`` on the pipeline stage whose layers take the most: every
-        stage's pool has the same pages (the scheduler's), each holding its own layers."""
-        mtp, tp = self.mtp_steps > 0, self.parallel.attn_tp
-        return max(
-            kv_bytes_per_token(self.config, self._width, tp, sliding, mtp, stage)
+    def _stage_bytes(self) -> list[tuple[int, int]]:
+        """Per pipeline stage: the KV bytes of one token on its full layers (and MTP layers)
+        and on its sliding-window layers (``kv_bytes_per_token``)."""
+        mtp, tp, cfg = self.mtp_steps > 0, self.parallel.attn_tp, self.config
+        return [
+            (kv_bytes_per_token(cfg, self._width, tp, False, mtp, stage),
+             kv_bytes_per_token(cfg, self._width, tp, True, mtp, stage))
             for stage in self._stages
-        )
+        ]  # fmt: skip
 
     @property
     def _stages(self) -> list[range]:
@@ -196,12 +198,14 @@ class EngineSpec:
         avail, size = self.kv_cache_bytes - self.state_total, self.page_size
         page = self.token_bytes * size
         pages = window = avail // page
-        sliding = self._stage_kv_bytes(sliding=True) * size
+        sliding = max(s for _, s in self._stage_bytes()) * size
         if self.sliding_budget and 0 < sliding < page:
             span = pages_for(self.config.sliding_window, size) + 2
             chunks = pages_for(min(self.max_num_batched_tokens, self.max_len), size)
             window = min(pages, self.num_slots * span + chunks)
-            pages = (avail - window * sliding) // (page - sliding)
+            pages = min(  # every stage: its full layers' pages beside its sliding ones' windows
+                (avail - window * s * size) // (f * size) for f, s in self._stage_bytes() if f
+            )
         if self.max_total_tokens is not None:
             pages = min(pages, self.max_total_tokens // size)
         return pages, min(window, pages)
@@ -269,12 +273,12 @@ class EngineSpec:
         )
 
     def _pool_bytes(self) -> int:
-        """Bytes of the pools: every layer's pages, the sliding layers' in their own pool."""
-        sliding = self._stage_kv_bytes(sliding=True)
+        """Bytes of the largest stage's pools: its full layers' pages, and its sliding layers'
+        in their own pool."""
         budget = self.window_budget
         window = self.pool_pages if budget is None else budget[1]
-        full = self.pool_pages * (self.token_bytes - sliding)
-        return (full + window * sliding) * self.page_size
+        pool = max(self.pool_pages * f + window * s for f, s in self._stage_bytes())
+        return pool * self.page_size
 
     def _window_summary(self) -> str:
         budget = self.window_budget
