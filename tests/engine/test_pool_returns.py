@@ -40,3 +40,31 @@ def test_requests_aborted_inside_a_pdmux_wave_give_their_pages_back():
         while llm.scheduler.has_work():
             llm.step()
         _whole(llm)
+
+
+def _state_bytes(states) -> int:
+    """What a rank's recurrent-state cache holds now: every slot's state, the prefix-cache
+    snapshots, and the states a verify forward kept after each of its rows."""
+    kept = [t for layer in states.kept.values() for k in layer.values() for t in (k.window, k.ssm)]
+    held = states.allocated_bytes() + states.snapshots.allocated_bytes()
+    return held + sum(t.numel() * t.element_size() for t in kept)
+
+
+def test_a_hybrid_models_verify_states_are_inside_the_budget():
+    """Qwen3.5 under speculative decoding: a verify forward keeps each sequence's recurrent
+    state after every one of its rows, until the next forward settles them. The budget counted
+    one state per running sequence (and the snapshots), so the kept ones, drafts + 1 for each
+    sequence, came on top of it."""
+    cfg = ModelConfig.from_hf("configs/qwen3_5-moe-tiny.json")
+    ngram = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    kw = dict(max_num_seqs=4, max_model_len=64, page_size=4, enable_prefix_caching=False)
+    with one_thread(), LLM(config=cfg, seed=0, kv_cache_memory=2 * 10**6, **kw, **ngram) as llm:
+        params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+        for j in range(4):  # repeating prompts: the n-gram drafter finds drafts
+            llm.scheduler.add(llm.make_request("p", [j + 1, 2, 3] * 6, params))
+        most = 0
+        while llm.scheduler.has_work():
+            llm.step()
+            most = max(most, _state_bytes(llm.executor.runner.states))
+        assert llm.scheduler.speculation.stats.verifications > 0
+        assert 0 < most <= llm.spec.state_total

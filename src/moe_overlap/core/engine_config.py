@@ -97,6 +97,7 @@ class EngineSpec:
     expert_skew: float = 0.0  # --expert-skew zipf:S's S (0: the model's own routing)
     fp8_on_the_fly: bool = False  # an FP8 checkpoint's weights stay FP8, dequantized at use
     mtp_steps: int = 0  # --speculative-algorithm EAGLE: MTP drafts per sequence (0: off)
+    verify_rows: int = 0  # speculative decoding: the rows a verify forward feeds a sequence
     prefix_caching: bool = False  # a hybrid model then keeps recurrent-state snapshots
     # sliding-window layers budgeted for their windows alone, their pages counted by the
     # scheduler (the engine's choice without PD-mux or speculation)
@@ -149,14 +150,12 @@ class EngineSpec:
 
     @property
     def token_bytes(self) -> int:
-        """KV cache bytes of one token on one rank of the pipeline stage whose layers take the
-        most (every stage's pool has the same pages, the scheduler's, each holding its own
-        layers), the MTP drafter's included where it drafts."""
+        """KV cache bytes of one token on a rank of the stage whose layers take the most (every
+        stage's pool has the scheduler's pages, each for its own layers), MTP layers included."""
         return max(full + sliding for full, sliding in self._stage_bytes())
 
     def _stage_bytes(self) -> list[tuple[int, int]]:
-        """Per pipeline stage: the KV bytes of one token on its full layers (and MTP layers)
-        and on its sliding-window layers (``kv_bytes_per_token``)."""
+        """Per pipeline stage: (full + MTP, sliding-window) layers' KV bytes of one token."""
         mtp, tp, cfg = self.mtp_steps > 0, self.parallel.attn_tp, self.config
         return [
             (kv_bytes_per_token(cfg, self._width, tp, False, mtp, stage),
@@ -212,14 +211,15 @@ class EngineSpec:
 
     @property
     def state_total(self) -> int:
-        """Bytes of a hybrid model's recurrent states: one per running sequence, and the
+        """Bytes of a hybrid model's recurrent states: one per running sequence and, under
+        speculative decoding, one after each row of its verify forward (kept until the next
+        forward settles them; a bound on the kept conv window and SSM states), and the
         snapshots kept for prefix caching (0 without linear-attention layers)."""
-        return (self.num_slots + self.state_snapshots) * self._state_each
+        return (self.num_slots * (1 + self.verify_rows) + self.state_snapshots) * self._state_each
 
     @property
     def _state_each(self) -> int:
-        """One sequence's recurrent state on one rank of the stage that holds the most
-        (``state_bytes``)."""
+        """One sequence's recurrent state on a rank of the stage that holds the most."""
         tp = self.parallel.attn_tp
         return max(state_bytes(self.config, self._width, tp, stage) for stage in self._stages)
 
@@ -273,8 +273,7 @@ class EngineSpec:
         )
 
     def _pool_bytes(self) -> int:
-        """Bytes of the largest stage's pools: its full layers' pages, and its sliding layers'
-        in their own pool."""
+        """Bytes of the largest stage's pools (its sliding layers' pages in a pool of their own)."""
         budget = self.window_budget
         window = self.pool_pages if budget is None else budget[1]
         pool = max(self.pool_pages * f + window * s for f, s in self._stage_bytes())
@@ -291,8 +290,9 @@ class EngineSpec:
         if not each:
             return ""
         return (
-            f"; recurrent states of {each / 2**20:.2f} MiB: {self.num_slots} for the running "
-            f"sequences and {n} snapshots for prefix caching, {_size(self.state_total)}"
+            f"; recurrent states of {each / 2**20:.2f} MiB: "
+            f"{self.num_slots * (1 + self.verify_rows)} for the running sequences (and their "
+            f"verify rows), {n} snapshots for prefix caching, {_size(self.state_total)}"
         )
 
 

@@ -48,6 +48,7 @@ def engine_spec(
         expert_skew=args.skew_exponent(),
         fp8_on_the_fly=args.fp8_dequant_on_the_fly,
         mtp_steps=drafts,
+        verify_rows=speculative.num_drafts + 1 if speculative is not None else 0,
         prefix_caching=args.enable_prefix_caching,
         sliding_budget=not (args.enable_pdmux or speculative),
         max_num_batched_tokens=args.max_num_batched_tokens,
