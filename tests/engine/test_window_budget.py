@@ -145,3 +145,24 @@ def test_a_step_waits_for_sliding_pages_and_preempts_the_newest_when_none_come_b
         fed.append([n for _, n in step.scheduled[0]])
         sched.update(step, _decode_reply(step))
     assert fed[0] == [20, 20] and sched.preemptions > 0
+
+
+def test_a_sliding_pool_that_cannot_shrink_is_the_full_pools_size():
+    """Where every running sequence's window and a step's chunks would need all the pages the
+    budget buys, the sliding layers get no pool of their own. They got one capped at that count,
+    and the full pages bought with the bytes left over came to one more (92 full, 91 sliding
+    pages), so four 23-page sequences fit the full pool, the start-up line said they ran at
+    once, and prefilling them together overflowed the sliding pool: one was preempted."""
+    cfg = ModelConfig.from_hf("configs/gpt-oss-tiny.json")  # windows of 128 keys
+    kw = dict(max_num_seqs=8, max_model_len=512, page_size=16, max_num_batched_tokens=2048)
+    with one_thread(), LLM(config=cfg, seed=0, kv_cache_memory=3 * 10**6, **kw) as llm:
+        spec, tokens = llm.spec, 23 * 16
+        assert spec.window_pages == spec.num_pages  # 8 windows and a step: more than the pages
+        n = spec.max_concurrent(tokens)
+        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        for j in range(n):
+            llm.scheduler.add(
+                llm.make_request("p", [(7 * i + j) % 500 for i in range(360)], params)
+            )
+        llm.step()  # every prompt prefilled in one step
+        assert len(llm.scheduler.running[0]) == n and llm.scheduler.preemptions == 0

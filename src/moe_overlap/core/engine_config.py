@@ -175,8 +175,7 @@ class EngineSpec:
 
     @property
     def window_pages(self) -> int:
-        """Pages of the sliding-window layers' own pool: as many as ``num_pages``, or under
-        ``sliding_budget`` what the running sequences' windows need (``_pages``)."""
+        """The sliding-window layers' own pool: ``num_pages``, or what their windows need."""
         return self._pages()[1]
 
     @property
@@ -202,9 +201,10 @@ class EngineSpec:
             span = pages_for(self.config.sliding_window, size) + 2
             chunks = pages_for(min(self.max_num_batched_tokens, self.max_len), size)
             window = min(pages, self.num_slots * span + chunks)
-            pages = min(  # every stage: its full layers' pages beside its sliding ones' windows
-                (avail - window * s * size) // (f * size) for f, s in self._stage_bytes() if f
-            )
+            if window < pages:  # else the windows may need every page: one pool for both
+                pages = min(  # every stage: its full layers' pages beside its sliding windows
+                    (avail - window * s * size) // (f * size) for f, s in self._stage_bytes() if f
+                )
         if self.max_total_tokens is not None:
             pages = min(pages, self.max_total_tokens // size)
         return pages, min(window, pages)
