@@ -72,6 +72,8 @@ def plan_cluster(
     """The cluster ``--cluster`` names (``this``: calibrated here), with the experts'
     imbalance the flags give, checked to hold the layout."""
     if args.cluster == "this":  # measured as the engine runs the checkpoint
+        if args.repeat < 1:  # before measuring: it would take no sample, then no median
+            raise ConfigError(f"--repeat={args.repeat} must be >= 1 (forwards per shape)")
         started = time.perf_counter()
         cluster = calibrate_this(spec, layout, args.link, args.repeat, args.calibration)
         print(f"calibrated this machine in {time.perf_counter() - started:.1f} s")
