@@ -3,7 +3,11 @@ value taken as written; each found by trying the commands as a user would."""
 
 from __future__ import annotations
 
+import pytest
+
 from moe_overlap.tools.cli import main
+from moe_overlap.tools.commands import build_parser
+from moe_overlap.tools.flags import expand_config, switches
 
 CONFIG = "configs/qwen3-moe-tiny.json"
 
@@ -15,3 +19,16 @@ def test_plan_cluster_this_refuses_repeat_0_naming_it_before_measuring(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--repeat=0 must be >= 1" in err and "median" not in err
+
+
+def test_a_false_in_a_config_file_turns_an_on_by_default_switch_off(tmp_path):
+    """``enable-prefix-caching: false`` was dropped as if absent, leaving the cache on."""
+    pytest.importorskip("yaml")
+    path = tmp_path / "flags.yaml"
+    path.write_text("enable-prefix-caching: false\nenable-dbo: false\nep: 2\n")
+    argv = ["serve", "--config", str(path), "--hf-config", CONFIG]
+    parser = build_parser()  # main's parse: the file read with the parser's switches
+    args = parser.parse_args(expand_config(argv, switches(parser)))
+    assert (args.enable_prefix_caching, args.enable_dbo, args.ep) == (False, False, 2)
+    on = ["serve", "--config", str(path), "--hf-config", CONFIG, "--enable-prefix-caching"]
+    assert parser.parse_args(expand_config(on, switches(parser))).enable_prefix_caching

@@ -23,7 +23,7 @@ from moe_overlap.tools.bench_serve_cli import add_bench_serve_command
 from moe_overlap.tools.cli_args import add_engine_args, add_model_args, build_llm
 from moe_overlap.tools.command_flags import ConfigFileFlag
 from moe_overlap.tools.eplb_cli import add_eplb_command
-from moe_overlap.tools.flags import add_fields, expand_config
+from moe_overlap.tools.flags import add_fields, expand_config, switches
 from moe_overlap.tools.make_model import add_make_model_command
 from moe_overlap.tools.plan_cli import add_plan_command
 from moe_overlap.tools.serve_cli import add_serve_commands
@@ -159,12 +159,13 @@ def package_version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        argv = expand_config(sys.argv[1:] if argv is None else argv)
+        argv = expand_config(sys.argv[1:] if argv is None else argv, switches(parser))
     except ConfigError as exc:
         print(f"moe-overlap: error: {exc}", file=sys.stderr)
         return 2
-    args, extra = build_parser().parse_known_args(argv)
+    args, extra = parser.parse_known_args(argv)
     if extra:
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "trust_remote_code", False):

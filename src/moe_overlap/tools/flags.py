@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -134,9 +134,24 @@ def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
     return cls(**(values | extra))
 
 
-def expand_config(argv: Sequence[str]) -> list[str]:
+def switches(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The on-by-default flags of ``parser``'s commands (those with a ``--no-`` form)."""
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = [parser, *(p for a in commands for p in a.choices.values())]
+    return frozenset(
+        name
+        for p in parsers
+        for action in p._actions
+        if isinstance(action, argparse.BooleanOptionalAction)
+        for name in action.option_strings
+        if not name.startswith("--no-")
+    )
+
+
+def expand_config(argv: Sequence[str], switches: Collection[str] = ()) -> list[str]:
     """``argv`` with ``--config FILE`` replaced by the flags in FILE (a YAML mapping of flag
-    names to values), put just after the subcommand so flags on the command line win."""
+    names to values), put just after the subcommand so flags on the command line win;
+    ``switches``: flags on by default, which a ``false`` in FILE turns off (``--no-NAME``)."""
     argv = list(argv)
     spots = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
     if not spots:
@@ -150,12 +165,12 @@ def expand_config(argv: Sequence[str]) -> list[str]:
         path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
     else:
         path, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
-    flags = config_flags(path)
+    flags = config_flags(path, switches)
     head = 1 if rest and not rest[0].startswith("-") else 0  # after the subcommand
     return rest[:head] + flags + rest[head:]
 
 
-def config_flags(path: str) -> list[str]:
+def config_flags(path: str, switches: Collection[str] = ()) -> list[str]:
     try:
         import yaml  # only --config needs PyYAML
     except ImportError:
@@ -178,6 +193,8 @@ def config_flags(path: str) -> list[str]:
         name = flag_name(str(key).lstrip("-"))
         if value is True:
             flags.append(name)
+        elif value is False and name in switches:  # off only by its --no- form
+            flags.append("--no-" + name[2:])
         elif value is False or value is None:
             continue
         elif isinstance(value, list):
