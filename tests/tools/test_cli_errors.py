@@ -32,3 +32,20 @@ def test_a_false_in_a_config_file_turns_an_on_by_default_switch_off(tmp_path):
     assert (args.enable_prefix_caching, args.enable_dbo, args.ep) == (False, False, 2)
     on = ["serve", "--config", str(path), "--hf-config", CONFIG, "--enable-prefix-caching"]
     assert parser.parse_args(expand_config(on, switches(parser))).enable_prefix_caching
+
+
+def test_a_chat_template_path_that_does_not_exist_is_refused_not_used_as_the_template(
+    tmp_path, capsys
+):
+    """A mistyped ``--chat-template`` file was taken as the template's own text, so every chat
+    rendered as the path; like vLLM, text with no Jinja in it that names no file is refused."""
+    model = tmp_path / "model"
+    assert main(["make-model", "--hf-config", CONFIG, "--out", str(model)]) == 0
+    missing = str(tmp_path / "tempalte.jinja")
+    gen = ["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "1"]
+    capsys.readouterr()
+    assert main([*gen, "--chat-template", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"--chat-template {missing!r}: no such file" in err and "Traceback" not in err
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert main([*gen, "--chat-template", template]) == 0  # a template given inline still is

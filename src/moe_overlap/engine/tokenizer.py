@@ -79,12 +79,23 @@ def load_tokenizer(
     return tok
 
 
+JINJA_CHARS = "{}\n"  # a template holds one of these; a file name, none
+
+
 def with_chat_template(tok: PreTrainedTokenizerFast | None, template: str) -> None:
     """Use ``template`` (a file, or the Jinja template itself) as ``tok``'s chat template;
     one that does not render a conversation is refused now, not at the first chat."""
     if tok is None:
         raise ConfigError("--chat-template needs a model with a tokenizer (tokenizer.json)")
-    text = Path(template).read_text() if _is_file(template) else template
+    if _is_file(template):
+        text = Path(template).read_text()
+    elif not any(c in template for c in JINJA_CHARS):  # vLLM's test: a path, not a template
+        raise ConfigError(
+            f"--chat-template {template!r}: no such file, and no Jinja template either; give "
+            "the path of a template file, or the template itself"
+        )
+    else:
+        text = template
     try:
         tok.chat_template = text
         tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
