@@ -49,3 +49,14 @@ def test_a_chat_template_path_that_does_not_exist_is_refused_not_used_as_the_tem
     assert f"--chat-template {missing!r}: no such file" in err and "Traceback" not in err
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert main([*gen, "--chat-template", template]) == 0  # a template given inline still is
+
+
+def test_make_model_out_that_is_a_file_is_refused_naming_the_flag(tmp_path, capsys):
+    """``--out`` naming a file (or a path under one) failed after building the weights with
+    '[Errno 17] File exists' and exit 1, naming no flag."""
+    (tmp_path / "f").write_text("keep")
+    for out in (tmp_path / "f", tmp_path / "f" / "model"):
+        assert main(["make-model", "--hf-config", CONFIG, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: " in err and "is a file" in err and "Errno" not in err
+    assert (tmp_path / "f").read_text() == "keep"

@@ -32,6 +32,14 @@ def checkpoint_files(out: Path) -> list[str]:
     return sorted(n for n in names if n in CHECKPOINT_FILES or n.endswith(WEIGHT_SUFFIXES))
 
 
+def check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` that cannot be a directory (a file, or a path under one) before
+    the weights are built."""
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file; give a directory (made if missing)")
+
+
 def parse_block(text: str) -> tuple[int, int]:
     """``"128"`` or ``"128,128"`` -> ``(128, 128)`` (rows, columns of one FP8 scale)."""
     try:
@@ -86,6 +94,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     if args.quantize != FP8 and args.fp8_block != parse_block(HUB_BLOCK):
         block = ",".join(map(str, args.fp8_block))
         raise ConfigError(f"--fp8-block {block} needs --quantize fp8 (without it nothing is cut)")
+    check_out_dir(Path(args.out))
     held = checkpoint_files(Path(args.out))
     if held and not args.overwrite:
         raise ConfigError(
