@@ -60,3 +60,22 @@ def test_make_model_out_that_is_a_file_is_refused_naming_the_flag(tmp_path, caps
         err = capsys.readouterr().err
         assert f"--out {out}: " in err and "is a file" in err and "Errno" not in err
     assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--max-new-tokens", "0", "--max-new-tokens=0 must be >= 1"),
+        ("--temperature", "-1", "--temperature=-1.0 must be >= 0"),
+        ("--top-p", "2", "--top-p=2.0 must be in (0, 1]"),
+        ("--top-k", "-5", "--top-k=-5 must be an integer >= -1"),
+        ("--min-p", "2", "--min-p=2.0 must be in [0, 1]"),
+    ],
+)
+def test_generate_names_a_bad_sampling_flag_as_a_flag(capsys, flag, value, words):
+    """The refusals named the Python field (max_new_tokens=0 ... '0 needs prompt_logprobs', a
+    keyword generate has no flag for), not the flag the user typed."""
+    argv = ["generate", "--hf-config", CONFIG, "--prompt-ids", "1", flag, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "prompt_logprobs" not in err

@@ -38,16 +38,26 @@ def parse_ids(text: str) -> list[int]:
         ) from None
 
 
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """generate's sampling flags as SamplingParams; a refusal names the flag, not the field."""
+    if args.max_new_tokens < 1:  # SamplingParams' message offers prompt_logprobs: no flag
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    try:
+        chosen = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+        return SamplingParams(ignore_eos=args.ignore_eos, **chosen)
+    except InvalidRequestError as exc:
+        text = str(exc)
+        name = text.partition("=")[0]
+        if name in SAMPLING_FLAGS:  # "top_p=2.0 must ..." -> "--top-p=2.0 must ..."
+            text = "--" + name.replace("_", "-") + text[len(name) :]
+        raise ConfigError(text) from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args)
     with build_llm(args) as llm:
         for out in llm.generate(args.prompt_ids or args.prompt, params):
             print(out.text if args.prompt else ",".join(map(str, out.token_ids)))
