@@ -3,8 +3,12 @@ value taken as written; each found by trying the commands as a user would."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
+from moe_overlap.core.workloads import parse_workload
 from moe_overlap.tools.cli import main
 from moe_overlap.tools.commands import build_parser
 from moe_overlap.tools.flags import expand_config, switches
@@ -79,3 +83,17 @@ def test_generate_names_a_bad_sampling_flag_as_a_flag(capsys, flag, value, words
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "prompt_logprobs" not in err
+
+
+def test_a_large_workload_is_drawn_and_dealt_in_linear_time(tmp_path):
+    """uniform:A-B:T summed the lengths drawn so far at every draw (quadratic: uniform:1-2:200000
+    spent over a minute before any forward ran), and file: dealt each length to the rank with
+    the fewest tokens by summing every rank's list again."""
+    started = time.perf_counter()
+    drawn = parse_workload("uniform:1-2:200000", ranks=2, seed=0)
+    assert [sum(lengths) for lengths in drawn.lengths] == [200000, 200000]
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps([1] * 200000))
+    dealt = parse_workload(f"file:{path}", ranks=4, seed=0)
+    assert [len(lengths) for lengths in dealt.lengths] == [50000] * 4
+    assert time.perf_counter() - started < 3  # seconds; about 0.5 linear, minutes quadratic

@@ -120,8 +120,10 @@ def _int(text: str, spec: str, name: str) -> int:
 
 def _draw(rng: random.Random, lo: int, hi: int, budget: int) -> list[int]:
     lengths: list[int] = []
-    while sum(lengths) < budget:
-        lengths.append(min(rng.randint(lo, hi), budget - sum(lengths)))
+    left = budget  # a running count: summing the list at each draw was quadratic
+    while left > 0:
+        lengths.append(min(rng.randint(lo, hi), left))
+        left -= lengths[-1]
     return lengths
 
 
@@ -149,8 +151,11 @@ def _from_file(path: Path, ranks: int, spec: str) -> list[list[int]]:
                 "needs at least one); give one per rank or more, or per-rank lists"
             )
         per_rank = [[] for _ in range(ranks)]
+        totals = [0] * ranks  # kept as dealt: summing every list per length was quadratic
         for n in data:  # the minimum-tokens DP controller
-            min(per_rank, key=sum).append(n)
+            rank = min(range(ranks), key=totals.__getitem__)
+            per_rank[rank].append(n)
+            totals[rank] += n
     for lengths in per_rank:
         _check_lengths(lengths, spec)
     return per_rank
