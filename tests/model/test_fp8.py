@@ -371,7 +371,7 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
     forced = MoeForCausalLM(cfg)
     resident = load_checkpoint(forced, tmp_path, keep_fp8=True).resident
     assert keep_resident(forced, resident, torch.float32, w8a8=True) > 0
-    x = torch.randn(3, cfg.hidden_size)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     ours, theirs = (
         forced.model.layers["0"].self_attn.q_proj,
         model.model.layers["0"].self_attn.q_proj,
@@ -381,7 +381,11 @@ def test_the_w8a8_path_is_never_taken_on_cpu_and_falls_back_where_it_cannot_run(
     assert torch.equal(ours(x, [2, 0, 1, 0, 0, 0, 0, 0]), theirs(x, [2, 0, 1, 0, 0, 0, 0, 0]))
     assert ours.w8a8.failed and theirs.w8a8 is None
     xq, scale = quantize_activations(x)
-    assert torch.allclose(xq.float() * scale.repeat_interleave(128, 1), x, rtol=0.07, atol=0)
+    # e4m3 keeps 3 mantissa bits (a normal value within 1/16), and a value below its smallest
+    # normal (2^-6 of a scale) to steps of 2^-9 of its scale: random values fall there at times
+    step = scale.repeat_interleave(128, 1)
+    error = (xq.float() * step - x).abs()
+    assert (error <= torch.maximum(x.abs() / 16, step * 2**-10)).all()
 
 
 def test_on_the_fly_refuses_a_column_shard_inside_a_block():
