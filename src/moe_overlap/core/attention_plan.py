@@ -55,11 +55,8 @@ class AttentionPlan:
     # --attention-backend flex_attention: the decode rows' block mask over the page pool
     # (model/flex_decode.py), built by the first layer, like the above
     decode_block_mask: object | None = field(default=None, init=False, repr=False)
-    # where the new tokens' keys and values go, per table kind (``KVCache.store``): one layer's
-    store_places: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, init=False, repr=False
-    )
-    # the pages each read of the cache goes through (``KVCache.gather``): one lookup a forward
+    # one forward's block-table lookups (``KVCache.store``'s places for the new tokens,
+    # ``KVCache.gather``'s pages for each read), made by the first layer, read by the others
     pages: dict = field(default_factory=dict, init=False, repr=False)
     # the extends' lower-right causal masks, per (queries, keys): built once, like the above
     causal_masks: dict[tuple[int, int], torch.Tensor] = field(

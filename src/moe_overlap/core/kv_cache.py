@@ -184,31 +184,31 @@ class KVCache:
         slots: torch.Tensor,
         positions: torch.Tensor,
         bounds: tuple[int, int] | None = None,
-        places: dict[bool, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        pages: dict | None = None,
         **new: torch.Tensor,
     ) -> None:
         """Write each new token's entries at ``(slots[i], positions[i])`` (one call per entry),
         in the pages ``reserve`` gave those positions. ``bounds``: (the highest position, the
         highest slot) + 1, from the host's metadata; the forward passes them, since reading
-        them from device tensors would wait for the device. ``places``: one forward's (pages,
-        offsets) per table kind (sliding or not), filled by its first layer, read by the
-        others (the same tokens go to the same places in every layer)."""
+        them from device tensors would wait for the device. ``pages``: one forward's lookups
+        (``gather``'s too), its (pages, offsets) per table kind filled by its first layer and
+        read by the others (the same tokens go to the same places in every layer)."""
         if slots.numel() == 0:
             return
         if bounds is None:
             bounds = int(positions.max()) + 1, int(slots.max()) + 1
         self._check(*bounds)
         sliding = self.sliding[layer]
-        places = {} if places is None else places
-        if sliding not in places:
+        pages = {} if pages is None else pages
+        key = ("store", sliding)
+        if key not in pages:
             table = self.windows.table if sliding else self.block_table
-            page = table[slots, positions // self.page_size]
-            places[sliding] = page, positions % self.page_size
-        pages, offsets = places[sliding]
+            pages[key] = table[slots, positions // self.page_size], positions % self.page_size
+        page, offsets = pages[key]
         buffers = self.layers[layer]
         with self._lock:
             for name, values in new.items():
-                buffers[name][pages, offsets] = values
+                buffers[name][page, offsets] = values
 
     def gather(
         self,

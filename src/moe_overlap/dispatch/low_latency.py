@@ -57,7 +57,6 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         self.num_experts, self.ep, self.local = a2a.num_experts, a2a.ep, a2a.local
         self.link, self.wire = a2a.link, a2a.wire
         self.block_rows = 1 + self.local * capacity  # a peer's block: header, then the rows
-        self._tables_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check_fits(self, tokens: int) -> None:
         """Refuse a micro-batch that could overflow a block (before anything is sent)."""
@@ -83,7 +82,9 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
         # no sort: each (token, slot) pair's place among its expert's rows is how many pairs
         # up to it chose that expert, so the pairs go out in their own order, in few launches
         flat = topk_ids.reshape(-1)
-        experts, first_rows = self._tables(flat.device)
+        experts, first_rows = send_places(
+            self.num_experts, self.local, self.block_rows, flat.device
+        )
         seen = (flat[:, None] == experts).cumsum(0, dtype=torch.int32)  # [pairs, experts]
         counts = seen[-1] if tokens else seen.new_zeros(self.num_experts)
         slots = first_rows[flat] + seen.gather(1, flat[:, None]).view(-1)
@@ -100,17 +101,6 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
             "dispatch", send, splits, splits, owner, self._crossing(slots.numel())
         )
         return state
-
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every expert's id, and the row before its first place in the send blocks (expert
-        g's ``capacity`` rows follow rank ``g // local``'s header and the lower experts'), made
-        on the device once (a warm-up forward runs before a CUDA graph's capture)."""
-        if device not in self._tables_on:
-            expert = torch.arange(self.num_experts)
-            owner, rank = expert // self.local, expert % self.local
-            before_first = owner * self.block_rows + rank * self.capacity
-            self._tables_on[device] = (expert.to(device), before_first.to(device))
-        return self._tables_on[device]
 
     def _crossing(self, pairs: int) -> int:
         """Rows a modelled link charges: the real rows, as DeepEP's transport, which writes
@@ -163,6 +153,20 @@ class LowLatencyDispatcher(Dispatcher[LowLatencyState]):
     def combine_b(self, state: LowLatencyState) -> torch.Tensor:
         returned = in_flight(state).wait()
         return weigh(returned[state.slots], state.topk_weights)  # the pairs in their order
+
+
+@functools.cache
+def send_places(
+    num_experts: int, local: int, block_rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's id, and the place before its first in a sender's blocks (``[ep,
+    block_rows]``: expert g's rows follow rank ``g // local``'s header and the lower
+    experts'), as ``dispatch_a`` places the pairs; made once per device, like
+    ``group_places``."""
+    cap = (block_rows - 1) // local
+    expert = torch.arange(num_experts)
+    before_first = expert // local * block_rows + expert % local * cap
+    return expert.to(device), before_first.to(device)
 
 
 @functools.cache

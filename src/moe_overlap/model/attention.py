@@ -105,7 +105,7 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         plan, cache, layer = attention_plan(ctx), ctx.kv_cache, self.layer_id
         bounds = ctx.position_end, ctx.slot_end
-        cache.store(layer, plan.slots, ctx.positions, bounds, plan.store_places, k=k, v=v)
+        cache.store(layer, plan.slots, ctx.positions, bounds, plan.pages, k=k, v=v)
         scale = self.head_dim**-0.5
         if self.window or self.sinks is not None:
             return self._output(self._windowed(ctx, plan, q, scale), gate)

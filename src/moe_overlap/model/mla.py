@@ -80,9 +80,7 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         plan, cache, layer = attention_plan(ctx), ctx.kv_cache, self.layer_id
         bounds = (ctx.position_end, ctx.slot_end)
-        cache.store(
-            layer, plan.slots, ctx.positions, bounds, plan.store_places, latent=latent, k_pe=k_pe
-        )
+        cache.store(layer, plan.slots, ctx.positions, bounds, plan.pages, latent=latent, k_pe=k_pe)
         out = q.new_empty(q.shape[0], self.heads, self.v_dim)
         if plan.decode_max_len:
             keys, values = self._expand(
